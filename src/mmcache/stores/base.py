@@ -1,0 +1,133 @@
+"""The byte-store contract every tier implements.
+
+A store maps 16-byte keys (digests from :mod:`mmcache.keys`; never raw user
+strings) to immutable byte strings under a hard byte budget. It stores bytes
+only: encoding samples is :mod:`mmcache.codec`'s job, choosing victims is the
+:class:`~mmcache.policies.Policy`'s. Composition does the rest: a tier that wraps
+two stores is itself a store.
+
+Budget rule (checked by the contract suite): ``nbytes() <= capacity()`` at every
+moment, where ``nbytes`` counts the payload bytes of the entries held.
+
+Lifetime of buffers: :meth:`Store.get` returns bytes the caller owns (one copy,
+safe anywhere, even after other processes evict the entry); :meth:`Store.view`
+lends a zero-copy buffer valid only inside its ``with`` block (the store holds a
+read lock or transaction meanwhile, so keep the block short).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from mmcache.stats import TierStats
+
+__all__ = ["KEY_SIZE", "EntryInfo", "Store", "check_key"]
+
+#: Keys are 128-bit digests (xxh3_128 of the key material, see mmcache.keys).
+KEY_SIZE = 16
+
+
+def check_key(key: bytes) -> bytes:
+    """Validate a store key: exactly 16 bytes. Raises ``TypeError``/``ValueError``."""
+    if not isinstance(key, bytes):
+        raise TypeError(f"store keys are 16-byte digests (bytes), got {type(key).__name__}")
+    if len(key) != KEY_SIZE:
+        raise ValueError(f"store keys are {KEY_SIZE}-byte digests, got {len(key)} bytes")
+    return key
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    """Metadata of one entry: payload ``size``, miss ``cost`` (seconds), creation
+    time ``ctime`` (wall clock, seconds since the epoch, as given to ``put``),
+    last access ``atime`` (store clock) and read count ``hits``."""
+
+    size: int
+    cost: float
+    ctime: float
+    atime: float
+    hits: int
+
+
+class Store(ABC):
+    """A byte store with a hard budget. See the module docstring for the rules.
+
+    Subclasses state in each method's docstring whether it is thread-safe and
+    process-safe. ``name`` is the tier name used in stats (``memory``, ``disk``).
+    """
+
+    name: str = "store"
+
+    @abstractmethod
+    def get(self, key: bytes) -> bytes | None:
+        """Return a copy of the value, or None if absent. Counts a hit or a miss."""
+
+    @contextlib.contextmanager
+    def view(self, key: bytes) -> Iterator[memoryview | None]:
+        """Lend a zero-copy read-only buffer of the value (None if absent).
+
+        Valid only inside the ``with`` block. The default implementation copies.
+        """
+        value = self.get(key)
+        yield None if value is None else memoryview(value)
+
+    @abstractmethod
+    def put(
+        self, key: bytes, value: bytes | memoryview, *, cost: float = 0.0, ctime: float = 0.0
+    ) -> bool:
+        """Store ``value`` under ``key`` if the policy admits it; return whether it did.
+
+        Replacing an existing key is allowed. An entry larger than ``capacity()``
+        is refused (returns False, counted as ``refused``, logged once with sizes).
+        """
+
+    @abstractmethod
+    def delete(self, key: bytes) -> bool:
+        """Remove ``key``; return whether it was present."""
+
+    @abstractmethod
+    def contains(self, key: bytes) -> bool:
+        """Whether ``key`` is present (does not count a hit or a miss)."""
+
+    @abstractmethod
+    def info(self, key: bytes) -> EntryInfo | None:
+        """Metadata of ``key``, or None if absent (does not count a hit or a miss)."""
+
+    @abstractmethod
+    def keys(self) -> Iterator[bytes]:
+        """Iterate the keys present (a snapshot; concurrent changes may or may not show)."""
+
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Payload bytes held now."""
+
+    @abstractmethod
+    def capacity(self) -> int:
+        """The hard byte budget."""
+
+    @abstractmethod
+    def stats(self) -> TierStats:
+        """Counters of this tier (aggregated over the node's processes where shared)."""
+
+    @abstractmethod
+    def expire(self, before: float) -> int:
+        """Remove entries whose ``ctime < before``; return how many were removed."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release handles. Idempotent. The stored data persists where the tier persists."""
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self.keys())
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, bytes) and self.contains(key)
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
