@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["CacheStats", "TierStats"]
+__all__ = ["CacheStats", "EpochStats", "LoaderStats", "TierStats"]
 
 
 @dataclass(frozen=True)
@@ -55,3 +55,83 @@ class CacheStats:
 
     def as_dict(self) -> dict[str, Any]:
         return {name: t.as_dict() for name, t in self.tiers.items()}
+
+
+@dataclass(frozen=True)
+class EpochStats:
+    """One epoch of a :class:`~mmcache.loader.DataLoader`, as seen by the consuming process.
+
+    ``hits`` are samples served from a cache tier (``tier_hits`` splits them by
+    tier), ``misses`` samples produced by the pipeline. ``stall_s`` is the time
+    the training loop spent waiting inside ``next(loader)``; ``seconds`` the wall
+    time from the first request to the last batch. ``late_misses`` counts hits
+    planned ahead that were evicted before use and produced in the consumer.
+    """
+
+    epoch: int
+    samples: int = 0
+    batches: int = 0
+    hits: int = 0
+    misses: int = 0
+    rejects: int = 0
+    late_misses: int = 0
+    seconds: float = 0.0
+    stall_s: float = 0.0
+    tier_hits: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.seconds if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["hit_rate"] = self.hit_rate
+        out["samples_per_s"] = self.samples_per_s
+        return out
+
+
+@dataclass(frozen=True)
+class LoaderStats:
+    """Totals over every epoch so far, and one :class:`EpochStats` per epoch."""
+
+    epochs: tuple[EpochStats, ...] = ()
+
+    @property
+    def hits(self) -> int:
+        return sum(e.hits for e in self.epochs)
+
+    @property
+    def misses(self) -> int:
+        return sum(e.misses for e in self.epochs)
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+    @property
+    def stall_s(self) -> float:
+        return sum(e.stall_s for e in self.epochs)
+
+    @property
+    def tier_hits(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for e in self.epochs:
+            for tier, n in e.tier_hits.items():
+                out[tier] = out.get(tier, 0) + n
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "hits": self.hits,
+            "misses": self.misses,
+            "hit_rate": self.hit_rate,
+            "stall_s": self.stall_s,
+            "tier_hits": self.tier_hits,
+            "epochs": [e.as_dict() for e in self.epochs],
+        }
