@@ -1,0 +1,227 @@
+"""``MultimodalDataset``: a torch Dataset gluing manifest Records to a Pipeline.
+
+It keeps "which sample" apart from "produce it", so that a cache can sit
+between the two without reworking either:
+
+- :meth:`MultimodalDataset.sample_id` and :meth:`MultimodalDataset.key` say
+  which sample index ``i`` is and under which content key its output is cached
+  (id, source stamp of the image file, caption and pipeline fingerprint; see
+  :mod:`mmcache.keys`);
+- :meth:`MultimodalDataset.produce` decodes, resizes and tokenizes it into numpy
+  arrays (the cacheable :data:`Sample`), raising :class:`SampleError`;
+- :meth:`MultimodalDataset.to_item` turns a Sample into what ``ds[i]`` returns.
+
+Bad samples under ``on_error="skip"``: ``ds[i]`` returns ``None`` for a sample
+that cannot be produced, records it (id, path, reason) and goes on. The
+:func:`collate` function of this module drops ``None`` entries, and
+``mmcache.DataLoader`` does so itself; with a plain ``torch.utils.data.DataLoader``
+pass ``collate_fn=mmcache.collate``. We chose dropping over substituting another
+sample because substitution makes some samples appear twice per epoch, which
+changes training results; a filtered index would need a full decode pass
+before the first epoch. Rejects found in DataLoader worker processes are
+appended to a small JSON-lines log (one ``write`` with ``O_APPEND`` per reject,
+atomic between processes) so :meth:`MultimodalDataset.rejects` lists them in
+the parent whatever the start method.
+
+Thread/process safety: a dataset is read-only after construction except for
+the reject log, which is process-safe. It pickles cheaply (spawn workers): the
+records are numpy buffers and the pipeline pickles its tokenizer as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from mmcache import keys
+from mmcache.errors import ConfigError, SampleError
+from mmcache.manifest import Records, read_manifest
+from mmcache.pipeline import Pipeline
+
+__all__ = ["MultimodalDataset", "Reject", "Sample", "collate"]
+
+logger = logging.getLogger(__name__)
+
+#: The cacheable output of a pipeline: field name -> numpy array.
+Sample = dict[str, np.ndarray]
+
+OnError = Literal["raise", "skip"]
+
+
+@dataclass(frozen=True)
+class Reject:
+    """A sample skipped under ``on_error="skip"``: its id, image path and the reason."""
+
+    sample_id: str
+    path: str | None
+    reason: str
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class MultimodalDataset(torch.utils.data.Dataset[dict[str, Any] | None]):
+    """Image-text samples from a manifest, decoded by a :class:`~mmcache.pipeline.Pipeline`.
+
+    >>> ds = MultimodalDataset("train.jsonl", pipeline=pipe)      # doctest: +SKIP
+    >>> ds[0]["image"].shape                                        # doctest: +SKIP
+    torch.Size([3, 224, 224])
+
+    Args:
+        manifest: a seed JSONL or LLaVA JSON manifest path, or :class:`Records`.
+        pipeline: how to turn a record into arrays.
+        on_error: ``"raise"`` (default) raises :class:`SampleError` naming the id,
+            the path and the reason; ``"skip"`` returns ``None`` for the sample,
+            counts and lists it (see the module docstring).
+        content_stamp: key samples by a hash of the image bytes instead of the
+            file's size and mtime (slower: reads every file to compute a key;
+            for file systems whose mtimes are not trustworthy).
+    """
+
+    def __init__(
+        self,
+        manifest: str | os.PathLike[str] | Records,
+        *,
+        pipeline: Pipeline,
+        on_error: OnError = "raise",
+        content_stamp: bool = False,
+    ) -> None:
+        if on_error not in ("raise", "skip"):
+            raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        if not isinstance(pipeline, Pipeline):
+            raise ConfigError(f"pipeline must be a mmcache.Pipeline, got {type(pipeline).__name__}")
+        if isinstance(manifest, Records):
+            self.records = manifest
+        else:
+            self.records = read_manifest(manifest, on_error=on_error)
+        self.pipeline = pipeline
+        self.on_error: OnError = on_error
+        self.content_stamp = content_stamp
+        self._fingerprint = pipeline.fingerprint()
+        fd, self._reject_log = tempfile.mkstemp(prefix="mmcache-rejects-", suffix=".jsonl")
+        os.close(fd)
+        # Only the creating process removes the log; pickled copies in workers just append.
+        self._finalizer: weakref.finalize[Any, Any] | None = weakref.finalize(
+            self, _remove, self._reject_log
+        )
+
+    # -- which sample -------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def sample_id(self, index: int) -> str:
+        return self.records.id(index)
+
+    def fingerprint(self) -> str:
+        """The pipeline's fingerprint (part of every key)."""
+        return self._fingerprint
+
+    def key(self, index: int) -> bytes:
+        """The 16-byte cache key of sample ``index``: changes when its image file,
+        caption or the pipeline changes (see :func:`mmcache.keys.sample_key`)."""
+        path = self.records.image_path(index)
+        stamp = keys.source_stamp(path, content=self.content_stamp)
+        return keys.sample_key(
+            self.records.id(index), stamp, self._fingerprint, self.records.text(index)
+        )
+
+    # -- produce it ---------------------------------------------------------------------
+    def produce(self, index: int) -> Sample:
+        """Decode/resize/tokenize sample ``index`` into numpy arrays. Raises SampleError."""
+        if not 0 <= index < len(self.records):
+            raise IndexError(f"sample index {index} out of range for {len(self.records)} records")
+        return self.pipeline.process(
+            self.records.image_path(index),
+            self.records.text(index),
+            sample_id=self.records.id(index),
+        )
+
+    def to_item(self, index: int, sample: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        """What ``ds[index]`` returns for a produced (or cached) sample: tensors plus the id.
+
+        Read-only arrays (cache views) are copied; fresh ones are wrapped without a copy.
+        """
+        item: dict[str, Any] = {"id": self.records.id(index)}
+        for name, array in sample.items():
+            arr = array if array.flags.writeable else array.copy()
+            item[name] = torch.from_numpy(arr)
+        return item
+
+    def __getitem__(self, index: int) -> dict[str, Any] | None:
+        try:
+            sample = self.produce(index)
+        except SampleError as err:
+            if self.on_error == "raise":
+                raise
+            self.record_reject(err)
+            return None
+        return self.to_item(index, sample)
+
+    # -- rejects ------------------------------------------------------------------------
+    def record_reject(self, err: SampleError) -> None:
+        """Append a reject to the process-shared log (one atomic O_APPEND write)."""
+        line = json.dumps({"id": err.sample_id, "path": err.path, "reason": err.reason}) + "\n"
+        try:
+            fd = os.open(self._reject_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                os.write(fd, line.encode("utf-8"))
+            finally:
+                os.close(fd)
+        except OSError as exc:  # the log is a convenience; never fail training over it
+            logger.warning("cannot record reject of %r: %s", err.sample_id, exc)
+        logger.warning("skipped %s", err)
+
+    def rejects(self) -> list[Reject]:
+        """Samples skipped so far in any process (deduplicated by id, first reason kept),
+        after the manifest records rejected at read time (``records.rejects``)."""
+        out: dict[str, Reject] = {}
+        for rej in self.records.rejects:
+            sid = rej.sample_id if rej.sample_id is not None else f"<line {rej.line}>"
+            out.setdefault(sid, Reject(sid, self.records.source, rej.reason))
+        try:
+            text = Path(self._reject_log).read_text(encoding="utf-8")
+        except OSError:
+            text = ""
+        for line in text.splitlines():
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:  # a torn line from a killed process
+                continue
+            out.setdefault(obj["id"], Reject(obj["id"], obj["path"], obj["reason"]))
+        return list(out.values())
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_finalizer"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._finalizer = None  # copies in workers never delete the log
+
+
+def collate(batch: Sequence[dict[str, Any] | None]) -> dict[str, Any]:
+    """torch's default collate, after dropping ``None`` (skipped) samples.
+
+    Use as ``torch.utils.data.DataLoader(ds, collate_fn=mmcache.collate)`` with
+    ``on_error="skip"``. A batch whose samples were all skipped collates to ``{}``.
+    """
+    kept = [item for item in batch if item is not None]
+    if not kept:
+        return {}
+    out: dict[str, Any] = torch.utils.data.default_collate(kept)
+    return out

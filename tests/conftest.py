@@ -1,0 +1,57 @@
+"""Shared fixtures: a small synthetic dataset and a tokenizer, made once per test session."""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+# Tokenizers starts a thread pool on first batch use; forked DataLoader workers
+# then warn. The library only encodes single strings, but be explicit in tests.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 48-sample COCO-like synthetic dataset; returns the manifest path."""
+    from mmcache.synth import make_dataset
+
+    out = tmp_path_factory.mktemp("tiny-data")
+    return make_dataset(out, 48, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from mmcache.pipeline import train_tokenizer
+    from mmcache.synth import synth_captions
+
+    tok = train_tokenizer(synth_captions(500, seed=0), vocab_size=512)
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+@pytest.fixture
+def small_pipeline(tokenizer_json: Path):  # type: ignore[no-untyped-def]
+    """Pipeline with 64 px images and 16 tokens: fast, same code paths as 224 px."""
+    from mmcache.pipeline import ImageSpec, Pipeline, TextSpec
+
+    return Pipeline(image=ImageSpec(size=64), text=TextSpec(tokenizer_json, max_length=16))
+
+
+@pytest.fixture
+def cache_root(tmp_path: Path) -> Iterator[Path]:
+    """A cache root whose shared-memory segments are removed after the test."""
+    root = tmp_path / "cache"
+    yield root
+    from mmcache.cache import _memory_name
+
+    name = _memory_name(root.absolute())
+    for path in glob.glob(f"/dev/shm/mmcache-{name}*"):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
