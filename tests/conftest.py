@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 from collections.abc import Iterator
@@ -51,7 +52,5 @@ def cache_root(tmp_path: Path) -> Iterator[Path]:
 
     name = _memory_name(root.absolute())
     for path in glob.glob(f"/dev/shm/mmcache-{name}*"):
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-        except FileNotFoundError:
-            pass

@@ -1,24 +1,321 @@
-"""Command-line interface: ``mmcache demo | synth | ...`` (a thin layer over the library)."""
+"""Command-line interface: a thin argparse layer over the library.
+
+``mmcache demo | synth | warm | stats | verify | gc``; ``--help`` on each.
+Sizes accept IEC units (``512MiB``, ``10GiB``), durations s/m/h/d (``7d``).
+Commands whose output is data take ``--json``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import os
+import shutil
 import sys
+import tempfile
+import time
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
+
+logger = logging.getLogger(__name__)
 
 
+def _print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2, sort_keys=True, default=str))
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=False)]
+    lines = ["  ".join(str(h).rjust(w) for h, w in zip(header, widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(str(c).rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(lines)
+
+
+# -- demo ---------------------------------------------------------------------------------
+def _cmd_demo(args: argparse.Namespace) -> int:
+    import torch
+    from tqdm import tqdm
+
+    import mmcache as mc
+    from mmcache.plot import plot
+
+    torch.set_num_threads(1)
+    base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="mmcache-demo-"))
+    keep = args.dir is not None
+    try:
+        t0 = time.perf_counter()
+        print(f"making {args.n} synthetic image-caption pairs in {base / 'data'} ...")
+        manifest = mc.synth.make_dataset(base / "data", args.n, seed=args.seed)
+        captions = [json.loads(line)["caption"] for line in manifest.read_text().splitlines()]
+        tokenizer = mc.train_tokenizer(captions, vocab_size=2048)
+        pipe = mc.Pipeline(
+            image=mc.ImageSpec(size=args.size), text=mc.TextSpec(tokenizer, max_length=32)
+        )
+        ds = mc.MultimodalDataset(manifest, pipeline=pipe)
+        entry = mc.codec.encoded_size(ds.produce(0))
+        data_bytes = entry * len(ds)
+        memory = int(data_bytes * args.budget)
+        print(
+            f"dataset ready in {time.perf_counter() - t0:.1f}s: {len(ds)} samples, "
+            f"{mc.format_size(data_bytes)} preprocessed; memory tier {mc.format_size(memory)} "
+            f"({args.budget:.0%}), disk tier {mc.format_size(2 * data_bytes)}"
+        )
+        cache = mc.Cache(
+            base / "cache", memory=memory, disk=2 * data_bytes, policy=args.policy, temporary=True
+        )
+        loader = mc.DataLoader(
+            ds,
+            cache=cache,
+            batch_size=args.batch_size,
+            shuffle=True,
+            seed=args.seed,
+            num_workers=args.workers,
+            persistent_workers=args.workers > 0,
+        )
+        try:
+            for epoch in range(args.epochs):
+                loader.set_epoch(epoch)
+                for _ in tqdm(loader, desc=f"epoch {epoch}", unit="batch", leave=False):
+                    pass
+            stats = loader.stats()
+        finally:
+            del loader
+            cache.close()
+        rows = []
+        for e in stats.epochs:
+            rows.append(
+                [
+                    str(e.epoch),
+                    f"{e.samples_per_s:,.0f}",
+                    f"{e.hit_rate:.2f}",
+                    f"{e.tier_hits.get('memory', 0) / max(e.samples, 1):.2f}",
+                    f"{e.tier_hits.get('disk', 0) / max(e.samples, 1):.2f}",
+                    str(e.misses),
+                    f"{e.stall_s:.2f}",
+                ]
+            )
+        header = ["epoch", "samples/s", "hit rate", "memory", "disk", "misses", "stall s"]
+        print(_table(rows, header))
+        png = Path(args.plot) if args.plot else Path.cwd() / "mmcache-demo.png"
+        plot(stats, png)
+        print(f"plot written to {png}")
+        if args.json:
+            _print_json(stats.as_dict())
+    finally:
+        if not keep:
+            shutil.rmtree(base, ignore_errors=True)
+    return 0
+
+
+# -- synth --------------------------------------------------------------------------------
+def _cmd_synth(args: argparse.Namespace) -> int:
+    from mmcache.synth import make_dataset
+
+    t0 = time.perf_counter()
+    path = make_dataset(args.out, args.n, seed=args.seed, large=args.large)
+    print(f"{args.n} samples written in {time.perf_counter() - t0:.1f}s; manifest: {path}")
+    return 0
+
+
+# -- warm ---------------------------------------------------------------------------------
+def _cmd_warm(args: argparse.Namespace) -> int:
+    import mmcache as mc
+    from mmcache.defaults import default_pipeline
+    from mmcache.warm import warm
+
+    pipe = default_pipeline(size=args.size, max_length=args.max_length, tokenizer=args.tokenizer)
+    ds = mc.MultimodalDataset(args.manifest, pipeline=pipe, on_error=args.on_error)
+    cache = mc.Cache(args.cache, memory=0, disk=args.disk, policy=args.policy)
+    try:
+        if args.features:
+            from mmcache.features import FeatureCache, load_factory, warm_features
+
+            loaded = load_factory(args.features)
+            feats = FeatureCache(
+                loaded.encoder,
+                cache=cache,
+                preprocess=loaded.preprocess,
+                name=loaded.name,
+                version=loaded.version,
+                output=loaded.output,
+                memory=0,
+            )
+            report: Any = warm_features(ds, feats, progress=not args.json)
+        else:
+            report = warm(ds, cache, workers=args.workers, progress=not args.json)
+    finally:
+        cache.close()
+    if args.json:
+        _print_json(report.as_dict())
+    else:
+        print(
+            " ".join(
+                f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
+                for k, v in report.as_dict().items()
+            )
+        )
+    return 0
+
+
+# -- stats / verify / gc --------------------------------------------------------------------
+def _open(args: argparse.Namespace, **kwargs: Any) -> Any:
+    from mmcache.cache import Cache
+
+    return Cache.open_existing(args.cache, **kwargs)
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    from mmcache.units import format_size
+
+    cache = _open(args)
+    try:
+        stats = cache.stats()
+    finally:
+        cache.close()
+    if args.json:
+        _print_json(stats.as_dict())
+        return 0
+    fields = ["items", "bytes", "budget", "hits", "misses", "evictions", "expired", "corrupt"]
+    rows = []
+    for tier, t in stats.tiers.items():
+        d = t.as_dict()
+        rows.append(
+            [tier]
+            + [
+                format_size(d[f]) if f in ("bytes", "budget") and d[f] is not None else str(d[f])
+                for f in fields
+            ]
+        )
+    print(_table(rows, ["tier", *fields]))
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    cache = _open(args, memory=0)
+    try:
+        report = cache.verify(repair=args.repair)
+    finally:
+        cache.close()
+    if args.json:
+        _print_json(report.as_dict())
+    else:
+        print(f"checked {report.checked} entries: {len(report.bad)} bad, {report.removed} removed")
+        for key in report.bad[:20]:
+            print(f"  bad entry {key}")
+    return 0 if report.ok or args.repair else 1
+
+
+def _cmd_gc(args: argparse.Namespace) -> int:
+    from mmcache.units import format_size, parse_duration, parse_size
+
+    kwargs: dict[str, Any] = {}
+    if args.older_than is not None:
+        kwargs["ttl"] = parse_duration(args.older_than)
+    cache = _open(args, memory=0, **kwargs)
+    try:
+        report = cache.gc(max_size=None if args.max_size is None else parse_size(args.max_size))
+    finally:
+        cache.close()
+    if args.json:
+        _print_json(report.as_dict())
+    else:
+        print(
+            f"freed {format_size(report.freed_bytes)}: {report.expired} expired, "
+            f"{report.corrupt} corrupt, {report.evicted} over budget, "
+            f"{len(report.orphan_segments)} orphaned shared-memory segments"
+        )
+    return 0
+
+
+# -- parser -------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mmcache", description=__doc__)
-    parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="mmcache",
+        description="Decode, resize and tokenize image-text samples once; cache them.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="run the main job on synthetic data (nothing to download)")
+    p.add_argument("--dir", help="keep the data and cache here (default: a temporary folder)")
+    p.add_argument("--n", type=int, default=2000, help="samples (default 2000)")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--size", type=int, default=224, help="image side in px (default 224)")
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=0.5,
+        help="memory tier as a fraction of the preprocessed data (default 0.5)",
+    )
+    p.add_argument("--policy", default="value")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", help="PNG path (default ./mmcache-demo.png)")
+    p.add_argument("--json", action="store_true", help="also print the stats as JSON")
+    p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("synth", help="write a synthetic image-caption dataset")
+    p.add_argument("out")
+    p.add_argument("--n", type=int, default=1000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--large", action="store_true", help="1,000-2,000 px sources")
+    p.set_defaults(func=_cmd_synth)
+
+    p = sub.add_parser("warm", help="fill a cache's disk tier ahead of training (resumable)")
+    p.add_argument("manifest")
+    p.add_argument("--cache", required=True, help="cache root")
+    p.add_argument("--disk", default="50GiB", help="disk budget (default 50GiB)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--features", help="module:factory returning a frozen encoder")
+    p.add_argument("--size", type=int, default=224)
+    p.add_argument("--max-length", type=int, default=32)
+    p.add_argument("--tokenizer", help="tokenizer.json (default: the built-in offline one)")
+    p.add_argument("--policy", default="value")
+    p.add_argument("--on-error", choices=["raise", "skip"], default="skip")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_warm)
+
+    p = sub.add_parser("stats", help="per-tier items, bytes, budget, hits, misses, ...")
+    p.add_argument("--cache", required=True)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_stats)
+
+    p = sub.add_parser("verify", help="check every entry's header and checksum")
+    p.add_argument("--cache", required=True)
+    p.add_argument("--repair", action="store_true", help="remove bad entries")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_verify)
+
+    p = sub.add_parser("gc", help="remove expired, corrupt, orphaned and over-budget data")
+    p.add_argument("--cache", required=True)
+    p.add_argument("--older-than", help="remove entries older than this (e.g. 7d)")
+    p.add_argument("--max-size", help="shrink the disk tier to this size (e.g. 10GiB)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_gc)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    parser.parse_args(argv)
-    return 0
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    from mmcache.errors import MmcacheError
+
+    try:
+        code: int = args.func(args)
+    except MmcacheError as exc:
+        print(f"mmcache {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    return code
 
 
 if __name__ == "__main__":

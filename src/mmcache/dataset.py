@@ -30,6 +30,7 @@ records are numpy buffers and the pipeline pickles its tokenizer as JSON.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -68,10 +69,8 @@ class Reject:
 
 
 def _remove(path: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 class MultimodalDataset(torch.utils.data.Dataset[dict[str, Any] | None]):

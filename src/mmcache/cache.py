@@ -1,0 +1,460 @@
+"""``Cache``: the memory and disk tiers, a policy, budgets, TTL and stats, as one object.
+
+Data path of a read (:meth:`Cache.get`): the node-shared memory tier, then the
+persistent disk tier (checksum verified; a corrupt entry is dropped, counted
+and never returned), promoting a disk hit into memory when the memory tier's
+policy admits it. A write (:meth:`Cache.put`) encodes the sample once
+(:mod:`mmcache.codec`) and offers the same bytes to both tiers: memory for
+this run, disk for the next runs.
+
+Verification: entries read from disk are checked against their xxhash
+checksum (disk bytes can rot, and LMDB does not checksum its pages); entries
+read from the memory tier are not, because they were verified or produced
+when they entered it, and checking every read costs about a third of the
+gather speed.
+
+TTL: every entry carries its creation time from ``clock`` (default
+``time.time``: persisted entries outlive the process, so a monotonic clock,
+which restarts at boot, cannot date them). An entry older than ``ttl`` is a
+miss and is removed.
+
+Thread/process safety: a ``Cache`` may be used from several threads (the
+stores lock internally) and from every process of the node: DataLoader workers
+(fork or spawn) get their own handles on the same shared memory and LMDB
+environment; pickling carries only the configuration.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import xxhash
+
+from mmcache import codec, sizing
+from mmcache.errors import CacheError, ConfigError, CorruptEntryError
+from mmcache.keys import key_from_hex
+from mmcache.policies import Policy, get_policy, policy_names
+from mmcache.stats import CacheStats
+from mmcache.stores.base import Store
+from mmcache.units import parse_duration, parse_size
+
+__all__ = ["Cache", "GcReport", "VerifyReport"]
+
+logger = logging.getLogger(__name__)
+
+Sample = dict[str, np.ndarray]
+KeyLike = bytes | str
+Fallback = Literal["raise", "uncached"]
+
+#: Budgets of a cache root, written beside its disk tier (see Cache.open_existing).
+CONFIG_FILE = "cache.json"
+
+
+@dataclass(frozen=True)
+class GcReport:
+    """What :meth:`Cache.gc` removed."""
+
+    expired: int = 0
+    corrupt: int = 0
+    evicted: int = 0
+    freed_bytes: int = 0
+    orphan_segments: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """What :meth:`Cache.verify` found: entries checked, bad keys (hex), removed count."""
+
+    checked: int
+    bad: tuple[str, ...]
+    removed: int
+
+    @property
+    def ok(self) -> bool:
+        return not self.bad
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["ok"] = self.ok
+        return out
+
+
+def _to_key(key: KeyLike) -> bytes:
+    if isinstance(key, str):
+        return key_from_hex(key)
+    return key
+
+
+def _memory_name(root: Path) -> str:
+    """Node-wide name of the memory tier of ``root``: a hash, never the path itself."""
+    return xxhash.xxh3_64_hexdigest(f"{os.getuid()}:{root}".encode())
+
+
+def _verifies(buf: bytes) -> bool:
+    return codec.verify(buf)
+
+
+class Cache:
+    """Node-shared memory tier + persistent disk tier under a byte budget each.
+
+    >>> cache = Cache("/tmp/mmcache-doc", memory="64MiB", disk="1GiB")  # doctest: +SKIP
+    >>> cache.get_or_produce(key, lambda: {"x": np.zeros(3)})            # doctest: +SKIP
+
+    Args:
+        root: directory of the persistent tier and of the cache's metadata.
+        memory: byte budget of the node-shared memory tier: an int, an IEC
+            string (``"8GiB"``), ``"auto"`` (a fraction of what the host really
+            has free, see :mod:`mmcache.sizing`) or 0 (no memory tier).
+        disk: byte budget of the disk tier under ``root``, or None (no disk tier).
+        policy: a registered policy name (``value``, ``keep``, ``lru``, ``fifo``,
+            ``lfu``) or a :class:`Policy` instance; used by both tiers.
+        ttl: seconds (or ``"7d"``) after which an entry expires; None: never.
+        clock: wall clock for entry creation times (injectable for tests).
+        temporary: remove the shared-memory segments when the last process
+            using them closes (the disk tier is kept).
+        fallback: what to do when a tier cannot be opened (no /dev/shm, a
+            read-only or full root): ``"raise"`` (default) stops with the
+            reason; ``"uncached"`` logs one warning and goes on without it.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        memory: int | str = "auto",
+        disk: int | str | None = None,
+        policy: str | Policy = "value",
+        ttl: float | str | None = None,
+        clock: Callable[[], float] = time.time,
+        temporary: bool = False,
+        fallback: Fallback = "raise",
+    ) -> None:
+        if fallback not in ("raise", "uncached"):
+            raise ConfigError(f"fallback must be 'raise' or 'uncached', got {fallback!r}")
+        self.root = Path(os.path.expanduser(os.fspath(root))).absolute()
+        self.policy = get_policy(policy)
+        self.ttl = None if ttl is None else parse_duration(ttl)
+        self.clock = clock
+        self.temporary = temporary
+        self.fallback: Fallback = fallback
+        self._memory_arg = memory
+        self._disk_arg = disk
+        if memory == "auto":
+            self.memory_budget = sizing.auto_memory_budget()
+        elif isinstance(memory, (int, str)):
+            self.memory_budget = parse_size(memory)
+        else:
+            raise ConfigError(f"memory must be bytes, an IEC string, 'auto' or 0, got {memory!r}")
+        self.disk_budget = None if disk is None else parse_size(disk)
+        self.memory: Store | None = None
+        self.disk: Store | None = None
+        self._open()
+
+    # -- opening --------------------------------------------------------------------------
+    def _degrade(self, tier: str, exc: BaseException) -> None:
+        msg = f"cannot open the {tier} tier of cache {self.root}: {exc}"
+        if self.fallback == "raise":
+            raise CacheError(f"{msg} (pass fallback='uncached' to train without it)") from exc
+        logger.warning("%s; continuing without it (fallback='uncached')", msg)
+
+    def _open(self) -> None:
+        from mmcache.stores.disk import DiskStore
+        from mmcache.stores.memory import MemoryStore
+
+        try:
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as exc:
+            if self.disk_budget is not None:
+                self._degrade("disk", exc)
+                self.disk_budget = None
+        if self.disk_budget is not None:
+            try:
+                self.disk = DiskStore(
+                    self.root / "disk", capacity=self.disk_budget, policy=self.policy
+                )
+                self._write_config()
+            except (OSError, CacheError) as exc:
+                self._degrade("disk", exc)
+        if self.memory_budget > 0:
+            try:
+                self.memory = MemoryStore(
+                    _memory_name(self.root),
+                    capacity=self.memory_budget,
+                    policy=self.policy,
+                    temporary=self.temporary,
+                    owner_path=str(self.root),
+                )
+            except (OSError, CacheError) as exc:
+                self._degrade("memory", exc)
+
+    def _write_config(self) -> None:
+        """Record the budgets in ``root/cache.json`` so the CLI can reopen this cache.
+
+        Written atomically (temp file + rename); plain JSON, never executed.
+        """
+        config = {
+            "format": 1,
+            "memory": self.memory_budget,
+            "disk": self.disk_budget,
+            "policy": self.policy.name,
+            "ttl": self.ttl,
+        }
+        path = self.root / CONFIG_FILE
+        tmp = path.with_name(f".{CONFIG_FILE}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps(config, indent=1))
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, path)
+        except OSError as exc:  # read-only root: the config is a convenience
+            logger.debug("cannot write %s: %s", path, exc)
+
+    @classmethod
+    def open_existing(
+        cls, root: str | os.PathLike[str], *, memory: int | str | None = None, **kwargs: Any
+    ) -> Cache:
+        """Reopen a cache with the budgets recorded in ``root/cache.json`` (CLI use).
+
+        ``memory`` overrides the recorded memory budget (e.g. 0 to inspect the
+        disk tier without attaching shared memory).
+        """
+        path = Path(os.path.expanduser(os.fspath(root))) / CONFIG_FILE
+        try:
+            config = json.loads(path.read_text())
+        except FileNotFoundError as exc:
+            raise CacheError(
+                f"{path} not found: {root} is not an mmcache cache root (no disk tier was made)"
+            ) from exc
+        except (OSError, ValueError) as exc:
+            raise CacheError(f"cannot read {path}: {exc}") from exc
+        if not isinstance(config, dict) or config.get("format") != 1:
+            raise CacheError(f"{path}: unknown cache config format")
+        policy = config.get("policy", "value")
+        mem = config.get("memory", 0) if memory is None else memory
+        return cls(
+            root,
+            memory=mem,
+            disk=config.get("disk"),
+            policy=policy if policy in policy_names() else "value",
+            ttl=config.get("ttl"),
+            **kwargs,
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            "root": self.root,
+            "memory": self.memory_budget,
+            "disk": self.disk_budget,
+            "policy": self.policy,
+            "ttl": self.ttl,
+            "clock": self.clock,
+            "temporary": self.temporary,
+            "fallback": self.fallback,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(  # type: ignore[misc]
+            state["root"],
+            memory=state["memory"],
+            disk=state["disk"],
+            policy=state["policy"],
+            ttl=state["ttl"],
+            clock=state["clock"],
+            temporary=state["temporary"],
+            fallback=state["fallback"],
+        )
+
+    @property
+    def tiers(self) -> dict[str, Store]:
+        """The open tiers by name, fastest first."""
+        out: dict[str, Store] = {}
+        if self.memory is not None:
+            out["memory"] = self.memory
+        if self.disk is not None:
+            out["disk"] = self.disk
+        return out
+
+    # -- reads ----------------------------------------------------------------------------
+    def _expired(self, ctime: float) -> bool:
+        return self.ttl is not None and ctime < self.clock() - self.ttl
+
+    def get(self, key: KeyLike) -> Sample | None:
+        """The cached sample for ``key`` (arrays the caller owns, read-only), or None.
+
+        Counts a hit or miss per tier; expired entries are removed and count as misses.
+        """
+        return self.lookup(key)[0]
+
+    def lookup(self, key: KeyLike) -> tuple[Sample | None, str | None]:
+        """Like :meth:`get`, also naming the tier that served it (``"memory"``, ``"disk"``)."""
+        k = _to_key(key)
+        if self.memory is not None:
+            raw = self.memory.get(k)
+            if raw is not None:
+                try:
+                    header = codec.read_header(raw)
+                    if not self._expired(header.ctime):
+                        return codec.decode(raw, verify=False), "memory"
+                    self.memory.delete(k)
+                except CorruptEntryError as exc:
+                    logger.error("corrupt memory-tier entry %s dropped: %s", k.hex(), exc)
+                    self.memory.delete(k)
+        if self.disk is not None:
+            raw = self.disk.get(k)
+            if raw is not None:
+                try:
+                    sample = codec.decode(raw, verify=True)
+                    header = codec.read_header(raw)
+                except CorruptEntryError as exc:
+                    logger.error("corrupt disk-tier entry %s dropped: %s", k.hex(), exc)
+                    self.disk.delete(k)
+                    return None, None
+                if self._expired(header.ctime):
+                    self.disk.delete(k)
+                    return None, None
+                if self.memory is not None:
+                    self.memory.put(k, raw, cost=header.cost, ctime=header.ctime)
+                return sample, "disk"
+        return None, None
+
+    def contains(self, key: KeyLike) -> bool:
+        """Whether any tier holds ``key`` (no hit/miss counted, TTL not checked)."""
+        k = _to_key(key)
+        return any(t.contains(k) for t in self.tiers.values())
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, (bytes, str)) and self.contains(key)
+
+    # -- writes ---------------------------------------------------------------------------
+    def put(self, key: KeyLike, sample: Mapping[str, np.ndarray], *, cost: float = 0.0) -> bool:
+        """Encode ``sample`` once and offer it to every tier; True if any tier admitted it.
+
+        ``cost`` is the CPU seconds it took to produce the sample (the ``value``
+        policy admits by cost per byte).
+        """
+        k = _to_key(key)
+        raw = codec.encode(sample, ctime=self.clock(), cost=cost)
+        return self.put_encoded(k, raw, cost=cost)
+
+    def put_encoded(self, key: bytes, raw: bytes, *, cost: float) -> bool:
+        """Offer already-encoded bytes to every tier (used by write-behind workers)."""
+        ctime = codec.read_header(raw).ctime
+        admitted = False
+        for tier in self.tiers.values():
+            try:
+                admitted = tier.put(key, raw, cost=cost, ctime=ctime) or admitted
+            except OSError as exc:  # disk full and friends: never kill training over a put
+                logger.warning("put to %s tier failed: %s", tier.name, exc)
+        return admitted
+
+    def get_or_produce(
+        self, key: KeyLike, produce: Callable[[], Mapping[str, np.ndarray]]
+    ) -> Sample:
+        """Read-through: the cached sample, or ``produce()``'s result, stored with its cost.
+
+        The cost is the CPU time of ``produce`` in this thread (``time.thread_time``),
+        not wall time, which other processes on a busy node inflate.
+        """
+        hit = self.get(key)
+        if hit is not None:
+            return hit
+        t0 = time.thread_time()
+        sample = dict(produce())
+        cost = time.thread_time() - t0
+        self.put(key, sample, cost=cost)
+        return sample
+
+    def delete(self, key: KeyLike) -> bool:
+        k = _to_key(key)
+        removed = False
+        for tier in self.tiers.values():
+            removed = tier.delete(k) or removed
+        return removed
+
+    # -- maintenance ----------------------------------------------------------------------
+    def stats(self) -> CacheStats:
+        """Per-tier counters, aggregated over every process of the node."""
+        return CacheStats({name: tier.stats() for name, tier in self.tiers.items()})
+
+    def verify(self, *, repair: bool = False) -> VerifyReport:
+        """Check every entry's header and checksum; with ``repair`` remove bad ones."""
+        bad: list[bytes] = []
+        checked = 0
+        for tier in self.tiers.values():
+            for k in list(tier.keys()):
+                raw = tier.get(k)
+                if raw is None:
+                    continue
+                checked += 1
+                if not _verifies(raw):
+                    bad.append(k)
+                    if repair:
+                        tier.delete(k)
+        return VerifyReport(
+            checked=checked, bad=tuple(k.hex() for k in bad), removed=len(bad) if repair else 0
+        )
+
+    def gc(self, *, max_size: int | str | None = None) -> GcReport:
+        """Remove expired and corrupt entries and orphaned shared-memory segments.
+
+        ``max_size`` shrinks the disk tier's budget to that size (evicting by the
+        policy; ``keep``/``value`` fall back to least recently used) and records
+        the new budget for later opens.
+        """
+        from mmcache.stores.disk import DiskStore
+        from mmcache.stores.memory import reclaim_orphans
+
+        before = sum(t.nbytes() for t in self.tiers.values())
+        expired = 0
+        if self.ttl is not None:
+            cutoff = self.clock() - self.ttl
+            for tier in self.tiers.values():
+                expired += tier.expire(cutoff)
+        report = self.verify(repair=True)
+        evicted = 0
+        if max_size is not None and self.disk is not None:
+            limit = parse_size(max_size)
+            items = len(self.disk)
+            self.disk.close()
+            self.disk = DiskStore(self.root / "disk", capacity=limit, policy=self.policy)
+            self.disk_budget = limit
+            self._write_config()
+            evicted = items - len(self.disk)
+        orphans = tuple(reclaim_orphans())
+        after = sum(t.nbytes() for t in self.tiers.values())
+        return GcReport(
+            expired=expired,
+            corrupt=len(report.bad),
+            evicted=evicted,
+            freed_bytes=max(before - after, 0),
+            orphan_segments=orphans,
+        )
+
+    def close(self) -> None:
+        """Release every handle (idempotent); shared and persisted data stay."""
+        for tier in self.tiers.values():
+            tier.close()
+        self.memory = None
+        self.disk = None
+
+    def __enter__(self) -> Cache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"Cache({str(self.root)!r}, memory={self.memory_budget}, disk={self.disk_budget}, "
+            f"policy={self.policy!r}, ttl={self.ttl})"
+        )

@@ -1,0 +1,641 @@
+"""``mmcache.DataLoader``: hits gathered in the training process, misses made by workers.
+
+How a batch is made (every epoch's order is known in advance, see
+:mod:`mmcache.sampler`):
+
+1. A *planner* walks the epoch's batches ahead of the training loop, computes
+   each sample's cache key and asks the node-shared memory tier which are
+   resident. The samples that are not become *miss tasks*.
+2. The miss tasks of each batch go, in exactly the order they will be needed,
+   to a plain ``torch.utils.data.DataLoader`` over an internal task dataset,
+   so its worker processes (fork or spawn, persistent or not, with the user's
+   ``worker_init_fn``) look them up in the disk tier (promoting hits to memory)
+   or decode them, admit the result to the cache (write-behind: the training
+   loop never waits on a put), and send the arrays back. ``prefetch`` batches
+   per worker are in flight, as with torch's ``prefetch_factor``.
+3. The *consumer* (``next(loader)``) gathers the planned hits of the batch
+   straight from shared memory into the batch tensors, in one vectorised copy
+   per field, then fills in the rows that came from the workers. Hits never
+   travel through a worker. A planned hit that was evicted in the meantime is
+   produced in the consumer (a *late miss*, counted).
+
+The batch is what torch's default collate would make of the dataset's items,
+plus the cache keys: ``{"id": list[str], "key": list[str], "image": uint8
+[B,3,H,W], "input_ids": [B,L], "attention_mask": [B,L]}``. Nothing about it
+depends on the cache: the same seed gives bitwise the same batches with the
+cache on, off, cold or warm.
+
+Thread/process safety: one loader is driven by one thread (like torch's).
+Its worker processes share the cache through the node-shared tiers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from mmcache import codec
+from mmcache.cache import Cache
+from mmcache.dataset import MultimodalDataset
+from mmcache.errors import ConfigError, SampleError
+from mmcache.keys import key_hex
+from mmcache.sampler import EpochSampler
+from mmcache.stats import EpochStats, LoaderStats
+
+__all__ = ["DataLoader"]
+
+logger = logging.getLogger(__name__)
+
+_STATE_VERSION = 1
+
+# Where a sample of a batch came from.
+_MEMORY, _DISK, _PRODUCED, _REJECTED = "memory", "disk", "produced", "rejected"
+
+
+@dataclass
+class _Result:
+    """A miss task's outcome, sent from a worker to the consumer (pickled by torch)."""
+
+    index: int
+    source: str
+    sample: dict[str, np.ndarray] | None = None
+    error: SampleError | None = None
+
+
+class _MissTasks(torch.utils.data.Dataset[_Result]):
+    """The dataset the internal torch DataLoader's workers run: one task per missing sample.
+
+    A task is ``(dataset index, cache key)``. The worker first asks the cache
+    (another process may have produced it, or the disk tier holds it), else
+    produces it with the pipeline and admits it, measuring the CPU time it
+    took as the entry's miss cost.
+    """
+
+    def __init__(self, dataset: MultimodalDataset, cache: Cache | None) -> None:
+        self.dataset = dataset
+        self.cache = cache
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def run(self, index: int, key: bytes) -> _Result:
+        if self.cache is not None:
+            sample, tier = self.cache.lookup(key)
+            if sample is not None:
+                return _Result(index, tier or _MEMORY, {k: np.array(v) for k, v in sample.items()})
+        t0 = time.thread_time()
+        try:
+            produced = self.dataset.produce(index)
+        except SampleError as err:
+            return _Result(index, _REJECTED, error=err)
+        cost = time.thread_time() - t0
+        if self.cache is not None:
+            self.cache.put(key, produced, cost=cost)
+        return _Result(index, _PRODUCED, produced)
+
+    def __getitem__(self, task: Any) -> _Result:
+        index, key = task
+        return self.run(int(index), bytes(key))
+
+    def __getitems__(self, tasks: Sequence[Any]) -> list[_Result]:
+        return [self.run(int(i), bytes(k)) for i, k in tasks]
+
+
+def _identity(batch: list[_Result]) -> list[_Result]:
+    return batch
+
+
+@dataclass
+class _Plan:
+    """One batch of the epoch: its indices, keys, and which rows are planned hits."""
+
+    indices: np.ndarray
+    keys: list[bytes]
+    planned_hit: np.ndarray  # bool per row
+    has_misses: bool
+
+
+@dataclass
+class _EpochRun:
+    """Mutable per-epoch state of the planner and the consumer."""
+
+    epoch: int
+    batches: list[np.ndarray]
+    start: int
+    plans: list[_Plan | None] = field(default_factory=list)
+    planned_upto: int = 0  # batches planned so far (relative to start)
+
+    def __post_init__(self) -> None:
+        self.planned_upto = self.start
+
+
+class _MissBatches:
+    """The internal DataLoader's batch sampler: the miss tasks of each planned batch, in order.
+
+    Iterated lazily by torch in the training process as it keeps its workers
+    busy, which is what makes the lookahead follow the real future order.
+    """
+
+    def __init__(self, loader: DataLoader) -> None:
+        self.loader = loader
+
+    def __iter__(self) -> Iterator[list[tuple[int, bytes]]]:
+        run = self.loader._run
+        if run is None:
+            return
+        cursor = 0  # position in run.plans; the consumer may have planned ahead of us
+        while True:
+            if cursor == len(run.plans) and self.loader._plan_next(run) is None:
+                return
+            plan = run.plans[cursor]
+            cursor += 1
+            # A consumed plan (None) had no misses: a plan with misses cannot be
+            # consumed before its chunk was yielded here.
+            if plan is not None and plan.has_misses:
+                yield [
+                    (int(plan.indices[r]), plan.keys[r]) for r in np.flatnonzero(~plan.planned_hit)
+                ]
+
+
+class DataLoader:
+    """Batches of a :class:`MultimodalDataset` through a :class:`Cache`.
+
+    >>> loader = DataLoader(ds, cache=cache, batch_size=64, num_workers=4)  # doctest: +SKIP
+    >>> for epoch in range(3):                                              # doctest: +SKIP
+    ...     loader.set_epoch(epoch)
+    ...     for batch in loader: ...
+
+    Args:
+        dataset: the samples.
+        cache: a :class:`Cache`, or None for no caching (same batches, slower).
+        batch_size: samples per batch.
+        shuffle: a fresh permutation each epoch (a pure function of seed and epoch).
+        seed: the order's seed.
+        num_workers: processes that produce misses (0: in the training process).
+        drop_last: drop the last incomplete batch (and, across ranks, trim
+            rather than pad; see :mod:`mmcache.sampler`).
+        pin_memory: allocate batch tensors in pinned memory (when CUDA is present).
+        rank, world_size: this process's part; default to torch.distributed's
+            when it is initialised, else a single process.
+        prefetch: miss batches in flight per worker (torch's ``prefetch_factor``).
+        persistent_workers, worker_init_fn, multiprocessing_context, generator,
+            timeout: as in ``torch.utils.data.DataLoader``, for the miss workers.
+    """
+
+    def __init__(
+        self,
+        dataset: MultimodalDataset,
+        *,
+        cache: Cache | None,
+        batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_workers: int = 0,
+        drop_last: bool = False,
+        pin_memory: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+        prefetch: int = 2,
+        persistent_workers: bool = False,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        generator: torch.Generator | None = None,
+        timeout: float = 0,
+    ) -> None:
+        if not isinstance(dataset, MultimodalDataset):
+            raise ConfigError(
+                f"dataset must be a mmcache.MultimodalDataset, got {type(dataset).__name__}"
+            )
+        if batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+        if num_workers < 0:
+            raise ConfigError(f"num_workers must be >= 0, got {num_workers}")
+        if prefetch < 1:
+            raise ConfigError(f"prefetch must be >= 1, got {prefetch}")
+        if rank is None or world_size is None:
+            dist_rank, dist_world = _dist_defaults()
+            rank = dist_rank if rank is None else rank
+            world_size = dist_world if world_size is None else world_size
+        self.dataset = dataset
+        self.cache = cache
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.pin_memory = pin_memory and torch.cuda.is_available()
+        if pin_memory and not self.pin_memory:
+            logger.info("pin_memory=True ignored: CUDA is not available")
+        self.sampler = EpochSampler(
+            len(dataset),
+            seed=seed,
+            shuffle=shuffle,
+            rank=rank,
+            world_size=world_size,
+            drop_last=drop_last,
+        )
+        self.num_workers = num_workers
+        self._tasks = _MissTasks(dataset, cache)
+        self._inner_kwargs: dict[str, Any] = {
+            "num_workers": num_workers,
+            "collate_fn": _identity,
+            "persistent_workers": persistent_workers and num_workers > 0,
+            "worker_init_fn": worker_init_fn,
+            "multiprocessing_context": multiprocessing_context if num_workers > 0 else None,
+            "generator": generator,
+            "timeout": timeout,
+        }
+        if num_workers > 0:
+            self._inner_kwargs["prefetch_factor"] = prefetch
+        self._inner: torch.utils.data.DataLoader[_Result] | None = None
+        self._epoch = 0
+        self._position = 0  # batches of the current epoch already yielded
+        self._run: _EpochRun | None = None
+        self._history: dict[int, EpochStats] = {}
+        self._layout: codec.Header | None = None
+
+    # -- public API -------------------------------------------------------------------------
+    def __len__(self) -> int:
+        n = self.sampler.num_samples()
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch the next iteration yields. Keeps a resumed position
+        when ``epoch`` is the epoch restored by :meth:`load_state_dict`."""
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._position = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the loader is: resuming from it yields exactly the remaining batches.
+
+        Independent of ``num_workers`` (the order never depends on it).
+        """
+        return {
+            "version": _STATE_VERSION,
+            "epoch": self._epoch,
+            "position": self._position,
+            "seed": self.sampler.seed,
+            "shuffle": self.sampler.shuffle,
+            "size": self.sampler.size,
+            "rank": self.sampler.rank,
+            "world_size": self.sampler.world_size,
+            "batch_size": self.batch_size,
+            "drop_last": self.drop_last,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; the configuration that fixes the order must match."""
+        if state.get("version") != _STATE_VERSION:
+            raise ConfigError(f"unsupported loader state version {state.get('version')!r}")
+        mine = self.state_dict()
+        for name in ("seed", "shuffle", "size", "rank", "world_size", "batch_size", "drop_last"):
+            if state[name] != mine[name]:
+                raise ConfigError(
+                    f"cannot resume: state has {name}={state[name]!r} but this loader has "
+                    f"{mine[name]!r}; the order (and so the remaining batches) would differ"
+                )
+        self._epoch = int(state["epoch"])
+        self._position = int(state["position"])
+
+    def stats(self) -> LoaderStats:
+        """Hits, misses, stall time and throughput, per epoch and overall."""
+        return LoaderStats(tuple(self._history[e] for e in sorted(self._history)))
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        epoch = self._epoch
+        batches = self._epoch_batches(epoch)
+        if self._position >= len(batches):  # a finished epoch: go on with the next one
+            epoch = self._epoch = epoch + 1
+            self._position = 0
+            batches = self._epoch_batches(epoch)
+        run = _EpochRun(epoch=epoch, batches=batches, start=self._position)
+        self._run = run
+        return self._iterate(run)
+
+    # -- planning (training process) -------------------------------------------------------
+    def _epoch_batches(self, epoch: int) -> list[np.ndarray]:
+        order = self.sampler.indices(epoch)
+        bs = self.batch_size
+        stop = len(order) - len(order) % bs if self.drop_last else len(order)
+        return [order[i : i + bs] for i in range(0, stop, bs)]
+
+    def _plan_next(self, run: _EpochRun) -> _Plan | None:
+        """Plan the next batch of ``run`` (keys, planned hits); None at the end."""
+        j = run.planned_upto
+        if j >= len(run.batches):
+            return None
+        indices = run.batches[j]
+        keys = [self.dataset.key(int(i)) for i in indices]
+        memory = self.cache.memory if self.cache is not None else None
+        if memory is not None:
+            planned = np.fromiter((memory.contains(k) for k in keys), dtype=bool, count=len(keys))
+        else:
+            planned = np.zeros(len(keys), dtype=bool)
+        plan = _Plan(indices, keys, planned, has_misses=not bool(planned.all()))
+        run.plans.append(plan)
+        run.planned_upto = j + 1
+        return plan
+
+    def _inner_loader(self) -> torch.utils.data.DataLoader[_Result]:
+        if self._inner is None:
+            self._inner = torch.utils.data.DataLoader(
+                self._tasks, batch_sampler=_MissBatches(self), **self._inner_kwargs
+            )
+        return self._inner
+
+    # -- consuming (training process) ------------------------------------------------------
+    def _iterate(self, run: _EpochRun) -> Iterator[dict[str, Any]]:
+        inner = self._inner_loader()
+        misses_it = iter(inner)
+        stats = _EpochCounter(run.epoch, self._history.get(run.epoch))
+        consumed = 0
+        try:
+            for j in range(run.start, len(run.batches)):
+                t0 = time.perf_counter()
+                stats.begin(t0)
+                while len(run.plans) <= consumed:
+                    if self._plan_next(run) is None:  # pragma: no cover - planner bug guard
+                        raise RuntimeError("loader planner fell behind the consumer")
+                plan = run.plans[consumed]
+                if plan is None:  # pragma: no cover - consumed twice would be a bug
+                    raise RuntimeError("loader plan consumed twice")
+                results = next(misses_it) if plan.has_misses else []
+                run.plans[consumed] = None  # free its keys (after the generator passed it)
+                consumed += 1
+                batch = self._assemble(plan, results, stats)
+                self._position = j + 1
+                t1 = time.perf_counter()
+                stats.stall(t1 - t0)
+                stats.end(t1)
+                self._history[run.epoch] = stats.snapshot()
+                if batch is not None:
+                    yield batch
+        finally:
+            self._history[run.epoch] = stats.snapshot()
+            self._run = None
+            if not self._inner_kwargs["persistent_workers"]:
+                # Drop the iterator so that non-persistent workers exit now, as torch's do.
+                del misses_it
+                self._inner = None
+
+    def _assemble(
+        self, plan: _Plan, results: list[_Result], stats: _EpochCounter
+    ) -> dict[str, Any] | None:
+        n = len(plan.indices)
+        rows: dict[int, dict[str, np.ndarray]] = {}
+        sources: list[str] = [""] * n
+        row_of = {int(plan.indices[r]): r for r in range(n) if not plan.planned_hit[r]}
+        for res in results:
+            r = row_of[res.index]
+            if res.error is not None:
+                self._reject(res.error)
+                sources[r] = _REJECTED
+                continue
+            if res.sample is not None:
+                rows[r] = res.sample
+                sources[r] = res.source
+        hit_rows = np.flatnonzero(plan.planned_hit)
+        # Learn the layout (field names, dtypes, shapes) from the first sample we see.
+        if self._layout is None:
+            self._layout = self._find_layout(plan, rows, hit_rows)
+        layout = self._layout
+        if layout is None:  # every sample of the batch was rejected
+            stats.count(sources)
+            return None
+        out = self._allocate(layout, n)
+        found = np.zeros(n, dtype=bool)
+        if len(hit_rows) and self.cache is not None and self.cache.memory is not None:
+            found[hit_rows] = self._gather(layout, [plan.keys[r] for r in hit_rows], hit_rows, out)
+        for rr in hit_rows[~found[hit_rows]]:
+            # Planned hit evicted (or expired) since planning: produce it here.
+            r = int(rr)
+            res = self._tasks.run(int(plan.indices[r]), plan.keys[r])
+            stats.late_miss()
+            if res.error is not None:
+                self._reject(res.error)
+                sources[r] = _REJECTED
+            elif res.sample is not None:
+                rows[r] = res.sample
+                sources[r] = res.source
+        for rr in np.flatnonzero(found):
+            sources[int(rr)] = _MEMORY
+        for r, sample in rows.items():
+            self._check_shapes(layout, sample, int(plan.indices[r]))
+            for f in layout.fields:
+                out[f.name][r] = torch.from_numpy(np.ascontiguousarray(sample[f.name]))
+        stats.count(sources)
+        keep = [r for r in range(n) if sources[r] != _REJECTED]
+        batch: dict[str, Any] = {
+            "id": [self.dataset.sample_id(int(plan.indices[r])) for r in keep],
+            "key": [key_hex(plan.keys[r]) for r in keep],
+        }
+        if not keep:
+            return None
+        if len(keep) < n:
+            idx = torch.as_tensor(keep, dtype=torch.long)
+            for name, tensor in out.items():
+                batch[name] = tensor.index_select(0, idx)
+        else:
+            batch.update(out)
+        return batch
+
+    def _reject(self, err: SampleError) -> None:
+        if self.dataset.on_error == "raise":
+            raise err
+        self.dataset.record_reject(err)
+
+    def _find_layout(
+        self, plan: _Plan, rows: dict[int, dict[str, np.ndarray]], hit_rows: np.ndarray
+    ) -> codec.Header | None:
+        for sample in rows.values():
+            return codec.read_header(codec.encode(sample))
+        memory = self.cache.memory if self.cache is not None else None
+        if memory is not None:
+            for r in hit_rows:
+                raw = memory.get(plan.keys[r])
+                if raw is not None:
+                    return codec.read_header(raw)
+        return None
+
+    def _allocate(self, layout: codec.Header, n: int) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for f in layout.fields:
+            dtype = torch.from_numpy(np.empty(0, dtype=f.dtype)).dtype
+            out[f.name] = torch.empty((n, *f.shape), dtype=dtype, pin_memory=self.pin_memory)
+        return out
+
+    def _gather(
+        self,
+        layout: codec.Header,
+        keys: list[bytes],
+        rows: np.ndarray,
+        out: dict[str, torch.Tensor],
+    ) -> np.ndarray:
+        """Copy the planned hits' fields from shared memory into ``out``; found mask."""
+        memory = self.cache.memory if self.cache is not None else None
+        if memory is None:
+            return np.zeros(len(keys), dtype=bool)
+        return memory_gather(memory, layout, keys, rows, out, ttl_cutoff=self._ttl_cutoff())
+
+    def _ttl_cutoff(self) -> float | None:
+        if self.cache is None or self.cache.ttl is None:
+            return None
+        return self.cache.clock() - self.cache.ttl
+
+    @staticmethod
+    def _check_shapes(layout: codec.Header, sample: dict[str, np.ndarray], index: int) -> None:
+        for f in layout.fields:
+            arr = sample.get(f.name)
+            if arr is None or tuple(arr.shape) != tuple(f.shape) or arr.dtype != f.dtype:
+                got = None if arr is None else (tuple(arr.shape), str(arr.dtype))
+                raise ConfigError(
+                    f"sample {index} has field {f.name!r} of shape/dtype {got}, but the batch "
+                    f"expects {(tuple(f.shape), str(f.dtype))}: every sample of a batch must have "
+                    "the same shapes (fixed image size and max_length)"
+                )
+
+
+def memory_gather(
+    memory: Any,
+    layout: codec.Header,
+    keys: list[bytes],
+    rows: np.ndarray,
+    out: dict[str, torch.Tensor],
+    *,
+    ttl_cutoff: float | None,
+) -> np.ndarray:
+    """Gather the fields of ``keys`` from the memory tier into rows ``rows`` of ``out``.
+
+    All byte ranges of all keys are copied under one shared lock
+    (:meth:`MemoryStore.gather_ranges`), so an entry evicted and replaced by
+    another process in between can never mix into the batch. Besides the
+    fields it copies each entry's fixed header and field table, and treats as
+    absent an entry whose table differs from ``layout`` (a sample of another
+    shape) or that expired: the caller produces those instead.
+    """
+    n = len(keys)
+    table_end = codec.HEADER_SIZE + len(layout.layout_key) - _SIG_PREFIX
+    head = np.empty((n, table_end), dtype=np.uint8)
+    full = len(rows) == next(iter(out.values())).shape[0]
+    targets: list[tuple[int, int, np.ndarray]] = [(0, table_end, head)]
+    temps: dict[str, np.ndarray] = {}
+    for f in layout.fields:
+        if full:  # every row is a hit: gather straight into the batch tensor
+            dst = out[f.name].numpy().reshape(n, -1).view(np.uint8)
+        else:
+            dst = np.empty((n, f.nbytes), dtype=np.uint8)
+            temps[f.name] = dst
+        targets.append((f.offset, f.nbytes, dst))
+    found = np.asarray(memory.gather_ranges(keys, targets), dtype=bool)
+    expected = _expected_head(layout, table_end)
+    ok = found & _head_matches(head, expected)
+    if ttl_cutoff is not None:
+        ctime = head[:, 24:32].copy().view("<f8").reshape(n)
+        ok &= ctime >= ttl_cutoff
+    if not full:
+        sel = torch.as_tensor(rows[ok])
+        for f in layout.fields:
+            if len(sel):
+                src = temps[f.name][ok].view(f.dtype).reshape(-1, *f.shape)
+                out[f.name][sel] = torch.from_numpy(src)
+    result: np.ndarray = ok
+    return result
+
+
+# layout_key = uint16 version + uint32 nfields + the raw field table (codec.read_header).
+_SIG_PREFIX = 6
+
+
+def _expected_head(layout: codec.Header, table_end: int) -> np.ndarray:
+    """The header bytes every entry of ``layout`` shares: all but checksum, ctime, cost."""
+    ref = codec.encode(
+        {f.name: np.zeros(f.shape, dtype=f.dtype) for f in layout.fields},
+        bfloat16={f.name for f in layout.fields if f.logical_dtype == "bfloat16"},
+    )
+    return np.frombuffer(ref, dtype=np.uint8, count=table_end)
+
+
+# Header bytes that vary between entries of one layout: checksum [8,16), ctime and cost [24,40).
+_VARYING = np.zeros(512, dtype=bool)
+_VARYING[8:16] = True
+_VARYING[24:40] = True
+
+
+def _head_matches(head: np.ndarray, expected: np.ndarray) -> np.ndarray:
+    width = head.shape[1]
+    care = (
+        ~_VARYING[:width]
+        if width <= _VARYING.shape[0]
+        else np.concatenate([~_VARYING, np.ones(width - _VARYING.shape[0], dtype=bool)])
+    )
+    return np.asarray(((head == expected) | ~care).all(axis=1), dtype=bool)
+
+
+class _EpochCounter:
+    """Accumulates one epoch's :class:`EpochStats` in the consumer."""
+
+    def __init__(self, epoch: int, previous: EpochStats | None) -> None:
+        p = previous if previous is not None else EpochStats(epoch=epoch)
+        self.epoch = epoch
+        self.samples, self.batches = p.samples, p.batches
+        self.hits, self.misses, self.rejects = p.hits, p.misses, p.rejects
+        self.late = p.late_misses
+        self.seconds, self.stall_s = p.seconds, p.stall_s
+        self.tier_hits = dict(p.tier_hits)
+        self._t_begin: float | None = None
+        self._seconds_before = p.seconds
+
+    def begin(self, t: float) -> None:
+        if self._t_begin is None:
+            self._t_begin = t
+
+    def end(self, t: float) -> None:
+        if self._t_begin is not None:
+            self.seconds = self._seconds_before + (t - self._t_begin)
+
+    def stall(self, dt: float) -> None:
+        self.stall_s += dt
+
+    def late_miss(self) -> None:
+        self.late += 1
+
+    def count(self, sources: list[str]) -> None:
+        self.batches += 1
+        for s in sources:
+            if s == _REJECTED:
+                self.rejects += 1
+            elif s == _PRODUCED:
+                self.misses += 1
+                self.samples += 1
+            elif s:
+                self.hits += 1
+                self.samples += 1
+                self.tier_hits[s] = self.tier_hits.get(s, 0) + 1
+
+    def snapshot(self) -> EpochStats:
+        return EpochStats(
+            epoch=self.epoch,
+            samples=self.samples,
+            batches=self.batches,
+            hits=self.hits,
+            misses=self.misses,
+            rejects=self.rejects,
+            late_misses=self.late,
+            seconds=self.seconds,
+            stall_s=self.stall_s,
+            tier_hits=dict(self.tier_hits),
+        )
+
+
+def _dist_defaults() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1

@@ -1,0 +1,61 @@
+"""``mmcache.plot``: per-epoch throughput and hit rate per tier, as a PNG (headless).
+
+>>> mmcache.plot(loader.stats(), "epochs.png")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from mmcache.stats import EpochStats, LoaderStats
+
+__all__ = ["plot"]
+
+
+def plot(
+    stats: LoaderStats | Sequence[EpochStats],
+    path: str | os.PathLike[str],
+    *,
+    title: str = "mmcache: per-epoch throughput and hit rate",
+) -> Path:
+    """Write a two-panel figure: samples/s per epoch, and hit rate per tier per epoch.
+
+    Uses matplotlib's non-interactive Agg backend, so it works without a display
+    and never changes the backend of a user's other figures.
+    """
+    from matplotlib.figure import Figure
+
+    epochs = list(stats.epochs if isinstance(stats, LoaderStats) else stats)
+    xs = [e.epoch for e in epochs]
+    fig = Figure(figsize=(9, 3.6), dpi=110)
+    ax1, ax2 = fig.subplots(1, 2)
+    ax1.bar(xs, [e.samples_per_s for e in epochs], color="#4C72B0")
+    ax1.set_xlabel("epoch")
+    ax1.set_ylabel("samples / s")
+    ax1.set_xticks(xs)
+    ax1.set_title("throughput")
+    tiers = sorted({t for e in epochs for t in e.tier_hits})
+    bottom = [0.0] * len(epochs)
+    colors = {"memory": "#55A868", "disk": "#C44E52"}
+    for tier in tiers:
+        share = [
+            (e.tier_hits.get(tier, 0) / (e.hits + e.misses)) if (e.hits + e.misses) else 0.0
+            for e in epochs
+        ]
+        ax2.bar(xs, share, bottom=bottom, label=f"{tier} hits", color=colors.get(tier))
+        bottom = [b + s for b, s in zip(bottom, share, strict=True)]
+    ax2.set_ylim(0, 1.05)
+    ax2.set_xlabel("epoch")
+    ax2.set_ylabel("hit rate")
+    ax2.set_xticks(xs)
+    ax2.set_title("hit rate per tier")
+    if tiers:
+        ax2.legend(loc="upper left", fontsize="small")
+    fig.suptitle(title)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    return out

@@ -1,0 +1,130 @@
+"""Fill a cache ahead of training (``mmcache warm``): resumable, sharded by rank.
+
+Keys already present are skipped before any decode, so a warm-up killed at any
+moment resumes where it stopped without recomputing stored entries. Under
+``torchrun`` every rank takes a disjoint strided part of the dataset
+(``rank::world_size``). Misses are produced by DataLoader worker processes,
+which admit them to the cache themselves and send back only a status, so no
+sample crosses a process boundary.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from mmcache.cache import Cache
+from mmcache.dataset import MultimodalDataset
+from mmcache.errors import ConfigError, SampleError
+
+__all__ = ["WarmReport", "warm"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WarmReport:
+    """What :func:`warm` did on this rank."""
+
+    total: int  # samples of this rank's shard
+    present: int  # already cached, skipped
+    produced: int  # decoded and offered to the cache
+    admitted: int  # ... of which a tier admitted
+    rejected: int  # bad samples (on_error="skip")
+    seconds: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _Produce(torch.utils.data.Dataset[tuple[str, str]]):
+    """Worker-side: produce sample ``i`` and put it; return (status, reason)."""
+
+    def __init__(self, dataset: MultimodalDataset, cache: Cache, indices: list[int]) -> None:
+        self.dataset = dataset
+        self.cache = cache
+        self.indices = indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, j: int) -> tuple[str, str]:
+        i = self.indices[j]
+        key = self.dataset.key(i)
+        if self.cache.contains(key):
+            return ("present", "")
+        t0 = time.thread_time()
+        try:
+            sample = self.dataset.produce(i)
+        except SampleError as err:
+            if self.dataset.on_error == "raise":
+                raise
+            self.dataset.record_reject(err)
+            return ("rejected", err.reason)
+        admitted = self.cache.put(key, sample, cost=time.thread_time() - t0)
+        return ("admitted" if admitted else "refused", "")
+
+
+def _collate(batch: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    return batch
+
+
+def warm(
+    dataset: MultimodalDataset,
+    cache: Cache,
+    *,
+    workers: int = 0,
+    rank: int | None = None,
+    world_size: int | None = None,
+    progress: bool = True,
+    multiprocessing_context: Any = None,
+) -> WarmReport:
+    """Produce and store every sample of this rank's shard that the cache lacks."""
+    if rank is None or world_size is None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            rank = torch.distributed.get_rank() if rank is None else rank
+            world_size = torch.distributed.get_world_size() if world_size is None else world_size
+        else:
+            rank, world_size = rank or 0, world_size or 1
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"rank must be in [0, {world_size}), got {rank}")
+    t0 = time.perf_counter()
+    shard = list(range(rank, len(dataset), world_size))
+    todo = [i for i in shard if not cache.contains(dataset.key(i))]
+    present = len(shard) - len(todo)
+    counts = {"admitted": 0, "refused": 0, "rejected": 0, "present": 0}
+    if todo:
+        from tqdm import tqdm
+
+        loader = torch.utils.data.DataLoader(
+            _Produce(dataset, cache, todo),
+            batch_size=16,
+            num_workers=workers,
+            collate_fn=_collate,
+            multiprocessing_context=multiprocessing_context if workers > 0 else None,
+        )
+        with tqdm(
+            total=len(shard),
+            initial=present,
+            disable=not progress,
+            unit="sample",
+            desc=f"warm rank {rank}/{world_size}" if world_size > 1 else "warm",
+        ) as bar:
+            for batch in loader:
+                for status, _ in batch:
+                    counts[status] += 1
+                bar.update(len(batch))
+    report = WarmReport(
+        total=len(shard),
+        present=present + counts["present"],
+        produced=counts["admitted"] + counts["refused"],
+        admitted=counts["admitted"],
+        rejected=counts["rejected"],
+        seconds=time.perf_counter() - t0,
+    )
+    logger.info("warm: %s", report)
+    return report

@@ -1,0 +1,55 @@
+"""MemoryStore passes the store contract and the dict-model state machine."""
+
+from __future__ import annotations
+
+import glob
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import settings
+
+from mmcache.stores.base import Store
+from mmcache.stores.memory import MemoryStore, unlink_store
+from mmcache.testing.store_contract import StoreContract
+from mmcache.testing.store_machine import make_store_machine
+
+
+class TestMemoryStoreContract(StoreContract):
+    __test__ = True
+
+    @pytest.fixture(autouse=True)
+    def _names(self) -> Iterator[None]:
+        prefix = f"tmemc-{uuid.uuid4().hex[:12]}"
+        self.prefix = prefix
+        self.names: list[str] = []
+        yield
+        for name in self.names:
+            unlink_store(name)
+        assert glob.glob(f"/dev/shm/mmcache-{prefix}-*") == []
+
+    def make_store(self, capacity: int, policy: str = "lru") -> Store:
+        name = f"{self.prefix}-{len(self.names)}"
+        self.names.append(name)
+        return MemoryStore(name, capacity=capacity, policy=policy)
+
+    def reopen(self, store: Store) -> Store | None:
+        assert isinstance(store, MemoryStore)
+        store.close()  # the segments stay in /dev/shm: a later process finds the entries
+        return MemoryStore(store.shm_name, capacity=store.capacity(), policy=store.policy)
+
+
+def _machine_store(capacity: int) -> MemoryStore:
+    return MemoryStore(f"tmemc-m-{uuid.uuid4().hex[:12]}", capacity=capacity, policy="lru")
+
+
+def _machine_teardown(store: Store) -> None:
+    assert isinstance(store, MemoryStore)
+    assert store.check() == []
+    store.unlink()
+
+
+TestMemoryStoreMachine = make_store_machine(
+    _machine_store, 200, teardown=_machine_teardown
+).TestCase
+TestMemoryStoreMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)

@@ -1,0 +1,526 @@
+"""Behaviour of the node-shared memory tier within one process (see also multiproc/, faults/)."""
+
+from __future__ import annotations
+
+import gc
+import glob
+import logging
+import os
+import pickle
+import stat
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mmcache.errors import CacheError, ConfigError
+from mmcache.policies import Policy, Residents
+from mmcache.stores import memory as memory_mod
+from mmcache.stores._index import slot_sizes_upto
+from mmcache.stores.memory import MemoryStore, reclaim_orphans, unlink_store
+
+MiB = 1 << 20
+
+
+def key(i: int) -> bytes:
+    # Sequential, non-random keys on purpose: the index must spread them anyway.
+    return i.to_bytes(16, "big")
+
+
+def value(i: int, size: int) -> bytes:
+    return (i.to_bytes(4, "little") * (size // 4 + 1))[:size]
+
+
+def shm_files(name: str) -> list[str]:
+    return glob.glob(f"/dev/shm/mmcache-{glob.escape(name)}*")
+
+
+@pytest.fixture
+def shm_name() -> Iterator[str]:
+    name = f"tmem-{uuid.uuid4().hex[:12]}"
+    yield name
+    unlink_store(name)
+    assert shm_files(name) == []
+
+
+@pytest.fixture
+def make(shm_name: str) -> Iterator[Callable[..., MemoryStore]]:
+    opened: list[MemoryStore] = []
+
+    def factory(**kw: Any) -> MemoryStore:
+        kw.setdefault("capacity", MiB)
+        s = MemoryStore(kw.pop("name", shm_name), **kw)
+        opened.append(s)
+        return s
+
+    yield factory
+    for s in opened:
+        s.close()
+
+
+def test_put_get_contains_info_delete(make: Callable[..., MemoryStore]) -> None:
+    s = make(clock=lambda: 42.0)
+    assert s.get(key(1)) is None
+    assert s.put(key(1), b"hello", cost=0.5, ctime=7.0)
+    assert s.get(key(1)) == b"hello"
+    assert s.contains(key(1)) and key(1) in s and key(2) not in s
+    info = s.info(key(1))
+    assert info is not None
+    assert (info.size, info.cost, info.ctime, info.atime, info.hits) == (5, 0.5, 7.0, 42.0, 1)
+    assert s.put(key(1), b"replaced!")
+    assert s.get(key(1)) == b"replaced!" and len(s) == 1 and s.nbytes() == 9
+    assert s.delete(key(1)) and not s.delete(key(1))
+    assert s.get(key(1)) is None and s.nbytes() == 0 and len(s) == 0
+    assert s.check() == []
+
+
+def test_values_of_every_shape_and_size(make: Callable[..., MemoryStore]) -> None:
+    s = make(capacity=4 * MiB)
+    sizes = [0, 1, 63, 64, 65, 4095, 4096, 4097, 70_000, 150_528, 1_000_000]
+    for i, n in enumerate(sizes):
+        assert s.put(key(i), value(i, n)), n
+    arr = np.arange(12, dtype=np.float32).reshape(3, 4)
+    assert s.put(key(100), arr.data)
+    assert s.put(key(101), bytearray(b"abc"))  # type: ignore[arg-type]  # any buffer works
+    assert s.put(key(102), arr[:, ::2])  # type: ignore[arg-type]  # not contiguous: copied
+    for i, n in enumerate(sizes):
+        assert s.get(key(i)) == value(i, n)
+    assert s.get(key(100)) == arr.tobytes()
+    assert s.get(key(101)) == b"abc"
+    assert s.get(key(102)) == np.ascontiguousarray(arr[:, ::2]).tobytes()
+    assert s.nbytes() == sum(sizes) + 48 + 3 + 24
+    assert s.check() == []
+
+
+def test_bad_keys_and_config_are_rejected(make: Callable[..., MemoryStore], shm_name: str) -> None:
+    s = make()
+    with pytest.raises(ValueError, match="16-byte"):
+        s.put(b"short", b"x")
+    with pytest.raises(TypeError):
+        s.get("0123456789abcdef")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="16-byte"):
+        s.gather([b"x"], 0, 0, np.zeros((1, 0), np.uint8))
+    with pytest.raises(ConfigError):
+        MemoryStore("bad/name", capacity=MiB)
+    with pytest.raises(ConfigError):
+        MemoryStore(shm_name, capacity=0)
+    with pytest.raises(ConfigError):
+        MemoryStore(shm_name, capacity=MiB, policy="mru")
+    with pytest.raises(CacheError, match="create=True"):
+        MemoryStore(f"{shm_name}-missing", capacity=MiB, create=False)
+
+
+def test_budget_holds_and_counts_payload_bytes(make: Callable[..., MemoryStore]) -> None:
+    cap = 300_000
+    s = make(capacity=cap, policy="lru")
+    rng = np.random.default_rng(0)
+    held: dict[bytes, int] = {}
+    for i in range(400):
+        n = int(rng.integers(1, 40_000))
+        s.put(key(i), value(i, n))
+        assert s.nbytes() <= cap
+    for k in s.keys():  # noqa: SIM118 - a Store is not iterable
+        info = s.info(k)
+        assert info is not None
+        held[k] = info.size
+    assert s.nbytes() == sum(held.values()) == s.stats().bytes
+    assert len(s) == len(held) == s.stats().items
+    assert s.check() == []
+
+
+def test_oversize_is_refused_and_logged_once(
+    make: Callable[..., MemoryStore], caplog: pytest.LogCaptureFixture
+) -> None:
+    s = make(capacity=1000)
+    with caplog.at_level(logging.WARNING, logger="mmcache.stores.memory"):
+        assert not s.put(key(1), b"x" * 1001)
+        assert not s.put(key(2), b"x" * 5000)
+    warnings = [r for r in caplog.records if "larger than the whole capacity" in r.getMessage()]
+    assert len(warnings) == 1 and "1001" in warnings[0].getMessage()
+    assert "1000" in warnings[0].getMessage()
+    assert s.stats().refused == 2 and s.put(key(3), b"x" * 1000)
+
+
+def test_lru_evicts_the_least_recently_read(make: Callable[..., MemoryStore]) -> None:
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 1.0
+        return now[0]
+
+    s = make(capacity=4000, policy="lru", clock=clock)
+    for i in range(4):
+        assert s.put(key(i), value(i, 1000))
+    assert s.get(key(0)) is not None  # 0 is now the most recent
+    assert s.put(key(9), value(9, 1000))
+    assert not s.contains(key(1))
+    assert all(s.contains(key(i)) for i in (0, 2, 3, 9))
+    assert s.stats().evictions == 1
+
+
+def test_keep_refuses_when_full(make: Callable[..., MemoryStore]) -> None:
+    s = make(capacity=3000, policy="keep")
+    for i in range(3):
+        assert s.put(key(i), value(i, 1000), cost=1.0)
+    assert not s.put(key(9), value(9, 1000), cost=100.0)
+    assert sorted(s.keys()) == [key(0), key(1), key(2)]
+    assert s.stats().refused == 1 and s.stats().evictions == 0
+
+
+def test_value_replaces_only_clearly_denser(make: Callable[..., MemoryStore]) -> None:
+    s = make(capacity=3000, policy="value")
+    for i, cost in enumerate([1.0, 2.0, 3.0]):
+        assert s.put(key(i), value(i, 1000), cost=cost)
+    assert not s.put(key(8), value(8, 1000), cost=1.2)  # < 1.5x the least dense
+    assert s.put(key(9), value(9, 1000), cost=10.0)  # clearly denser: replaces cost 1.0
+    assert sorted(s.keys()) == [key(1), key(2), key(9)]
+
+
+def test_a_refused_new_value_drops_the_stale_old_one(make: Callable[..., MemoryStore]) -> None:
+    s = make(capacity=3000, policy="keep")
+    for i in range(3):
+        assert s.put(key(i), value(i, 1000))
+    assert not s.put(key(0), b"y" * 2000)  # refused by the policy
+    assert s.get(key(0)) is None and s.nbytes() == 2000
+    assert s.put(key(0), b"z" * 1000)
+    assert not s.put(key(0), b"w" * 4000)  # larger than the capacity
+    assert s.get(key(0)) is None and s.check() == []
+
+
+def test_a_policy_that_frees_too_little_is_refused(make: Callable[..., MemoryStore]) -> None:
+    class Stingy(Policy):
+        def select_victims(self, residents: Residents, *, size: int, cost: float, need: int) -> Any:
+            return np.array([0])  # one row, whatever is needed
+
+    s = make(capacity=2000, policy=Stingy())
+    assert s.put(key(0), value(0, 500)) and s.put(key(1), value(1, 1500))
+    assert not s.put(key(2), value(2, 2000))
+    assert s.nbytes() == 2000 and s.check() == []
+
+
+def test_index_capacity_limits_entries(make: Callable[..., MemoryStore]) -> None:
+    s = make(capacity=MiB, index_capacity=8, policy="fifo")
+    for i in range(20):
+        assert s.put(key(i), value(i, 10))
+    assert len(s) == 8 and sorted(s.keys()) == [key(i) for i in range(12, 20)]
+    k = make(name=f"{s.shm_name}-k", capacity=MiB, index_capacity=8, policy="keep")
+    assert all(k.put(key(i), b"v") for i in range(8))
+    assert not k.put(key(8), b"v")
+    k.unlink()
+
+
+def test_index_survives_churn_with_tombstones(make: Callable[..., MemoryStore]) -> None:
+    s = make(capacity=MiB, index_capacity=64, policy="lru")
+    for i in range(2000):  # far more deletes than cells: forces rehashes
+        assert s.put(key(i), value(i, 8))
+        if i % 3:
+            assert s.delete(key(i))
+    present = sorted(s.keys())
+    assert present and all(s.get(k) == value(int.from_bytes(k, "big"), 8) for k in present)
+    assert s.check() == []
+    s.gc()
+    assert s.check() == []
+
+
+def test_gather_copies_the_asked_range(make: Callable[..., MemoryStore]) -> None:
+    s = make(capacity=4 * MiB)
+    for i in range(10):
+        s.put(key(i), value(i, 150_000))
+    s.put(key(50), value(50, 100))  # too short for the range: counts as absent
+    s.put(key(51), value(51, 300_000))  # another size class
+    keys = [key(3), key(99), key(7), key(50), key(51), key(3)]
+    out = np.full((len(keys), 1000), 255, np.uint8)
+    found = s.gather(keys, 500, 1000, out)
+    assert found.tolist() == [True, False, True, False, True, True]
+    for row, i in ((0, 3), (2, 7), (4, 51), (5, 3)):
+        assert out[row].tobytes() == value(i, 300_000)[500:1500]
+    assert (out[1] == 255).all() and (out[3] == 255).all()
+    st = s.stats()
+    assert (st.hits, st.misses) == (4, 2)
+    info = s.info(key(3))
+    assert info is not None and info.hits == 2
+    empty = np.zeros((0, 4), np.uint8)
+    assert s.gather([], 0, 4, empty).shape == (0,)
+    with pytest.raises(ValueError, match="shape"):
+        s.gather([key(1)], 0, 10, np.zeros((1, 11), np.uint8))
+    with pytest.raises(ValueError):
+        s.gather([key(1)], 0, 10, np.zeros((1, 10), np.int16))
+
+
+def test_get_many(make: Callable[..., MemoryStore]) -> None:
+    s = make()
+    s.put(key(1), b"one")
+    s.put(key(2), b"")
+    assert s.get_many([key(1), key(3), key(2)]) == [b"one", None, b""]
+    assert s.get_many([]) == []
+
+
+def test_view_is_zero_copy_read_only_and_scoped(make: Callable[..., MemoryStore]) -> None:
+    s = make()
+    s.put(key(1), value(1, 10_000))
+    e = s._find_ready(key(1))
+    slab = s._slab(int(s._ecls[e]))
+    with s.view(key(1)) as v:
+        assert v is not None and v.readonly and bytes(v) == value(1, 10_000)
+        address = np.frombuffer(v, np.uint8).__array_interface__["data"][0]
+        assert address == slab.rows[int(s._eslot[e])].__array_interface__["data"][0]
+        with pytest.raises(RuntimeError, match="view"):
+            s.put(key(2), b"no writes inside a view")
+    with pytest.raises(ValueError):
+        bytes(v)  # released with the block
+    with s.view(key(2)) as missing:
+        assert missing is None
+    assert s.stats().hits == 1 and s.stats().misses == 1
+
+
+def test_expire_on_ctime(make: Callable[..., MemoryStore]) -> None:
+    s = make()
+    for i in range(6):
+        s.put(key(i), b"v", ctime=float(i))
+    assert s.expire(3.0) == 3
+    assert sorted(s.keys()) == [key(3), key(4), key(5)]
+    assert s.stats().expired == 3 and s.expire(3.0) == 0
+
+
+def test_stats_count_every_operation(make: Callable[..., MemoryStore]) -> None:
+    s = make(capacity=2000, policy="lru")
+    s.put(key(1), b"a" * 1000)
+    s.put(key(2), b"b" * 1000)
+    s.put(key(3), b"c" * 1000)  # evicts one
+    s.put(key(4), b"d" * 5000)  # oversize
+    s.get(key(3))
+    s.get(key(99))
+    st = s.stats()
+    assert (st.puts, st.admitted, st.refused, st.evictions) == (4, 3, 1, 1)
+    assert (st.hits, st.misses, st.bytes, st.budget, st.items) == (1, 1, 2000, 2000, 2)
+    assert st.hit_rate == 0.5
+
+
+def test_reopen_by_name_sees_the_same_entries(
+    make: Callable[..., MemoryStore], shm_name: str
+) -> None:
+    a = make()
+    a.put(key(1), b"shared")
+    b = make(create=False)
+    assert b.get(key(1)) == b"shared"
+    b.put(key(2), b"both ways")
+    assert a.get(key(2)) == b"both ways"
+    assert a.stats().hits == b.stats().hits == 2  # one set of counters per node
+    # A different capacity does not re-create a store others are attached to.
+    c = make(capacity=2 * MiB)
+    assert c.capacity() == MiB and c.get(key(1)) == b"shared"
+
+
+def test_reopen_with_new_capacity_when_nobody_is_attached(make: Callable[..., MemoryStore]) -> None:
+    a = make()
+    a.put(key(1), b"old")
+    a.close()
+    a.close()  # idempotent
+    b = make(capacity=2 * MiB)
+    assert b.capacity() == 2 * MiB and b.get(key(1)) is None
+    c = make(capacity=2 * MiB)
+    assert c.capacity() == 2 * MiB
+
+
+def test_pickle_round_trip_reattaches(make: Callable[..., MemoryStore]) -> None:
+    s = make(policy="lru", capacity=3 * MiB)
+    s.put(key(1), b"pickled")
+    t = pickle.loads(pickle.dumps(s))
+    try:
+        assert t.get(key(1)) == b"pickled" and t.capacity() == 3 * MiB
+        assert t.policy.name == "lru" and t.shm_name == s.shm_name
+    finally:
+        t.close()
+    assert s.get(key(1)) == b"pickled"
+
+
+def test_closed_store_raises(make: Callable[..., MemoryStore]) -> None:
+    s = make()
+    s.close()
+    with pytest.raises(CacheError, match="closed"):
+        s.get(key(1))
+
+
+def test_temporary_store_goes_with_its_last_user(shm_name: str) -> None:
+    a = MemoryStore(shm_name, capacity=MiB, temporary=True)
+    a.put(key(1), b"x" * 100_000)
+    b = MemoryStore(shm_name, capacity=MiB, create=False)
+    assert b.temporary and b.get(key(1)) is not None
+    a.close()
+    assert shm_files(shm_name)
+    b.close()
+    assert shm_files(shm_name) == []
+
+
+def test_unlink_removes_files_and_stops_other_users(shm_name: str) -> None:
+    a = MemoryStore(shm_name, capacity=MiB)
+    b = MemoryStore(shm_name, capacity=MiB)
+    a.put(key(1), b"x")
+    removed = a.unlink()
+    assert f"/dev/shm/mmcache-{shm_name}.lock" in removed and shm_files(shm_name) == []
+    with pytest.raises(CacheError, match="removed"):
+        b.get(key(1))
+    b.close()
+    c = MemoryStore(shm_name, capacity=MiB)  # a fresh one under the same name
+    assert c.get(key(1)) is None
+    c.unlink()
+
+
+def test_files_are_private_to_the_user(make: Callable[..., MemoryStore]) -> None:
+    s = make()
+    s.put(key(1), b"x" * 100)
+    paths = s.segment_paths()
+    assert len(paths) == 3  # lock, meta, one size class
+    for path in paths:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, path
+
+
+def test_freed_slots_give_their_pages_back(make: Callable[..., MemoryStore]) -> None:
+    s = make(capacity=32 * MiB)
+    base = s.resident_bytes()
+    for i in range(16):
+        assert s.put(key(i), value(i, MiB))
+    grown = s.resident_bytes() - base
+    slot = int(slot_sizes_upto(MiB)[-1])
+    metadata = 256 * 1024  # first pages of the entry arrays, the bitmap, a few index cells
+    assert 16 * MiB <= grown <= 16 * slot + metadata
+    for i in range(16):
+        s.delete(key(i))
+    assert s.resident_bytes() - base < metadata
+
+
+def test_threads_share_one_store(make: Callable[..., MemoryStore]) -> None:
+    s = make(capacity=200_000, policy="lru")
+    errors: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(300):
+                i = int(rng.integers(0, 50))
+                n = 100 + 97 * i
+                if rng.random() < 0.5:
+                    s.put(key(i), value(i, n))
+                else:
+                    with s.view(key(i)) as v:
+                        assert v is None or bytes(v) == value(i, n)
+                    got = s.get(key(i))
+                    assert got is None or got == value(i, n)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and s.check() == []
+
+
+def test_reclaim_orphans_removes_stores_of_deleted_roots(shm_name: str, tmp_path: Path) -> None:
+    gone_root, kept_root = tmp_path / "gone", tmp_path / "kept"
+    gone_root.mkdir()
+    kept_root.mkdir()
+    names = {w: f"{shm_name}-{w}" for w in ("gone", "kept", "live", "temp")}
+    for w in ("gone", "kept"):
+        MemoryStore(names[w], capacity=MiB, owner_path=str(tmp_path / w)).close()
+    live = MemoryStore(names["live"], capacity=MiB, owner_path=str(gone_root))
+    temp = MemoryStore(names["temp"], capacity=MiB, temporary=True)
+    temp._procs[:] = 0  # as if its last user had died without closing
+    try:
+        gone_root.rmdir()
+        removed = reclaim_orphans(f"{shm_name}-*")
+        assert shm_files(names["gone"]) == [] and shm_files(names["temp"]) == []
+        assert shm_files(names["kept"]) and shm_files(names["live"])  # in use: kept
+        assert all(names["gone"] in p or names["temp"] in p for p in removed)
+        live.put(key(1), b"still works")
+    finally:
+        live.close()
+        temp.close()
+        for n in names.values():
+            unlink_store(n)
+    assert reclaim_orphans(f"{shm_name}-*") == []
+
+
+def test_reclaim_orphans_removes_half_initialised_stores(shm_name: str) -> None:
+    s = MemoryStore(shm_name, capacity=MiB)
+    s.put(key(1), b"x")
+    s._h[2] = 1  # header state INITIALISING, as a creator that died would leave it
+    s._procs[:] = 0
+    s._closed = True  # drop it without touching the files
+    s._unmap()
+    s._lock.close()
+    # An opener repairs it by re-creating it...
+    t = MemoryStore(shm_name, capacity=MiB)
+    assert t.get(key(1)) is None
+    t._h[2] = 1
+    t._procs[:] = 0
+    t._closed = True
+    t._unmap()
+    t._lock.close()
+    # ...and the node-wide scan removes it.
+    removed = reclaim_orphans(shm_name)
+    assert removed and shm_files(shm_name) == []
+
+
+def test_a_store_dropped_without_close_detaches(shm_name: str) -> None:
+    s = MemoryStore(shm_name, capacity=MiB, temporary=True)
+    s.put(key(1), b"x" * 1000)
+    del s
+    gc.collect()
+    assert shm_files(shm_name) == []  # it was the last user of a temporary store
+
+
+@pytest.mark.parametrize("size", [64, 150, 5000])
+def test_small_slots_free_a_page_only_when_all_its_slots_are_free(
+    make: Callable[..., MemoryStore], size: int
+) -> None:
+    s = make()
+    n = 3 * 4096 // size + 1  # slots spanning at least three pages
+    for i in range(n):
+        assert s.put(key(i), value(i, size))
+    data = [p for p in s.segment_paths() if p[-4:-3] == "d"]
+    assert len(data) == 1
+
+    def pages() -> int:
+        return os.stat(data[0]).st_blocks * 512 // 4096 - 1  # minus the bitmap page
+
+    full = pages()
+    assert full >= 3
+    for i in range(1, n):  # keep only the first slot
+        s.delete(key(i))
+    assert pages() == -(-size // 4096)  # the pages its bytes are on
+    s.delete(key(0))
+    assert pages() == 0
+    assert s.check() == []
+
+
+def test_a_store_of_another_pid_namespace_is_refused(make: Callable[..., MemoryStore]) -> None:
+    s = make()
+    s._h[memory_mod._H_PID_NAMESPACE] += 1  # as if created in another container
+    with pytest.raises(CacheError, match="pid namespace"):
+        MemoryStore(s.shm_name, capacity=MiB)
+    assert reclaim_orphans(s.shm_name) == []  # nor judged from here
+    s._h[memory_mod._H_PID_NAMESPACE] -= 1
+
+
+def test_gather_ranges_copies_several_ranges_under_one_lock(
+    make: Callable[..., MemoryStore],
+) -> None:
+    s = make()
+    for i in range(4):
+        s.put(key(i), value(i, 1000 + 500 * i))
+    keys = [key(3), key(0), key(9), key(2)]
+    head = np.zeros((4, 16), np.uint8)
+    tail = np.zeros((4, 100), np.uint8)
+    found = s.gather_ranges(keys, [(0, 16, head), (1400, 100, tail)])
+    assert found.tolist() == [True, False, False, True]  # key 0 is too short for the tail
+    for row, i in ((0, 3), (3, 2)):
+        assert head[row].tobytes() == value(i, 16) and tail[row].tobytes() == value(i, 1500)[1400:]
+    assert not head[1].any() and not tail[1].any()
+    assert (s.stats().hits, s.stats().misses) == (2, 2)
+    assert s.gather_ranges(keys, []).tolist() == [True, True, False, True]
