@@ -305,10 +305,10 @@ class Cache:
                     header = codec.read_header(raw)
                     if not self._expired(header.ctime):
                         return codec.decode(raw, verify=False), "memory"
-                    self.memory.delete(k)
+                    self.memory.discard(k, why="expired")
                 except CorruptEntryError as exc:
                     logger.error("corrupt memory-tier entry %s dropped: %s", k.hex(), exc)
-                    self.memory.delete(k)
+                    self.memory.discard(k, why="corrupt")
         if self.disk is not None:
             raw = self.disk.get(k)
             if raw is not None:
@@ -317,10 +317,10 @@ class Cache:
                     header = codec.read_header(raw)
                 except CorruptEntryError as exc:
                     logger.error("corrupt disk-tier entry %s dropped: %s", k.hex(), exc)
-                    self.disk.delete(k)
+                    self.disk.discard(k, why="corrupt")
                     return None, None
                 if self._expired(header.ctime):
-                    self.disk.delete(k)
+                    self.disk.discard(k, why="expired")
                     return None, None
                 if self.memory is not None:
                     self.memory.put(k, raw, cost=header.cost, ctime=header.ctime)
@@ -399,7 +399,7 @@ class Cache:
                 if not _verifies(raw):
                     bad.append(k)
                     if repair:
-                        tier.delete(k)
+                        tier.discard(k, why="corrupt")
         return VerifyReport(
             checked=checked, bad=tuple(k.hex() for k in bad), removed=len(bad) if repair else 0
         )

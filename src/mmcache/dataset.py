@@ -111,6 +111,9 @@ class MultimodalDataset(torch.utils.data.Dataset[dict[str, Any] | None]):
         self.on_error: OnError = on_error
         self.content_stamp = content_stamp
         self._fingerprint = pipeline.fingerprint()
+        # Memo of keys by file stamp (see keys()); allocated on first use.
+        self._memo_keys: np.ndarray | None = None
+        self._memo_stamp: np.ndarray | None = None
         fd, self._reject_log = tempfile.mkstemp(prefix="mmcache-rejects-", suffix=".jsonl")
         os.close(fd)
         # Only the creating process removes the log; pickled copies in workers just append.
@@ -137,6 +140,48 @@ class MultimodalDataset(torch.utils.data.Dataset[dict[str, Any] | None]):
         return keys.sample_key(
             self.records.id(index), stamp, self._fingerprint, self.records.text(index)
         )
+
+    def keys(self, indices: Sequence[int] | np.ndarray) -> list[bytes]:
+        """Cache keys of many samples; what the loader's planner asks every batch.
+
+        Equal to ``[self.key(i) for i in indices]``, but it remembers each
+        sample's key with the image file's size and mtime it was computed from:
+        the file is still ``stat``-ed every time (a changed file gets a new key
+        at once), only the hashing is skipped when nothing changed. With
+        ``content_stamp=True`` every key is recomputed from the file's bytes.
+        Not thread-safe (the loader calls it from one thread).
+        """
+        if self.content_stamp:
+            return [self.key(int(i)) for i in indices]
+        if self._memo_keys is None or self._memo_stamp is None:
+            n = len(self.records)
+            self._memo_keys = np.zeros((n, 16), dtype=np.uint8)
+            self._memo_stamp = np.full((n, 2), -1, dtype=np.int64)
+        memo_keys, memo_stamp = self._memo_keys, self._memo_stamp
+        out: list[bytes] = []
+        for index in indices:
+            i = int(index)
+            path = self.records.image_path(i)
+            if path is None:
+                out.append(self.key(i))
+                continue
+            try:
+                st = os.stat(path)
+            except OSError:
+                out.append(self.key(i))  # missing now: the stamp says so
+                continue
+            row = memo_stamp[i]
+            if row[0] == st.st_size and row[1] == st.st_mtime_ns:
+                out.append(memo_keys[i].tobytes())
+                continue
+            stamp = f"{st.st_size}:{st.st_mtime_ns}"
+            key = keys.sample_key(
+                self.records.id(i), stamp, self._fingerprint, self.records.text(i)
+            )
+            memo_keys[i] = np.frombuffer(key, dtype=np.uint8)
+            row[0], row[1] = st.st_size, st.st_mtime_ns
+            out.append(key)
+        return out
 
     # -- produce it ---------------------------------------------------------------------
     def produce(self, index: int) -> Sample:
@@ -206,6 +251,7 @@ class MultimodalDataset(torch.utils.data.Dataset[dict[str, Any] | None]):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_finalizer"] = None
+        state["_memo_keys"] = state["_memo_stamp"] = None  # workers do not plan
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

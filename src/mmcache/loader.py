@@ -31,7 +31,11 @@ Its worker processes share the cache through the node-shared tiers.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -44,7 +48,6 @@ from mmcache import codec
 from mmcache.cache import Cache
 from mmcache.dataset import MultimodalDataset
 from mmcache.errors import ConfigError, SampleError
-from mmcache.keys import key_hex
 from mmcache.sampler import EpochSampler
 from mmcache.stats import EpochStats, LoaderStats
 
@@ -109,6 +112,25 @@ class _MissTasks(torch.utils.data.Dataset[_Result]):
 
 def _identity(batch: list[_Result]) -> list[_Result]:
     return batch
+
+
+@dataclass
+class _Assembled:
+    """A finished batch and the epoch position after it."""
+
+    batch: dict[str, Any]
+    position: int
+
+
+@dataclass
+class _Failure:
+    """An exception raised while assembling, re-raised in the training loop."""
+
+    error: BaseException
+
+
+#: Finished batches the assembler thread keeps ready ahead of the training loop.
+_ASSEMBLED_AHEAD = 2
 
 
 @dataclass
@@ -333,10 +355,10 @@ class DataLoader:
         if j >= len(run.batches):
             return None
         indices = run.batches[j]
-        keys = [self.dataset.key(int(i)) for i in indices]
+        keys = self.dataset.keys(indices)
         memory = self.cache.memory if self.cache is not None else None
         if memory is not None:
-            planned = np.fromiter((memory.contains(k) for k in keys), dtype=bool, count=len(keys))
+            planned = memory.contains_many(keys)
         else:
             planned = np.zeros(len(keys), dtype=bool)
         plan = _Plan(indices, keys, planned, has_misses=not bool(planned.all()))
@@ -353,38 +375,93 @@ class DataLoader:
 
     # -- consuming (training process) ------------------------------------------------------
     def _iterate(self, run: _EpochRun) -> Iterator[dict[str, Any]]:
-        inner = self._inner_loader()
-        misses_it = iter(inner)
+        """Yield the batches of ``run``, assembled ahead by a background thread.
+
+        The assembler thread plans, gathers hits and collects the workers'
+        misses while the training step runs (numpy copies and torch's IPC
+        release the GIL), keeping ``_ASSEMBLED_AHEAD`` finished batches ready.
+        ``stall_s`` is the time the training loop waits in ``next()``.
+        """
         stats = _EpochCounter(run.epoch, self._history.get(run.epoch))
-        consumed = 0
+        ready: queue.Queue[_Assembled | _Failure | None] = queue.Queue(_ASSEMBLED_AHEAD)
+        stop = threading.Event()
+        thread = threading.Thread(
+            target=self._assembler,
+            args=(run, ready, stop, stats),
+            name="mmcache-assembler",
+            daemon=True,
+        )
+        thread.start()
         try:
-            for j in range(run.start, len(run.batches)):
+            while True:
                 t0 = time.perf_counter()
                 stats.begin(t0)
+                item = ready.get()
+                if item is None:
+                    break
+                if isinstance(item, _Failure):
+                    raise item.error
+                self._position = item.position
+                t1 = time.perf_counter()
+                stats.stall(t1 - t0)
+                stats.end(t1)
+                self._history[run.epoch] = stats.snapshot()
+                yield item.batch
+        finally:
+            stop.set()
+            while thread.is_alive():  # unblock a producer waiting on a full queue
+                with contextlib.suppress(queue.Empty):
+                    ready.get_nowait()
+                thread.join(0.05)
+            self._history[run.epoch] = stats.snapshot()
+            self._run = None
+            if not self._inner_kwargs["persistent_workers"]:
+                self._inner = None  # non-persistent workers exit with their iterator
+
+    def _assembler(
+        self,
+        run: _EpochRun,
+        ready: queue.Queue[_Assembled | _Failure | None],
+        stop: threading.Event,
+        stats: _EpochCounter,
+    ) -> None:
+        """Background thread: make the batches of ``run`` in order and queue them."""
+
+        def offer(item: _Assembled | _Failure | None) -> bool:
+            while not stop.is_set():
+                try:
+                    ready.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        misses_it: Iterator[list[_Result]] | None = None
+        try:
+            for consumed, j in enumerate(range(run.start, len(run.batches))):
+                if stop.is_set():
+                    return
                 while len(run.plans) <= consumed:
                     if self._plan_next(run) is None:  # pragma: no cover - planner bug guard
                         raise RuntimeError("loader planner fell behind the consumer")
                 plan = run.plans[consumed]
                 if plan is None:  # pragma: no cover - consumed twice would be a bug
                     raise RuntimeError("loader plan consumed twice")
-                results = next(misses_it) if plan.has_misses else []
-                run.plans[consumed] = None  # free its keys (after the generator passed it)
-                consumed += 1
+                results: list[_Result] = []
+                if plan.has_misses:
+                    # Started at the first miss: a warm epoch never wakes the workers.
+                    if misses_it is None:
+                        misses_it = iter(self._inner_loader())
+                    results = next(misses_it)
+                run.plans[consumed] = None  # free its keys (after the sampler passed it)
                 batch = self._assemble(plan, results, stats)
-                self._position = j + 1
-                t1 = time.perf_counter()
-                stats.stall(t1 - t0)
-                stats.end(t1)
-                self._history[run.epoch] = stats.snapshot()
-                if batch is not None:
-                    yield batch
+                if batch is not None and not offer(_Assembled(batch, j + 1)):
+                    return
+            offer(None)
+        except BaseException as exc:
+            offer(_Failure(exc))
         finally:
-            self._history[run.epoch] = stats.snapshot()
-            self._run = None
-            if not self._inner_kwargs["persistent_workers"]:
-                # Drop the iterator so that non-persistent workers exit now, as torch's do.
-                del misses_it
-                self._inner = None
+            del misses_it
 
     def _assemble(
         self, plan: _Plan, results: list[_Result], stats: _EpochCounter
@@ -435,7 +512,7 @@ class DataLoader:
         keep = [r for r in range(n) if sources[r] != _REJECTED]
         batch: dict[str, Any] = {
             "id": [self.dataset.sample_id(int(plan.indices[r])) for r in keep],
-            "key": [key_hex(plan.keys[r]) for r in keep],
+            "key": [plan.keys[r].hex() for r in keep],  # == keys.key_hex, minus its checks
         }
         if not keep:
             return None
@@ -609,16 +686,16 @@ class _EpochCounter:
 
     def count(self, sources: list[str]) -> None:
         self.batches += 1
-        for s in sources:
+        for s, k in collections.Counter(sources).items():
             if s == _REJECTED:
-                self.rejects += 1
+                self.rejects += k
             elif s == _PRODUCED:
-                self.misses += 1
-                self.samples += 1
+                self.misses += k
+                self.samples += k
             elif s:
-                self.hits += 1
-                self.samples += 1
-                self.tier_hits[s] = self.tier_hits.get(s, 0) + 1
+                self.hits += k
+                self.samples += k
+                self.tier_hits[s] = self.tier_hits.get(s, 0) + k
 
     def snapshot(self) -> EpochStats:
         return EpochStats(

@@ -123,3 +123,20 @@ def test_public_names() -> None:
         "train_tokenizer",
     ):
         assert hasattr(mmcache, name), name
+
+
+def test_batched_keys_equal_single_keys_and_see_changes(
+    tiny_data: Path, small_pipeline: Pipeline
+) -> None:
+    ds = MultimodalDataset(tiny_data, pipeline=small_pipeline)
+    idx = [5, 0, 17, 5]
+    old = ds.keys(idx)
+    assert old == [ds.key(i) for i in idx]
+    assert ds.keys(idx) == old  # from the memo
+    path = ds.records.image_path(17)
+    assert path is not None
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
+    again = ds.keys(idx)
+    assert again[2] != old[2] and again == [ds.key(i) for i in idx]
+    assert again[:2] == old[:2]

@@ -617,6 +617,23 @@ def test_deferred_writes_reach_the_cache_at_the_next_call_or_flush(cache: Cache)
     assert all(cache.contains(feats.feature_key(k)) for k in b["key"])
 
 
+def test_write_behind_thread_puts_everything_by_flush(tmp_path: Path) -> None:
+    batches = [random_batch(4, seed=30 + i) for i in range(6)]
+    with Cache(tmp_path / "wb", memory=0, disk="64MiB") as c:
+        enc = make_vit()
+        feats = feature_cache(enc, c, memory=0, write_behind=True, dtype=torch.bfloat16)
+        outs = [feats(b) for b in batches]  # more batches than the queue holds
+        feats.flush()
+        keys = [k for b in batches for k in b["key"]]
+        assert all(c.contains(feats.feature_key(k)) for k in keys)
+        calls = count_calls(enc)
+        again = feature_cache(enc, c, memory=0, dtype=torch.bfloat16)
+        assert torch.equal(again.get(keys), torch.cat(outs)) and calls == []
+        feats.close()
+        feats.close()  # idempotent
+        assert feats._writer is None
+
+
 def test_without_a_cache_only_the_device_tier_serves() -> None:
     enc = make_vit()
     calls = count_calls(enc)

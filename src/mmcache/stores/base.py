@@ -19,8 +19,12 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
 
 from mmcache.stats import TierStats
 
@@ -88,9 +92,21 @@ class Store(ABC):
     def delete(self, key: bytes) -> bool:
         """Remove ``key``; return whether it was present."""
 
+    def discard(self, key: bytes, *, why: Literal["corrupt", "expired"]) -> bool:
+        """Remove an entry the cache found corrupt or expired, counting it as such.
+
+        Returns whether it was present. The default only deletes; tiers with
+        shared counters override it to count ``corrupt``/``expired``.
+        """
+        return self.delete(key)
+
     @abstractmethod
     def contains(self, key: bytes) -> bool:
         """Whether ``key`` is present (does not count a hit or a miss)."""
+
+    def contains_many(self, keys: Sequence[bytes]) -> npt.NDArray[np.bool_]:
+        """Presence of each of ``keys`` (no hit/miss counted). Default: one call per key."""
+        return np.fromiter((self.contains(k) for k in keys), dtype=bool, count=len(keys))
 
     @abstractmethod
     def info(self, key: bytes) -> EntryInfo | None:

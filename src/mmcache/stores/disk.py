@@ -124,7 +124,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import lmdb
 import numpy as np
@@ -1404,6 +1404,13 @@ class DiskStore(Store):
         with self._mu:
             self._pending.pop(key, None)
         return bool(self._write(op))
+
+    def discard(self, key: bytes, *, why: Literal["corrupt", "expired"]) -> bool:
+        """Delete ``key`` and count it as ``corrupt`` or ``expired``."""
+        removed = self.delete(key)
+        if removed:
+            self._counters.add((_CORRUPT if why == "corrupt" else _EXPIRED, 1))
+        return removed
 
     def discard_corrupt(self, key: bytes) -> bool:
         """Delete an entry found corrupt (e.g. by the codec's checksum) and count it."""

@@ -93,7 +93,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -1409,6 +1409,18 @@ class MemoryStore(Store):
         with self._shared():
             return self._find_ready(key) >= 0
 
+    def contains_many(self, keys: Sequence[bytes]) -> npt.NDArray[np.bool_]:
+        """Presence of each key (no hit/miss counted), under one shared lock, vectorised.
+
+        The loader's planner asks this for every upcoming batch. Thread/process-safe.
+        """
+        if not keys:
+            return np.zeros(0, dtype=bool)
+        q = self._keys_array(keys)
+        with self._shared():
+            found: npt.NDArray[np.bool_] = self._lookup_ready(q) >= 0
+        return found
+
     def info(self, key: bytes) -> EntryInfo | None:
         """Metadata of ``key`` or None (no hit/miss counted). Thread/process-safe."""
         check_key(key)
@@ -1811,6 +1823,13 @@ class MemoryStore(Store):
         if not still.all() or int(self._esize[victims].sum()) < need:
             return None
         return victims
+
+    def discard(self, key: bytes, *, why: Literal["corrupt", "expired"]) -> bool:
+        """Delete ``key`` and count it as ``corrupt`` or ``expired``. Thread/process-safe."""
+        removed = self.delete(key)
+        if removed:
+            self._count(_Count.CORRUPT if why == "corrupt" else _Count.EXPIRED)
+        return removed
 
     def delete(self, key: bytes) -> bool:
         """Remove ``key``; return whether it was present. Thread/process-safe.

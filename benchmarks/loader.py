@@ -1,0 +1,386 @@
+"""Loader benchmark (issue 4): mmcache.DataLoader against the alternatives, side by side.
+
+One run, same synthetic data, same preprocessing (resize 256, crop 224, 32 tokens),
+same batch size, workers and seed:
+
+(a) torch DataLoader over the uncached dataset (MultimodalDataset);
+(b) the design note's pattern: an OrderedDict LRU with a capacity in items
+    inside the dataset, used with (default, non-persistent) workers;
+(c) the upper bound: a numpy array of all preprocessed samples in the training
+    process, gathered into batches by fancy indexing;
+mmcache with everything cached (warm), cold, and with a memory budget of 50%.
+Plus a stall measurement (a fixed simulated training step) and the node's memory
+(PSS summed over the loader's processes) with 1, 2 and 4 workers.
+
+Every figure is a ratio measured in this run; nothing here is a pass/fail time.
+
+    .venv/bin/python benchmarks/loader.py            # ~3-5 min on 2 cores
+    .venv/bin/python benchmarks/loader.py --quick    # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import torch
+
+import mmcache as mc
+from mmcache.cache import Cache
+
+torch.set_num_threads(1)
+
+
+# -- the design note's pattern ------------------------------------------------------------
+class NoteLRUDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """The design note: a list of dicts and an OrderedDict LRU with a capacity in items."""
+
+    def __init__(self, ds: mc.MultimodalDataset, capacity: int) -> None:
+        self.items = [
+            {
+                "id": ds.sample_id(i),
+                "image_path": ds.records.image_path(i),
+                "caption": ds.records.text(i),
+            }
+            for i in range(len(ds))
+        ]
+        self.pipeline = ds.pipeline
+        self.capacity = capacity
+        self.cache: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        rec = self.items[i]
+        hit = self.cache.get(rec["id"])
+        if hit is not None:
+            self.cache.move_to_end(rec["id"])
+            self.hits += 1
+            return hit
+        self.misses += 1
+        s = self.pipeline.process(rec["image_path"], rec["caption"], sample_id=rec["id"])
+        item = {"id": rec["id"], **{k: torch.from_numpy(v) for k, v in s.items()}}
+        self.cache[rec["id"]] = item
+        if len(self.cache) > self.capacity:
+            self.cache.popitem(last=False)
+        return item
+
+
+# -- memory monitor -----------------------------------------------------------------------
+class PssMonitor:
+    """Peak PSS (proportional set size) summed over this process and its children."""
+
+    def __init__(self, interval: float = 0.1) -> None:
+        self.interval = interval
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> int:
+        me = psutil.Process()
+        total = 0
+        for p in [me, *me.children(recursive=True)]:
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                total += p.memory_full_info().pss
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._sample())
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> PssMonitor:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._sample())
+
+
+def shm_bytes(name_part: str) -> int:
+    total = 0
+    for entry in os.scandir("/dev/shm"):
+        if name_part in entry.name:
+            total += entry.stat().st_blocks * 512
+    return total
+
+
+# -- runners ------------------------------------------------------------------------------
+def time_epochs(loader: Any, epochs: int, step: float = 0.0) -> list[float]:
+    """Seconds per epoch (samples counted by the caller)."""
+    out = []
+    for e in range(epochs):
+        if hasattr(loader, "set_epoch"):
+            loader.set_epoch(e)
+        t0 = time.perf_counter()
+        for _batch in loader:
+            if step:
+                time.sleep(step)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def run_torch(ds: mc.MultimodalDataset, bs: int, workers: int, epochs: int) -> list[float]:
+    g = torch.Generator()
+    g.manual_seed(0)
+    loader = torch.utils.data.DataLoader(
+        ds, batch_size=bs, shuffle=True, num_workers=workers, generator=g
+    )
+    return time_epochs(loader, epochs)
+
+
+def run_note(
+    ds: mc.MultimodalDataset, bs: int, workers: int, epochs: int, capacity: int
+) -> list[float]:
+    g = torch.Generator()
+    g.manual_seed(0)
+    loader = torch.utils.data.DataLoader(
+        NoteLRUDataset(ds, capacity),
+        batch_size=bs,
+        shuffle=True,
+        num_workers=workers,
+        generator=g,
+    )
+    return time_epochs(loader, epochs)
+
+
+def run_numpy_bound(ds: mc.MultimodalDataset, bs: int, epochs: int) -> float:
+    """Samples/s of a whole-batch numpy gather of preprocessed samples (the upper bound)."""
+    n = len(ds)
+    first = ds.produce(0)
+    arrays = {k: np.empty((n, *v.shape), dtype=v.dtype) for k, v in first.items()}
+    for i in range(n):
+        for k, v in ds.produce(i).items():
+            arrays[k][i] = v
+    rates = []
+    rng = np.random.default_rng(0)
+    for _ in range(epochs):
+        order = rng.permutation(n)
+        t0 = time.perf_counter()
+        for s in range(0, n, bs):
+            idx = order[s : s + bs]
+            batch = {k: torch.from_numpy(np.take(a, idx, axis=0)) for k, a in arrays.items()}
+            del batch
+        rates.append(n / (time.perf_counter() - t0))
+    return statistics.median(rates)
+
+
+def run_mmcache(
+    ds: mc.MultimodalDataset,
+    root: Path,
+    *,
+    memory: int,
+    bs: int,
+    workers: int,
+    epochs: int,
+    step: float = 0.0,
+    policy: str = "value",
+) -> dict[str, Any]:
+    cache = Cache(root, memory=memory, disk=None, policy=policy, temporary=True)
+    try:
+        loader = mc.DataLoader(
+            ds,
+            cache=cache,
+            batch_size=bs,
+            seed=0,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+        )
+        times = time_epochs(loader, epochs, step)
+        stats = loader.stats()
+        del loader
+    finally:
+        if cache.memory is not None:
+            cache.memory.unlink()  # type: ignore[attr-defined]
+        cache.close()
+        shutil.rmtree(root, ignore_errors=True)
+    return {"times": times, "stats": stats}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--n", type=int, default=1500)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--step", type=float, default=0.05, help="simulated training step, s")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default="benchmarks/results/loader.md")
+    args = ap.parse_args()
+    if args.quick:
+        args.n = 300
+    bs, w = args.batch_size, args.workers
+    tmp = Path(tempfile.mkdtemp(prefix="mmcache-bench-loader-"))
+    try:
+        manifest = mc.synth.make_dataset(tmp / "data", args.n, seed=0)
+        tok = mc.train_tokenizer(mc.synth.synth_captions(2000), vocab_size=2048)
+        pipe = mc.Pipeline(
+            image=mc.ImageSpec(size=224, resize=256), text=mc.TextSpec(tok, max_length=32)
+        )
+        ds = mc.MultimodalDataset(manifest, pipeline=pipe)
+        n = len(ds)
+        entry = mc.codec.encoded_size(ds.produce(0))
+        data_bytes = n * entry
+        rows: dict[str, dict[str, Any]] = {}
+
+        print(f"{n} samples, {data_bytes / 2**20:.0f} MiB preprocessed, batch {bs}, workers {w}")
+        # (a) torch over the uncached dataset: 2 epochs (both cold by construction).
+        a = run_torch(ds, bs, w, 2)
+        rows["a_torch_uncached"] = {"samples_per_s": n / statistics.median(a)}
+        print("a", rows["a_torch_uncached"])
+        # mmcache, everything fits: epoch 0 cold, 1-2 warm.
+        full = run_mmcache(
+            ds, tmp / "c-full", memory=int(data_bytes * 1.2), bs=bs, workers=w, epochs=3
+        )
+        st = full["stats"]
+        rows["mmcache_cold"] = {"samples_per_s": n / full["times"][0]}
+        rows["mmcache_warm"] = {
+            "samples_per_s": n / statistics.median(full["times"][1:]),
+            "hit_rate": st.epochs[-1].hit_rate,
+        }
+        print("mmcache", rows["mmcache_cold"], rows["mmcache_warm"])
+        # mmcache at a 50% budget: steady state = median of epochs 1..3.
+        half = run_mmcache(ds, tmp / "c-half", memory=data_bytes // 2, bs=bs, workers=w, epochs=4)
+        steady = statistics.median(half["times"][1:])
+        rows["mmcache_50pct"] = {
+            "samples_per_s": n / steady,
+            "epoch_time_vs_a": steady / statistics.median(a),
+            "hit_rate": statistics.median(e.hit_rate for e in half["stats"].epochs[1:]),
+        }
+        print("50%", rows["mmcache_50pct"])
+        # (b) the note's LRU at the same bytes (50% of N items), default workers.
+        b = run_note(ds, bs, w, 3, capacity=n // 2)
+        rows["b_note_lru_50pct"] = {"samples_per_s": n / statistics.median(b[1:])}
+        print("b", rows["b_note_lru_50pct"])
+        # (c) upper bound.
+        rows["c_numpy_bound"] = {"samples_per_s": run_numpy_bound(ds, bs, 3)}
+        print("c", rows["c_numpy_bound"])
+        # stall: warm epochs with a fixed simulated training step.
+        stall = run_mmcache(
+            ds,
+            tmp / "c-stall",
+            memory=int(data_bytes * 1.2),
+            bs=bs,
+            workers=w,
+            epochs=2,
+            step=args.step,
+        )
+        warm = stall["stats"].epochs[1]
+        steps = warm.batches
+        rows["stall"] = {
+            "step_s": args.step,
+            "stall_per_step_s": warm.stall_s / max(steps, 1),
+            "stall_fraction_of_step": warm.stall_s / max(steps, 1) / args.step,
+        }
+        print("stall", rows["stall"])
+        # memory: PSS of the loader's processes with 1, 2, 4 workers, warm epoch.
+        mem: dict[int, dict[str, float]] = {}
+        for workers in (1, 2, 4):
+            root = tmp / f"c-mem{workers}"
+            cache = Cache(root, memory=int(data_bytes * 1.2), temporary=True)
+            loader = mc.DataLoader(
+                ds, cache=cache, batch_size=bs, num_workers=workers, persistent_workers=True
+            )
+            loader.set_epoch(0)
+            for _ in loader:
+                pass
+            loader.set_epoch(1)
+            with PssMonitor() as mon:
+                for _ in loader:
+                    pass
+            seg = shm_bytes(mc.cache._memory_name(root.absolute()))
+            mem[workers] = {"peak_pss_mib": mon.peak / 2**20, "shm_mib": seg / 2**20}
+            del loader
+            if cache.memory is not None:
+                cache.memory.unlink()  # type: ignore[attr-defined]
+            cache.close()
+        rows["memory"] = {str(k): v for k, v in mem.items()}
+        print("memory", rows["memory"])
+
+        a_rate = rows["a_torch_uncached"]["samples_per_s"]
+        c_rate = rows["c_numpy_bound"]["samples_per_s"]
+        warm_rate = rows["mmcache_warm"]["samples_per_s"]
+        checks = [
+            ("warm vs (c) numpy bound", warm_rate / c_rate, ">= 0.50"),
+            ("warm vs (a) uncached", warm_rate / a_rate, ">= 10"),
+            ("cold vs (a) uncached", rows["mmcache_cold"]["samples_per_s"] / a_rate, ">= 0.95"),
+            ("50% budget epoch time vs (a)", rows["mmcache_50pct"]["epoch_time_vs_a"], "<= 0.55"),
+            ("50% budget hit rate", rows["mmcache_50pct"]["hit_rate"], "0.49-0.51"),
+            (
+                "(b) note LRU 50% vs (a)",
+                rows["b_note_lru_50pct"]["samples_per_s"] / a_rate,
+                "(reported)",
+            ),
+            ("warm stall / step", rows["stall"]["stall_fraction_of_step"], "< 0.05"),
+        ]
+
+        def verdict(value: float, target: str) -> str:
+            if target.startswith(">="):
+                return "PASS" if value >= float(target[2:]) else "MISS"
+            if target.startswith("<="):
+                return "PASS" if value <= float(target[2:]) else "MISS"
+            if target.startswith("<"):
+                return "PASS" if value < float(target[1:]) else "MISS"
+            if "-" in target and not target.startswith("("):
+                lo, hi = (float(x) for x in target.split("-"))
+                return "PASS" if lo <= value <= hi else "MISS"
+            return ""
+
+        lines = [
+            f"# Loader benchmark ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, "
+            f"torch {torch.__version__}, mmcache {mc.__version__})",
+            "",
+            f"{n} synthetic COCO-sized samples ({data_bytes / 2**20:.0f} MiB preprocessed), "
+            f"batch {bs}, {w} workers, resize 256 / crop 224, 32 tokens.",
+            "",
+            "| system | samples/s |",
+            "|---|---:|",
+        ]
+        for name in (
+            "a_torch_uncached",
+            "b_note_lru_50pct",
+            "c_numpy_bound",
+            "mmcache_cold",
+            "mmcache_warm",
+            "mmcache_50pct",
+        ):
+            lines.append(f"| {name} | {rows[name]['samples_per_s']:,.0f} |")
+        lines += ["", "| check | value | target | |", "|---|---:|---|---|"]
+        for name, value, target in checks:
+            lines.append(f"| {name} | {value:.3f} | {target} | {verdict(value, target)} |")
+        lines += [
+            "",
+            "| workers | peak PSS of loader processes (MiB) | shared segment (MiB) |",
+            "|---:|---:|---:|",
+        ]
+        for k, v in mem.items():
+            lines.append(f"| {k} | {v['peak_pss_mib']:.0f} | {v['shm_mib']:.0f} |")
+        report = "\n".join(lines)
+        print()
+        print(report)
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(report + "\n")
+        out.with_suffix(".json").write_text(json.dumps(rows, indent=1, default=str))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,274 @@
+"""Cache: tiers, promotion, TTL, corruption, verify/gc, fallback, CachedDataset."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from mmcache import codec
+from mmcache.cache import Cache
+from mmcache.cached import CachedDataset
+from mmcache.dataset import MultimodalDataset, collate
+from mmcache.errors import CacheError, ConfigError
+from mmcache.keys import key_hex, sample_key
+from mmcache.pipeline import ImageSpec, Pipeline, TextSpec
+
+
+def _key(i: int) -> bytes:
+    return sample_key(f"id{i}", "stamp", "fp")
+
+
+def _sample(i: int, n: int = 1000) -> dict[str, np.ndarray]:
+    return {"x": np.full(n, i % 251, dtype=np.uint8), "i": np.array([i], dtype=np.int64)}
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_put_get_round_trip_both_tiers(cache_root: Path) -> None:
+    with Cache(cache_root, memory="1MiB", disk="4MiB", temporary=True) as cache:
+        assert cache.get(_key(1)) is None
+        assert cache.put(_key(1), _sample(1), cost=0.01)
+        got = cache.get(_key(1))
+        assert got is not None and got["i"].tolist() == [1] and not got["x"].flags.writeable
+        assert cache.get(key_hex(_key(1))) is not None  # hex keys work too
+        s = cache.stats()
+        assert s["memory"].hits == 2 and s["memory"].misses == 1 and s["memory"].items == 1
+        assert s["disk"].items == 1 and s["disk"].bytes > 1000
+        assert _key(1) in cache and cache.contains(key_hex(_key(1)))
+
+
+def test_disk_hit_is_verified_and_promoted(cache_root: Path) -> None:
+    with Cache(cache_root, memory=0, disk="4MiB") as cache:
+        cache.put(_key(2), _sample(2), cost=0.5)
+    with Cache(cache_root, memory="1MiB", disk="4MiB", temporary=True) as cache:
+        sample, tier = cache.lookup(_key(2))
+        assert tier == "disk" and sample is not None and sample["i"].tolist() == [2]
+        assert cache.memory is not None and cache.memory.contains(_key(2))
+        info = cache.memory.info(_key(2))
+        assert info is not None and info.cost == pytest.approx(0.5)  # cost carried along
+        assert cache.lookup(_key(2))[1] == "memory"
+
+
+def test_ttl_expires_entries(cache_root: Path) -> None:
+    clock = FakeClock()
+    with Cache(
+        cache_root, memory="1MiB", disk="4MiB", ttl="1h", clock=clock, temporary=True
+    ) as cache:
+        cache.put(_key(3), _sample(3))
+        clock.now += 1800
+        assert cache.get(_key(3)) is not None
+        clock.now += 3600
+        assert cache.get(_key(3)) is None  # expired: a miss, and removed
+        assert not cache.contains(_key(3))
+
+
+def test_gc_removes_expired(cache_root: Path) -> None:
+    clock = FakeClock()
+    with Cache(
+        cache_root, memory="1MiB", disk="4MiB", ttl=10, clock=clock, temporary=True
+    ) as cache:
+        for i in range(5):
+            cache.put(_key(i), _sample(i))
+        clock.now += 5
+        cache.put(_key(9), _sample(9))
+        clock.now += 6
+        report = cache.gc()
+        assert report.expired == 5 * 2  # five entries in each of two tiers
+        assert report.freed_bytes > 0
+        assert cache.get(_key(9)) is not None
+
+
+def test_corrupt_disk_entry_is_dropped_counted_never_served(cache_root: Path) -> None:
+    import lmdb
+
+    with Cache(cache_root, memory=0, disk="4MiB") as cache:
+        cache.put(_key(4), _sample(4))
+    env = lmdb.open(str(cache_root / "disk"), max_dbs=8, subdir=True)
+    data = env.open_db(b"data")
+    with env.begin(write=True) as txn:
+        raw = bytearray(txn.get(_key(4), db=data))
+        raw[-1] ^= 0xFF  # flip one payload byte
+        txn.put(_key(4), bytes(raw), db=data)
+    env.close()
+    with Cache(cache_root, memory=0, disk="4MiB") as cache:
+        report = cache.verify()
+        assert not report.ok and report.bad == (key_hex(_key(4)),)
+        assert cache.get(_key(4)) is None
+        assert cache.stats()["disk"].corrupt >= 1
+        assert not cache.contains(_key(4))
+
+
+def test_verify_repair_and_open_existing(cache_root: Path) -> None:
+    with Cache(cache_root, memory=0, disk="4MiB", policy="lru", ttl="7d") as cache:
+        for i in range(3):
+            cache.put(_key(i), _sample(i))
+    reopened = Cache.open_existing(cache_root)
+    try:
+        assert reopened.disk_budget == 4 * 1024 * 1024 and reopened.policy.name == "lru"
+        assert reopened.ttl == 7 * 86400
+        assert reopened.verify().checked >= 3 and reopened.verify().ok
+    finally:
+        reopened.close()
+    with pytest.raises(CacheError, match="not an mmcache cache root"):
+        Cache.open_existing(cache_root / "nowhere")
+
+
+def test_gc_max_size_shrinks_the_disk_tier(cache_root: Path) -> None:
+    with Cache(cache_root, memory=0, disk="4MiB") as cache:
+        for i in range(20):
+            cache.put(_key(i), _sample(i, n=50_000))
+        assert cache.disk is not None
+        assert cache.disk.nbytes() > 500_000
+        report = cache.gc(max_size="500KiB")
+        assert cache.disk.nbytes() <= 500 * 1024 and report.evicted > 0
+    assert Cache.open_existing(cache_root, memory=0).disk_budget == 500 * 1024
+
+
+def test_get_or_produce_measures_cost(cache_root: Path) -> None:
+    calls = []
+
+    def produce() -> dict[str, np.ndarray]:
+        calls.append(1)
+        x = np.zeros(200_000)
+        for _ in range(20):
+            x = np.sqrt(x + 1.0)
+        return _sample(5)
+
+    with Cache(cache_root, memory="1MiB", temporary=True) as cache:
+        a = cache.get_or_produce(_key(5), produce)
+        b = cache.get_or_produce(_key(5), produce)
+        assert calls == [1] and a["i"].tolist() == b["i"].tolist() == [5]
+        assert cache.memory is not None
+        info = cache.memory.info(_key(5))
+        assert info is not None and info.cost > 0
+
+
+def test_memory_budget_is_hard(cache_root: Path) -> None:
+    with Cache(cache_root, memory=100_000, policy="lru", temporary=True) as cache:
+        for i in range(50):
+            cache.put(_key(i), _sample(i, n=9000))
+            assert cache.memory is not None and cache.memory.nbytes() <= 100_000
+        assert cache.stats()["memory"].evictions > 0
+
+
+def test_bad_arguments(cache_root: Path) -> None:
+    with pytest.raises(ConfigError):
+        Cache(cache_root, memory="10GB")
+    with pytest.raises(ConfigError):
+        Cache(cache_root, memory=0, policy="mru")
+    with pytest.raises(ConfigError):
+        Cache(cache_root, memory=0, fallback="ignore")  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_read_only_root_raises_or_falls_back(tmp_path: Path) -> None:  # pragma: no cover
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    with pytest.raises(CacheError, match="fallback='uncached'"):
+        Cache(ro / "c", memory=0, disk="1MiB")
+    cache = Cache(ro / "c", memory=0, disk="1MiB", fallback="uncached")
+    assert cache.disk is None
+
+
+def test_unusable_disk_root_falls_back_when_allowed(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(CacheError, match="fallback='uncached'"):
+        Cache(blocker / "cache", memory=0, disk="1MiB")
+    cache = Cache(blocker / "cache", memory=0, disk="1MiB", fallback="uncached")
+    assert cache.disk is None and cache.get(_key(1)) is None
+    assert cache.put(_key(1), _sample(1)) is False  # uncached: nothing admitted, no error
+
+
+def test_pickled_cache_reattaches(cache_root: Path) -> None:
+    import pickle
+
+    with Cache(cache_root, memory="1MiB", disk="4MiB", temporary=True) as cache:
+        cache.put(_key(7), _sample(7))
+        twin = pickle.loads(pickle.dumps(cache))
+        try:
+            got = twin.get(_key(7))
+            assert got is not None and got["i"].tolist() == [7]
+        finally:
+            twin.close()
+
+
+@pytest.mark.parametrize(("workers", "ctx"), [(2, "fork"), (2, "spawn")])
+def test_cached_dataset_with_torch_workers(
+    tiny_data: Path, small_pipeline: Pipeline, cache_root: Path, workers: int, ctx: str
+) -> None:
+    ds = MultimodalDataset(tiny_data, pipeline=small_pipeline)
+    with Cache(cache_root, memory="8MiB", disk="16MiB", temporary=True) as cache:
+        cds = CachedDataset(ds, cache)
+        loader = torch.utils.data.DataLoader(
+            cds,
+            batch_size=8,
+            num_workers=workers,
+            multiprocessing_context=ctx,
+            collate_fn=collate,
+        )
+        first = list(loader)
+        second = list(loader)
+        for a, b in zip(first, second, strict=True):
+            assert a["id"] == b["id"] and torch.equal(a["image"], b["image"])
+            assert a["key"] == [key_hex(ds.key(ds.records.index_of(i))) for i in a["id"]]
+        s = cache.stats()["memory"]
+        assert s.items == 48 and s.hits >= 48  # the second pass hit, in the workers
+        direct = ds[5]
+        assert direct is not None
+        assert torch.equal(direct["image"], first[0]["image"][5])
+
+
+def test_invalidation_touch_caption_pipeline(
+    tmp_path: Path, tiny_data: Path, tokenizer_json: Path, cache_root: Path
+) -> None:
+    import json
+
+    recs = [json.loads(x) for x in tiny_data.read_text().splitlines()[:4]]
+    img = tmp_path / "img.jpg"
+    img.write_bytes((tiny_data.parent / recs[0]["image_path"]).read_bytes())
+    manifest = tmp_path / "m.jsonl"
+
+    def write(caption: str) -> None:
+        manifest.write_text(json.dumps({"id": "a", "image_path": "img.jpg", "caption": caption}))
+
+    pipe = Pipeline(image=ImageSpec(size=32), text=TextSpec(tokenizer_json, max_length=8))
+    with Cache(cache_root, memory="4MiB", temporary=True) as cache:
+        write("a red cat")
+        ds = MultimodalDataset(manifest, pipeline=pipe)
+        cds = CachedDataset(ds, cache)
+        cds[0]
+        assert cache.get(ds.key(0)) is not None  # now cached
+        first_key = ds.key(0)
+        # 1. touch the image file
+        st = img.stat()
+        os.utime(img, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        assert cache.get(ds.key(0)) is None and ds.key(0) != first_key
+        # 2. change the caption
+        write("a blue dog")
+        ds2 = MultimodalDataset(manifest, pipeline=pipe)
+        assert cache.get(ds2.key(0)) is None
+        # 3. change the pipeline
+        pipe3 = Pipeline(image=ImageSpec(size=48), text=TextSpec(tokenizer_json, max_length=8))
+        ds3 = MultimodalDataset(manifest, pipeline=pipe3)
+        assert cache.get(ds3.key(0)) is None
+        # and the changed samples really are the new ones
+        item = CachedDataset(ds3, cache)[0]
+        assert item is not None and item["image"].shape == (3, 48, 48)
+
+
+def test_entry_too_large_refused_and_counted(cache_root: Path) -> None:
+    with Cache(cache_root, memory=10_000, temporary=True) as cache:
+        assert cache.put(_key(1), _sample(1, n=20_000)) is False
+        assert cache.stats()["memory"].refused == 1
+        assert codec.encoded_size(_sample(1, n=20_000)) > 10_000
