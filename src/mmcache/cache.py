@@ -240,15 +240,14 @@ class Cache:
         if not isinstance(config, dict) or config.get("format") != 1:
             raise CacheError(f"{path}: unknown cache config format")
         policy = config.get("policy", "value")
-        mem = config.get("memory", 0) if memory is None else memory
-        return cls(
-            root,
-            memory=mem,
-            disk=config.get("disk"),
-            policy=policy if policy in policy_names() else "value",
-            ttl=config.get("ttl"),
-            **kwargs,
-        )
+        options: dict[str, Any] = {
+            "memory": config.get("memory", 0) if memory is None else memory,
+            "disk": config.get("disk"),
+            "policy": policy if policy in policy_names() else "value",
+            "ttl": config.get("ttl"),
+        }
+        options.update(kwargs)
+        return cls(root, **options)
 
     def __getstate__(self) -> dict[str, Any]:
         return {

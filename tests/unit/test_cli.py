@@ -1,0 +1,163 @@
+"""The CLI: each command on small data, in-process (main(argv)) and once as a real process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mmcache.cli import main
+
+
+def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for cmd in ("demo", "synth", "warm", "stats", "verify", "gc"):
+        assert cmd in out
+    for cmd in ("demo", "synth", "warm", "stats", "verify", "gc"):
+        with pytest.raises(SystemExit):
+            main([cmd, "--help"])
+        assert "usage" in capsys.readouterr().out
+
+
+def test_demo_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    png = tmp_path / "demo.png"
+    code = main(
+        [
+            "demo",
+            "--n",
+            "64",
+            "--epochs",
+            "2",
+            "--workers",
+            "1",
+            "--size",
+            "32",
+            "--batch-size",
+            "16",
+            "--plot",
+            str(png),
+            "--json",
+        ]
+    )
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "samples/s" in out and png.stat().st_size > 1000
+    stats = json.loads(out[out.index("{") :])
+    assert stats["epochs"][0]["misses"] == 64 and stats["epochs"][1]["hits"] == 64
+
+
+def test_warm_stats_verify_gc(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["synth", str(tmp_path / "data"), "--n", "12"]) == 0
+    manifest = tmp_path / "data" / "manifest.jsonl"
+    cache = tmp_path / "cache"
+    capsys.readouterr()
+    assert (
+        main(
+            [
+                "warm",
+                str(manifest),
+                "--cache",
+                str(cache),
+                "--workers",
+                "0",
+                "--size",
+                "32",
+                "--disk",
+                "64MiB",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    report = json.loads(capsys.readouterr().out)
+    assert report["total"] == 12 and report["admitted"] == 12
+    # resumable: a second run finds everything present
+    assert (
+        main(
+            [
+                "warm",
+                str(manifest),
+                "--cache",
+                str(cache),
+                "--workers",
+                "0",
+                "--size",
+                "32",
+                "--disk",
+                "64MiB",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    again = json.loads(capsys.readouterr().out)
+    assert again["present"] == 12 and again["produced"] == 0
+    assert main(["stats", "--cache", str(cache), "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["disk"]["items"] == 12 and stats["disk"]["budget"] == 64 * 2**20
+    assert main(["stats", "--cache", str(cache)]) == 0
+    assert "disk" in capsys.readouterr().out
+    assert main(["verify", "--cache", str(cache), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"] is True
+    assert main(["gc", "--cache", str(cache), "--older-than", "7d", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["expired"] == 0
+    assert main(["gc", "--cache", str(cache), "--max-size", "10KiB", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["evicted"] > 0
+
+
+def test_verify_exit_code_on_a_corrupt_entry(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import lmdb
+
+    assert main(["synth", str(tmp_path / "data"), "--n", "3"]) == 0
+    cache = tmp_path / "cache"
+    assert (
+        main(
+            [
+                "warm",
+                str(tmp_path / "data" / "manifest.jsonl"),
+                "--cache",
+                str(cache),
+                "--workers",
+                "0",
+                "--size",
+                "32",
+                "--disk",
+                "8MiB",
+            ]
+        )
+        == 0
+    )
+    env = lmdb.open(str(cache / "disk"), max_dbs=8)
+    data = env.open_db(b"data")
+    with env.begin(write=True) as txn:
+        key, value = next(iter(txn.cursor(db=data)))
+        txn.put(key, value[:-1] + bytes([value[-1] ^ 1]), db=data)
+    env.close()
+    capsys.readouterr()
+    assert main(["verify", "--cache", str(cache)]) == 1
+    assert "1 bad" in capsys.readouterr().out
+    assert main(["verify", "--cache", str(cache), "--repair"]) == 0
+    assert main(["verify", "--cache", str(cache)]) == 0
+
+
+def test_errors_are_one_line_with_exit_code_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["stats", "--cache", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err
+    assert "not an mmcache cache root" in err and "Traceback" not in err
+
+
+def test_console_script_runs() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "mmcache.cli", "--help"], capture_output=True, text=True, check=True
+    )
+    assert "demo" in out.stdout
