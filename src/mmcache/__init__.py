@@ -26,6 +26,14 @@ from mmcache.errors import (
     MmcacheError,
     SampleError,
 )
+from mmcache.features import (
+    FeatureBudgetWarning,
+    FeatureCache,
+    FeatureLoader,
+    FeatureStats,
+    load_factory,
+    warm_features,
+)
 from mmcache.loader import DataLoader
 from mmcache.manifest import Records, read_manifest
 from mmcache.pipeline import (
@@ -39,10 +47,15 @@ from mmcache.pipeline import (
     normalize,
     train_tokenizer,
 )
+from mmcache.plot import plot
 from mmcache.policies import Policy, Residents, get_policy, policy_names, register_policy
 from mmcache.sampler import EpochSampler
 from mmcache.stats import CacheStats, EpochStats, LoaderStats, TierStats
+from mmcache.stores.base import Store
+from mmcache.stores.disk import DiskStore
+from mmcache.stores.memory import MemoryStore, reclaim_orphans
 from mmcache.units import format_size, parse_duration, parse_size
+from mmcache.warm import WarmReport, warm
 
 __version__ = "0.1.0"
 
@@ -58,13 +71,19 @@ __all__ = [
     "ConfigError",
     "CorruptEntryError",
     "DataLoader",
+    "DiskStore",
     "EntryTooLargeError",
     "EpochSampler",
     "EpochStats",
+    "FeatureBudgetWarning",
+    "FeatureCache",
+    "FeatureLoader",
+    "FeatureStats",
     "GcReport",
     "ImageSpec",
     "LoaderStats",
     "ManifestError",
+    "MemoryStore",
     "MmcacheError",
     "MultimodalDataset",
     "Pipeline",
@@ -74,22 +93,29 @@ __all__ = [
     "Residents",
     "Sample",
     "SampleError",
+    "Store",
     "TextSpec",
     "TierStats",
     "VerifyReport",
+    "WarmReport",
     "__version__",
     "codec",
     "collate",
     "format_size",
     "get_policy",
     "keys",
+    "load_factory",
     "normalize",
     "parse_duration",
     "parse_size",
+    "plot",
     "policy_names",
     "read_manifest",
+    "reclaim_orphans",
     "register_policy",
     "sizing",
     "synth",
     "train_tokenizer",
+    "warm",
+    "warm_features",
 ]

@@ -37,6 +37,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -165,7 +166,17 @@ class _MissBatches:
     """
 
     def __init__(self, loader: DataLoader) -> None:
-        self.loader = loader
+        # A weak reference: the loader owns the torch DataLoader that owns this
+        # sampler; a strong one would make a cycle that keeps persistent workers
+        # alive after the user drops the loader.
+        self._loader = weakref.ref(loader)
+
+    @property
+    def loader(self) -> DataLoader:
+        loader = self._loader()
+        if loader is None:
+            raise RuntimeError("the mmcache.DataLoader of this sampler was garbage-collected")
+        return loader
 
     def __iter__(self) -> Iterator[list[tuple[int, bytes]]]:
         run = self.loader._run
@@ -326,6 +337,28 @@ class DataLoader:
                 )
         self._epoch = int(state["epoch"])
         self._position = int(state["position"])
+
+    def close(self) -> None:
+        """Stop the worker processes now (persistent ones included). Idempotent.
+
+        Dropping the loader does the same; ``close`` makes it deterministic. A
+        later iteration starts new workers.
+        """
+        inner, self._inner = self._inner, None
+        iterator = getattr(inner, "_iterator", None) if inner is not None else None
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+
+    def __enter__(self) -> DataLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
 
     def stats(self) -> LoaderStats:
         """Hits, misses, stall time and throughput, per epoch and overall."""
