@@ -51,6 +51,7 @@ from mmcache.dataset import MultimodalDataset
 from mmcache.errors import ConfigError, SampleError
 from mmcache.sampler import EpochSampler
 from mmcache.stats import EpochStats, LoaderStats
+from mmcache.units import format_size
 
 __all__ = ["DataLoader"]
 
@@ -219,6 +220,9 @@ class DataLoader:
         prefetch: miss batches in flight per worker (torch's ``prefetch_factor``).
         persistent_workers, worker_init_fn, multiprocessing_context, generator,
             timeout: as in ``torch.utils.data.DataLoader``, for the miss workers.
+        on_epoch_end: called after each complete epoch with a dict of scalars
+            (``epoch``, ``samples_per_s``, ``hit_rate``, ``hit_rate/memory``,
+            ``hit_rate/disk``, ``stall_s``, ...), ready for TensorBoard or W&B.
     """
 
     def __init__(
@@ -240,6 +244,7 @@ class DataLoader:
         multiprocessing_context: Any = None,
         generator: torch.Generator | None = None,
         timeout: float = 0,
+        on_epoch_end: Callable[[dict[str, float]], None] | None = None,
     ) -> None:
         if not isinstance(dataset, MultimodalDataset):
             raise ConfigError(
@@ -289,6 +294,8 @@ class DataLoader:
         self._run: _EpochRun | None = None
         self._history: dict[int, EpochStats] = {}
         self._layout: codec.Header | None = None
+        self.on_epoch_end = on_epoch_end
+        self._warned_low_hits = False
 
     # -- public API -------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -376,6 +383,72 @@ class DataLoader:
         return self._iterate(run)
 
     # -- planning (training process) -------------------------------------------------------
+    def _epoch_done(self, stats: EpochStats) -> None:
+        """Per-epoch hooks: the user's callback, and the low-hit-rate warning."""
+        if self.on_epoch_end is not None:
+            scalars: dict[str, float] = {
+                "epoch": float(stats.epoch),
+                "samples": float(stats.samples),
+                "samples_per_s": stats.samples_per_s,
+                "hit_rate": stats.hit_rate,
+                "stall_s": stats.stall_s,
+                "misses": float(stats.misses),
+                "rejects": float(stats.rejects),
+            }
+            total = max(stats.hits + stats.misses, 1)
+            for tier in ("memory", "disk"):
+                scalars[f"hit_rate/{tier}"] = stats.tier_hits.get(tier, 0) / total
+            self.on_epoch_end(scalars)
+        self._check_hit_rate(stats)
+
+    def _check_hit_rate(self, stats: EpochStats) -> None:
+        """Warn once when the hit rate stays far below what the budgets should give.
+
+        After the first epoch every sample was offered to the cache, so from the
+        second epoch on a tier whose budget holds the data should hit nearly
+        always, and one that holds a fraction c of it about c of the time
+        (``keep``/``value``). Far below that there is a reason worth telling.
+        """
+        if self._warned_low_hits or self.cache is None or stats.epoch < 1:
+            return
+        if stats.epoch - 1 not in self._history or self._layout is None:
+            return
+        entry = self._layout.length
+        data = entry * max(self.sampler.num_samples() * self.sampler.world_size, 1)
+        budget = (self.cache.memory_budget if self.cache.memory is not None else 0) + (
+            self.cache.disk_budget or 0 if self.cache.disk is not None else 0
+        )
+        expected = min(1.0, budget / data)
+        if expected < 0.05 or stats.hit_rate >= 0.5 * expected:
+            return
+        if self.cache.policy.name == "lru":
+            reason = (
+                "policy 'lru' thrashes under per-epoch shuffling (each epoch evicts entries "
+                "just before their reuse); use policy='value' (default) or 'keep'"
+            )
+        elif stats.late_misses > stats.misses // 2:
+            reason = (
+                "planned hits were evicted before use: another process is churning the "
+                "memory tier (another job with another pipeline on the same root?)"
+            )
+        else:
+            reason = (
+                "the entries written last epoch are not found again: is the pipeline "
+                "fingerprint changing between runs (a tokenizer or transform built "
+                "differently each time), or are image files rewritten?"
+            )
+        logger.warning(
+            "epoch %d hit rate %.2f is far below the %.2f the cache budgets should give "
+            "(%s of budget for %s of data): %s",
+            stats.epoch,
+            stats.hit_rate,
+            expected,
+            format_size(budget),
+            format_size(data),
+            reason,
+        )
+        self._warned_low_hits = True
+
     def _epoch_batches(self, epoch: int) -> list[np.ndarray]:
         order = self.sampler.indices(epoch)
         bs = self.batch_size
@@ -431,6 +504,8 @@ class DataLoader:
                 stats.begin(t0)
                 item = ready.get()
                 if item is None:
+                    self._history[run.epoch] = stats.snapshot()
+                    self._epoch_done(self._history[run.epoch])
                     break
                 if isinstance(item, _Failure):
                     raise item.error

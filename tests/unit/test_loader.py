@@ -235,3 +235,22 @@ def _noop_init(worker_id: int) -> None:
 
 def _iter_batches(loader: DataLoader) -> Iterator[dict[str, Any]]:
     yield from loader
+
+
+def test_epoch_callback_and_low_hit_rate_warning(
+    ds: MultimodalDataset, cache_root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    seen: list[dict[str, float]] = []
+    cache = Cache(cache_root, memory=24 * SAMPLE_BYTES, policy="lru", temporary=True)
+    try:
+        loader = DataLoader(ds, cache=cache, batch_size=8, seed=1, on_epoch_end=seen.append)
+        with caplog.at_level("WARNING", logger="mmcache.loader"):
+            for epoch in range(3):
+                _epoch(loader, epoch)
+        assert [d["epoch"] for d in seen] == [0.0, 1.0, 2.0]
+        assert {"samples_per_s", "hit_rate", "hit_rate/memory", "stall_s"} <= set(seen[0])
+        warnings = [r for r in caplog.records if "far below" in r.getMessage()]
+        assert len(warnings) == 1 and "lru" in warnings[0].getMessage()  # once, with a reason
+    finally:
+        loader.close()
+        cache.close()
