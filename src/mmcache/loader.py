@@ -89,8 +89,8 @@ class _MissTasks(torch.utils.data.Dataset[_Result]):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def run(self, index: int, key: bytes) -> _Result:
-        if self.cache is not None:
+    def run(self, index: int, key: bytes, *, cached: bool = True) -> _Result:
+        if self.cache is not None and cached:
             sample, tier = self.cache.lookup(key)
             if sample is not None:
                 return _Result(index, tier or _MEMORY, {k: np.array(v) for k, v in sample.items()})
@@ -590,7 +590,7 @@ class DataLoader:
         hit_rows = np.flatnonzero(plan.planned_hit)
         # Learn the layout (field names, dtypes, shapes) from the first sample we see.
         if self._layout is None:
-            self._layout = self._find_layout(plan, rows, hit_rows)
+            self._layout = self._find_layout(plan, rows, sources, hit_rows)
         layout = self._layout
         if layout is None:  # every sample of the batch was rejected
             stats.count(sources)
@@ -612,6 +612,22 @@ class DataLoader:
                 sources[r] = res.source
         for rr in np.flatnonzero(found):
             sources[int(rr)] = _MEMORY
+        for r in list(rows):
+            if sources[r] != _PRODUCED and not _shapes_match(layout, rows[r]):
+                # A cached entry of another layout under this key: damaged. Drop it
+                # from every tier and decode the sample instead.
+                if self.cache is not None:
+                    for tier in self.cache.tiers.values():
+                        tier.discard(plan.keys[r], why="corrupt")
+                res = self._tasks.run(int(plan.indices[r]), plan.keys[r], cached=False)
+                if res.error is not None:
+                    self._reject(res.error)
+                    sources[r] = _REJECTED
+                    del rows[r]
+                    continue
+                if res.sample is None:  # pragma: no cover - run() returns one or the other
+                    raise RuntimeError("miss task returned neither a sample nor an error")
+                rows[r], sources[r] = res.sample, _PRODUCED
         for r, sample in rows.items():
             self._check_shapes(layout, sample, int(plan.indices[r]))
             for f in layout.fields:
@@ -638,16 +654,25 @@ class DataLoader:
         self.dataset.record_reject(err)
 
     def _find_layout(
-        self, plan: _Plan, rows: dict[int, dict[str, np.ndarray]], hit_rows: np.ndarray
+        self,
+        plan: _Plan,
+        rows: dict[int, dict[str, np.ndarray]],
+        sources: list[str],
+        hit_rows: np.ndarray,
     ) -> codec.Header | None:
-        for sample in rows.values():
-            return codec.read_header(codec.encode(sample))
+        """The batch layout, from a freshly produced sample if there is one, else from a
+        cached entry whose checksum verifies (memory-tier reads are not verified)."""
+        for r, sample in rows.items():
+            if sources[r] == _PRODUCED:
+                return codec.read_header(codec.encode(sample))
         memory = self.cache.memory if self.cache is not None else None
         if memory is not None:
             for r in hit_rows:
                 raw = memory.get(plan.keys[r])
-                if raw is not None:
+                if raw is not None and codec.verify(raw):
                     return codec.read_header(raw)
+        for sample in rows.values():  # from the disk tier (verified) via a worker
+            return codec.read_header(codec.encode(sample))
         return None
 
     def _allocate(self, layout: codec.Header, n: int) -> dict[str, torch.Tensor]:
@@ -688,6 +713,16 @@ class DataLoader:
                 )
 
 
+def _shapes_match(layout: codec.Header, sample: dict[str, np.ndarray]) -> bool:
+    if len(sample) != len(layout.fields):
+        return False
+    for f in layout.fields:
+        arr = sample.get(f.name)
+        if arr is None or tuple(arr.shape) != tuple(f.shape) or arr.dtype != f.dtype:
+            return False
+    return True
+
+
 def memory_gather(
     memory: Any,
     layout: codec.Header,
@@ -705,34 +740,105 @@ def memory_gather(
     fields it copies each entry's fixed header and field table, and treats as
     absent an entry whose table differs from ``layout`` (a sample of another
     shape) or that expired: the caller produces those instead.
+
+    Ranges: each large field (the image) is copied straight into the batch
+    tensor when every row of the batch is a hit; the header and the small
+    fields (token ids, mask) that lie close together are merged into as few
+    ranges as possible, because each range costs a Python-level row copy.
     """
     n = len(keys)
-    table_end = codec.HEADER_SIZE + len(layout.layout_key) - _SIG_PREFIX
-    head = np.empty((n, table_end), dtype=np.uint8)
+    plan = _gather_plan(layout)
     full = len(rows) == next(iter(out.values())).shape[0]
-    targets: list[tuple[int, int, np.ndarray]] = [(0, table_end, head)]
-    temps: dict[str, np.ndarray] = {}
-    for f in layout.fields:
-        if full:  # every row is a hit: gather straight into the batch tensor
-            dst = out[f.name].numpy().reshape(n, -1).view(np.uint8)
+    targets: list[tuple[int, int, np.ndarray]] = []
+    seg_bufs: list[np.ndarray] = []
+    direct: dict[str, np.ndarray] = {}
+    for start, stop, names in plan.segments:
+        if full and len(names) == 1 and start == plan.offsets[names[0]][0] and start > 0:
+            f = names[0]
+            dst = out[f].numpy().reshape(n, -1).view(np.uint8)  # straight into the batch
+            direct[f] = dst
+            seg_bufs.append(dst)
         else:
-            dst = np.empty((n, f.nbytes), dtype=np.uint8)
-            temps[f.name] = dst
-        targets.append((f.offset, f.nbytes, dst))
+            dst = np.empty((n, stop - start), dtype=np.uint8)
+            seg_bufs.append(dst)
+        targets.append((start, stop - start, dst))
     found = np.asarray(memory.gather_ranges(keys, targets), dtype=bool)
-    expected = _expected_head(layout, table_end)
-    ok = found & _head_matches(head, expected)
+    head = seg_bufs[0][:, : plan.table_end]
+    foreign = found & ~_head_matches(head, plan.expected_head)
+    ok = found & ~foreign
+    expired = np.zeros(n, dtype=bool)
     if ttl_cutoff is not None:
         ctime = head[:, 24:32].copy().view("<f8").reshape(n)
-        ok &= ctime >= ttl_cutoff
-    if not full:
-        sel = torch.as_tensor(rows[ok])
-        for f in layout.fields:
-            if len(sel):
-                src = temps[f.name][ok].view(f.dtype).reshape(-1, *f.shape)
-                out[f.name][sel] = torch.from_numpy(src)
+        expired = ok & (ctime < ttl_cutoff)
+        ok &= ~expired
+    # Never serve them, and drop them so nobody else does: a layout that is not the
+    # one this key must have can only be a damaged entry.
+    for i in np.flatnonzero(foreign).tolist():
+        memory.discard(keys[i], why="corrupt")
+    for i in np.flatnonzero(expired).tolist():
+        memory.discard(keys[i], why="expired")
+    all_ok = bool(ok.all())
+    sel_rows = torch.as_tensor(rows[ok])
+    for (start, _stop, names), buf in zip(plan.segments, seg_bufs, strict=True):
+        for name in names:
+            if name in direct:
+                continue
+            off, nbytes, dtype, shape = plan.offsets[name]
+            src = buf[:, off - start : off - start + nbytes]
+            if not all_ok:
+                src = src[ok]
+            if src.shape[0] == 0:
+                continue
+            arr = np.ascontiguousarray(src).view(dtype).reshape(-1, *shape)
+            if full and all_ok:
+                out[name].numpy()[...] = arr
+            else:
+                out[name][sel_rows] = torch.from_numpy(arr)
     result: np.ndarray = ok
     return result
+
+
+@dataclass(frozen=True)
+class _GatherPlan:
+    """How to read one layout: merged byte ranges, and what the header must say."""
+
+    segments: tuple[tuple[int, int, tuple[str, ...]], ...]  # (start, stop, field names)
+    offsets: dict[str, tuple[int, int, np.dtype[Any], tuple[int, ...]]]
+    table_end: int
+    expected_head: np.ndarray
+
+
+#: Fields larger than this get a range of their own (copied straight into the batch).
+_LARGE_FIELD = 4096
+#: Merge neighbouring ranges separated by at most this many bytes (alignment padding).
+_MERGE_GAP = 256
+_PLANS: dict[bytes, _GatherPlan] = {}
+
+
+def _gather_plan(layout: codec.Header) -> _GatherPlan:
+    plan = _PLANS.get(layout.layout_key)
+    if plan is not None:
+        return plan
+    table_end = codec.HEADER_SIZE + len(layout.layout_key) - _SIG_PREFIX
+    segments: list[tuple[int, int, list[str]]] = [(0, table_end, [])]
+    for f in sorted(layout.fields, key=lambda f: f.offset):
+        start, stop = f.offset, f.offset + f.nbytes
+        last = segments[-1]
+        last_large = len(last[2]) == 1 and (last[1] - last[0]) > _LARGE_FIELD
+        if f.nbytes <= _LARGE_FIELD and not last_large and start - last[1] <= _MERGE_GAP:
+            segments[-1] = (last[0], stop, [*last[2], f.name])
+        else:
+            segments.append((start, stop, [f.name]))
+    offsets = {f.name: (f.offset, f.nbytes, f.dtype, tuple(f.shape)) for f in layout.fields}
+    plan = _GatherPlan(
+        segments=tuple((a, b, tuple(names)) for a, b, names in segments),
+        offsets=offsets,
+        table_end=table_end,
+        expected_head=_expected_head(layout, table_end),
+    )
+    if len(_PLANS) < 64:
+        _PLANS[layout.layout_key] = plan
+    return plan
 
 
 # layout_key = uint16 version + uint32 nfields + the raw field table (codec.read_header).

@@ -782,7 +782,10 @@ class Pipeline:
         Raises SampleError when the pipeline needs an image (or a caption) and the
         record has none, or when the image cannot be decoded.
         """
+        # Text fields first: the codec stores fields in this order, so the small ones
+        # sit next to the header and the loader reads header + tokens as one range.
         out: dict[str, npt.NDArray[Any]] = {}
+        image: npt.NDArray[Any] | None = None
         if self.image is not None:
             if image_path is None:
                 raise SampleError(
@@ -790,7 +793,7 @@ class Pipeline:
                     "(use Pipeline(image=None, ...) for text-only data)",
                     sample_id=sample_id,
                 )
-            out["image"] = _load_image(self.image, image_path, sample_id=sample_id)
+            image = _load_image(self.image, image_path, sample_id=sample_id)
         if self.text is not None:
             if text is None:
                 raise SampleError(
@@ -800,6 +803,8 @@ class Pipeline:
                     path=None if image_path is None else os.fspath(image_path),
                 )
             out["input_ids"], out["attention_mask"] = self.text.encode(text)
+        if image is not None:
+            out["image"] = image
         return out
 
 

@@ -254,3 +254,44 @@ def test_epoch_callback_and_low_hit_rate_warning(
     finally:
         loader.close()
         cache.close()
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_foreign_layout_or_expired_entry_is_never_served(
+    ds: MultimodalDataset, reference: list[list[dict[str, Any]]], cache_root: Path, partial: bool
+) -> None:
+    import numpy as np
+
+    from mmcache import codec
+
+    clock = [1000.0]
+    cache = Cache(cache_root, memory="16MiB", ttl=100, clock=lambda: clock[0], temporary=True)
+    try:
+        loader = DataLoader(ds, cache=cache, batch_size=10, seed=3)
+        _same(_epoch(loader, 0), reference[0])
+        assert cache.memory is not None
+        # Forge: same key, another layout (a smaller image); and one entry that expires.
+        forged = codec.encode(
+            {
+                "input_ids": np.zeros(16, np.int32),
+                "attention_mask": np.zeros(16, np.int32),
+                "image": np.zeros((3, 8, 8), np.uint8),
+            },
+            ctime=clock[0],
+        )
+        victims = [ds.key(i) for i in range(0, 48, 7)]
+        for k in victims:
+            cache.memory.put(k, forged)
+        if partial:  # a batch with planned misses too
+            cache.memory.delete(ds.key(1))
+        clock[0] += 50
+        _same(_epoch(loader, 1), reference[1])
+        e1 = loader.stats().epochs[1]
+        rewritten = len(victims) + int(partial)  # discarded at t=1050 and produced again
+        assert e1.misses == rewritten and e1.hits == 48 - rewritten
+        assert cache.stats()["memory"].corrupt >= len(victims)
+        clock[0] += 80  # every entry written at t=1000 is now expired, not those of t=1050
+        _same(_epoch(loader, 2), _epoch(DataLoader(ds, cache=None, batch_size=10, seed=3), 2))
+        assert loader.stats().epochs[2].hits == rewritten
+    finally:
+        cache.close()
