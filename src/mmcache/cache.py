@@ -356,6 +356,35 @@ class Cache:
                 logger.warning("put to %s tier failed: %s", tier.name, exc)
         return admitted
 
+    def put_many(
+        self, entries: list[tuple[bytes, bytes, float]], *, memory: bool = True
+    ) -> list[bool]:
+        """Offer many encoded ``(key, raw, cost)`` entries; the disk tier commits them in
+        groups (fewer fsyncs). ``memory=False`` skips the memory tier (the caller put
+        them there already). Returns, per entry, whether any tier admitted it."""
+        admitted = [False] * len(entries)
+        if memory and self.memory is not None:
+            for i, (k, raw, cost) in enumerate(entries):
+                try:
+                    ctime = codec.read_header(raw).ctime
+                    admitted[i] = self.memory.put(k, raw, cost=cost, ctime=ctime)
+                except OSError as exc:
+                    logger.warning("put to memory tier failed: %s", exc)
+        disk = self.disk
+        if disk is not None:
+            rows = [(k, raw, cost, codec.read_header(raw).ctime) for k, raw, cost in entries]
+            try:
+                many = getattr(disk, "put_many", None)
+                if many is not None:
+                    results = list(many(rows))
+                else:
+                    results = [disk.put(k, v, cost=c, ctime=t) for k, v, c, t in rows]
+            except OSError as exc:
+                logger.warning("put to disk tier failed: %s", exc)
+                results = [False] * len(entries)
+            admitted = [a or b for a, b in zip(admitted, results, strict=True)]
+        return admitted
+
     def get_or_produce(
         self, key: KeyLike, produce: Callable[[], Mapping[str, np.ndarray]]
     ) -> Sample:

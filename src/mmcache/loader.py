@@ -52,6 +52,7 @@ from mmcache.errors import ConfigError, SampleError
 from mmcache.sampler import EpochSampler
 from mmcache.stats import EpochStats, LoaderStats
 from mmcache.units import format_size
+from mmcache.writeback import flush_all, write_behind
 
 __all__ = ["DataLoader"]
 
@@ -101,7 +102,10 @@ class _MissTasks(torch.utils.data.Dataset[_Result]):
             return _Result(index, _REJECTED, error=err)
         cost = time.thread_time() - t0
         if self.cache is not None:
-            self.cache.put(key, produced, cost=cost)
+            # Write-behind: the sample goes back to the training process now; this
+            # process's writer thread admits it (grouping disk commits).
+            raw = codec.encode(produced, ctime=self.cache.clock(), cost=cost)
+            write_behind(self.cache)(key, raw, cost)
         return _Result(index, _PRODUCED, produced)
 
     def __getitem__(self, task: Any) -> _Result:
@@ -351,6 +355,7 @@ class DataLoader:
         Dropping the loader does the same; ``close`` makes it deterministic. A
         later iteration starts new workers.
         """
+        flush_all()
         inner, self._inner = self._inner, None
         iterator = getattr(inner, "_iterator", None) if inner is not None else None
         shutdown = getattr(iterator, "_shutdown_workers", None)
@@ -504,6 +509,7 @@ class DataLoader:
                 stats.begin(t0)
                 item = ready.get()
                 if item is None:
+                    flush_all()  # this process's pending puts (num_workers=0, late misses)
                     self._history[run.epoch] = stats.snapshot()
                     self._epoch_done(self._history[run.epoch])
                     break
