@@ -72,6 +72,7 @@ class _Result:
     source: str
     sample: dict[str, np.ndarray] | None = None
     error: SampleError | None = None
+    in_memory: bool = False  # the sample is in the memory tier: gather it, nothing sent
 
 
 class _MissTasks(torch.utils.data.Dataset[_Result]):
@@ -91,9 +92,24 @@ class _MissTasks(torch.utils.data.Dataset[_Result]):
         return len(self.dataset)
 
     def run(self, index: int, key: bytes, *, cached: bool = True) -> _Result:
-        if self.cache is not None and cached:
-            sample, tier = self.cache.lookup(key)
+        """Look ``key`` up, else produce and admit it.
+
+        In a worker process, a sample that is (or has just been put) in the
+        node-shared memory tier is not sent back: the training process gathers
+        it from shared memory like a hit, which saves pickling 150 KB through a
+        pipe per sample (torch's own workers avoid that copy with shared-memory
+        tensors). Everything else travels as arrays.
+        """
+        cache = self.cache
+        in_worker = torch.utils.data.get_worker_info() is not None
+        memory = cache.memory if cache is not None else None
+        if cache is not None and cached:
+            if in_worker and memory is not None and memory.contains(key):
+                return _Result(index, _MEMORY, in_memory=True)
+            sample, tier = cache.lookup(key)
             if sample is not None:
+                if in_worker and tier == _DISK and memory is not None and memory.contains(key):
+                    return _Result(index, _DISK, in_memory=True)  # promoted by lookup
                 return _Result(index, tier or _MEMORY, {k: np.array(v) for k, v in sample.items()})
         t0 = time.thread_time()
         try:
@@ -101,11 +117,11 @@ class _MissTasks(torch.utils.data.Dataset[_Result]):
         except SampleError as err:
             return _Result(index, _REJECTED, error=err)
         cost = time.thread_time() - t0
-        if self.cache is not None:
-            # Write-behind: the sample goes back to the training process now; this
-            # process's writer thread admits it (grouping disk commits).
-            raw = codec.encode(produced, ctime=self.cache.clock(), cost=cost)
-            write_behind(self.cache)(key, raw, cost)
+        if cache is not None:
+            # Write-behind: the memory tier now, the disk tier from a background thread.
+            raw = codec.encode(produced, ctime=cache.clock(), cost=cost)
+            if write_behind(cache)(key, raw, cost) and in_worker:
+                return _Result(index, _PRODUCED, in_memory=True)
         return _Result(index, _PRODUCED, produced)
 
     def __getitem__(self, task: Any) -> _Result:
@@ -584,16 +600,20 @@ class DataLoader:
         rows: dict[int, dict[str, np.ndarray]] = {}
         sources: list[str] = [""] * n
         row_of = {int(plan.indices[r]): r for r in range(n) if not plan.planned_hit[r]}
+        in_memory: list[int] = []
         for res in results:
             r = row_of[res.index]
             if res.error is not None:
                 self._reject(res.error)
                 sources[r] = _REJECTED
                 continue
-            if res.sample is not None:
+            sources[r] = res.source
+            if res.in_memory:
+                in_memory.append(r)
+            elif res.sample is not None:
                 rows[r] = res.sample
-                sources[r] = res.source
-        hit_rows = np.flatnonzero(plan.planned_hit)
+        planned = np.flatnonzero(plan.planned_hit)
+        hit_rows = np.union1d(planned, np.asarray(in_memory, dtype=np.int64)).astype(np.int64)
         # Learn the layout (field names, dtypes, shapes) from the first sample we see.
         if self._layout is None:
             self._layout = self._find_layout(plan, rows, sources, hit_rows)
@@ -616,7 +636,7 @@ class DataLoader:
             elif res.sample is not None:
                 rows[r] = res.sample
                 sources[r] = res.source
-        for rr in np.flatnonzero(found):
+        for rr in planned[found[planned]]:
             sources[int(rr)] = _MEMORY
         for r in list(rows):
             if sources[r] != _PRODUCED and not _shapes_match(layout, rows[r]):

@@ -49,30 +49,32 @@ class WriteBehind:
         self._closed = False
         self._thread.start()
 
-    def submit(self, key: bytes, raw: bytes, cost: float) -> None:
+    def submit(self, key: bytes, raw: bytes, cost: float) -> bool:
         """Admit an encoded entry: to the memory tier now, to the disk tier in the background.
 
         The memory-tier put is quick (a copy into shared memory, ~0.1 ms for 150 KB)
         and makes the entry visible to every process at once, so the next epoch's
         planner finds it; the disk commit (an fsync) is what is deferred. When
         the queue is full the disk write happens here, which bounds the memory
-        pending entries hold.
+        pending entries hold. Returns whether the memory tier admitted the entry.
         """
         memory = self.cache.memory
+        in_memory = False
         if memory is not None:
             try:
-                memory.put(key, raw, cost=cost, ctime=_ctime(raw))
+                in_memory = memory.put(key, raw, cost=cost, ctime=_ctime(raw))
             except OSError as exc:
                 logger.warning("put to memory tier failed: %s", exc)
         if self.cache.disk is None:
-            return
+            return in_memory
         if self._closed:
             self.cache.put_many([(key, raw, cost)], memory=False)
-            return
+            return in_memory
         try:
             self._queue.put_nowait((key, raw, cost))
         except queue.Full:
             self.cache.put_many([(key, raw, cost)], memory=False)
+        return in_memory
 
     def _run(self) -> None:
         while True:
@@ -124,7 +126,7 @@ _WRITERS: dict[int, WriteBehind] = {}
 _LOCK = threading.Lock()
 
 
-def write_behind(cache: Cache) -> Callable[[bytes, bytes, float], None]:
+def write_behind(cache: Cache) -> Callable[[bytes, bytes, float], bool]:
     """The submit function of this process's writer for ``cache`` (created on first use)."""
     with _LOCK:
         writer = _WRITERS.get(id(cache))
