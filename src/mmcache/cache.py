@@ -126,6 +126,11 @@ class Cache:
         fallback: what to do when a tier cannot be opened (no /dev/shm, a
             read-only or full root): ``"raise"`` (default) stops with the
             reason; ``"uncached"`` logs one warning and goes on without it.
+        mode: permissions of the files the cache creates (root folder, disk
+            tier, shared-memory segments, ``cache.json``); folders get the
+            matching search bits. The default ``0o600`` keeps the cache to its
+            owner; ``0o660`` shares it with the group (e.g. one cache for the
+            jobs of a team on a node).
     """
 
     def __init__(
@@ -139,7 +144,14 @@ class Cache:
         clock: Callable[[], float] = time.time,
         temporary: bool = False,
         fallback: Fallback = "raise",
+        mode: int = 0o600,
     ) -> None:
+        if not isinstance(mode, int) or mode & ~0o666 or (mode & 0o600) != 0o600:
+            raise ConfigError(
+                f"mode must be a file permission mask within 0o666 that includes 0o600, "
+                f"got {mode!r}"
+            )
+        self.mode = mode
         if fallback not in ("raise", "uncached"):
             raise ConfigError(f"fallback must be 'raise' or 'uncached', got {fallback!r}")
         self.root = Path(os.path.expanduser(os.fspath(root))).absolute()
@@ -172,8 +184,12 @@ class Cache:
         from mmcache.stores.disk import DiskStore
         from mmcache.stores.memory import MemoryStore
 
+        dir_mode = self.mode | ((self.mode & 0o444) >> 2)  # r -> r+x for folders
         try:
-            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            existed = self.root.is_dir()
+            self.root.mkdir(mode=dir_mode, parents=True, exist_ok=True)
+            if not existed:
+                os.chmod(self.root, dir_mode)  # mkdir's mode is masked by the umask
         except OSError as exc:
             if self.disk_budget is not None:
                 self._degrade("disk", exc)
@@ -181,7 +197,10 @@ class Cache:
         if self.disk_budget is not None:
             try:
                 self.disk = DiskStore(
-                    self.root / "disk", capacity=self.disk_budget, policy=self.policy
+                    self.root / "disk",
+                    capacity=self.disk_budget,
+                    policy=self.policy,
+                    mode=self.mode,
                 )
                 self._write_config()
             except (OSError, CacheError) as exc:
@@ -194,6 +213,7 @@ class Cache:
                     policy=self.policy,
                     temporary=self.temporary,
                     owner_path=str(self.root),
+                    mode=self.mode,
                 )
             except (OSError, CacheError) as exc:
                 self._degrade("memory", exc)
@@ -214,7 +234,7 @@ class Cache:
         tmp = path.with_name(f".{CONFIG_FILE}.{os.getpid()}.tmp")
         try:
             tmp.write_text(json.dumps(config, indent=1))
-            os.chmod(tmp, 0o600)
+            os.chmod(tmp, self.mode)
             os.replace(tmp, path)
         except OSError as exc:  # read-only root: the config is a convenience
             logger.debug("cannot write %s: %s", path, exc)
@@ -259,6 +279,7 @@ class Cache:
             "clock": self.clock,
             "temporary": self.temporary,
             "fallback": self.fallback,
+            "mode": self.mode,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -271,6 +292,7 @@ class Cache:
             clock=state["clock"],
             temporary=state["temporary"],
             fallback=state["fallback"],
+            mode=state.get("mode", 0o600),
         )
 
     @property
@@ -454,7 +476,9 @@ class Cache:
             limit = parse_size(max_size)
             items = len(self.disk)
             self.disk.close()
-            self.disk = DiskStore(self.root / "disk", capacity=limit, policy=self.policy)
+            self.disk = DiskStore(
+                self.root / "disk", capacity=limit, policy=self.policy, mode=self.mode
+            )
             self.disk_budget = limit
             self._write_config()
             evicted = items - len(self.disk)

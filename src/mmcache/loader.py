@@ -617,6 +617,20 @@ class DataLoader:
         # Learn the layout (field names, dtypes, shapes) from the first sample we see.
         if self._layout is None:
             self._layout = self._find_layout(plan, rows, sources, hit_rows)
+            if self._layout is None and len(hit_rows):
+                # No trustworthy sample to learn the layout from (the cached ones
+                # fail their checksum): decode this batch's hits here instead.
+                for rr in hit_rows:
+                    r = int(rr)
+                    res = self._tasks.run(int(plan.indices[r]), plan.keys[r], cached=False)
+                    stats.late_miss()
+                    if res.error is not None:
+                        self._reject(res.error)
+                        sources[r] = _REJECTED
+                    elif res.sample is not None:
+                        rows[r], sources[r] = res.sample, _PRODUCED
+                planned = hit_rows = np.zeros(0, dtype=np.int64)
+                self._layout = self._find_layout(plan, rows, sources, hit_rows)
         layout = self._layout
         if layout is None:  # every sample of the batch was rejected
             stats.count(sources)
@@ -695,8 +709,11 @@ class DataLoader:
         if memory is not None:
             for r in hit_rows:
                 raw = memory.get(plan.keys[r])
-                if raw is not None and codec.verify(raw):
+                if raw is None:
+                    continue
+                if codec.verify(raw):
                     return codec.read_header(raw)
+                memory.discard(plan.keys[r], why="corrupt")  # never served, and dropped
         for sample in rows.values():  # from the disk tier (verified) via a worker
             return codec.read_header(codec.encode(sample))
         return None

@@ -269,14 +269,6 @@ def test_planted_memory_entries_never_reach_a_batch(
             assert_batches(got, reference)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "DataLoader._find_layout learns the batch layout from the first planned hit with "
-        "codec.read_header(memory.get(key)) and does not catch CorruptEntryError: one "
-        "corrupt memory-tier entry in the first batch of a run crashes training"
-    ),
-)
 def test_planted_memory_entries_in_the_first_batch(
     cache_root: Path, tiny_data: Path, tokenizer_json: Path, marker: Path
 ) -> None:
@@ -383,13 +375,6 @@ def test_files_and_segments_are_private_even_under_umask_0(
         assert mode == (0o700 if path in directories else 0o600), (path, oct(mode))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "Cache has no way to ask for shared permissions: DiskStore(mode=) and "
-        "MemoryStore(mode=) exist but Cache(...) takes no mode and always creates 0700/0600"
-    ),
-)
 def test_the_user_can_ask_to_share_the_cache_with_a_group(cache_root: Path) -> None:
     cache = Cache(cache_root, memory="1MiB", disk="1MiB", mode=0o660)  # type: ignore[call-arg]
     with cache:
