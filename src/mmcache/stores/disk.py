@@ -854,7 +854,10 @@ class DiskStore(Store):
         self._closed = False
         if not self._readonly:
             try:
+                existed = os.path.isdir(self._path)
                 os.makedirs(self._path, mode=_dir_mode(self._mode), exist_ok=True)
+                if not existed:  # makedirs' mode is masked by the umask; the user asked
+                    os.chmod(self._path, _dir_mode(self._mode))
             except OSError as exc:
                 raise CacheError(f"cannot create the disk cache at {self._path}: {exc}") from exc
         handle = _acquire_handle(
