@@ -852,9 +852,9 @@ class DiskStore(Store):
         self._snap: _Snapshot | None = None
         self._logged: set[str] = set()
         self._closed = False
+        existed = os.path.isdir(self._path)
         if not self._readonly:
             try:
-                existed = os.path.isdir(self._path)
                 os.makedirs(self._path, mode=_dir_mode(self._mode), exist_ok=True)
                 if not existed:  # makedirs' mode is masked by the umask; the user asked
                     os.chmod(self._path, _dir_mode(self._mode))
@@ -864,10 +864,16 @@ class DiskStore(Store):
             self._path, readonly=self._readonly, map_size=self._map_size, mode=self._mode
         )
         self._handle: _EnvHandle | None = handle
+        created = not self._readonly and not existed
         # A store dropped without close() still releases the environment.
         self._finalizer = weakref.finalize(self, _release_handle, handle)
         self._pid = os.getpid()
         self._counters = _Counters(self._path, mode=self._mode, create=not self._readonly)
+        if created:
+            # LMDB and os.open create files with mode & ~umask; give them the mode asked for.
+            for name in ("data.mdb", "lock.mdb", _STATS_FILE):
+                with contextlib.suppress(OSError):
+                    os.chmod(os.path.join(self._path, name), self._mode)
         try:
             if not self._readonly:
                 self._trim_to_capacity()
