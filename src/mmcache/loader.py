@@ -35,6 +35,7 @@ import collections
 import contextlib
 import logging
 import queue
+import sys
 import threading
 import time
 import weakref
@@ -173,10 +174,13 @@ class _EpochRun:
     batches: list[np.ndarray]
     start: int
     plans: list[_Plan | None] = field(default_factory=list)
-    planned_upto: int = 0  # batches planned so far (relative to start)
+    planned_upto: int = 0  # batches planned so far (absolute batch number)
+    consumed: int = 0  # plans the assembler has taken
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         self.planned_upto = self.start
+        self.cond = threading.Condition(self.lock)
 
 
 class _MissBatches:
@@ -314,6 +318,9 @@ class DataLoader:
         self._run: _EpochRun | None = None
         self._history: dict[int, EpochStats] = {}
         self._layout: codec.Header | None = None
+        # Pinned buffers may still be read by an asynchronous host-to-device copy
+        # after the training loop dropped them: never recycle those.
+        self._pool = _BufferPool(enabled=not self.pin_memory)
         self.on_epoch_end = on_epoch_end
         self._warned_low_hits = False
 
@@ -477,7 +484,17 @@ class DataLoader:
         return [order[i : i + bs] for i in range(0, stop, bs)]
 
     def _plan_next(self, run: _EpochRun) -> _Plan | None:
-        """Plan the next batch of ``run`` (keys, planned hits); None at the end."""
+        """Plan the next batch of ``run`` (keys, planned hits); None at the end.
+
+        Called by the assembler and by the miss sampler (torch pulls it ahead
+        to keep workers busy); ``run.lock`` orders them. (A separate planner
+        thread was tried: under the GIL it slowed the assembler's copies more
+        than it saved.)
+        """
+        with run.lock:
+            return self._plan_next_locked(run)
+
+    def _plan_next_locked(self, run: _EpochRun) -> _Plan | None:
         j = run.planned_upto
         if j >= len(run.batches):
             return None
@@ -491,6 +508,7 @@ class DataLoader:
         plan = _Plan(indices, keys, planned, has_misses=not bool(planned.all()))
         run.plans.append(plan)
         run.planned_upto = j + 1
+        run.cond.notify_all()
         return plan
 
     def _inner_loader(self) -> torch.utils.data.DataLoader[_Result]:
@@ -543,6 +561,7 @@ class DataLoader:
                 with contextlib.suppress(queue.Empty):
                     ready.get_nowait()
                 thread.join(0.05)
+
             self._history[run.epoch] = stats.snapshot()
             self._run = None
             if not self._inner_kwargs["persistent_workers"]:
@@ -584,6 +603,9 @@ class DataLoader:
                         misses_it = iter(self._inner_loader())
                     results = next(misses_it)
                 run.plans[consumed] = None  # free its keys (after the sampler passed it)
+                with run.cond:
+                    run.consumed = consumed + 1
+                    run.cond.notify_all()
                 batch = self._assemble(plan, results, stats)
                 if batch is not None and not offer(_Assembled(batch, j + 1)):
                     return
@@ -719,10 +741,14 @@ class DataLoader:
         return None
 
     def _allocate(self, layout: codec.Header, n: int) -> dict[str, torch.Tensor]:
+        reused = self._pool.acquire(layout.layout_key, n)
+        if reused is not None:
+            return reused
         out: dict[str, torch.Tensor] = {}
         for f in layout.fields:
             dtype = torch.from_numpy(np.empty(0, dtype=f.dtype)).dtype
             out[f.name] = torch.empty((n, *f.shape), dtype=dtype, pin_memory=self.pin_memory)
+        self._pool.add(layout.layout_key, n, out)
         return out
 
     def _gather(
@@ -911,6 +937,59 @@ def _head_matches(head: np.ndarray, expected: np.ndarray) -> np.ndarray:
         else np.concatenate([~_VARYING, np.ones(width - _VARYING.shape[0], dtype=bool)])
     )
     return np.asarray(((head == expected) | ~care).all(axis=1), dtype=bool)
+
+
+class _BufferPool:
+    """Recycles batch tensors that nobody outside the pool references any more.
+
+    A fresh 10 MB batch tensor costs a page fault per 4 KiB page when it is
+    first written (glibc returns large freed blocks to the OS): about as much
+    as the copy itself, which halved the warm-epoch rate. A buffer is reused
+    only when both its Python reference count and its storage's use count
+    (tensors, views, ``.numpy()`` arrays of it) are back to what they were
+    when the pool alone held it, so a batch (or any view of it) the training
+    loop still holds is never overwritten. Without torch's use-count hook the
+    pool stays empty and every batch is fresh. Used by one thread.
+    """
+
+    _MAX = 8
+
+    def __init__(self, *, enabled: bool) -> None:
+        self._use_count = getattr(torch._C, "_storage_Use_Count", None)
+        self.enabled = enabled and self._use_count is not None
+        self._entries: list[tuple[bytes, int, dict[str, torch.Tensor], dict[str, int]]] = []
+
+    def _use(self, held: dict[str, torch.Tensor], name: str) -> int:
+        use = self._use_count(held[name].untyped_storage()._cdata) if self._use_count else 0
+        return int(use)
+
+    @staticmethod
+    def _refs(held: dict[str, torch.Tensor], name: str) -> int:
+        # Only the pool's dict and getrefcount's own argument: 2. Evaluated on a
+        # subscript so no local variable of ours adds a reference.
+        return sys.getrefcount(held[name])
+
+    def acquire(self, layout_key: bytes, n: int) -> dict[str, torch.Tensor] | None:
+        if not self.enabled:
+            return None
+        for key, size, held, base in self._entries:
+            if key != layout_key or size != n:
+                continue
+            if all(
+                self._refs(held, name) == 2 and self._use(held, name) == use
+                for name, use in base.items()
+            ):
+                return dict(held)
+        return None
+
+    def add(self, layout_key: bytes, n: int, tensors: dict[str, torch.Tensor]) -> None:
+        if not self.enabled:
+            return
+        held = dict(tensors)
+        base = {name: self._use(held, name) for name in held}
+        self._entries.append((layout_key, n, held, base))
+        if len(self._entries) > self._MAX:
+            self._entries.pop(0)
 
 
 class _EpochCounter:

@@ -295,3 +295,30 @@ def test_foreign_layout_or_expired_entry_is_never_served(
         assert loader.stats().epochs[2].hits == rewritten
     finally:
         cache.close()
+
+
+def test_recycled_batch_buffers_never_overwrite_what_the_loop_holds(
+    ds: MultimodalDataset, reference: list[list[dict[str, Any]]], cache_root: Path
+) -> None:
+    """Batch tensors are reused only when nothing refers to them any more: views and
+    numpy arrays taken from a batch keep their content across later batches."""
+    with Cache(cache_root, memory="16MiB", temporary=True) as cache:
+        loader = DataLoader(ds, cache=cache, batch_size=10, seed=3)
+        _epoch(loader, 0)
+        views, arrays, ids = [], [], []
+        loader.set_epoch(1)
+        for i, batch in enumerate(loader):  # warm: every batch from recycled buffers
+            views.append(batch["image"][1])
+            if i % 2:
+                arrays.append(batch["input_ids"].numpy())
+            ids.append(batch["id"])
+        for i, (view, ref) in enumerate(zip(views, reference[1], strict=True)):
+            assert ids[i] == ref["id"]
+            assert torch.equal(view, ref["image"][1])
+        for arr, ref in zip(arrays, reference[1][1::2], strict=True):
+            assert (arr == ref["input_ids"].numpy()).all()
+        # and buffers are really recycled when nothing is held
+        loader.set_epoch(2)
+        seen = {batch["image"].data_ptr() for batch in loader}
+        assert len(seen) < len(loader)
+        loader.close()
