@@ -1,6 +1,6 @@
 """Command-line interface: a thin argparse layer over the library.
 
-``mmcache demo | synth | warm | stats | verify | gc``; ``--help`` on each.
+``mmcache demo | synth | warm | bench | stats | verify | gc``; ``--help`` on each.
 Sizes accept IEC units (``512MiB``, ``10GiB``), durations s/m/h/d (``7d``).
 Commands whose output is data take ``--json``.
 """
@@ -232,6 +232,118 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- bench --------------------------------------------------------------------------------
+def _parse_budget(text: str, data_bytes: int) -> int:
+    """``"50%"`` of the preprocessed data, or an IEC size (``"2GiB"``)."""
+    from mmcache.errors import ConfigError
+    from mmcache.units import parse_size
+
+    text = text.strip()
+    if text.endswith("%"):
+        try:
+            fraction = float(text[:-1]) / 100.0
+        except ValueError as exc:
+            raise ConfigError(f"cannot parse budget {text!r}: use e.g. 50% or 2GiB") from exc
+        if not fraction >= 0.0:
+            raise ConfigError(f"budget must be >= 0%, got {text!r}")
+        return int(data_bytes * fraction)
+    return parse_size(text)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    import mmcache as mc
+    from mmcache.defaults import default_pipeline
+
+    torch.set_num_threads(1)
+    pipe = default_pipeline(size=args.size, max_length=args.max_length, tokenizer=args.tokenizer)
+    ds = mc.MultimodalDataset(args.manifest, pipeline=pipe, on_error="skip")
+    first = next((ds.produce(i) for i in range(min(len(ds), 100)) if _produces(ds, i)), None)
+    if first is None:
+        raise mc.ConfigError(f"none of the first 100 samples of {args.manifest} can be decoded")
+    data_bytes = mc.codec.encoded_size(first) * len(ds)
+    memory = _parse_budget(args.budget, data_bytes)
+    rows: list[list[str]] = []
+    result: dict[str, Any] = {"samples": len(ds), "data_bytes": data_bytes, "memory": memory}
+    baseline = None
+    if not args.no_baseline:
+        plain = torch.utils.data.DataLoader(
+            ds,
+            batch_size=args.batch_size,
+            shuffle=True,
+            num_workers=args.workers,
+            collate_fn=mc.collate,
+        )
+        t0 = time.perf_counter()
+        n = sum(len(b.get("id", [])) for b in plain)
+        baseline = n / (time.perf_counter() - t0)
+        result["uncached_samples_per_s"] = baseline
+        rows.append(["uncached", f"{baseline:,.0f}", "1.00", "-", "-", "-", "-"])
+    root = Path(args.cache) if args.cache else Path(tempfile.mkdtemp(prefix="mmcache-bench-"))
+    cache = mc.Cache(
+        root, memory=memory, disk=args.disk, policy=args.policy, temporary=args.cache is None
+    )
+    try:
+        with mc.DataLoader(
+            ds,
+            cache=cache,
+            batch_size=args.batch_size,
+            shuffle=True,
+            num_workers=args.workers,
+            persistent_workers=args.workers > 0,
+        ) as loader:
+            for epoch in range(args.epochs):
+                loader.set_epoch(epoch)
+                for _ in loader:
+                    pass
+            stats = loader.stats()
+    finally:
+        if args.cache is None:
+            if cache.memory is not None:
+                cache.memory.unlink()  # type: ignore[attr-defined]
+            cache.close()
+            shutil.rmtree(root, ignore_errors=True)
+        else:
+            cache.close()
+    for e in stats.epochs:
+        total = max(e.samples, 1)
+        rows.append(
+            [
+                f"mmcache epoch {e.epoch}",
+                f"{e.samples_per_s:,.0f}",
+                f"{e.samples_per_s / baseline:.2f}" if baseline else "-",
+                f"{e.hit_rate:.2f}",
+                f"{e.tier_hits.get('memory', 0) / total:.2f}",
+                f"{e.tier_hits.get('disk', 0) / total:.2f}",
+                f"{e.stall_s:.2f}",
+            ]
+        )
+    result["epochs"] = [e.as_dict() for e in stats.epochs]
+    if args.json:
+        _print_json(result)
+    else:
+        from mmcache.units import format_size
+
+        print(
+            f"{len(ds)} samples, {format_size(data_bytes)} preprocessed; memory tier "
+            f"{format_size(memory)}, disk tier {args.disk or 'off'}, {args.workers} workers"
+        )
+        header = ["run", "samples/s", "vs uncached", "hit rate", "memory", "disk", "stall s"]
+        print(_table(rows, header))
+    return 0
+
+
+def _produces(ds: Any, i: int) -> bool:
+    from mmcache.errors import SampleError
+
+    try:
+        ds.produce(i)
+    except SampleError:
+        return False
+    return True
+
+
 # -- parser -------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -280,6 +392,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--on-error", choices=["raise", "skip"], default="skip")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_warm)
+
+    p = sub.add_parser("bench", help="the loader benchmark on your own data")
+    p.add_argument("manifest")
+    p.add_argument("--budget", default="50%", help="memory tier: 50%% of the data, or 2GiB")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--disk", help="also a disk tier of this size (e.g. 10GiB)")
+    p.add_argument("--cache", help="cache root to use and keep (default: a temporary one)")
+    p.add_argument("--policy", default="value")
+    p.add_argument("--size", type=int, default=224)
+    p.add_argument("--max-length", type=int, default=32)
+    p.add_argument("--tokenizer", help="tokenizer.json (default: the built-in offline one)")
+    p.add_argument("--no-baseline", action="store_true", help="skip the uncached epoch")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("stats", help="per-tier items, bytes, budget, hits, misses, ...")
     p.add_argument("--cache", required=True)

@@ -161,3 +161,52 @@ def test_console_script_runs() -> None:
         [sys.executable, "-m", "mmcache.cli", "--help"], capture_output=True, text=True, check=True
     )
     assert "demo" in out.stdout
+
+
+def test_bench_on_user_data(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["synth", str(tmp_path / "data"), "--n", "40"]) == 0
+    capsys.readouterr()
+    assert (
+        main(
+            [
+                "bench",
+                str(tmp_path / "data" / "manifest.jsonl"),
+                "--budget",
+                "50%",
+                "--epochs",
+                "2",
+                "--workers",
+                "1",
+                "--size",
+                "32",
+                "--batch-size",
+                "8",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert out["samples"] == 40 and out["uncached_samples_per_s"] > 0
+    assert out["memory"] == out["data_bytes"] // 2
+    e0, e1 = out["epochs"]
+    assert e0["misses"] == 40 and 0.4 <= e1["hit_rate"] <= 0.6
+    assert (
+        main(
+            [
+                "bench",
+                str(tmp_path / "data" / "manifest.jsonl"),
+                "--budget",
+                "1MiB",
+                "--epochs",
+                "1",
+                "--workers",
+                "0",
+                "--size",
+                "32",
+                "--no-baseline",
+            ]
+        )
+        == 0
+    )
+    assert "mmcache epoch 0" in capsys.readouterr().out
