@@ -167,8 +167,8 @@ class MultimodalDataset(torch.utils.data.Dataset[dict[str, Any] | None]):
                 continue
             try:
                 st = os.stat(path)
-            except OSError:
-                out.append(self.key(i))  # missing now: the stamp says so
+            except (OSError, ValueError):  # missing, unreadable, or a NUL in the path
+                out.append(self.key(i))  # the stamp says so
                 continue
             row = memo_stamp[i]
             if row[0] == st.st_size and row[1] == st.st_mtime_ns:

@@ -379,6 +379,9 @@ class DataLoader:
         later iteration starts new workers.
         """
         flush_all()
+        self._stop_workers()
+
+    def _stop_workers(self) -> None:
         inner, self._inner = self._inner, None
         iterator = getattr(inner, "_iterator", None) if inner is not None else None
         shutdown = getattr(iterator, "_shutdown_workers", None)
@@ -392,8 +395,10 @@ class DataLoader:
         self.close()
 
     def __del__(self) -> None:
+        # Only stop the workers: flushing takes locks, and __del__ may run inside
+        # the garbage collector while this thread holds one of them.
         with contextlib.suppress(Exception):
-            self.close()
+            self._stop_workers()
 
     def stats(self) -> LoaderStats:
         """Hits, misses, stall time and throughput, per epoch and overall."""

@@ -123,19 +123,25 @@ def _ctime(raw: bytes) -> float:
 
 
 _WRITERS: dict[int, WriteBehind] = {}
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()  # re-entrant: a GC finalizer may flush mid-call
 
 
 def write_behind(cache: Cache) -> Callable[[bytes, bytes, float], bool]:
     """The submit function of this process's writer for ``cache`` (created on first use)."""
     with _LOCK:
         writer = _WRITERS.get(id(cache))
-        if writer is None or writer.cache is not cache or writer._pid != os.getpid():
+        fresh = writer is None or writer.cache is not cache or writer._pid != os.getpid()
+        if fresh:
             writer = WriteBehind(cache)
             _WRITERS[id(cache)] = writer
-            # Runs at a normal exit of this process, DataLoader workers included.
-            util.Finalize(writer, writer.flush, exitpriority=10)
-        return writer.submit
+    if writer is None:  # pragma: no cover - set above
+        raise RuntimeError("write-behind writer missing")
+    if fresh:
+        # Outside the lock: creating the finalizer can run the garbage collector,
+        # whose finalizers may call flush_all() (which takes the lock).
+        # It runs at a normal exit of this process, DataLoader workers included.
+        util.Finalize(writer, writer.flush, exitpriority=10)
+    return writer.submit
 
 
 def flush_all() -> None:
