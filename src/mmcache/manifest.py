@@ -64,6 +64,10 @@ _ON_ERROR = ("raise", "skip")
 _FORMATS = ("auto", "jsonl", "llava")
 _MISSING = object()
 
+# A NUL (JSON "\u0000") can never be in a file name: os.open would raise a bare
+# ValueError when the sample is loaded, far from the manifest line at fault.
+_NUL_REASON = "{key!r} contains a NUL byte (\\u0000), which no file name can hold"
+
 # The decoder json.loads uses, called directly: it skips per-call argument checks
 # that cost a tenth of the parse time on short lines.
 _decode = json.JSONDecoder().decode
@@ -461,6 +465,7 @@ def _read_jsonl(f: BinaryIO, builder: _Builder) -> None:
                 and sample_id
                 and type(image) is str
                 and image
+                and "\x00" not in image
                 and type(caption) is str
             ):
                 builder.add(lineno, sample_id, caption, image)
@@ -484,6 +489,8 @@ def _jsonl_problem(obj: object) -> tuple[str, str | None]:
             return reason or "", sample_id
         if key == "image_path" and not value:
             return "'image_path' is empty", sample_id
+        if key == "image_path" and "\x00" in value:
+            return _NUL_REASON.format(key="image_path"), sample_id
     raise AssertionError(f"a valid record reached _jsonl_problem: {obj!r}")  # pragma: no cover
 
 
@@ -580,6 +587,9 @@ def _read_llava(f: BinaryIO, builder: _Builder) -> None:
         if image == "":
             builder.reject("'image' is empty", index, raw_id)
             continue
+        if image is not None and "\x00" in image:
+            builder.reject(_NUL_REASON.format(key="image"), index, raw_id)
+            continue
         conversations = rec.get("conversations", _MISSING)
         problem = _conversation_problem(conversations)
         if problem is not None:
@@ -637,9 +647,10 @@ def read_manifest(
     :class:`~mmcache.errors.ManifestError` naming the file, the line and the id
     when it could be read. Bad records are: a line that is not UTF-8 or not JSON
     or not an object, a missing key, a key of the wrong type, an empty id or image
-    path, and a duplicate id. With ``on_error="skip"`` such records are left out
-    and listed in :attr:`Records.rejects` (for a duplicate id the first record is
-    kept), and one warning with the count is logged. Whole-file problems raise
+    path, an image path containing a NUL character (``\\u0000``), and a duplicate
+    id. With ``on_error="skip"`` such records are left out and listed in
+    :attr:`Records.rejects` (for a duplicate id the first record is kept), and one
+    warning with the count is logged. Whole-file problems raise
     ``ManifestError`` (``line=None``) under both policies: a missing or unreadable
     file, a LLaVA file that is not one valid JSON array, and a manifest with no
     valid record at all.

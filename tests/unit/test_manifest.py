@@ -345,6 +345,12 @@ BAD_LINES: list[tuple[str, str | bytes | dict[str, Any], str | None, str]] = [
     ),
     ("id-empty", {"id": "", "image_path": "a.jpg", "caption": "x"}, None, "'id' is empty"),
     ("image-empty", {"id": "s9", "image_path": "", "caption": "x"}, "s9", "'image_path' is empty"),
+    (
+        "image-nul",  # JSON "\u0000": os.open would raise a bare ValueError at load time
+        {"id": "s9", "image_path": "a.jpg\x00.png", "caption": "x"},
+        "s9",
+        "'image_path' contains a NUL byte",
+    ),
     ("duplicate", row(0, "second"), "s0", "duplicate id (first seen at line 1)"),
     (
         "not-utf8",
@@ -400,6 +406,18 @@ def test_bad_line_is_skipped_and_listed(
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
     assert "skipped 1 of 3 records" in warnings[0].getMessage()
+
+
+def test_nul_elsewhere_than_the_image_path_is_kept(tmp_path: Path) -> None:
+    # only a file name cannot hold a NUL: captions and ids keep theirs
+    path = write_lines(tmp_path / "m.jsonl", [row("s\x00id", "nul\x00 in caption", "a.jpg")])
+    records = read_manifest(path)
+    assert (records.id(0), records.text(0)) == ("s\x00id", "nul\x00 in caption")
+    llava = write_llava(
+        tmp_path / "l.json",
+        [llava_record("a", conversations=[{"from": "human", "value": "x\x00y"}])],
+    )
+    assert read_manifest(llava).text(0) == "human: x\x00y"
 
 
 def test_skip_many_counts_once_and_keeps_order(
@@ -547,6 +565,7 @@ BAD_LLAVA: list[tuple[Any, str | None, str]] = [
     (llava_record("b", image=["a.jpg", "b.jpg"]), "b", "multi-image records are not supported"),
     (llava_record("b", image=7), "b", "'image' must be a string, got number 7"),
     (llava_record("b", image=""), "b", "'image' is empty"),
+    (llava_record("b", image="x.jpg\x00"), "b", "'image' contains a NUL byte"),
     ({"id": "b", "image": "x.jpg"}, "b", "missing key 'conversations'"),
     (llava_record("b", conversations=[]), "b", "'conversations' is empty"),
     (llava_record("b", conversations="hi"), "b", "'conversations' must be an array"),

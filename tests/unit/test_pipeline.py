@@ -10,6 +10,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -17,9 +18,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from PIL import Image, ImageOps, JpegImagePlugin
 from tokenizers import Tokenizer
 
+import mmcache.pipeline as pipeline_module
 from mmcache.errors import ConfigError, SampleError
 from mmcache.pipeline import (
     CLIP_MEAN,
@@ -380,6 +384,50 @@ def test_truncated_file(synth_dir: Path, tmp_path: Path, fmt: str) -> None:
     _assert_sample_error(path, "truncated or corrupt image")
 
 
+def _corrupt_png(path: Path, exif: bytes | None = None) -> Path:
+    """A PNG whose compressed pixels have one flipped bit (zlib's check fails)."""
+    rng = np.random.default_rng(8)
+    buf = io.BytesIO()
+    img = Image.fromarray(rng.integers(0, 256, (48, 64, 3), dtype=np.uint8))
+    img.save(buf, "PNG", **({} if exif is None else {"exif": exif}))
+    data = bytearray(buf.getvalue())
+    data[data.find(b"IDAT") + 100] ^= 0x01
+    path.write_bytes(bytes(data))
+    return path
+
+
+def test_corrupt_png_pixels_are_an_error_not_a_black_image(tmp_path: Path) -> None:
+    # getexif() decodes a PNG's pixels and had its errors swallowed: the image came out black
+    _assert_sample_error(_corrupt_png(tmp_path / "rot.png"), "truncated or corrupt image")
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    _assert_sample_error(
+        _corrupt_png(tmp_path / "rot-exif.png", exif.tobytes()), "truncated or corrupt image"
+    )
+
+
+@pytest.mark.parametrize("orientation", [1, 3, 6])
+def test_png_exif_orientation_is_honoured(tmp_path: Path, orientation: int) -> None:
+    # the pixels are decoded before the EXIF is read for PNG: orientation still applies
+    arr = np.zeros((30, 40, 3), dtype=np.uint8)
+    arr[:10, :10] = (255, 0, 0)
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    path = tmp_path / "o.png"
+    Image.fromarray(arr).save(path, exif=exif.tobytes())
+    with Image.open(path) as img:
+        expected = note_pattern(ImageOps.exif_transpose(img), size=24, resize=24)
+    out = Pipeline(image=ImageSpec(size=24, resize=24)).load_image(path, sample_id="o")
+    assert absdiff(out, expected).max() <= 2
+
+
+def test_nul_byte_in_path_is_a_sample_error(tmp_path: Path) -> None:
+    # os.open raises ValueError (not OSError) for it; the manifest readers reject such
+    # paths, this is for paths that reach the pipeline another way
+    save(Image.new("RGB", (8, 8)), tmp_path / "a.png")
+    _assert_sample_error(tmp_path / "a.png\x00.jpg", "NUL byte")
+
+
 def test_not_an_image(tmp_path: Path) -> None:
     path = tmp_path / "notes.jpg"
     path.write_text("this is a text file, not a JPEG\n")
@@ -514,6 +562,149 @@ def test_text_spec_validation(tokenizer: Tokenizer, tmp_path: Path) -> None:
         TextSpec(tokenizer, max_length=1)  # shorter than [CLS] [SEP]
     with pytest.raises(ConfigError):
         Pipeline()
+
+
+# -- long captions: tokenized through a bounded prefix, same result as the whole text --
+
+
+@pytest.fixture(scope="module")
+def tokenizers_zoo(tokenizer: Tokenizer) -> dict[str, Tokenizer]:
+    """Three tokenizer families with different word rules: ours (NFKC + Metaspace
+    BPE, a token per space), BERT-style WordPiece (whitespace dropped, so few tokens
+    can span many characters and the kept ones reach the cut), GPT-2-style byte-level
+    BPE (a regex with a lookahead: trailing spaces go to the next word)."""
+    from tokenizers import models, normalizers, pre_tokenizers, processors, trainers
+
+    captions = synth_captions(300, seed=1)
+    bert = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    bert.normalizer = normalizers.BertNormalizer()
+    bert.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"]
+    bert.train_from_iterator(
+        captions,
+        trainers.WordPieceTrainer(vocab_size=300, special_tokens=specials, show_progress=False),
+    )
+    bert.post_processor = processors.BertProcessing(("[SEP]", 3), ("[CLS]", 2))
+    gpt = Tokenizer(models.BPE())
+    gpt.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    gpt.train_from_iterator(
+        captions,
+        trainers.BpeTrainer(
+            vocab_size=400,
+            special_tokens=["<pad>", "<s>", "</s>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
+    gpt.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 1))
+    return {"metaspace-bpe": tokenizer, "bert-wordpiece": bert, "byte-level-bpe": gpt}
+
+
+def assert_same_as_whole_text(spec: TextSpec, text: str) -> None:
+    """TextSpec.encode equals tokenizing the whole text, then truncating and padding
+    (what the configured tokenizer does on its own)."""
+    ids, mask = spec.encode(text)
+    whole = spec.tokenizer.encode(text)
+    assert ids.tolist() == whole.ids, (len(text), text[:80])
+    assert mask.tolist() == whole.attention_mask
+
+
+@pytest.mark.parametrize("max_length", [3, 8, 32])
+@pytest.mark.parametrize("name", ["metaspace-bpe", "bert-wordpiece", "byte-level-bpe"])
+def test_long_caption_encodes_like_the_whole_text(
+    tokenizers_zoo: dict[str, Tokenizer], name: str, max_length: int
+) -> None:
+    tok = tokenizers_zoo[name]
+    spec = TextSpec(tok, max_length=max_length)
+    limit = 64 * max_length  # texts up to this length are tokenized whole
+    captions = synth_captions(40, seed=2)
+    book = " ".join(captions * (20 * limit // len(" ".join(captions)) + 1))
+    texts = [*captions[:5], "", book[: limit - 1], book[:limit], book[: limit + 1], book]
+    texts += [book[: 3 * limit + k] for k in range(8)]  # cuts at every offset in a word
+    # the kept tokens only lie in a huge leading word: no safe prefix, grows to the end
+    texts += ["abcdefgh" * (limit // 2) + " on a bench", "x" * (5 * limit)]
+    texts += [" " * (5 * limit) + book[:200]]  # all spaces first (dropped by WordPiece)
+    for text in texts:
+        assert_same_as_whole_text(spec, text)
+    # the special tokens wrap a truncated text too (long) and a short one
+    first, last = tok.encode("a").ids[0], tok.encode("a").ids[-1]
+    long_ids, long_mask = spec.encode(book)
+    assert long_ids[0] == first and long_ids[-1] == last and long_mask.all()
+    short_ids, short_mask = spec.encode("a")
+    n = int(short_mask.sum())
+    assert short_ids[:n].tolist() == tok.encode("a").ids and short_ids[n - 1] == last
+    assert (short_ids[n:] == spec.pad_id).all()
+
+
+@pytest.fixture(scope="module")
+def zoo_specs(tokenizers_zoo: dict[str, Tokenizer]) -> dict[tuple[str, int], TextSpec]:
+    """One TextSpec per tokenizer and length (not one per Hypothesis example)."""
+    return {
+        (name, n): TextSpec(tok, max_length=n)
+        for name, tok in tokenizers_zoo.items()
+        for n in PROPERTY_LENGTHS
+    }
+
+
+PROPERTY_LENGTHS = (3, 4, 6, 10)
+
+
+def _pieces() -> st.SearchStrategy[str]:
+    words = st.text(alphabet="abcdefgpqrstxyz.,!'é\u0301猫😀", min_size=1, max_size=12)
+    gaps = st.builds(
+        lambda n, c: c * n, st.integers(1, 300), st.sampled_from([" ", "\n", " \t", "\u3000"])
+    )
+    return st.one_of(words, gaps, st.sampled_from(["[CLS]", "[SEP]", "</s>", " "]))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    pieces=st.lists(_pieces(), min_size=1, max_size=60),
+    max_length=st.sampled_from(PROPERTY_LENGTHS),
+    name=st.sampled_from(["metaspace-bpe", "bert-wordpiece", "byte-level-bpe"]),
+    chars_per_token=st.sampled_from([1, 2, 4, 64]),
+)
+def test_property_prefix_encoding_is_identical(
+    zoo_specs: dict[tuple[str, int], TextSpec],
+    pieces: list[str],
+    max_length: int,
+    name: str,
+    chars_per_token: int,
+) -> None:
+    # Words, long runs of whitespace (which WordPiece drops, so few kept tokens can
+    # span a whole prefix), combining accents (NFKC composes across a cut), literal
+    # special tokens. The first prefix is shrunk (1 to 64 characters per token) so
+    # that cuts routinely fall inside, just after and well after the kept tokens:
+    # whatever the prefix, only a safe one may be used.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pipeline_module, "_PREFIX_CHARS_PER_TOKEN", chars_per_token)
+        assert_same_as_whole_text(zoo_specs[name, max_length], "".join(pieces))
+
+
+def test_tokenizer_without_word_boundaries_falls_back_to_the_whole_text(
+    tokenizer: Tokenizer,
+) -> None:
+    # without a pre-tokenizer every token is in word 0: no prefix is provably safe
+    doc = json.loads(tokenizer.to_str())
+    doc["pre_tokenizer"] = None
+    spec = TextSpec(Tokenizer.from_str(json.dumps(doc)), max_length=4)
+    for text in ("a red dog on a bench " * 40, "abc" * 300):
+        assert_same_as_whole_text(spec, text)
+
+
+def test_huge_caption_costs_what_max_length_needs(tokenizer: Tokenizer) -> None:
+    # tokenizing 4 MB whole took about 3 s and 0.7 GB; now about 1 ms (a bounded prefix)
+    spec = TextSpec(tokenizer, max_length=16)
+    words = "a red bicycle leaning on a wall near the sea "
+    huge = words * (4 * 2**20 // len(words))
+    start = time.perf_counter()
+    ids, mask = spec.encode(huge)
+    elapsed = time.perf_counter() - start
+    assert ids.tolist() == spec.encode(words * 4)[0].tolist() and mask.all()
+    assert elapsed < 1.0, elapsed
+    # the lazily built untruncated copy is not pickled; a clone encodes the same
+    clone = pickle.loads(pickle.dumps(spec))
+    assert clone.encode(huge)[0].tolist() == ids.tolist()
 
 
 def test_train_tokenizer_is_deterministic_and_offline() -> None:
