@@ -451,7 +451,10 @@ class DataLoader:
         budget = (self.cache.memory_budget if self.cache.memory is not None else 0) + (
             self.cache.disk_budget or 0 if self.cache.disk is not None else 0
         )
-        expected = min(1.0, budget / data)
+        # What the tiers really hold bounds it too: a full file system or /dev/shm
+        # holds less than the budget (and its store already warned about that).
+        held = sum(tier.nbytes() for tier in self.cache.tiers.values())
+        expected = min(1.0, min(budget, held) / data)
         if expected < 0.05 or stats.hit_rate >= 0.5 * expected:
             return
         if self.cache.policy.name == "lru":

@@ -184,14 +184,6 @@ FULL_AT_OPEN = textwrap.dedent(
 )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "opening a disk tier on a full file system kills the process with SIGBUS: LMDB "
-        "creates lock.mdb sparse (ftruncate) and writes its reader table through mmap, "
-        "so there is no CacheError to fall back on"
-    ),
-)
 def test_a_full_file_system_at_open(tmpfs: Any) -> None:
     mnt = tmpfs("full-disk", "512k")
     with contextlib.suppress(OSError), (mnt / "filler").open("wb", buffering=0) as f:
@@ -307,14 +299,6 @@ def test_no_dev_shm_falls_back_to_the_disk_tier(
     assert not no_dev_shm.exists()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "NodeLock._open_anchor maps the FileNotFoundError of O_CREAT in a missing "
-        "directory to 'no memory store at ...: create it first (create=True)': wrong "
-        "hint (create was True) and the missing /dev/shm is not named as the cause"
-    ),
-)
 def test_no_dev_shm_message_names_the_missing_directory(no_dev_shm: Path, cache_root: Path) -> None:
     with pytest.raises(CacheError) as info:
         Cache(cache_root, memory="4MiB", disk=None)
@@ -393,16 +377,6 @@ def test_a_tiny_dev_shm_refuses_puts_and_training_goes_on(
     assert any("full" in w for w in out["warnings"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "a full /dev/shm kills the process with SIGBUS instead of raising CacheError "
-        "(fallback) or refusing puts: Segment.create sizes segments with ftruncate "
-        "(sparse) and MemoryStore writes the meta header/rows and each size class's slot "
-        "bitmap through mmap; only payloads use pwrite (ENOSPC). Seen at open on a full "
-        "/dev/shm, and mid-run when a put needs a new size class after it filled up"
-    ),
-)
 def test_a_full_dev_shm_at_open(
     tmpfs: Any, cache_root: Path, tiny_data: Path, tokenizer_json: Path
 ) -> None:

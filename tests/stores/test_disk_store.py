@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import multiprocessing as mp
 import os
@@ -21,6 +22,7 @@ import lmdb
 import pytest
 
 from mmcache.errors import CacheError, ConfigError
+from mmcache.stores import disk as disk_mod
 from mmcache.stores.disk import DiskStore
 from mmcache.testing.store_contract import key
 
@@ -515,3 +517,89 @@ def test_verify_finds_a_corrupted_value(tmp_path: Path) -> None:
         assert store.discard_corrupt(key(3))
         assert store.stats().corrupt == 3
         assert store.verify(_check) == []
+
+
+# ---------------------------------------------------------------- a full file system
+
+
+def test_the_lock_file_has_the_size_lmdb_gives_it(tmp_path: Path) -> None:
+    """The store allocates lock.mdb before LMDB opens it: at exactly LMDB's size, so
+    LMDB neither grows it (a sparse tail) nor reads a larger reader table from it."""
+    with DiskStore(tmp_path / "c", capacity=10_000) as store:
+        assert store.put(key(1), b"x")
+        assert (tmp_path / "c" / "lock.mdb").stat().st_size == disk_mod._LOCK_FILE_SIZE
+    with lmdb.open(str(tmp_path / "c"), max_dbs=3) as env:  # what LMDB reads back from it
+        assert env.info()["max_readers"] == disk_mod._MAX_READERS
+
+
+def _mount_tmpfs(path: Path, size: str) -> Path:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (CAP_SYS_ADMIN)")
+    path.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    return path
+
+
+# A child process: a regression (SIGBUS from LMDB's mapped lock file) must fail the test.
+_FULL_AT_OPEN = textwrap.dedent(
+    """
+    import contextlib, json, mmap, os, sys
+    from mmcache.errors import CacheError
+    from mmcache.stores import disk
+    mnt = sys.argv[1]
+    path = os.path.join(mnt, "cache")
+    spare = os.path.join(mnt, "spare")
+    lock_pages = -(-disk._LOCK_FILE_SIZE // mmap.PAGESIZE)
+    with open(spare, "wb") as f:  # room for lock.mdb and one page: half of data.mdb's metas
+        f.write(bytes((lock_pages + 1) * mmap.PAGESIZE))
+    with contextlib.suppress(OSError), open(os.path.join(mnt, "filler"), "wb", 0) as f:
+        while True:
+            f.write(bytes(4096))
+
+    def attempt():
+        try:
+            with disk.DiskStore(path, capacity="1MiB") as store:
+                store.put(bytes(16), b"value")
+                return "opened: " + repr(store.get(bytes(16)))
+        except CacheError as exc:
+            return str(exc)
+
+    out = {"full": attempt()}
+    os.unlink(spare)
+    out["room for lock.mdb only"] = attempt()
+    os.unlink(os.path.join(mnt, "filler"))
+    out["space freed"] = attempt()
+    st = os.stat(os.path.join(path, "lock.mdb"))
+    out["lock"] = [st.st_size, st.st_blocks * 512]
+    print(json.dumps(out))
+    """
+)
+
+
+def test_a_full_file_system_at_open_is_a_cache_error(tmp_path: Path) -> None:
+    mnt = _mount_tmpfs(tmp_path / "fs", "512k")
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _FULL_AT_OPEN, str(mnt)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, check=False)
+    assert proc.returncode == 0, f"rc {proc.returncode}: {proc.stderr[-1500:]}"
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for case in ("full", "room for lock.mdb only"):
+        assert "no space left" in out[case].lower() and str(mnt / "cache") in out[case], out[case]
+    # nothing half-made: the cache opens and works once there is room (a data.mdb whose
+    # meta pages were half written would be refused forever as "not an LMDB file")
+    assert out["space freed"] == "opened: b'value'"
+    size, allocated = out["lock"]
+    assert size == disk_mod._LOCK_FILE_SIZE and allocated >= size  # no hole left to fault

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import gc
 import glob
+import json
 import logging
 import os
 import pickle
 import stat
+import subprocess
+import sys
+import textwrap
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -524,3 +528,140 @@ def test_gather_ranges_copies_several_ranges_under_one_lock(
     assert not head[1].any() and not tail[1].any()
     assert (s.stats().hits, s.stats().misses) == (2, 2)
     assert s.gather_ranges(keys, []).tolist() == [True, True, False, True]
+
+
+# ------------------------------------------------------------------ a missing or full /dev/shm
+
+
+def test_a_missing_shm_directory_is_named_in_the_error(
+    tmp_path: Path, shm_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    missing = tmp_path / "no-shm"
+    monkeypatch.setattr(memory_mod, "SHM_DIR", str(missing))
+    with pytest.raises(CacheError) as info:
+        MemoryStore(shm_name, capacity=MiB)
+    message = str(info.value)
+    assert f"{missing} does not exist" in message and "memory=0" in message
+    assert "create it first" not in message
+    assert not missing.exists()
+
+
+def mount_tmpfs(path: Path, size: str) -> Path:
+    """Mount a tmpfs of ``size`` at ``path`` (a small /dev/shm) or skip the test."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (CAP_SYS_ADMIN)")
+    path.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    return path
+
+
+@pytest.fixture
+def small_shm(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs to stand for /dev/shm, unmounted afterwards."""
+    path = mount_tmpfs(tmp_path / "shm", "1m")
+    yield path
+    subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)
+
+
+# Runs in a child: a regression (SIGBUS on a full tmpfs) must fail the test, not kill pytest.
+FULL_SHM = textwrap.dedent(
+    """
+    import contextlib, json, logging, os, sys
+    from mmcache.errors import CacheError
+    from mmcache.stores import memory
+    shm, name = sys.argv[1:3]
+    memory.SHM_DIR = shm
+    warnings = []
+    class Keep(logging.Handler):
+        def emit(self, record):
+            if record.levelno >= logging.WARNING:
+                warnings.append(record.getMessage())
+    logging.getLogger("mmcache").addHandler(Keep())
+
+    def key(i):
+        return i.to_bytes(16, "big")
+
+    def fill(path):  # another program takes every byte left
+        with contextlib.suppress(OSError), open(path, "wb", 0) as f:
+            while True:
+                f.write(bytes(4096))
+
+    out = {}
+    # 1. open on a full /dev/shm: CacheError, nothing left behind
+    fill(os.path.join(shm, "filler"))
+    try:
+        memory.MemoryStore(name, capacity=8 << 20, temporary=True)
+        out["open"] = "opened"
+    except CacheError as exc:
+        out["open"] = str(exc)
+    out["left"] = sorted(os.listdir(shm))
+    os.unlink(os.path.join(shm, "filler"))
+    # 2. full mid-run: every kind of put is refused cleanly
+    s = memory.MemoryStore(name, capacity=8 << 20, temporary=True)
+    assert s.put(key(0), b"a" * 10_000) and s.put(key(1), b"b" * 100_000)
+    assert s.put(key(2), b"c" * 60)  # size class of tiny values: one payload page
+    fill(os.path.join(shm, "filler"))
+    out["refused"] = {
+        "new class": s.put(key(10), b"n" * 1_000),
+        "new class, large": s.put(key(11), b"n" * 500_000),
+        "payload page, inline copy": s.put(key(12), b"p" * 10_000),
+        "payload page, copy outside the lock": s.put(key(13), b"p" * 100_000),
+        "replaced key": s.put(key(0), b"r" * 100_000),  # more than its old pages
+    }
+    out["tiny"] = [s.put(key(100 + i), b"t" * 60) for i in range(300)]  # payload pages
+    out["empty"] = [s.put(key(1000 + i), b"") for i in range(1000)]  # entry rows only
+    st = s.stats()
+    out["stats"] = [st.puts, st.admitted, st.refused, len(s), s.nbytes()]
+    out["values"] = [s.get(key(1)) == b"b" * 100_000, s.get(key(2)) == b"c" * 60]
+    out["gone"] = s.get(key(0)) is None
+    out["problems"] = s.check()
+    # 3. space comes back: puts are admitted again, without reopening
+    os.unlink(os.path.join(shm, "filler"))
+    out["again"] = [s.put(key(10), b"n" * 1_000), s.put(key(11), b"n" * 500_000)]
+    out["problems_after"] = s.check()
+    s.close()
+    out["warnings"] = warnings
+    out["left_at_end"] = os.listdir(shm)
+    print(json.dumps(out))
+    """
+)
+
+
+def test_a_full_shm_is_a_cache_error_at_open_and_a_refused_put_later(
+    small_shm: Path, shm_name: str
+) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", FULL_SHM, str(small_shm), shm_name],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, f"rc {proc.returncode}: {proc.stderr[-1500:]}"
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "no space left in" in out["open"] and str(small_shm) in out["open"]
+    assert out["left"] == ["filler"]  # not even the lock file
+    assert not any(out["refused"].values()), out["refused"]
+    tiny, empty = out["tiny"], out["empty"]
+    # tiny values fit while their payload pages have room (the dropped key(0) freed some);
+    # empty values need no payload, only entry rows, refused once rows need a new page
+    assert tiny[0] and False in tiny and tiny == sorted(tiny, reverse=True)
+    assert False in empty and empty == sorted(empty, reverse=True)
+    puts, admitted, refused, items, nbytes = out["stats"]
+    stored = 3 + sum(tiny) + sum(empty)  # key(0) was dropped: its new value was refused
+    assert (puts, admitted, refused) == (3 + 5 + 1300, stored, 5 + 1300 - stored + 3)
+    assert items == stored - 1 and nbytes == 100_000 + 60 + 60 * sum(tiny)
+    assert out["values"] == [True, True] and out["gone"]
+    assert out["problems"] == [] and out["problems_after"] == []
+    assert out["again"] == [True, True]
+    # a warning at each open (budget > free space), one when it filled up mid-run
+    warnings = out["warnings"]
+    assert len(warnings) == 3 and all(str(small_shm) in w for w in warnings), warnings
+    assert "is full" in warnings[2]
+    assert out["left_at_end"] == []

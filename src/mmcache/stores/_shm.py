@@ -30,17 +30,19 @@ import re
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from mmcache.errors import CacheError, ConfigError
 
 __all__ = [
+    "NO_SPACE_ERRNOS",
     "PAGE_SIZE",
     "SHM_DIR",
     "SHM_PREFIX",
     "NodeLock",
     "Segment",
     "check_store_name",
+    "is_no_space",
     "pid_alive",
     "proc_start_time",
 ]
@@ -50,6 +52,9 @@ SHM_DIR = "/dev/shm"
 #: Every file the memory tier creates starts with this (``reclaim_orphans`` scans it).
 SHM_PREFIX = "mmcache-"
 PAGE_SIZE = mmap.PAGESIZE
+
+#: errno values meaning "the file system has no room": a refused put, or CacheError at open.
+NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -66,6 +71,11 @@ def check_store_name(name: str) -> str:
             f" letter or digit, got {name!r}"
         )
     return name
+
+
+def is_no_space(exc: BaseException) -> bool:
+    """Whether ``exc`` says the file system (or the user's quota) is full."""
+    return isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS
 
 
 # --------------------------------------------------------------------------- liveness
@@ -108,9 +118,17 @@ class Segment:
     """A file in ``/dev/shm`` mapped shared into this process.
 
     tmpfs allocates pages only when they are touched, so a segment can be sized
-    virtually (to a whole budget) and costs only what is written. Not
-    thread-safe to close while in use; reads and writes through :attr:`buf` are
-    coordinated by the caller's lock.
+    virtually (to a whole budget) and costs only what is written. The catch:
+    the first touch of a page *through the mapping*, a read as much as a write
+    (a shared tmpfs mapping has no zero page to lend), allocates it, and when
+    the tmpfs is full that allocation fails with SIGBUS, which kills the
+    process. So every byte accessed through :attr:`buf` must lie in a range
+    reserved first with :meth:`reserve` (``posix_fallocate``: a clean
+    ``ENOSPC`` instead), or have been written with :meth:`write` (``pwrite``,
+    same). Reserved pages stay allocated until punched (:meth:`punch`).
+
+    Not thread-safe to close while in use; reads and writes through :attr:`buf`
+    are coordinated by the caller's lock.
     """
 
     def __init__(self, path: str, fd: int, size: int) -> None:
@@ -122,14 +140,29 @@ class Segment:
         self._close_fd = weakref.finalize(self, os.close, fd)
 
     @classmethod
-    def create(cls, path: str, size: int, *, mode: int) -> Segment:
-        """Create a new zero-filled segment (fails if ``path`` exists)."""
+    def create(
+        cls, path: str, size: int, *, mode: int, reserve: Iterable[tuple[int, int]] = ()
+    ) -> Segment:
+        """Create a new zero-filled segment (fails if ``path`` exists).
+
+        ``reserve``: ``(offset, length)`` ranges to allocate now (see
+        :meth:`reserve`). If the file system has no room for them, the file is
+        removed and the ``OSError`` (``ENOSPC``, see :func:`is_no_space`) raised.
+        """
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(path, flags, mode)
         try:
             os.fchmod(fd, mode)  # exactly the mode asked for, whatever the umask
             os.ftruncate(fd, size)
-            return cls(path, fd, size)
+            seg = cls(path, fd, size)
+            try:
+                for offset, length in reserve:
+                    seg.reserve(offset, length)
+            except BaseException:
+                seg.buf.close()
+                seg._close_fd.detach()  # the handler below closes fd
+                raise
+            return seg
         except BaseException:
             os.close(fd)
             with contextlib.suppress(FileNotFoundError):
@@ -154,6 +187,20 @@ class Segment:
         except BaseException:
             os.close(fd)
             raise
+
+    def reserve(self, offset: int, length: int) -> None:
+        """Allocate the pages of ``[offset, offset+length)`` (whole pages, inside the file).
+
+        ``posix_fallocate`` never changes the bytes (pages already there stay as
+        they are, holes read as zeros), so it is safe on ranges other processes
+        are using, and costs one syscall when the pages already exist. Raises
+        ``OSError`` (``ENOSPC``/``EDQUOT``) when the file system has no room;
+        tmpfs then gives back what the call had allocated.
+        """
+        start = offset // PAGE_SIZE * PAGE_SIZE
+        stop = min(-(-(offset + length) // PAGE_SIZE) * PAGE_SIZE, self.size)
+        if stop > start:
+            os.posix_fallocate(self.fd, start, stop - start)
 
     def write(self, offset: int, data: memoryview) -> None:
         """Write ``data`` at ``offset`` with ``pwrite`` (one copy, straight into the page cache).
@@ -255,20 +302,35 @@ class NodeLock:
     @staticmethod
     def _open_anchor(path: str, *, create: bool, mode: int) -> int:
         flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
-        try:
-            if create:
-                try:
-                    fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, mode)
-                except FileExistsError:
-                    pass
-                else:
-                    os.fchmod(fd, mode)  # exactly the mode asked for, whatever the umask
-                    return fd
-            return os.open(path, flags)
-        except FileNotFoundError:
-            raise CacheError(f"no memory store at {path}: create it first (create=True)") from None
-        except OSError as exc:
-            raise CacheError(f"cannot open the lock file {path}: {exc}") from exc
+        directory = os.path.dirname(path) or "."
+        for _ in range(10):
+            try:
+                if create:
+                    try:
+                        fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, mode)
+                    except FileExistsError:
+                        pass
+                    else:
+                        os.fchmod(fd, mode)  # exactly the mode asked for, whatever the umask
+                        return fd
+                return os.open(path, flags)
+            except FileNotFoundError:
+                if not os.path.isdir(directory):
+                    # Containers and some CI runners have no /dev/shm at all; saying
+                    # "create the store first" would send the user the wrong way.
+                    raise CacheError(
+                        f"{directory} does not exist: this host has no shared-memory"
+                        " directory, so the memory tier cannot be used (mount a tmpfs"
+                        " there, or pass memory=0)"
+                    ) from None
+                if not create:
+                    raise CacheError(
+                        f"no memory store at {path}: create it first (create=True)"
+                    ) from None
+                # Removed between our O_EXCL attempt and the plain open: try again.
+            except OSError as exc:
+                raise CacheError(f"cannot open the lock file {path}: {exc}") from exc
+        raise CacheError(f"the lock file {path} keeps being removed while opening it")
 
     def unlinked(self) -> bool:
         """Whether the lock file path no longer names the inode this lock uses."""

@@ -33,9 +33,23 @@ reservations being written) and ``nbytes() <= capacity()`` holds at every
 moment in every process. The RAM really used is the slots of held entries
 (payload plus the class rounding above) plus metadata: 4 B per hash cell
 (2 cells per index entry, touched at random so all of them count), about 100 B
-per entry row ever used, about 150 KiB of fixed tables; small classes (< 4 KiB)
-return a page only when all slots on it are free (slots are reused lowest
-first, which keeps them packed).
+per entry row ever used, about 150 KiB of fixed tables, 1 B per slot of each
+size class in use (its bitmap); small classes (< 4 KiB) return a page only
+when all slots on it are free (slots are reused lowest first, which keeps them
+packed).
+
+A full ``/dev/shm``: touching a page of a tmpfs file through a mapping (even
+reading it) allocates it, and fails with SIGBUS when the tmpfs is full. So
+nothing is touched through a mapping before it was allocated with
+``posix_fallocate``, which fails with ``ENOSPC`` instead (see
+:class:`~mmcache.stores._shm.Segment`): the fixed tables and the hash table
+when the store is created (``CacheError`` if they do not fit), a size class's
+bitmap when the class is created and the entry rows in steps as the entries
+in use grow (a refused put, with one warning, if they do not fit). Payloads
+are written with ``pwrite`` (``ENOSPC`` too: a refused put). Reserving when a
+row is first used, rather than the whole meta segment at creation, keeps the
+RAM cost proportional to the entries used: the rows are 90 % of the meta
+segment (24 of 27 MiB for a 1 GiB store).
 
 Locking protocol (readers ``LOCK_SH``, writers ``LOCK_EX``):
 
@@ -79,7 +93,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import errno
 import fnmatch
 import glob
 import logging
@@ -118,6 +131,7 @@ from mmcache.stores._shm import (
     NodeLock,
     Segment,
     check_store_name,
+    is_no_space,
     pid_alive,
     proc_start_time,
 )
@@ -152,7 +166,14 @@ MAX_PROCS = 1024
 OWNER_PATH_MAX = 4096
 
 _MAGIC = int.from_bytes(b"MMCACHE1", "little")
-_VERSION = 1
+# 2: every page touched through a mapping is reserved first (the hash table and the slot
+# bitmaps whole, entry rows up to _H_ROWS_RESERVED). A version-1 store has sparse tables
+# that would raise SIGBUS on a full /dev/shm; it is re-created.
+_VERSION = 2
+#: Entry rows are reserved (``posix_fallocate``) in steps of at least this many rows, and
+#: at least an eighth of those reserved so far: a few pages at first (a tiny /dev/shm holds
+#: a few entries), about 70 steps of 12 calls each up to 2**18 rows.
+ROW_RESERVE_STEP = 64
 _KEY = struct.Struct("<QQ")
 
 
@@ -234,7 +255,8 @@ _ROW_OVERFLOW = MAX_PROCS + 1  # shared (racy) row when the process table is ful
     _H_OWNER_LEN,
     _H_CREATED_AT,
     _H_PID_NAMESPACE,
-) = range(24)
+    _H_ROWS_RESERVED,  # entry rows [0, n) have their pages allocated in every column
+) = range(25)
 _HEADER_WORDS = 64
 _FLAG_TEMPORARY = 1
 
@@ -323,12 +345,39 @@ class _Layout:
             offset += int(np.dtype(dtype).itemsize * np.prod(shape))
         return cls(entries, table_shift, classes, procs, tuple(fields), _page_round(offset))
 
+    def fixed_range(self) -> tuple[int, int]:
+        """``(offset, length)`` of the fixed tables (header to size classes)."""
+        return 0, next(offset for name, offset, _, _ in self.fields if name == "state")
+
+    def table_range(self) -> tuple[int, int]:
+        """``(offset, length)`` of the hash table (the last array)."""
+        _, offset, dtype, shape = self.fields[-1]
+        return offset, np.dtype(dtype).itemsize * int(np.prod(shape))
+
+    def row_ranges(self, start: int, stop: int) -> list[tuple[int, int]]:
+        """``(offset, length)`` of entry rows ``[start, stop)`` in every entry column."""
+        out = []
+        for name, offset, dtype, shape in self.fields:
+            if name in _ENTRY_COLUMNS:
+                row = np.dtype(dtype).itemsize * int(np.prod(shape[1:]))
+                out.append((offset + start * row, (stop - start) * row))
+        return out
+
     def arrays(self, buf: Any) -> dict[str, np.ndarray[Any, Any]]:
         out = {}
         for name, offset, dtype, shape in self.fields:
             count = int(np.prod(shape))
             out[name] = np.frombuffer(buf, dtype=dtype, count=count, offset=offset).reshape(shape)
         return out
+
+
+#: The arrays of the meta segment with one row per entry (between "classes" and "table").
+_ENTRY_COLUMNS = frozenset(
+    (
+        "state", "key", "size", "cls", "slot", "cost", "ctime", "atime", "hits", "seq", "pid",
+        "pstart",
+    )
+)  # fmt: skip
 
 
 def _table_shift(entries: int) -> int:
@@ -375,6 +424,7 @@ class _Outcome(IntEnum):
     REFUSED = 0  # the policy (or a full index) said no
     BUSY = 1  # another live process is writing the same key right now
     NEED_PLAN = 2  # full: ask the policy (outside the exclusive lock) and retry
+    NO_SPACE = 3  # /dev/shm has no room for the metadata the entry needs
 
 
 # Bumped in every fork child, so a store object notices it crossed a fork.
@@ -626,7 +676,27 @@ class MemoryStore(Store):
             entries=entries, table_shift=_table_shift(entries), classes=len(sizes), procs=MAX_PROCS
         )
         self._warn_if_shm_small(capacity)
-        seg = Segment.create(_meta_path(self.shm_name), layout.size, mode=self._mode)
+        try:
+            seg = Segment.create(
+                _meta_path(self.shm_name),
+                layout.size,
+                mode=self._mode,
+                reserve=[layout.fixed_range(), layout.table_range()],
+            )
+        except OSError as exc:
+            if not is_no_space(exc):
+                raise
+            # Nothing of the store is left but its lock file: remove it too (processes
+            # waiting for it see it unlinked and start over), so a failed open leaves
+            # nothing behind in /dev/shm.
+            _remove(_lock_path(self.shm_name), removed)
+            fixed, table = layout.fixed_range()[1], layout.table_range()[1]
+            raise CacheError(
+                f"no space left in {SHM_DIR} for memory store {self.shm_name!r}: its tables"
+                f" need {_page_round(fixed) + _page_round(table)} B ({exc.strerror}); free"
+                " space there (mmcache gc removes stale stores; in Docker raise --shm-size)"
+                " or pass memory=0"
+            ) from exc
         arrays = layout.arrays(seg.buf)
         h = arrays["header"]
         h[_H_STATE] = StoreState.INITIALISING
@@ -670,6 +740,7 @@ class MemoryStore(Store):
             raise CacheError(f"memory store {self.shm_name!r}: meta segment size mismatch")
         a = layout.arrays(seg.buf)
         self._meta = seg
+        self._layout = layout
         self._h = a["header"]
         self._owner_arr = a["owner"]
         self._procs = a["procs"]
@@ -718,7 +789,7 @@ class MemoryStore(Store):
         for attr in (
             "_h", "_owner_arr", "_procs", "_counters", "_classes", "_state", "_ekey", "_esize",
             "_ecls", "_eslot", "_ecost", "_ectime", "_eatime", "_ehits", "_eseq", "_epid",
-            "_epstart", "_table", "_meta",
+            "_epstart", "_table", "_meta", "_layout",
         ):  # fmt: skip
             if hasattr(self, attr):
                 delattr(self, attr)
@@ -946,7 +1017,11 @@ class MemoryStore(Store):
             elif create:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)  # left by a creator that died before flagging it
-                seg = Segment.create(path, size, mode=self._mode)
+                # The bitmap is read and written through the mapping: reserve all of
+                # it now (1 B per slot); payload pages are written with pwrite.
+                seg = Segment.create(
+                    path, size, mode=self._mode, reserve=[(0, _page_round(n_slots))]
+                )
                 self._classes[cls, _C_CREATED] = 1
             else:
                 raise CacheError(f"memory store {self.shm_name!r}: size class {cls} missing")
@@ -1044,12 +1119,45 @@ class MemoryStore(Store):
         self._h[_H_TOMBSTONES] = 0
         self._h[_H_USED_CELLS] = live.shape[0]
 
+    def _rows_reserved(self) -> int:
+        """Entry rows whose pages exist: the only ones that may be touched (see module doc)."""
+        return min(max(int(self._h[_H_ROWS_RESERVED]), 0), self._entries)
+
+    def _reserve_rows_locked(self, rows: int) -> None:
+        """Allocate the pages of entry rows ``[0, rows)`` (and a step more). Caller holds EX.
+
+        Raises ``OSError`` (``ENOSPC``) when /dev/shm has no room; the header
+        records only what was really reserved.
+        """
+        have = self._rows_reserved()
+        if rows <= have:
+            return
+        step = max(ROW_RESERVE_STEP, have // 8)
+        want = min(self._entries, -(-max(rows, have + step) // ROW_RESERVE_STEP) * ROW_RESERVE_STEP)
+        for offset, length in self._layout.row_ranges(have, want):
+            self._meta.reserve(offset, length)
+        self._h[_H_ROWS_RESERVED] = want
+
+    def _reserve_pages_locked(self, cls: int) -> bool:
+        """Allocate what a new entry of class ``cls`` will touch through the mappings:
+        the class's bitmap and the next entry row. False if /dev/shm is full. EX held."""
+        try:
+            self._slab(cls, create=True)
+            # _alloc_entry_locked picks the lowest free row, at most the high-water mark.
+            self._reserve_rows_locked(int(self._h[_H_ENTRY_HW]) + 1)
+        except OSError as exc:
+            if not is_no_space(exc):
+                raise
+            return False
+        return True
+
     def _alloc_entry_locked(self) -> int:
         h = self._h
         state = self._state
         pos = int(h[_H_ENTRY_HINT])
-        while pos < self._entries:
-            chunk = state[pos : pos + 4096]
+        limit = self._rows_reserved()  # the caller reserved a free row below it
+        while pos < limit:
+            chunk = state[pos : min(pos + 4096, limit)]
             free = np.flatnonzero(chunk == EntryState.EMPTY)
             if free.shape[0]:
                 e = pos + int(free[0])
@@ -1140,7 +1248,7 @@ class MemoryStore(Store):
         """
         log.warning("memory store %s: repairing shared state (%s)", self.shm_name, reason)
         h = self._h
-        state = self._state
+        state = self._state[: self._rows_reserved()]  # no later row was ever written
         unknown = state > EntryState.READY
         corrupt = int(unknown.sum())
         state[unknown] = EntryState.EMPTY
@@ -1196,7 +1304,9 @@ class MemoryStore(Store):
         live_cls = self._ecls[live]
         for c in np.flatnonzero(self._classes[:, _C_CREATED]).tolist():
             slab = self._slab(int(c))
-            slab.seg.punch(0, slab.base)  # zero the bitmap without touching its pages
+            # Zeroed in place, not punched: its pages must stay allocated (a full
+            # /dev/shm would kill the next process touching a punched one).
+            slab.bitmap[:] = 0
             slots = self._eslot[live[live_cls == c]]
             slab.bitmap[slots] = 1
             self._classes[c, _C_USED] = slots.shape[0]
@@ -1549,9 +1659,9 @@ class MemoryStore(Store):
             res.slab.write(res.slot, src)
         except OSError as exc:
             self._abort(res)
-            if exc.errno != errno.ENOSPC:
+            if not is_no_space(exc):
                 raise
-            self._warn_full()
+            self._refuse_no_space(admitted=True)
             return False
         except BaseException:
             self._abort(res)
@@ -1571,6 +1681,7 @@ class MemoryStore(Store):
         over ``INLINE_COPY_MAX``), or the put's result.
         """
         inline = size <= INLINE_COPY_MAX
+        counted = False  # whether the refused put was counted as admitted already
         plan: tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None = None
         for attempt in range(_PLAN_ATTEMPTS + 1):
             with self._exclusive():
@@ -1590,14 +1701,17 @@ class MemoryStore(Store):
                     try:
                         res.slab.write(res.slot, src)
                     except OSError as exc:
-                        if exc.errno != errno.ENOSPC:
+                        if not is_no_space(exc):
                             raise
                         released: list[tuple[int, int]] = []
                         self._free_locked(res.entry, released)
                         self._release_all_locked(released)
-                        self._warn_full()
-                        return False
-                    return self._publish_locked(res)
+                        res, counted = _Outcome.NO_SPACE, True
+                    else:
+                        return self._publish_locked(res)
+            if res == _Outcome.NO_SPACE:
+                self._refuse_no_space(admitted=counted)
+                return False
             if res != _Outcome.NEED_PLAN:
                 return False
             plan, had_old = self._plan(k0, k1, size, cost)
@@ -1616,6 +1730,13 @@ class MemoryStore(Store):
                 released: list[tuple[int, int]] = []
                 self._free_locked(e, released)
                 self._release_all_locked(released)
+
+    def _refuse_no_space(self, *, admitted: bool) -> None:
+        """Count a put refused because /dev/shm is full (it may have been counted admitted)."""
+        if admitted:
+            self._count(_Count.ADMITTED, -1)
+        self._count(_Count.REFUSED)
+        self._warn_full()
 
     def _warn_full(self) -> None:
         if "enospc" not in self._warned:
@@ -1686,6 +1807,7 @@ class MemoryStore(Store):
         need, full = shortfall()
         if (need > 0 or full) and int(h[_H_WRITING]) and self._reclaim_dead_writers_locked():
             need, full = shortfall()
+        victims: npt.NDArray[np.int64] | None = None
         if need > 0 or full:
             victims = None if plan is None else self._validate_plan_locked(plan, old, need, full)
             if victims is None:
@@ -1702,12 +1824,20 @@ class MemoryStore(Store):
                         self._free_locked(old, released)
                         self._release_all_locked(released)
                     return _Outcome.REFUSED
+        cls = bisect_left(self._sizes_list, size)
+        # Admitted: now make sure /dev/shm has the pages the entry's metadata needs,
+        # before evicting anything for it (a full /dev/shm must not cost the victims).
+        if not self._reserve_pages_locked(cls):
+            if old >= 0:  # the new value is refused: the old one is stale
+                self._free_locked(old, released)
+                self._release_all_locked(released)
+            return _Outcome.NO_SPACE
+        if victims is not None:
             for v in victims.tolist():
                 self._free_locked(v, released)
             self._count(_Count.EVICTIONS, len(victims))
         if old >= 0:
             self._free_locked(old, released)
-        cls = bisect_left(self._sizes_list, size)
         slab, slot = self._alloc_slot_locked(cls)
         e = self._alloc_entry_locked()
         seq = int(h[_H_SEQ])
@@ -1883,7 +2013,7 @@ class MemoryStore(Store):
         problems: list[str] = []
         with self._shared():
             h = self._h
-            state = self._state
+            state = self._state[: self._rows_reserved()]  # no later row was ever written
             live = np.flatnonzero(state != EntryState.EMPTY)
             if live.shape[0] and int(live[-1]) >= int(h[_H_ENTRY_HW]):
                 problems.append(f"entry {int(live[-1])} beyond the high-water mark")
