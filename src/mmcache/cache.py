@@ -42,6 +42,7 @@ from mmcache import codec, sizing
 from mmcache.errors import CacheError, ConfigError, CorruptEntryError
 from mmcache.keys import key_from_hex
 from mmcache.policies import Policy, get_policy, policy_names
+from mmcache.registry import FingerprintRegistry
 from mmcache.stats import CacheStats
 from mmcache.stores.base import Store
 from mmcache.units import parse_duration, parse_size
@@ -67,6 +68,8 @@ class GcReport:
     evicted: int = 0
     freed_bytes: int = 0
     orphan_segments: tuple[str, ...] = ()
+    dropped_fingerprints: tuple[str, ...] = ()
+    dropped_entries: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -205,6 +208,12 @@ class Cache:
                 self._write_config()
             except (OSError, CacheError) as exc:
                 self._degrade("disk", exc)
+        self.registry: FingerprintRegistry | None = None
+        if self.disk is not None:
+            try:
+                self.registry = FingerprintRegistry(self.root / "fingerprints", mode=self.mode)
+            except OSError as exc:
+                logger.debug("no fingerprint registry in %s: %s", self.root, exc)
         if self.memory_budget > 0:
             try:
                 self.memory = MemoryStore(
@@ -357,18 +366,39 @@ class Cache:
         return isinstance(key, (bytes, str)) and self.contains(key)
 
     # -- writes ---------------------------------------------------------------------------
-    def put(self, key: KeyLike, sample: Mapping[str, np.ndarray], *, cost: float = 0.0) -> bool:
+    def put(
+        self,
+        key: KeyLike,
+        sample: Mapping[str, np.ndarray],
+        *,
+        cost: float = 0.0,
+        tag: str | None = None,
+    ) -> bool:
         """Encode ``sample`` once and offer it to every tier; True if any tier admitted it.
 
         ``cost`` is the CPU seconds it took to produce the sample (the ``value``
-        policy admits by cost per byte).
+        policy admits by cost per byte). ``tag``, the pipeline fingerprint of
+        the writer, lets ``stats`` list it and ``gc`` drop its entries when it
+        is no longer used (see :mod:`mmcache.registry`).
         """
         k = _to_key(key)
         raw = codec.encode(sample, ctime=self.clock(), cost=cost)
-        return self.put_encoded(k, raw, cost=cost)
+        return self.put_encoded(k, raw, cost=cost, tag=tag)
 
-    def put_encoded(self, key: bytes, raw: bytes, *, cost: float) -> bool:
+    def register(self, fingerprint: str, description: str = "") -> None:
+        """Record that ``fingerprint`` uses this cache now (the loaders call it)."""
+        if self.registry is not None:
+            self.registry.touch(fingerprint, description, self.clock())
+
+    def tag(self, fingerprint: str, keys: list[bytes]) -> None:
+        """Log ``keys`` as written by ``fingerprint`` (for ``gc(unused_for=...)``)."""
+        if self.registry is not None:
+            self.registry.log(fingerprint, keys)
+
+    def put_encoded(self, key: bytes, raw: bytes, *, cost: float, tag: str | None = None) -> bool:
         """Offer already-encoded bytes to every tier (used by write-behind workers)."""
+        if tag is not None:
+            self.tag(tag, [key])
         ctime = codec.read_header(raw).ctime
         admitted = False
         for tier in self.tiers.values():
@@ -434,7 +464,12 @@ class Cache:
     # -- maintenance ----------------------------------------------------------------------
     def stats(self) -> CacheStats:
         """Per-tier counters, aggregated over every process of the node."""
-        return CacheStats({name: tier.stats() for name, tier in self.tiers.items()})
+        fps = (
+            {e.fingerprint: e.as_dict() for e in self.registry.entries()}
+            if self.registry is not None
+            else {}
+        )
+        return CacheStats({name: tier.stats() for name, tier in self.tiers.items()}, fps)
 
     def verify(self, *, repair: bool = False) -> VerifyReport:
         """Check every entry's header and checksum; with ``repair`` remove bad ones."""
@@ -454,12 +489,15 @@ class Cache:
             checked=checked, bad=tuple(k.hex() for k in bad), removed=len(bad) if repair else 0
         )
 
-    def gc(self, *, max_size: int | str | None = None) -> GcReport:
+    def gc(
+        self, *, max_size: int | str | None = None, unused_for: float | str | None = None
+    ) -> GcReport:
         """Remove expired and corrupt entries and orphaned shared-memory segments.
 
         ``max_size`` shrinks the disk tier's budget to that size (evicting by the
         policy; ``keep``/``value`` fall back to least recently used) and records
-        the new budget for later opens.
+        the new budget for later opens. ``unused_for`` (seconds or ``"30d"``)
+        removes every entry of the pipeline fingerprints not used for that long.
         """
         from mmcache.stores.disk import DiskStore
         from mmcache.stores.memory import reclaim_orphans
@@ -470,6 +508,18 @@ class Cache:
             cutoff = self.clock() - self.ttl
             for tier in self.tiers.values():
                 expired += tier.expire(cutoff)
+        dropped: list[str] = []
+        removed_by_fp = 0
+        if unused_for is not None and self.registry is not None:
+            cutoff = self.clock() - parse_duration(unused_for)
+            for info in self.registry.entries():
+                if info.last_used >= cutoff:
+                    continue
+                for k in self.registry.keys(info.fingerprint):
+                    for tier in self.tiers.values():
+                        removed_by_fp += int(tier.delete(k))
+                self.registry.remove(info.fingerprint)
+                dropped.append(info.fingerprint)
         report = self.verify(repair=True)
         evicted = 0
         if max_size is not None and self.disk is not None:
@@ -490,6 +540,8 @@ class Cache:
             evicted=evicted,
             freed_bytes=max(before - after, 0),
             orphan_segments=orphans,
+            dropped_fingerprints=tuple(dropped),
+            dropped_entries=removed_by_fp,
         )
 
     def close(self) -> None:

@@ -35,6 +35,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any] | None]):
     def __init__(self, dataset: MultimodalDataset, cache: Cache) -> None:
         self.dataset = dataset
         self.cache = cache
+        cache.register(dataset.fingerprint(), repr(dataset.pipeline))
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -51,7 +52,9 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any] | None]):
                     raise
                 self.dataset.record_reject(err)
                 return None
-            self.cache.put(key, sample, cost=time.thread_time() - t0)
+            self.cache.put(
+                key, sample, cost=time.thread_time() - t0, tag=self.dataset.fingerprint()
+            )
         item = self.dataset.to_item(index, sample)
         item["key"] = key_hex(key)
         return item

@@ -192,6 +192,13 @@ def _cmd_stats(args: argparse.Namespace) -> int:
             ]
         )
     print(_table(rows, ["tier", *fields]))
+    if stats.fingerprints:
+        import datetime as dt
+
+        print("\npipeline fingerprints (most recently used first):")
+        for fp, info in stats.fingerprints.items():
+            last = dt.datetime.fromtimestamp(info["last_used"]).strftime("%Y-%m-%d %H:%M")
+            print(f"  {fp}  last used {last}  {info['keys_logged']} keys  {info['description']}")
     return 0
 
 
@@ -218,7 +225,10 @@ def _cmd_gc(args: argparse.Namespace) -> int:
         kwargs["ttl"] = parse_duration(args.older_than)
     cache = _open(args, memory=0, **kwargs)
     try:
-        report = cache.gc(max_size=None if args.max_size is None else parse_size(args.max_size))
+        report = cache.gc(
+            max_size=None if args.max_size is None else parse_size(args.max_size),
+            unused_for=args.unused_for,
+        )
     finally:
         cache.close()
     if args.json:
@@ -227,7 +237,9 @@ def _cmd_gc(args: argparse.Namespace) -> int:
         print(
             f"freed {format_size(report.freed_bytes)}: {report.expired} expired, "
             f"{report.corrupt} corrupt, {report.evicted} over budget, "
-            f"{len(report.orphan_segments)} orphaned shared-memory segments"
+            f"{len(report.orphan_segments)} orphaned shared-memory segments, "
+            f"{report.dropped_entries} entries of {len(report.dropped_fingerprints)} "
+            "unused pipeline fingerprints"
         )
     return 0
 
@@ -424,6 +436,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache", required=True)
     p.add_argument("--older-than", help="remove entries older than this (e.g. 7d)")
     p.add_argument("--max-size", help="shrink the disk tier to this size (e.g. 10GiB)")
+    p.add_argument(
+        "--unused-for", help="drop entries of pipeline fingerprints unused this long (e.g. 30d)"
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_gc)
     return parser

@@ -121,7 +121,7 @@ class _MissTasks(torch.utils.data.Dataset[_Result]):
         if cache is not None:
             # Write-behind: the memory tier now, the disk tier from a background thread.
             raw = codec.encode(produced, ctime=cache.clock(), cost=cost)
-            if write_behind(cache)(key, raw, cost) and in_worker:
+            if write_behind(cache)(key, raw, cost, self.dataset.fingerprint()) and in_worker:
                 return _Result(index, _PRODUCED, in_memory=True)
         return _Result(index, _PRODUCED, produced)
 
@@ -411,6 +411,8 @@ class DataLoader:
             epoch = self._epoch = epoch + 1
             self._position = 0
             batches = self._epoch_batches(epoch)
+        if self.cache is not None:
+            self.cache.register(self.dataset.fingerprint(), repr(self.dataset.pipeline))
         run = _EpochRun(epoch=epoch, batches=batches, start=self._position)
         self._run = run
         return self._iterate(run)
@@ -679,7 +681,10 @@ class DataLoader:
                 sources[r] = _REJECTED
             elif res.sample is not None:
                 rows[r] = res.sample
-                sources[r] = res.source
+                # A sample a worker produced this epoch stays a miss, even when it is
+                # fetched again (from disk) because it was evicted before the gather.
+                if sources[r] != _PRODUCED:
+                    sources[r] = res.source
         for rr in planned[found[planned]]:
             sources[int(rr)] = _MEMORY
         for r in list(rows):

@@ -49,12 +49,16 @@ class CacheStats:
     """One :class:`TierStats` per tier, keyed by the tier's name (``memory``, ``disk``)."""
 
     tiers: dict[str, TierStats] = field(default_factory=dict)
+    #: Pipeline fingerprints that wrote into this cache root (see mmcache.registry).
+    fingerprints: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __getitem__(self, tier: str) -> TierStats:
         return self.tiers[tier]
 
     def as_dict(self) -> dict[str, Any]:
-        return {name: t.as_dict() for name, t in self.tiers.items()}
+        out: dict[str, Any] = {name: t.as_dict() for name, t in self.tiers.items()}
+        out["fingerprints"] = self.fingerprints
+        return out
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,9 @@ class _Produce(torch.utils.data.Dataset[tuple[str, str]]):
                 raise
             self.dataset.record_reject(err)
             return ("rejected", err.reason)
-        admitted = self.cache.put(key, sample, cost=time.thread_time() - t0)
+        admitted = self.cache.put(
+            key, sample, cost=time.thread_time() - t0, tag=self.dataset.fingerprint()
+        )
         return ("admitted" if admitted else "refused", "")
 
 
@@ -93,6 +95,7 @@ def warm(
     if not 0 <= rank < world_size:
         raise ConfigError(f"rank must be in [0, {world_size}), got {rank}")
     t0 = time.perf_counter()
+    cache.register(dataset.fingerprint(), repr(dataset.pipeline))
     shard = list(range(rank, len(dataset), world_size))
     todo = [i for i in shard if not cache.contains(dataset.key(i))]
     present = len(shard) - len(todo)

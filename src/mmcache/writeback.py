@@ -49,7 +49,7 @@ class WriteBehind:
         self._closed = False
         self._thread.start()
 
-    def submit(self, key: bytes, raw: bytes, cost: float) -> bool:
+    def submit(self, key: bytes, raw: bytes, cost: float, tag: str | None = None) -> bool:
         """Admit an encoded entry: to the memory tier now, to the disk tier in the background.
 
         The memory-tier put is quick (a copy into shared memory, ~0.1 ms for 150 KB)
@@ -58,6 +58,8 @@ class WriteBehind:
         the queue is full the disk write happens here, which bounds the memory
         pending entries hold. Returns whether the memory tier admitted the entry.
         """
+        if tag is not None:
+            self.cache.tag(tag, [key])
         memory = self.cache.memory
         in_memory = False
         if memory is not None:
@@ -126,7 +128,7 @@ _WRITERS: dict[int, WriteBehind] = {}
 _LOCK = threading.RLock()  # re-entrant: a GC finalizer may flush mid-call
 
 
-def write_behind(cache: Cache) -> Callable[[bytes, bytes, float], bool]:
+def write_behind(cache: Cache) -> Callable[..., bool]:
     """The submit function of this process's writer for ``cache`` (created on first use)."""
     with _LOCK:
         writer = _WRITERS.get(id(cache))

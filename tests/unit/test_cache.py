@@ -272,3 +272,42 @@ def test_entry_too_large_refused_and_counted(cache_root: Path) -> None:
         assert cache.put(_key(1), _sample(1, n=20_000)) is False
         assert cache.stats()["memory"].refused == 1
         assert codec.encoded_size(_sample(1, n=20_000)) > 10_000
+
+
+def test_fingerprints_listed_and_unused_ones_dropped(
+    tiny_data: Path, tokenizer_json: Path, cache_root: Path
+) -> None:
+    """Two pipelines write into one root; gc drops only the one nobody used lately."""
+    clock = FakeClock()
+    old = Pipeline(image=ImageSpec(size=32), text=TextSpec(tokenizer_json, max_length=8))
+    new = Pipeline(image=ImageSpec(size=40), text=TextSpec(tokenizer_json, max_length=8))
+    with Cache(cache_root, memory="8MiB", disk="64MiB", clock=clock, temporary=True) as cache:
+        ds_old = MultimodalDataset(tiny_data, pipeline=old)
+        for i in range(10):
+            CachedDataset(ds_old, cache)[i]
+        clock.now += 40 * 86400
+        ds_new = MultimodalDataset(tiny_data, pipeline=new)
+        for i in range(6):
+            CachedDataset(ds_new, cache)[i]
+        fps = cache.stats().fingerprints
+        assert set(fps) == {old.fingerprint(), new.fingerprint()}
+        assert fps[old.fingerprint()]["keys_logged"] == 10
+        report = cache.gc(unused_for="30d")
+        assert report.dropped_fingerprints == (old.fingerprint(),)
+        assert report.dropped_entries == 10 * 2  # memory and disk copies
+        assert all(cache.get(ds_old.key(i)) is None for i in range(10))
+        assert all(cache.get(ds_new.key(i)) is not None for i in range(6))
+        assert set(cache.stats().fingerprints) == {new.fingerprint()}
+
+
+def test_loader_and_workers_tag_their_entries(
+    tiny_data: Path, small_pipeline: Pipeline, cache_root: Path
+) -> None:
+    from mmcache.loader import DataLoader
+
+    ds = MultimodalDataset(tiny_data, pipeline=small_pipeline)
+    with Cache(cache_root, memory="8MiB", disk="64MiB", temporary=True) as cache:
+        with DataLoader(ds, cache=cache, batch_size=8, num_workers=2) as loader:
+            list(loader)
+        info = cache.stats().fingerprints[small_pipeline.fingerprint()]
+        assert info["keys_logged"] == 48

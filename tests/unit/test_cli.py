@@ -101,14 +101,18 @@ def test_warm_stats_verify_gc(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert main(["stats", "--cache", str(cache), "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)
     assert stats["disk"]["items"] == 12 and stats["disk"]["budget"] == 64 * 2**20
+    assert len(stats["fingerprints"]) == 1  # the default pipeline's
     assert main(["stats", "--cache", str(cache)]) == 0
-    assert "disk" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "disk" in out and "pipeline fingerprints" in out and "12 keys" in out
     assert main(["verify", "--cache", str(cache), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["ok"] is True
     assert main(["gc", "--cache", str(cache), "--older-than", "7d", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["expired"] == 0
     assert main(["gc", "--cache", str(cache), "--max-size", "10KiB", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["evicted"] > 0
+    assert main(["gc", "--cache", str(cache), "--unused-for", "1h", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["dropped_fingerprints"] == []  # used just now
 
 
 def test_verify_exit_code_on_a_corrupt_entry(

@@ -1,0 +1,148 @@
+"""Which pipeline fingerprints wrote into a cache root, and which keys each wrote.
+
+Cache keys are digests, so an entry does not say which pipeline made it. To
+list the fingerprints present (``mmcache stats``) and to drop the entries of a
+pipeline nobody uses any more (``mmcache gc --unused-for 30d``), writers that
+know their fingerprint tag their puts: each tagged key is appended to
+``root/fingerprints/<fingerprint>.keys`` as a line of 32 hex digits (one
+``O_APPEND`` write, atomic between processes), and ``<fingerprint>.json``
+records a description and when the fingerprint was first and last used.
+Lines, not raw 16-byte records: a write torn by a full disk spoils only the
+line it is in, and the next newline resynchronises the log (a torn binary
+record would shift every later key).
+
+The files are untrusted input like every cache file: the key log is read as
+hex lines (anything else is skipped), the JSON is plain data, and file names
+come only from validated hex fingerprints. Deleting the keys of one
+fingerprint can never touch another's entries, since every key includes its
+fingerprint. Process-safe; thread-safe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from mmcache.stores.base import KEY_SIZE
+
+__all__ = ["FingerprintInfo", "FingerprintRegistry"]
+
+logger = logging.getLogger(__name__)
+
+_FP_RE = re.compile(r"^[0-9a-f]{8,64}$")
+
+
+@dataclass(frozen=True)
+class FingerprintInfo:
+    """One fingerprint of a cache root: keys logged for it and when it was used."""
+
+    fingerprint: str
+    description: str
+    first_used: float
+    last_used: float
+    keys_logged: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _check(fp: str) -> str:
+    if not isinstance(fp, str) or _FP_RE.match(fp) is None:
+        raise ValueError(f"a fingerprint is 8-64 lowercase hex digits, got {fp!r}")
+    return fp
+
+
+class FingerprintRegistry:
+    """The ``fingerprints/`` folder of a cache root."""
+
+    def __init__(self, folder: str | os.PathLike[str], *, mode: int = 0o600) -> None:
+        self.folder = Path(folder)
+        self.mode = mode
+        dir_mode = mode | ((mode & 0o444) >> 2)
+        existed = self.folder.is_dir()
+        self.folder.mkdir(mode=dir_mode, parents=True, exist_ok=True)
+        if not existed:  # mkdir's mode is masked by the umask
+            os.chmod(self.folder, dir_mode)
+
+    def touch(self, fp: str, description: str, now: float) -> None:
+        """Record that ``fp`` is in use now (atomic replace of its JSON)."""
+        path = self.folder / f"{_check(fp)}.json"
+        first = now
+        with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+            first = float(json.loads(path.read_text())["first_used"])
+        data = {
+            "fingerprint": fp,
+            "description": description[:500],
+            "first_used": first,
+            "last_used": now,
+        }
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps(data))
+            os.chmod(tmp, self.mode)
+            os.replace(tmp, path)
+        except OSError as exc:  # e.g. a full disk: leave nothing half-written behind
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            logger.debug("cannot record fingerprint %s: %s", fp, exc)
+
+    def log(self, fp: str, keys: Iterable[bytes]) -> None:
+        """Append ``keys`` to the key log of ``fp`` (one atomic write)."""
+        data = b"".join(k.hex().encode("ascii") + b"\n" for k in keys if len(k) == KEY_SIZE)
+        if not data:
+            return
+        path = self.folder / f"{_check(fp)}.keys"
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, self.mode)
+            try:
+                if os.fstat(fd).st_size == 0:  # just created: mode exactly, not & ~umask
+                    with contextlib.suppress(OSError):
+                        os.fchmod(fd, self.mode)
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+        except OSError as exc:  # a full disk must not stop training over bookkeeping
+            logger.debug("cannot log keys of fingerprint %s: %s", fp, exc)
+
+    def keys(self, fp: str) -> Iterator[bytes]:
+        """The keys logged for ``fp`` (a torn last record is ignored)."""
+        path = self.folder / f"{_check(fp)}.keys"
+        try:
+            data = path.read_bytes()
+        except OSError:
+            return
+        for line in data.split(b"\n"):
+            if len(line) == 2 * KEY_SIZE:
+                with contextlib.suppress(ValueError):
+                    yield bytes.fromhex(line.decode("ascii"))
+
+    def entries(self) -> list[FingerprintInfo]:
+        """Every fingerprint of this root, most recently used first (``keys_logged`` is
+        estimated from the log's size)."""
+        out = []
+        for path in self.folder.glob("*.json"):
+            fp = path.stem
+            if _FP_RE.match(fp) is None:
+                continue
+            try:
+                data = json.loads(path.read_text())
+                first, last = float(data["first_used"]), float(data["last_used"])
+                desc = str(data.get("description", ""))
+            except (OSError, ValueError, TypeError, KeyError):
+                continue
+            keys_path = self.folder / f"{fp}.keys"
+            n = keys_path.stat().st_size // (2 * KEY_SIZE + 1) if keys_path.exists() else 0
+            out.append(FingerprintInfo(fp, desc, first, last, n))
+        return sorted(out, key=lambda e: -e.last_used)
+
+    def remove(self, fp: str) -> None:
+        for suffix in (".json", ".keys"):
+            with contextlib.suppress(FileNotFoundError):
+                (self.folder / f"{_check(fp)}{suffix}").unlink()
