@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
-from collections.abc import Iterator
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -54,3 +56,36 @@ def cache_root(tmp_path: Path) -> Iterator[Path]:
     for path in glob.glob(f"/dev/shm/mmcache-{name}*"):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+
+def _mount_tmpfs(path: Path, size: str) -> Path:
+    """Mount a tmpfs of ``size`` at ``path`` or skip the test with the reason."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (CAP_SYS_ADMIN)")
+    if shutil.which("mount") is None or shutil.which("umount") is None:
+        pytest.skip("no mount/umount command")
+    path.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    return path
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Callable[[str, str], Path]]:
+    """``tmpfs(name, size)`` mounts a small file system (a full disk or /dev/shm in
+    miniature) under ``tmp_path``; all are unmounted afterwards. Skips without root."""
+    mounted: list[Path] = []
+
+    def make(name: str, size: str) -> Path:
+        mounted.append(_mount_tmpfs(tmp_path / name, size))
+        return mounted[-1]
+
+    yield make
+    for path in reversed(mounted):
+        subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)

@@ -20,11 +20,9 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,38 +39,6 @@ from mmcache.pipeline import ImageSpec, Pipeline, TextSpec
 from mmcache.stores import memory as memory_mod
 
 SAMPLE_96 = 3 * 96 * 96 + 2 * 4 * 16  # payload of one 96 px sample
-
-
-def mount_tmpfs(path: Path, size: str) -> Path:
-    """Mount a tmpfs of ``size`` at ``path`` or skip the test with the reason."""
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root (CAP_SYS_ADMIN)")
-    if shutil.which("mount") is None or shutil.which("umount") is None:
-        pytest.skip("no mount/umount command")
-    path.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-    return path
-
-
-@pytest.fixture
-def tmpfs(tmp_path: Path) -> Iterator[Any]:
-    """``tmpfs(name, size)`` mounts a small file system; all are unmounted afterwards."""
-    mounted: list[Path] = []
-
-    def make(name: str, size: str) -> Path:
-        mounted.append(mount_tmpfs(tmp_path / name, size))
-        return mounted[-1]
-
-    yield make
-    for path in reversed(mounted):
-        subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)
 
 
 def remount_read_only(path: Path) -> None:

@@ -16,6 +16,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import lmdb
@@ -532,21 +533,6 @@ def test_the_lock_file_has_the_size_lmdb_gives_it(tmp_path: Path) -> None:
         assert env.info()["max_readers"] == disk_mod._MAX_READERS
 
 
-def _mount_tmpfs(path: Path, size: str) -> Path:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root (CAP_SYS_ADMIN)")
-    path.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-    return path
-
-
 # A child process: a regression (SIGBUS from LMDB's mapped lock file) must fail the test.
 _FULL_AT_OPEN = textwrap.dedent(
     """
@@ -583,17 +569,16 @@ _FULL_AT_OPEN = textwrap.dedent(
 )
 
 
-def test_a_full_file_system_at_open_is_a_cache_error(tmp_path: Path) -> None:
-    mnt = _mount_tmpfs(tmp_path / "fs", "512k")
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-c", _FULL_AT_OPEN, str(mnt)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, check=False)
+def test_a_full_file_system_at_open_is_a_cache_error(
+    tmpfs: Callable[[str, str], Path],
+) -> None:
+    mnt = tmpfs("fs", "512k")
+    proc = subprocess.run(
+        [sys.executable, "-c", _FULL_AT_OPEN, str(mnt)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, f"rc {proc.returncode}: {proc.stderr[-1500:]}"
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     for case in ("full", "room for lock.mdb only"):

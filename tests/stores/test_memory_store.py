@@ -546,28 +546,10 @@ def test_a_missing_shm_directory_is_named_in_the_error(
     assert not missing.exists()
 
 
-def mount_tmpfs(path: Path, size: str) -> Path:
-    """Mount a tmpfs of ``size`` at ``path`` (a small /dev/shm) or skip the test."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root (CAP_SYS_ADMIN)")
-    path.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-    return path
-
-
 @pytest.fixture
-def small_shm(tmp_path: Path) -> Iterator[Path]:
+def small_shm(tmpfs: Callable[[str, str], Path]) -> Path:
     """A 1 MiB tmpfs to stand for /dev/shm, unmounted afterwards."""
-    path = mount_tmpfs(tmp_path / "shm", "1m")
-    yield path
-    subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)
+    return tmpfs("shm", "1m")
 
 
 # Runs in a child: a regression (SIGBUS on a full tmpfs) must fail the test, not kill pytest.
