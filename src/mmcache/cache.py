@@ -44,7 +44,7 @@ from mmcache.keys import key_from_hex
 from mmcache.policies import Policy, get_policy, policy_names
 from mmcache.registry import FingerprintRegistry
 from mmcache.stats import CacheStats
-from mmcache.stores.base import Store
+from mmcache.stores.base import Store, dir_mode
 from mmcache.units import parse_duration, parse_size
 
 __all__ = ["Cache", "GcReport", "VerifyReport"]
@@ -187,12 +187,12 @@ class Cache:
         from mmcache.stores.disk import DiskStore
         from mmcache.stores.memory import MemoryStore
 
-        dir_mode = self.mode | ((self.mode & 0o444) >> 2)  # r -> r+x for folders
+        folder_mode = dir_mode(self.mode)
         try:
             existed = self.root.is_dir()
-            self.root.mkdir(mode=dir_mode, parents=True, exist_ok=True)
+            self.root.mkdir(mode=folder_mode, parents=True, exist_ok=True)
             if not existed:
-                os.chmod(self.root, dir_mode)  # mkdir's mode is masked by the umask
+                os.chmod(self.root, folder_mode)  # mkdir's mode is masked by the umask
         except OSError as exc:
             if self.disk_budget is not None:
                 self._degrade("disk", exc)

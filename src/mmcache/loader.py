@@ -786,7 +786,7 @@ class DataLoader:
     def _check_shapes(layout: codec.Header, sample: dict[str, np.ndarray], index: int) -> None:
         for f in layout.fields:
             arr = sample.get(f.name)
-            if arr is None or tuple(arr.shape) != tuple(f.shape) or arr.dtype != f.dtype:
+            if not _fits(f, arr):
                 got = None if arr is None else (tuple(arr.shape), str(arr.dtype))
                 raise ConfigError(
                     f"sample {index} has field {f.name!r} of shape/dtype {got}, but the batch "
@@ -795,14 +795,15 @@ class DataLoader:
                 )
 
 
+def _fits(f: codec.Field, arr: np.ndarray | None) -> bool:
+    return arr is not None and tuple(arr.shape) == tuple(f.shape) and arr.dtype == f.dtype
+
+
 def _shapes_match(layout: codec.Header, sample: dict[str, np.ndarray]) -> bool:
-    if len(sample) != len(layout.fields):
-        return False
-    for f in layout.fields:
-        arr = sample.get(f.name)
-        if arr is None or tuple(arr.shape) != tuple(f.shape) or arr.dtype != f.dtype:
-            return False
-    return True
+    """Whether ``sample`` has exactly the fields of ``layout``, with their shapes and dtypes."""
+    return len(sample) == len(layout.fields) and all(
+        _fits(f, sample.get(f.name)) for f in layout.fields
+    )
 
 
 def memory_gather(

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from mmcache.stores.base import KEY_SIZE
+from mmcache.stores.base import KEY_SIZE, dir_mode
 
 __all__ = ["FingerprintInfo", "FingerprintRegistry"]
 
@@ -65,11 +65,10 @@ class FingerprintRegistry:
     def __init__(self, folder: str | os.PathLike[str], *, mode: int = 0o600) -> None:
         self.folder = Path(folder)
         self.mode = mode
-        dir_mode = mode | ((mode & 0o444) >> 2)
         existed = self.folder.is_dir()
-        self.folder.mkdir(mode=dir_mode, parents=True, exist_ok=True)
+        self.folder.mkdir(mode=dir_mode(mode), parents=True, exist_ok=True)
         if not existed:  # mkdir's mode is masked by the umask
-            os.chmod(self.folder, dir_mode)
+            os.chmod(self.folder, dir_mode(mode))
 
     def touch(self, fp: str, description: str, now: float) -> None:
         """Record that ``fp`` is in use now (atomic replace of its JSON)."""

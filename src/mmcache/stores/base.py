@@ -28,7 +28,7 @@ import numpy.typing as npt
 
 from mmcache.stats import TierStats
 
-__all__ = ["KEY_SIZE", "EntryInfo", "Store", "check_key"]
+__all__ = ["KEY_SIZE", "EntryInfo", "Store", "check_key", "dir_mode"]
 
 #: Keys are 128-bit digests (xxh3_128 of the key material, see mmcache.keys).
 KEY_SIZE = 16
@@ -41,6 +41,12 @@ def check_key(key: bytes) -> bytes:
     if len(key) != KEY_SIZE:
         raise ValueError(f"store keys are {KEY_SIZE}-byte digests, got {len(key)} bytes")
     return key
+
+
+def dir_mode(mode: int) -> int:
+    """Folder permissions matching the file ``mode`` of a cache: x wherever r is set
+    (0600 -> 0700, 0660 -> 0770)."""
+    return mode | ((mode & 0o444) >> 2)
 
 
 @dataclass(frozen=True)

@@ -143,7 +143,7 @@ from mmcache.policies import (
     get_policy,
 )
 from mmcache.stats import TierStats
-from mmcache.stores.base import EntryInfo, Store, check_key
+from mmcache.stores.base import EntryInfo, Store, check_key, dir_mode
 from mmcache.units import MiB, format_size, parse_size
 
 __all__ = ["DISK_FORMAT_VERSION", "DiskStore"]
@@ -826,11 +826,6 @@ def _check_cost(cost: float) -> float:
     return cost
 
 
-def _dir_mode(mode: int) -> int:
-    """Directory permissions matching file ``mode``: x wherever r is set (0600 -> 0700)."""
-    return mode | ((mode & 0o444) >> 2)
-
-
 class _Txn:
     """``with _Txn(handle) as txn``: an LMDB transaction inside the handle's gate.
 
@@ -951,9 +946,9 @@ class DiskStore(Store):
         existed = os.path.isdir(self._path)
         if not self._readonly:
             try:
-                os.makedirs(self._path, mode=_dir_mode(self._mode), exist_ok=True)
+                os.makedirs(self._path, mode=dir_mode(self._mode), exist_ok=True)
                 if not existed:  # makedirs' mode is masked by the umask; the user asked
-                    os.chmod(self._path, _dir_mode(self._mode))
+                    os.chmod(self._path, dir_mode(self._mode))
             except OSError as exc:
                 raise CacheError(f"cannot create the disk cache at {self._path}: {exc}") from exc
         handle = _acquire_handle(
@@ -1638,7 +1633,7 @@ class DiskStore(Store):
         LMDB files never shrink; swap the copy in while no process uses the cache.
         """
         target = os.fspath(dest)
-        os.makedirs(target, mode=_dir_mode(self._mode), exist_ok=True)
+        os.makedirs(target, mode=dir_mode(self._mode), exist_ok=True)
         if os.path.exists(os.path.join(target, "data.mdb")):
             raise CacheError(f"{target} already holds an LMDB environment")
         h = self._env()
