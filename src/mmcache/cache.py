@@ -396,35 +396,32 @@ class Cache:
             self.registry.log(fingerprint, keys)
 
     def put_encoded(self, key: bytes, raw: bytes, *, cost: float, tag: str | None = None) -> bool:
-        """Offer already-encoded bytes to every tier (used by write-behind workers)."""
+        """Offer already-encoded bytes to every tier; True if any tier admitted them."""
         if tag is not None:
             self.tag(tag, [key])
-        ctime = codec.read_header(raw).ctime
-        admitted = False
-        for tier in self.tiers.values():
-            try:
-                admitted = tier.put(key, raw, cost=cost, ctime=ctime) or admitted
-            except OSError as exc:  # disk full and friends: never kill training over a put
-                logger.warning("put to %s tier failed: %s", tier.name, exc)
-        return admitted
+        return self.put_many([(key, raw, cost)])[0]
 
     def put_many(
         self, entries: list[tuple[bytes, bytes, float]], *, memory: bool = True
     ) -> list[bool]:
         """Offer many encoded ``(key, raw, cost)`` entries; the disk tier commits them in
         groups (fewer fsyncs). ``memory=False`` skips the memory tier (the caller put
-        them there already). Returns, per entry, whether any tier admitted it."""
+        them there already). Returns, per entry, whether any tier admitted it.
+
+        A tier that fails (disk full and friends) is logged and skipped: a put never
+        stops training.
+        """
+        ctimes = [codec.read_header(raw).ctime for _, raw, _ in entries]
         admitted = [False] * len(entries)
         if memory and self.memory is not None:
             for i, (k, raw, cost) in enumerate(entries):
                 try:
-                    ctime = codec.read_header(raw).ctime
-                    admitted[i] = self.memory.put(k, raw, cost=cost, ctime=ctime)
+                    admitted[i] = self.memory.put(k, raw, cost=cost, ctime=ctimes[i])
                 except OSError as exc:
                     logger.warning("put to memory tier failed: %s", exc)
         disk = self.disk
         if disk is not None:
-            rows = [(k, raw, cost, codec.read_header(raw).ctime) for k, raw, cost in entries]
+            rows = [(k, raw, cost, t) for (k, raw, cost), t in zip(entries, ctimes, strict=True)]
             try:
                 many = getattr(disk, "put_many", None)
                 if many is not None:
