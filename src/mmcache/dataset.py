@@ -174,7 +174,7 @@ class MultimodalDataset(torch.utils.data.Dataset[dict[str, Any] | None]):
             if row[0] == st.st_size and row[1] == st.st_mtime_ns:
                 out.append(memo_keys[i].tobytes())
                 continue
-            stamp = f"{st.st_size}:{st.st_mtime_ns}"
+            stamp = keys.stat_stamp(st)
             key = keys.sample_key(
                 self.records.id(i), stamp, self._fingerprint, self.records.text(i)
             )

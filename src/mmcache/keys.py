@@ -56,6 +56,7 @@ __all__ = [
     "key_hex",
     "sample_key",
     "source_stamp",
+    "stat_stamp",
 ]
 
 #: Version of the cached bytes and of this key scheme. Part of every key: bump
@@ -94,6 +95,11 @@ def digest(*parts: str | bytes | int | None) -> bytes:
     return hasher.digest()
 
 
+def stat_stamp(st: os.stat_result) -> str:
+    """The default source stamp of a file from its ``os.stat`` result: size and mtime."""
+    return f"{st.st_size}:{st.st_mtime_ns}"
+
+
 def source_stamp(path: str | os.PathLike[str] | None, *, content: bool = False) -> str:
     """Return a short string that changes when the file at ``path`` changes.
 
@@ -115,8 +121,7 @@ def source_stamp(path: str | os.PathLike[str] | None, *, content: bool = False) 
         return "none"
     try:
         if not content:
-            st = os.stat(path)
-            return f"{st.st_size}:{st.st_mtime_ns}"
+            return stat_stamp(os.stat(path))
         hasher = xxhash.xxh3_128()
         with open(path, "rb") as fh:
             while chunk := fh.read(_CHUNK):
