@@ -175,12 +175,9 @@ class _EpochRun:
     start: int
     plans: list[_Plan | None] = field(default_factory=list)
     planned_upto: int = 0  # batches planned so far (absolute batch number)
-    consumed: int = 0  # plans the assembler has taken
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         self.planned_upto = self.start
-        self.cond = threading.Condition(self.lock)
 
 
 class _MissBatches:
@@ -496,15 +493,11 @@ class DataLoader:
     def _plan_next(self, run: _EpochRun) -> _Plan | None:
         """Plan the next batch of ``run`` (keys, planned hits); None at the end.
 
-        Called by the assembler and by the miss sampler (torch pulls it ahead
-        to keep workers busy); ``run.lock`` orders them. (A separate planner
-        thread was tried: under the GIL it slowed the assembler's copies more
-        than it saved.)
+        Called by the assembler and by the miss sampler, which torch pulls ahead
+        to keep workers busy from the thread that iterates it: the assembler's.
+        So one thread plans, in order. (A separate planner thread was tried:
+        under the GIL it slowed the assembler's copies more than it saved.)
         """
-        with run.lock:
-            return self._plan_next_locked(run)
-
-    def _plan_next_locked(self, run: _EpochRun) -> _Plan | None:
         j = run.planned_upto
         if j >= len(run.batches):
             return None
@@ -518,7 +511,6 @@ class DataLoader:
         plan = _Plan(indices, keys, planned, has_misses=not bool(planned.all()))
         run.plans.append(plan)
         run.planned_upto = j + 1
-        run.cond.notify_all()
         return plan
 
     def _inner_loader(self) -> torch.utils.data.DataLoader[_Result]:
@@ -613,9 +605,6 @@ class DataLoader:
                         misses_it = iter(self._inner_loader())
                     results = next(misses_it)
                 run.plans[consumed] = None  # free its keys (after the sampler passed it)
-                with run.cond:
-                    run.consumed = consumed + 1
-                    run.cond.notify_all()
                 batch = self._assemble(plan, results, stats)
                 if batch is not None and not offer(_Assembled(batch, j + 1)):
                     return
