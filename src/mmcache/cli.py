@@ -271,7 +271,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     pipe = default_pipeline(size=args.size, max_length=args.max_length, tokenizer=args.tokenizer)
     ds = mc.MultimodalDataset(args.manifest, pipeline=pipe, on_error="skip")
-    first = next((ds.produce(i) for i in range(min(len(ds), 100)) if _produces(ds, i)), None)
+    first = _first_sample(ds, limit=100)
     if first is None:
         raise mc.ConfigError(f"none of the first 100 samples of {args.manifest} can be decoded")
     data_bytes = mc.codec.encoded_size(first) * len(ds)
@@ -346,14 +346,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _produces(ds: Any, i: int) -> bool:
+def _first_sample(ds: Any, *, limit: int) -> Any:
+    """The first of the first ``limit`` samples that decodes (each decoded once), or None."""
     from mmcache.errors import SampleError
 
-    try:
-        ds.produce(i)
-    except SampleError:
-        return False
-    return True
+    for i in range(min(len(ds), limit)):
+        try:
+            return ds.produce(i)
+        except SampleError:
+            continue
+    return None
 
 
 # -- parser -------------------------------------------------------------------------------
