@@ -40,7 +40,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -76,13 +76,16 @@ class _Result:
     in_memory: bool = False  # the sample is in the memory tier: gather it, nothing sent
 
 
-class _MissTasks(torch.utils.data.Dataset[_Result]):
-    """The dataset the internal torch DataLoader's workers run: one task per missing sample.
+class _BatchTasks(torch.utils.data.Dataset["_Planned"]):
+    """The dataset the internal torch DataLoader's workers run: one task per batch.
 
-    A task is ``(dataset index, cache key)``. The worker first asks the cache
-    (another process may have produced it, or the disk tier holds it), else
-    produces it with the pipeline and admits it, measuring the CPU time it
-    took as the entry's miss cost.
+    A task is the batch's dataset indices (:meth:`plan`): the worker computes
+    the keys (a ``stat`` per image file, so staleness is checked every epoch),
+    asks the memory tier which it holds, and for each missing sample asks the
+    other tiers (another process may have produced it, or the disk tier holds
+    it), else produces it with the pipeline and admits it, measuring the CPU
+    time it took as the entry's miss cost. With ``num_workers=0`` the training
+    process runs the same tasks itself.
     """
 
     def __init__(self, dataset: MultimodalDataset, cache: Cache | None) -> None:
@@ -125,15 +128,51 @@ class _MissTasks(torch.utils.data.Dataset[_Result]):
                 return _Result(index, _PRODUCED, in_memory=True)
         return _Result(index, _PRODUCED, produced)
 
-    def __getitem__(self, task: Any) -> _Result:
-        index, key = task
-        return self.run(int(index), bytes(key))
+    def plan(self, indices: np.ndarray) -> _Plan:
+        """Plan one batch: its keys, which rows the memory tier holds, and the misses made.
 
-    def __getitems__(self, tasks: Sequence[Any]) -> list[_Result]:
-        return [self.run(int(i), bytes(k)) for i, k in tasks]
+        The rows the memory tier holds are only named (their bytes are gathered
+        by the training process); every other row is :meth:`run`, in order.
+        """
+        keys = self.dataset.key_rows(indices)
+        memory = self.cache.memory if self.cache is not None else None
+        if memory is not None:
+            planned = memory.contains_many(keys)
+        else:
+            planned = np.zeros(len(indices), dtype=bool)
+        results = [
+            self.run(int(indices[r]), keys[r].tobytes()) for r in np.flatnonzero(~planned).tolist()
+        ]
+        return _Plan(indices, keys, planned, results)
+
+    def __getitem__(self, task: Any) -> _Planned:
+        return self.__getitems__([task])[0]
+
+    def __getitems__(self, tasks: Sequence[Any]) -> list[_Planned]:
+        """Plan the batches of one task (one or, in warm stretches, several batches)
+        in a worker, in the compact form sent back to the training process."""
+        out = []
+        for t in tasks:
+            plan = self.plan(np.asarray(t, dtype=np.int64))
+            out.append(_Planned(plan.keys.tobytes(), plan.planned_hit.tobytes(), plan.results))
+        return out
 
 
-def _identity(batch: list[_Result]) -> list[_Result]:
+@dataclass
+class _Planned:
+    """A batch plan as a worker sends it: raw keys and hit mask (cheap to pickle), results."""
+
+    keys: bytes
+    planned_hit: bytes
+    results: list[_Result]
+
+    def unpack(self, indices: np.ndarray) -> _Plan:
+        keys = np.frombuffer(self.keys, dtype=np.uint8).reshape(len(indices), -1)
+        hit = np.frombuffer(self.planned_hit, dtype=bool)
+        return _Plan(indices, keys, hit, self.results)
+
+
+def _identity(batch: list[_Planned]) -> list[_Planned]:
     return batch
 
 
@@ -158,33 +197,37 @@ _ASSEMBLED_AHEAD = 2
 
 @dataclass
 class _Plan:
-    """One batch of the epoch: its indices, keys, and which rows are planned hits."""
+    """One batch, planned: indices, keys (``uint8 [n, 16]``), planned hits, misses' results."""
 
     indices: np.ndarray
-    keys: list[bytes]
-    planned_hit: np.ndarray  # bool per row
-    has_misses: bool
+    keys: np.ndarray
+    planned_hit: np.ndarray  # bool per row: the memory tier held it when planned
+    results: list[_Result]  # one per row that was not a planned hit, in row order
 
 
 @dataclass
 class _EpochRun:
-    """Mutable per-epoch state of the planner and the consumer."""
+    """The batches of one epoch and the batch to start from (a resumed position)."""
 
     epoch: int
     batches: list[np.ndarray]
     start: int
-    plans: list[_Plan | None] = field(default_factory=list)
-    planned_upto: int = 0  # batches planned so far (absolute batch number)
-
-    def __post_init__(self) -> None:
-        self.planned_upto = self.start
 
 
-class _MissBatches:
-    """The internal DataLoader's batch sampler: the miss tasks of each planned batch, in order.
+#: Batches per worker task while the epoch is warm (no misses lately): one
+#: result crosses the process boundary per task, and that costs about as much
+#: as gathering a few samples, so a warm stretch is planned in groups.
+_WARM_GROUP = 4
 
-    Iterated lazily by torch in the training process as it keeps its workers
-    busy, which is what makes the lookahead follow the real future order.
+
+class _EpochBatches:
+    """The internal DataLoader's batch sampler: the remaining batches of the epoch, in order.
+
+    Read lazily by torch in the training process as it keeps its workers busy
+    (``prefetch`` tasks each), so the workers plan and produce the batches in
+    exactly the order the training loop takes them. A task is one batch, or
+    :data:`_WARM_GROUP` consecutive batches while the last plans received had
+    no misses (then a task is only ``stat`` calls and index lookups).
     """
 
     def __init__(self, loader: DataLoader) -> None:
@@ -193,29 +236,19 @@ class _MissBatches:
         # alive after the user drops the loader.
         self._loader = weakref.ref(loader)
 
-    @property
-    def loader(self) -> DataLoader:
+    def __iter__(self) -> Iterator[list[np.ndarray]]:
         loader = self._loader()
-        if loader is None:
-            raise RuntimeError("the mmcache.DataLoader of this sampler was garbage-collected")
-        return loader
-
-    def __iter__(self) -> Iterator[list[tuple[int, bytes]]]:
-        run = self.loader._run
+        run = loader._run if loader is not None else None
+        del loader
         if run is None:
             return
-        cursor = 0  # position in run.plans; the consumer may have planned ahead of us
-        while True:
-            if cursor == len(run.plans) and self.loader._plan_next(run) is None:
-                return
-            plan = run.plans[cursor]
-            cursor += 1
-            # A consumed plan (None) had no misses: a plan with misses cannot be
-            # consumed before its chunk was yielded here.
-            if plan is not None and plan.has_misses:
-                yield [
-                    (int(plan.indices[r]), plan.keys[r]) for r in np.flatnonzero(~plan.planned_hit)
-                ]
+        j, end = run.start, len(run.batches)
+        while j < end:
+            loader = self._loader()
+            group = _WARM_GROUP if loader is not None and loader._warm_stretch else 1
+            del loader
+            yield run.batches[j : j + group]
+            j += group
 
 
 class DataLoader:
@@ -297,7 +330,7 @@ class DataLoader:
             drop_last=drop_last,
         )
         self.num_workers = num_workers
-        self._tasks = _MissTasks(dataset, cache)
+        self._tasks = _BatchTasks(dataset, cache)
         self._inner_kwargs: dict[str, Any] = {
             "num_workers": num_workers,
             "collate_fn": _identity,
@@ -309,7 +342,8 @@ class DataLoader:
         }
         if num_workers > 0:
             self._inner_kwargs["prefetch_factor"] = prefetch
-        self._inner: torch.utils.data.DataLoader[_Result] | None = None
+        self._inner: torch.utils.data.DataLoader[_Planned] | None = None
+        self._warm_stretch = False  # the last batch planned had no misses
         self._epoch = 0
         self._position = 0  # batches of the current epoch already yielded
         self._run: _EpochRun | None = None
@@ -490,33 +524,10 @@ class DataLoader:
         stop = len(order) - len(order) % bs if self.drop_last else len(order)
         return [order[i : i + bs] for i in range(0, stop, bs)]
 
-    def _plan_next(self, run: _EpochRun) -> _Plan | None:
-        """Plan the next batch of ``run`` (keys, planned hits); None at the end.
-
-        Called by the assembler and by the miss sampler, which torch pulls ahead
-        to keep workers busy from the thread that iterates it: the assembler's.
-        So one thread plans, in order. (A separate planner thread was tried:
-        under the GIL it slowed the assembler's copies more than it saved.)
-        """
-        j = run.planned_upto
-        if j >= len(run.batches):
-            return None
-        indices = run.batches[j]
-        keys = self.dataset.keys(indices)
-        memory = self.cache.memory if self.cache is not None else None
-        if memory is not None:
-            planned = memory.contains_many(keys)
-        else:
-            planned = np.zeros(len(keys), dtype=bool)
-        plan = _Plan(indices, keys, planned, has_misses=not bool(planned.all()))
-        run.plans.append(plan)
-        run.planned_upto = j + 1
-        return plan
-
-    def _inner_loader(self) -> torch.utils.data.DataLoader[_Result]:
+    def _inner_loader(self) -> torch.utils.data.DataLoader[_Planned]:
         if self._inner is None:
             self._inner = torch.utils.data.DataLoader(
-                self._tasks, batch_sampler=_MissBatches(self), **self._inner_kwargs
+                self._tasks, batch_sampler=_EpochBatches(self), **self._inner_kwargs
             )
         return self._inner
 
@@ -587,43 +598,39 @@ class DataLoader:
                     continue
             return False
 
-        misses_it: Iterator[list[_Result]] | None = None
+        plans: Iterator[list[_Planned]] | None = None
+        received: collections.deque[_Planned] = collections.deque()
         try:
-            for consumed, j in enumerate(range(run.start, len(run.batches))):
+            if self.num_workers > 0:
+                plans = iter(self._inner_loader())
+            for j in range(run.start, len(run.batches)):
                 if stop.is_set():
                     return
-                while len(run.plans) <= consumed:
-                    if self._plan_next(run) is None:  # pragma: no cover - planner bug guard
-                        raise RuntimeError("loader planner fell behind the consumer")
-                plan = run.plans[consumed]
-                if plan is None:  # pragma: no cover - consumed twice would be a bug
-                    raise RuntimeError("loader plan consumed twice")
-                results: list[_Result] = []
-                if plan.has_misses:
-                    # Started at the first miss: a warm epoch never wakes the workers.
-                    if misses_it is None:
-                        misses_it = iter(self._inner_loader())
-                    results = next(misses_it)
-                run.plans[consumed] = None  # free its keys (after the sampler passed it)
-                batch = self._assemble(plan, results, stats)
+                if plans is not None:
+                    if not received:
+                        received.extend(next(plans))
+                    plan = received.popleft().unpack(run.batches[j])
+                else:
+                    plan = self._tasks.plan(run.batches[j])
+                self._warm_stretch = bool(plan.planned_hit.all())
+                batch = self._assemble(plan, stats)
                 if batch is not None and not offer(_Assembled(batch, j + 1)):
                     return
             offer(None)
         except BaseException as exc:
             offer(_Failure(exc))
         finally:
-            del misses_it
+            del plans
 
-    def _assemble(
-        self, plan: _Plan, results: list[_Result], stats: _EpochCounter
-    ) -> dict[str, Any] | None:
+    def _assemble(self, plan: _Plan, stats: _EpochCounter) -> dict[str, Any] | None:
         n = len(plan.indices)
         rows: dict[int, dict[str, np.ndarray]] = {}
         sources: list[str] = [""] * n
-        row_of = {int(plan.indices[r]): r for r in range(n) if not plan.planned_hit[r]}
         in_memory: list[int] = []
-        for res in results:
-            r = row_of[res.index]
+        miss_rows = np.flatnonzero(~plan.planned_hit).tolist()
+        if len(miss_rows) != len(plan.results):  # pragma: no cover - plan() makes one per row
+            raise RuntimeError("a batch plan has not one result per missing row")
+        for r, res in zip(miss_rows, plan.results, strict=True):
             if res.error is not None:
                 self._reject(res.error)
                 sources[r] = _REJECTED
@@ -634,7 +641,9 @@ class DataLoader:
             elif res.sample is not None:
                 rows[r] = res.sample
         planned = np.flatnonzero(plan.planned_hit)
-        hit_rows = np.union1d(planned, np.asarray(in_memory, dtype=np.int64)).astype(np.int64)
+        hit_rows = planned
+        if in_memory:
+            hit_rows = np.union1d(planned, np.asarray(in_memory, dtype=np.int64)).astype(np.int64)
         # Learn the layout (field names, dtypes, shapes) from the first sample we see.
         if self._layout is None:
             self._layout = self._find_layout(plan, rows, sources, hit_rows)
@@ -643,7 +652,9 @@ class DataLoader:
                 # fail their checksum): decode this batch's hits here instead.
                 for rr in hit_rows:
                     r = int(rr)
-                    res = self._tasks.run(int(plan.indices[r]), plan.keys[r], cached=False)
+                    res = self._tasks.run(
+                        int(plan.indices[r]), plan.keys[r].tobytes(), cached=False
+                    )
                     stats.late_miss()
                     if res.error is not None:
                         self._reject(res.error)
@@ -659,11 +670,11 @@ class DataLoader:
         out = self._allocate(layout, n)
         found = np.zeros(n, dtype=bool)
         if len(hit_rows) and self.cache is not None and self.cache.memory is not None:
-            found[hit_rows] = self._gather(layout, [plan.keys[r] for r in hit_rows], hit_rows, out)
+            found[hit_rows] = self._gather(layout, plan.keys[hit_rows], hit_rows, out)
         for rr in hit_rows[~found[hit_rows]]:
             # Planned hit evicted (or expired) since planning: produce it here.
             r = int(rr)
-            res = self._tasks.run(int(plan.indices[r]), plan.keys[r])
+            res = self._tasks.run(int(plan.indices[r]), plan.keys[r].tobytes())
             stats.late_miss()
             if res.error is not None:
                 self._reject(res.error)
@@ -682,8 +693,8 @@ class DataLoader:
                 # from every tier and decode the sample instead.
                 if self.cache is not None:
                     for tier in self.cache.tiers.values():
-                        tier.discard(plan.keys[r], why="corrupt")
-                res = self._tasks.run(int(plan.indices[r]), plan.keys[r], cached=False)
+                        tier.discard(plan.keys[r].tobytes(), why="corrupt")
+                res = self._tasks.run(int(plan.indices[r]), plan.keys[r].tobytes(), cached=False)
                 if res.error is not None:
                     self._reject(res.error)
                     sources[r] = _REJECTED
@@ -699,8 +710,8 @@ class DataLoader:
         stats.count(sources)
         keep = [r for r in range(n) if sources[r] != _REJECTED]
         batch: dict[str, Any] = {
-            "id": [self.dataset.sample_id(int(plan.indices[r])) for r in keep],
-            "key": [plan.keys[r].hex() for r in keep],  # == keys.key_hex, minus its checks
+            "id": self.dataset.records.ids(plan.indices[keep]),
+            "key": _hex_rows(plan.keys[keep]),
         }
         if not keep:
             return None
@@ -732,12 +743,12 @@ class DataLoader:
         memory = self.cache.memory if self.cache is not None else None
         if memory is not None:
             for r in hit_rows:
-                raw = memory.get(plan.keys[r])
+                raw = memory.get(plan.keys[r].tobytes())
                 if raw is None:
                     continue
                 if codec.verify(raw):
                     return codec.read_header(raw)
-                memory.discard(plan.keys[r], why="corrupt")  # never served, and dropped
+                memory.discard(plan.keys[r].tobytes(), why="corrupt")  # never served, and dropped
         for sample in rows.values():  # from the disk tier (verified) via a worker
             return codec.read_header(codec.encode(sample))
         return None
@@ -756,7 +767,7 @@ class DataLoader:
     def _gather(
         self,
         layout: codec.Header,
-        keys: list[bytes],
+        keys: np.ndarray,
         rows: np.ndarray,
         out: dict[str, torch.Tensor],
     ) -> np.ndarray:
@@ -784,6 +795,13 @@ class DataLoader:
                 )
 
 
+def _hex_rows(keys: np.ndarray) -> list[str]:
+    """The hex form of each row of ``uint8 [n, 16]`` keys (== :func:`mmcache.keys.key_hex`)."""
+    text = keys.tobytes().hex()
+    width = 2 * keys.shape[1]
+    return [text[i : i + width] for i in range(0, len(text), width)]
+
+
 def _fits(f: codec.Field, arr: np.ndarray | None) -> bool:
     return arr is not None and tuple(arr.shape) == tuple(f.shape) and arr.dtype == f.dtype
 
@@ -798,13 +816,14 @@ def _shapes_match(layout: codec.Header, sample: dict[str, np.ndarray]) -> bool:
 def memory_gather(
     memory: Any,
     layout: codec.Header,
-    keys: list[bytes],
+    keys: np.ndarray,
     rows: np.ndarray,
     out: dict[str, torch.Tensor],
     *,
     ttl_cutoff: float | None,
 ) -> np.ndarray:
-    """Gather the fields of ``keys`` from the memory tier into rows ``rows`` of ``out``.
+    """Gather the fields of ``keys`` (``uint8 [n, 16]``) from the memory tier into rows
+    ``rows`` of ``out``.
 
     All byte ranges of all keys are copied under one shared lock
     (:meth:`MemoryStore.gather_ranges`), so an entry evicted and replaced by
@@ -846,9 +865,9 @@ def memory_gather(
     # Never serve them, and drop them so nobody else does: a layout that is not the
     # one this key must have can only be a damaged entry.
     for i in np.flatnonzero(foreign).tolist():
-        memory.discard(keys[i], why="corrupt")
+        memory.discard(keys[i].tobytes(), why="corrupt")
     for i in np.flatnonzero(expired).tolist():
-        memory.discard(keys[i], why="expired")
+        memory.discard(keys[i].tobytes(), why="expired")
     all_ok = bool(ok.all())
     sel_rows = torch.as_tensor(rows[ok])
     for (start, _stop, names), buf in zip(plan.segments, seg_bufs, strict=True):

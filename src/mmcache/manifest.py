@@ -180,6 +180,18 @@ class Records:
         i = self._row(i)
         return _field(self._id_buf, self._id_off, i)
 
+    def ids(self, rows: npt.NDArray[np.integer[Any]]) -> list[str]:
+        """Return the ids of ``rows`` (in range, not negative): what a batch's ``"id"`` holds.
+
+        Same as ``[self.id(i) for i in rows]`` with one vectorised offset lookup
+        and the bytes decoded straight from the buffer (the loader asks it for
+        every batch).
+        """
+        view = self._id_buf.data
+        starts = self._id_off[rows].tolist()
+        stops = self._id_off[rows + 1].tolist()
+        return [str(view[a:b], "utf-8") for a, b in zip(starts, stops, strict=True)]
+
     def text(self, i: int) -> str:
         """Return the text of row ``i``: the caption (JSONL) or :func:`llava_text` (LLaVA)."""
         i = self._row(i)

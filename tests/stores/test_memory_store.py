@@ -255,6 +255,24 @@ def test_gather_copies_the_asked_range(make: Callable[..., MemoryStore]) -> None
         s.gather([key(1)], 0, 10, np.zeros((1, 10), np.int16))
 
 
+def test_batched_calls_take_keys_as_one_array(make: Callable[..., MemoryStore]) -> None:
+    """What the loader passes: a uint8 [n, 16] array, same answers as a list of bytes."""
+    s = make(capacity=4 * MiB)
+    for i in range(4):
+        s.put(key(i), value(i, 2000))
+    keys = [key(2), key(9), key(0)]
+    rows = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(3, 16)
+    assert s.contains_many(rows).tolist() == s.contains_many(keys).tolist() == [True, False, True]
+    out_a = np.zeros((3, 100), np.uint8)
+    out_b = np.zeros((3, 100), np.uint8)
+    assert s.gather(rows[::1], 10, 100, out_a).tolist() == [True, False, True]
+    s.gather(keys, 10, 100, out_b)
+    assert (out_a == out_b).all() and out_a[0].tobytes() == value(2, 2000)[10:110]
+    assert s.contains_many(np.zeros((0, 16), np.uint8)).shape == (0,)
+    with pytest.raises(ValueError, match="uint8"):
+        s.contains_many(np.zeros((2, 8), np.uint8))
+
+
 def test_get_many(make: Callable[..., MemoryStore]) -> None:
     s = make()
     s.put(key(1), b"one")

@@ -140,3 +140,15 @@ def test_batched_keys_equal_single_keys_and_see_changes(
     again = ds.keys(idx)
     assert again[2] != old[2] and again == [ds.key(i) for i in idx]
     assert again[:2] == old[:2]
+    rows = ds.key_rows(idx)
+    assert rows.shape == (4, 16) and [r.tobytes() for r in rows] == again
+    # a file that disappears gets the "missing" key, and its old key back when restored
+    os.rename(path, path + ".away")
+    try:
+        assert ds.key_rows([17])[0].tobytes() == ds.key(17) != again[2]
+    finally:
+        os.rename(path + ".away", path)
+    assert ds.key_rows([17])[0].tobytes() == again[2]
+    assert ds.key_rows([]).shape == (0, 16)
+    with pytest.raises(IndexError):
+        ds.key_rows([len(ds)])

@@ -106,13 +106,13 @@ def test_hits_do_not_travel_through_workers(
     from mmcache import loader as loader_mod
 
     ran: list[int] = []
-    real_run = loader_mod._MissTasks.run
+    real_run = loader_mod._BatchTasks.run
 
     def spy(self: Any, index: int, key: bytes) -> Any:
         ran.append(index)
         return real_run(self, index, key)
 
-    monkeypatch.setattr(loader_mod._MissTasks, "run", spy)
+    monkeypatch.setattr(loader_mod._BatchTasks, "run", spy)
     _epoch(loader, 1)
     assert calls == [] and ran == []
     cache.close()

@@ -288,6 +288,8 @@ def test_ids_array(tmp_path: Path) -> None:
     assert isinstance(array, np.ndarray)
     assert array.shape == (3,)
     assert array.tolist() == ids
+    assert records.ids(np.array([2, 0, 2])) == [ids[2], ids[0], ids[2]]
+    assert records.ids(np.array([], dtype=np.int64)) == []
 
 
 def test_no_per_row_python_objects(tmp_path: Path) -> None:

@@ -28,10 +28,13 @@ import numpy.typing as npt
 
 from mmcache.stats import TierStats
 
-__all__ = ["KEY_SIZE", "EntryInfo", "Store", "check_key", "dir_mode"]
+__all__ = ["KEY_SIZE", "EntryInfo", "Keys", "Store", "check_key", "dir_mode"]
 
 #: Keys are 128-bit digests (xxh3_128 of the key material, see mmcache.keys).
 KEY_SIZE = 16
+
+#: Keys of a batched call: 16-byte ``bytes`` each, or one ``uint8 [n, 16]`` array.
+Keys = Sequence[bytes] | npt.NDArray[np.uint8]
 
 
 def check_key(key: bytes) -> bytes:
@@ -110,9 +113,13 @@ class Store(ABC):
     def contains(self, key: bytes) -> bool:
         """Whether ``key`` is present (does not count a hit or a miss)."""
 
-    def contains_many(self, keys: Sequence[bytes]) -> npt.NDArray[np.bool_]:
-        """Presence of each of ``keys`` (no hit/miss counted). Default: one call per key."""
-        return np.fromiter((self.contains(k) for k in keys), dtype=bool, count=len(keys))
+    def contains_many(self, keys: Keys) -> npt.NDArray[np.bool_]:
+        """Presence of each of ``keys`` (no hit/miss counted). Default: one call per key.
+
+        ``keys``: 16-byte keys, or a ``uint8 [n, 16]`` array with one key per row.
+        """
+        seq = [k.tobytes() for k in keys] if isinstance(keys, np.ndarray) else keys
+        return np.fromiter((self.contains(k) for k in seq), dtype=bool, count=len(seq))
 
     @abstractmethod
     def info(self, key: bytes) -> EntryInfo | None:

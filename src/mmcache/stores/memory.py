@@ -135,7 +135,7 @@ from mmcache.stores._shm import (
     pid_alive,
     proc_start_time,
 )
-from mmcache.stores.base import KEY_SIZE, EntryInfo, Store, check_key
+from mmcache.stores.base import KEY_SIZE, EntryInfo, Keys, Store, check_key
 
 __all__ = [
     "DEFAULT_INDEX_DIVISOR",
@@ -1367,7 +1367,12 @@ class MemoryStore(Store):
                     mv.release()
                     base.release()
 
-    def _keys_array(self, keys: Sequence[bytes]) -> npt.NDArray[np.uint64]:
+    def _keys_array(self, keys: Keys) -> npt.NDArray[np.uint64]:
+        if isinstance(keys, np.ndarray):
+            if keys.dtype != np.uint8 or keys.ndim != 2 or keys.shape[1] != KEY_SIZE:
+                got = f"{keys.dtype}{list(keys.shape)}"
+                raise ValueError(f"keys as an array must be uint8 [n, {KEY_SIZE}], got {got}")
+            return np.ascontiguousarray(keys).view(np.uint64)
         try:
             joined = b"".join(keys)
         except TypeError:
@@ -1384,7 +1389,7 @@ class MemoryStore(Store):
         return np.where(hit, eids, -1)
 
     def gather(
-        self, keys: Sequence[bytes], offset: int, length: int, out: npt.NDArray[np.uint8]
+        self, keys: Keys, offset: int, length: int, out: npt.NDArray[np.uint8]
     ) -> npt.NDArray[np.bool_]:
         """Copy bytes ``[offset, offset+length)`` of each present entry into ``out[i]``.
 
@@ -1399,7 +1404,7 @@ class MemoryStore(Store):
 
     def gather_ranges(
         self,
-        keys: Sequence[bytes],
+        keys: Keys,
         targets: Sequence[tuple[int, int, npt.NDArray[np.uint8]]],
     ) -> npt.NDArray[np.bool_]:
         """:meth:`gather` of several byte ranges at once: ``(offset, length, out)`` each.
@@ -1519,12 +1524,14 @@ class MemoryStore(Store):
         with self._shared():
             return self._find_ready(key) >= 0
 
-    def contains_many(self, keys: Sequence[bytes]) -> npt.NDArray[np.bool_]:
+    def contains_many(self, keys: Keys) -> npt.NDArray[np.bool_]:
         """Presence of each key (no hit/miss counted), under one shared lock, vectorised.
+
+        ``keys``: a sequence of 16-byte keys, or a ``uint8 [n, 16]`` array of them.
 
         The loader's planner asks this for every upcoming batch. Thread/process-safe.
         """
-        if not keys:
+        if len(keys) == 0:
             return np.zeros(0, dtype=bool)
         q = self._keys_array(keys)
         with self._shared():
