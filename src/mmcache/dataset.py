@@ -149,32 +149,14 @@ class MultimodalDataset(torch.utils.data.Dataset[dict[str, Any] | None]):
         rows = self.key_rows(indices)
         return [rows[j].tobytes() for j in range(rows.shape[0])]
 
-    def key_rows(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
-        """Cache keys of many samples as a ``uint8 [n, 16]`` array (row j: ``key(indices[j])``).
+    def stat_stamps(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        """``(size, mtime_ns)`` of each sample's image file as ``int64 [n, 2]``: one ``stat``
+        each; ``-2`` where there is none (text-only, missing, unreadable, bad path).
 
-        What the loader's planner asks for every batch. It remembers each
-        sample's key with the image file's size and mtime it was computed from:
-        the file is still ``stat``-ed every time (a changed file gets a new key
-        at once), only the hashing is skipped when nothing changed, and the
-        comparison with the remembered stamps is one vectorised step. With
-        ``content_stamp=True`` every key is recomputed from the file's bytes.
-        Not thread-safe (one thread per process calls it: the loader's planner,
-        or a worker).
+        What the default keys are made of (see :meth:`key_rows`); the loader also
+        uses it to check that a plan made a little earlier is still current.
         """
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        n = len(self.records)
-        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= n):
-            raise IndexError(f"sample index out of range for {n} records")
-        if self.content_stamp:
-            out = np.empty((idx.shape[0], 16), dtype=np.uint8)
-            for j, i in enumerate(idx.tolist()):
-                out[j] = np.frombuffer(self.key(i), dtype=np.uint8)
-            return out
-        if self._memo_keys is None or self._memo_stamp is None:
-            self._memo_keys = np.zeros((n, 16), dtype=np.uint8)
-            self._memo_stamp = np.full((n, 2), -1, dtype=np.int64)
-        memo_keys, memo_stamp = self._memo_keys, self._memo_stamp
-        # stat every file; -2 marks "no stamp from stat" (text-only, missing, bad path).
+        idx = self._checked(indices)
         stamps = np.full((idx.shape[0], 2), -2, dtype=np.int64)
         image_path, stat = self.records.image_path, os.stat
         for j, i in enumerate(idx.tolist()):
@@ -187,6 +169,43 @@ class MultimodalDataset(torch.utils.data.Dataset[dict[str, Any] | None]):
                 continue
             stamps[j, 0] = st.st_size
             stamps[j, 1] = st.st_mtime_ns
+        return stamps
+
+    def _checked(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        n = len(self.records)
+        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= n):
+            raise IndexError(f"sample index out of range for {n} records")
+        return idx
+
+    def key_rows(
+        self, indices: Sequence[int] | np.ndarray, *, stamps: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Cache keys of many samples as a ``uint8 [n, 16]`` array (row j: ``key(indices[j])``).
+
+        What the loader's planner asks for every batch. It remembers each
+        sample's key with the image file's size and mtime it was computed from:
+        the file is still ``stat``-ed every time (a changed file gets a new key
+        at once), only the hashing is skipped when nothing changed, and the
+        comparison with the remembered stamps is one vectorised step. With
+        ``content_stamp=True`` every key is recomputed from the file's bytes.
+        ``stamps``: :meth:`stat_stamps` of ``indices`` taken just before, if the
+        caller has them. Not thread-safe (one thread per process calls it: the
+        loader's planner, or a worker).
+        """
+        idx = self._checked(indices)
+        n = len(self.records)
+        if self.content_stamp:
+            out = np.empty((idx.shape[0], 16), dtype=np.uint8)
+            for j, i in enumerate(idx.tolist()):
+                out[j] = np.frombuffer(self.key(i), dtype=np.uint8)
+            return out
+        if self._memo_keys is None or self._memo_stamp is None:
+            self._memo_keys = np.zeros((n, 16), dtype=np.uint8)
+            self._memo_stamp = np.full((n, 2), -1, dtype=np.int64)
+        memo_keys, memo_stamp = self._memo_keys, self._memo_stamp
+        if stamps is None:
+            stamps = self.stat_stamps(idx)
         stale = np.flatnonzero((stamps != memo_stamp[idx]).any(axis=1) | (stamps[:, 0] == -2))
         for j in stale.tolist():
             i = int(idx[j])
@@ -201,7 +220,8 @@ class MultimodalDataset(torch.utils.data.Dataset[dict[str, Any] | None]):
             )
             memo_keys[i] = np.frombuffer(key, dtype=np.uint8)
             memo_stamp[i] = stamps[j]
-        return memo_keys[idx]
+        rows: np.ndarray = memo_keys[idx]
+        return rows
 
     # -- produce it ---------------------------------------------------------------------
     def produce(self, index: int) -> Sample:

@@ -5,8 +5,9 @@ must happen in order (plans arrive from one ordered source: the workers'
 results), then *build* it (gather from shared memory and fill; mostly numpy
 copies that release the GIL). :class:`InOrderBuilder` runs these steps
 
-- on a helper thread, which builds up to ``ahead`` items beyond the one the
-  consumer takes next, while the consumer (the training step) does other work;
+- on a helper thread (started with the first item), which builds up to
+  ``ahead`` items from the one the consumer takes next, while the consumer
+  (the training step) does other work;
 - and on the consumer itself: when it asks for an item that is not finished,
   it claims and builds the next unclaimed one instead of sleeping.
 
@@ -70,8 +71,9 @@ class InOrderBuilder(Generic[P, T]):
         self._stop = False
         self._cond = threading.Condition()
         self._fetch_lock = threading.Lock()
+        # Started by the first take(), after the consumer claimed its first item:
+        # starting a thread and handing it the GIL costs the first item ~1 ms.
         self._thread = threading.Thread(target=self._helper, name=name, daemon=True)
-        self._thread.start()
 
     # -- both threads --------------------------------------------------------------------
     def _can_claim(self) -> bool:  # under self._cond
@@ -118,6 +120,9 @@ class InOrderBuilder(Generic[P, T]):
         want = self._want
         if want >= self._end:
             raise StopIteration
+        if self._thread.ident is None:
+            self._claim_and_build()  # the first item: nobody else can have claimed it
+            self._thread.start()
         while True:
             with self._cond:
                 done = self._done.pop(want, None)
@@ -146,5 +151,6 @@ class InOrderBuilder(Generic[P, T]):
             self._stop = True
             self._done.clear()
             self._cond.notify_all()
-        self._thread.join(timeout)
+        if self._thread.ident is not None:
+            self._thread.join(timeout)
         return not self._thread.is_alive()

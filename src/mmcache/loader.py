@@ -49,6 +49,7 @@ from mmcache import codec
 from mmcache.cache import Cache
 from mmcache.dataset import MultimodalDataset
 from mmcache.errors import ConfigError, SampleError
+from mmcache.gate import Gate
 from mmcache.inorder import InOrderBuilder
 from mmcache.sampler import EpochSampler
 from mmcache.stats import EpochStats, LoaderStats
@@ -88,9 +89,12 @@ class _BatchTasks(torch.utils.data.Dataset["_Planned"]):
     process runs the same tasks itself.
     """
 
-    def __init__(self, dataset: MultimodalDataset, cache: Cache | None) -> None:
+    def __init__(
+        self, dataset: MultimodalDataset, cache: Cache | None, gate: Gate | None = None
+    ) -> None:
         self.dataset = dataset
         self.cache = cache
+        self.gate = gate
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -128,13 +132,14 @@ class _BatchTasks(torch.utils.data.Dataset["_Planned"]):
                 return _Result(index, _PRODUCED, in_memory=True)
         return _Result(index, _PRODUCED, produced)
 
-    def plan(self, indices: np.ndarray) -> _Plan:
+    def plan(self, indices: np.ndarray, *, with_stamps: bool = False) -> _Plan:
         """Plan one batch: its keys, which rows the memory tier holds, and the misses made.
 
         The rows the memory tier holds are only named (their bytes are gathered
         by the training process); every other row is :meth:`run`, in order.
         """
-        keys = self.dataset.key_rows(indices)
+        stamps = self.dataset.stat_stamps(indices) if with_stamps else None
+        keys = self.dataset.key_rows(indices, stamps=stamps)
         memory = self.cache.memory if self.cache is not None else None
         if memory is not None:
             planned = memory.contains_many(keys)
@@ -143,7 +148,7 @@ class _BatchTasks(torch.utils.data.Dataset["_Planned"]):
         results = [
             self.run(int(indices[r]), keys[r].tobytes()) for r in np.flatnonzero(~planned).tolist()
         ]
-        return _Plan(indices, keys, planned, results)
+        return _Plan(indices, keys, planned, results, stamps)
 
     def __getitem__(self, task: Any) -> _Planned:
         return self.__getitems__([task])[0]
@@ -152,9 +157,14 @@ class _BatchTasks(torch.utils.data.Dataset["_Planned"]):
         """Plan the batches of one task (one or, in warm stretches, several batches)
         in a worker, in the compact form sent back to the training process."""
         out = []
-        for t in tasks:
-            plan = self.plan(np.asarray(t, dtype=np.int64))
-            out.append(_Planned(plan.keys.tobytes(), plan.planned_hit.tobytes(), plan.results))
+        for gate, early, indices in tasks:
+            if gate and self.gate is not None:
+                self.gate.wait(gate)  # a batch of an epoch the training loop has not begun
+            plan = self.plan(np.asarray(indices, dtype=np.int64), with_stamps=early)
+            stamps = plan.stamps.tobytes() if plan.stamps is not None else None
+            out.append(
+                _Planned(plan.keys.tobytes(), plan.planned_hit.tobytes(), plan.results, stamps)
+            )
         return out
 
 
@@ -165,11 +175,15 @@ class _Planned:
     keys: bytes
     planned_hit: bytes
     results: list[_Result]
+    stamps: bytes | None = None  # the files' (size, mtime_ns) when planned early
 
     def unpack(self, indices: np.ndarray) -> _Plan:
         keys = np.frombuffer(self.keys, dtype=np.uint8).reshape(len(indices), -1)
         hit = np.frombuffer(self.planned_hit, dtype=bool)
-        return _Plan(indices, keys, hit, self.results)
+        stamps = None
+        if self.stamps is not None:
+            stamps = np.frombuffer(self.stamps, dtype=np.int64).reshape(len(indices), 2)
+        return _Plan(indices, keys, hit, self.results, stamps)
 
 
 def _identity(batch: list[_Planned]) -> list[_Planned]:
@@ -191,6 +205,7 @@ class _Plan:
     keys: np.ndarray
     planned_hit: np.ndarray  # bool per row: the memory tier held it when planned
     results: list[_Result]  # one per row that was not a planned hit, in row order
+    stamps: np.ndarray | None = None  # int64 [n, 2]: what the keys were made from, if asked
 
 
 @dataclass
@@ -209,6 +224,12 @@ class _EpochRun:
 _WARM_GROUP = 8
 
 
+#: Batches at the start of the next warm epoch that workers plan before it begins
+#: (the training process checks them when it does, see _EpochBatches): they cover
+#: the time the workers held at the gate take to wake up and deliver the next ones.
+_EARLY_BATCHES = 1
+
+
 class _EpochBatches:
     """The internal DataLoader's batch sampler: the batches from a start point on, in order.
 
@@ -218,12 +239,16 @@ class _EpochBatches:
     up to :data:`_WARM_GROUP` consecutive batches while the last plans received
     had no misses (then a task is only ``stat`` calls and index lookups).
 
-    With persistent workers the stream goes on from a warm epoch into the next
-    (each epoch's order is known in advance), so the first batches of epoch
-    e+1 are planned while epoch e ends instead of after a round trip to idle
-    workers (~2.6 ms, 15% of a warm epoch of 1,500 samples here); the loader
-    starts a new stream when the training loop goes elsewhere (another epoch,
-    a resumed position, a loop left early).
+    With persistent workers the stream goes on into the next epochs (each
+    epoch's order is known in advance), so the workers hold the first batches
+    of epoch e+1 when it begins instead of waiting for a round trip (~2.6 ms,
+    15% of a warm epoch of 1,500 samples here). Those tasks carry a
+    :class:`~mmcache.gate.Gate` number: the worker plans them (``stat``, keys,
+    residency) only once the training loop has begun that epoch, so nothing
+    the user's code changes between epochs is missed, and a cold epoch's
+    misses are all in the cache before the next epoch looks for them. The
+    loader starts a new stream when the training loop goes elsewhere (another
+    epoch, a resumed position, a loop left early).
     """
 
     def __init__(self, loader: DataLoader) -> None:
@@ -232,14 +257,15 @@ class _EpochBatches:
         # alive after the user drops the loader.
         self._loader = weakref.ref(loader)
 
-    def __iter__(self) -> Iterator[list[np.ndarray]]:
+    def __iter__(self) -> Iterator[list[tuple[int, bool, np.ndarray]]]:
         loader = self._loader()
         if loader is None:
             return
         epoch, j = loader._stream_from
+        base = loader._stream_gate
         continuous = bool(loader._inner_kwargs["persistent_workers"])
         del loader
-        group = 1
+        group, gate = 1, 0  # the stream's first epoch has begun: no gate
         while True:
             loader = self._loader()
             if loader is None:
@@ -247,18 +273,27 @@ class _EpochBatches:
             batches = loader._epoch_batches(epoch)
             del loader
             if j >= len(batches):
-                loader = self._loader()
-                warm = loader is not None and loader._warm_stretch
-                del loader
-                # Only a warm epoch runs on into the next: planning the next epoch
-                # while this one still has misses in flight would find them absent
-                # and decode them a second time.
-                if not continuous or not batches or not warm:
+                if not continuous or not batches:
                     return
-                epoch, j = epoch + 1, 0
+                epoch, j, group = epoch + 1, 0, 1
+                gate = gate + 1 if gate else base + 1
+                loader = self._loader()
+                if loader is None:
+                    return
+                early = loader._warm_stretch and loader._can_verify
+                batches = loader._epoch_batches(epoch)
+                del loader
+                if early:
+                    # The first batches of a warm epoch are planned now, not held at
+                    # the gate, so they are ready when it begins; the training process
+                    # re-stats their files then (_PlanSource.fetch) and re-plans a
+                    # batch whose files changed in between.
+                    task = batches[:_EARLY_BATCHES]
+                    yield [(0, True, b) for b in task]
+                    j = len(task)
                 continue
             task = batches[j : j + group]
-            yield task
+            yield [(gate, False, b) for b in task]
             j += len(task)
             loader = self._loader()
             warm = loader is not None and loader._warm_stretch
@@ -277,21 +312,34 @@ class _PlanSource:
     """
 
     def __init__(self, loader: DataLoader, epoch: int, start: int) -> None:
-        self._loader = loader
+        self._ref = weakref.ref(loader)  # the loader holds us: no reference cycle
+        self._gate = loader._gate
         self.cursor = (epoch, start)
+        self._first_epoch = epoch  # of the workers' current stream
+        self._base = 0  # the gate value its tasks count from
         self._plans: Iterator[list[_Planned]] | None = None
         self._received: collections.deque[_Planned] = collections.deque()
+
+    def _loader(self) -> DataLoader:
+        loader = self._ref()
+        if loader is None:  # pragma: no cover - the loader drives us
+            raise RuntimeError("the mmcache.DataLoader of this plan stream was garbage-collected")
+        return loader
 
     def fetch(self, epoch: int, j: int) -> _Plan:
         if (epoch, j) != self.cursor:  # pragma: no cover - the loader keeps them aligned
             raise RuntimeError(f"plan stream at {self.cursor}, asked for {(epoch, j)}")
-        loader = self._loader
+        loader = self._loader()
         batches = loader._epoch_batches(epoch)
         indices = batches[j]
         if loader.num_workers > 0:
             if not self._received:
                 self._received.extend(self._next_task())
             plan = self._received.popleft().unpack(indices)
+            if plan.stamps is not None and not np.array_equal(
+                plan.stamps, loader.dataset.stat_stamps(indices)
+            ):
+                plan = loader._tasks.plan(indices)  # planned early, and a file changed since
         else:
             plan = loader._tasks.plan(indices)
         loader._warm_stretch = bool(plan.planned_hit.all())
@@ -304,11 +352,22 @@ class _PlanSource:
         if self._plans is not None:
             with contextlib.suppress(StopIteration):
                 return next(self._plans)
-        self._loader._stream_from = self.cursor
-        self._plans = iter(self._loader._inner_loader())  # starts or wakes the workers
+        loader = self._loader()
+        loader._stream_from = self.cursor
+        self._first_epoch = self.cursor[0]
+        self._base = loader._stream_gate = loader._gate.value if loader._gate is not None else 0
+        self._plans = iter(loader._inner_loader())  # starts or wakes the workers
         return next(self._plans)
 
+    def begin_epoch(self, epoch: int) -> None:
+        """The training loop begins ``epoch``: let the workers plan its batches."""
+        gate = self._gate
+        if gate is not None and self._plans is not None and epoch > self._first_epoch:
+            gate.open_to(self._base + epoch - self._first_epoch)
+
     def close(self) -> None:
+        if self._plans is not None and self._gate is not None:
+            self._gate.open_all()  # tasks held for epochs that will not come
         self._plans = None  # a non-persistent torch iterator stops its workers when dropped
         self._received.clear()
 
@@ -392,7 +451,13 @@ class DataLoader:
             drop_last=drop_last,
         )
         self.num_workers = num_workers
-        self._tasks = _BatchTasks(dataset, cache)
+        # Holds back workers' tasks of epochs not begun yet (see _EpochBatches). Opened
+        # whenever the loader goes, before torch stops the workers: a worker held at
+        # the gate does not read torch's stop signal.
+        self._gate = Gate(multiprocessing_context) if num_workers > 0 else None
+        if self._gate is not None:
+            weakref.finalize(self, self._gate.open_all)
+        self._tasks = _BatchTasks(dataset, cache, self._gate)
         self._inner_kwargs: dict[str, Any] = {
             "num_workers": num_workers,
             "collate_fn": _identity,
@@ -414,6 +479,9 @@ class DataLoader:
         self._position = 0  # batches of the current epoch already yielded
         self._stream: _PlanSource | None = None  # plans of the batches to come
         self._stream_from = (0, 0)  # where the workers' next stream starts (epoch, batch)
+        self._stream_gate = 0  # the gate value its tasks count from
+        # Early plans can be checked with a stat; content-hash keys cannot.
+        self._can_verify = not dataset.content_stamp
         self._batches_memo: dict[int, list[np.ndarray]] = {}
         self._batches_lock = threading.Lock()
         self._history: dict[int, EpochStats] = {}
@@ -485,6 +553,8 @@ class DataLoader:
         stream, self._stream = self._stream, None
         if stream is not None:
             stream.close()
+        if self._gate is not None:
+            self._gate.open_all()  # no worker may wait at the gate while torch stops it
         inner, self._inner = self._inner, None
         iterator = getattr(inner, "_iterator", None) if inner is not None else None
         shutdown = getattr(iterator, "_shutdown_workers", None)
@@ -636,6 +706,7 @@ class DataLoader:
             if source is not None:
                 source.close()
             source = self._stream = _PlanSource(self, run.epoch, run.start)
+        source.begin_epoch(run.epoch)
         builder: InOrderBuilder[_Plan, dict[str, Any] | None] = InOrderBuilder(
             run.start,
             len(run.batches),
@@ -759,7 +830,7 @@ class DataLoader:
         for r, sample in rows.items():
             self._check_shapes(layout, sample, int(plan.indices[r]))
             for f in layout.fields:
-                out[f.name][r] = torch.from_numpy(np.ascontiguousarray(sample[f.name]))
+                out[f.name].numpy()[r] = sample[f.name]
         stats.count(sources)
         keep = [r for r in range(n) if sources[r] != _REJECTED]
         batch: dict[str, Any] = {
@@ -769,9 +840,9 @@ class DataLoader:
         if not keep:
             return None
         if len(keep) < n:
-            idx = torch.as_tensor(keep, dtype=torch.long)
             for name, tensor in out.items():
-                batch[name] = tensor.index_select(0, idx)
+                kept = torch.from_numpy(tensor.numpy()[keep])
+                batch[name] = kept.pin_memory() if self.pin_memory else kept
         else:
             batch.update(out)
         return batch
@@ -886,6 +957,10 @@ def memory_gather(
     absent an entry whose table differs from ``layout`` (a sample of another
     shape) or that expired: the caller produces those instead.
 
+    Copies are numpy's, never torch's: a torch copy large enough to run on the
+    intra-op (OpenMP) pool hangs in a process forked from one that used that pool
+    (a training loop started with multiprocessing "fork"), seen in the crash tests.
+
     Ranges: each large field (the image) is copied straight into the batch
     tensor when every row of the batch is a hit; the header and the small
     fields (token ids, mask) that lie close together are merged into as few
@@ -923,7 +998,7 @@ def memory_gather(
     for i in np.flatnonzero(expired).tolist():
         memory.discard(keys[i].tobytes(), why="expired")
     all_ok = bool(ok.all())
-    sel_rows = torch.as_tensor(rows[ok])
+    sel_rows = rows[ok]
     for (start, _stop, names), buf in zip(plan.segments, seg_bufs, strict=True):
         for name in names:
             if name in direct:
@@ -938,7 +1013,7 @@ def memory_gather(
             if full and all_ok:
                 out[name].numpy()[...] = arr
             else:
-                out[name][sel_rows] = torch.from_numpy(arr)
+                out[name].numpy()[sel_rows] = arr
     result: np.ndarray = ok
     return result
 

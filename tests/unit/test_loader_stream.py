@@ -1,0 +1,151 @@
+"""The loader's plan stream: workers plan the batches, across epochs with persistent
+workers; the order, the batches and staleness checks stay exactly as without it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from mmcache import loader as loader_mod
+from mmcache.cache import Cache
+from mmcache.dataset import MultimodalDataset
+from mmcache.loader import DataLoader
+from mmcache.pipeline import Pipeline
+from mmcache.synth import make_dataset
+
+
+def _epoch(loader: DataLoader, epoch: int) -> list[dict[str, Any]]:
+    loader.set_epoch(epoch)
+    return list(loader)
+
+
+def _same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
+    assert [x["id"] for x in a] == [y["id"] for y in b]
+    for x, y in zip(a, b, strict=True):
+        for name in ("image", "input_ids", "attention_mask"):
+            assert torch.equal(x[name], y[name]), name
+
+
+@pytest.fixture
+def own_data(tmp_path: Path) -> Path:
+    """A dataset of its own: these tests rewrite image files."""
+    return make_dataset(tmp_path / "data", 40, seed=5)
+
+
+def test_epochs_skips_breaks_and_resumes_match_the_uncached_order(
+    own_data: Path, small_pipeline: Pipeline, cache_root: Path
+) -> None:
+    ds = MultimodalDataset(own_data, pipeline=small_pipeline)
+    ref = DataLoader(ds, cache=None, batch_size=6, seed=2)
+    want = {e: _epoch(ref, e) for e in (0, 1, 2, 3, 6, 7)}
+    with Cache(cache_root, memory="16MiB", temporary=True) as cache:
+        loader = DataLoader(
+            ds, cache=cache, batch_size=6, seed=2, num_workers=2, persistent_workers=True
+        )
+        for e in (0, 1, 2):  # cold, then warm epochs run into each other
+            _same(_epoch(loader, e), want[e])
+        loader.set_epoch(6)  # skip ahead: the stream planned epoch 3 for nothing
+        it = iter(loader)
+        first = [next(it), next(it)]
+        del it  # leave epoch 6 early
+        rest = list(loader)  # and come back to it: the remaining batches
+        _same(first + rest, want[6])
+        _same(_epoch(loader, 7), want[7])
+        _same(_epoch(loader, 3), want[3])  # back in time
+        assert all(s.hit_rate == 1.0 for s in loader.stats().epochs[1:])
+        loader.close()
+
+
+def test_warm_epochs_are_planned_by_the_workers_not_here(
+    own_data: Path, small_pipeline: Pipeline, cache_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ds = MultimodalDataset(own_data, pipeline=small_pipeline)
+    with Cache(cache_root, memory="16MiB", temporary=True) as cache:
+        loader = DataLoader(
+            ds, cache=cache, batch_size=8, seed=0, num_workers=2, persistent_workers=True
+        )
+        _epoch(loader, 0)
+        _epoch(loader, 1)
+        here: list[int] = []
+        real = loader_mod._BatchTasks.plan
+
+        def spy(self: Any, indices: np.ndarray, **kw: Any) -> Any:
+            here.append(len(indices))  # only this process: the workers forked before
+            return real(self, indices, **kw)
+
+        monkeypatch.setattr(loader_mod._BatchTasks, "plan", spy)
+        for e in (2, 3, 4):
+            _epoch(loader, e)
+        # Early plans of each next epoch were checked with a stat and kept.
+        assert here == []
+        loader.close()
+
+
+def _rewrite(path: str, colour: tuple[int, int, int]) -> None:
+    with Image.open(path) as im:
+        size = im.size
+    Image.new("RGB", size, colour).save(path, quality=95)
+
+
+@pytest.mark.parametrize("position", ["first batch", "later batch"])
+def test_an_image_rewritten_between_epochs_is_seen_in_the_next(
+    own_data: Path, small_pipeline: Pipeline, cache_root: Path, position: str
+) -> None:
+    """The next epoch's first batches are planned before it begins (warm stream):
+    the training process re-checks their files when it does, the rest wait at the gate."""
+    ds = MultimodalDataset(own_data, pipeline=small_pipeline)
+    ref = DataLoader(ds, cache=None, batch_size=8, seed=1)
+    with Cache(cache_root, memory="16MiB", temporary=True) as cache:
+        loader = DataLoader(
+            ds, cache=cache, batch_size=8, seed=1, num_workers=2, persistent_workers=True
+        )
+        _epoch(loader, 0)
+        _epoch(loader, 1)
+        _epoch(loader, 2)  # warm: epoch 3's first batch is planned as this one ends
+        order = loader._epoch_batches(3)
+        index = int(order[0][3] if position == "first batch" else order[3][2])
+        path = ds.records.image_path(index)
+        assert path is not None
+        _rewrite(path, (250, 10, 10))
+        got = _epoch(loader, 3)
+        want = _epoch(ref, 3)
+        _same(got, want)  # the uncached loader reads the new file: so did we
+        sample_id = ds.sample_id(index)
+        batch = next(b for b in got if sample_id in b["id"])
+        image = batch["image"][batch["id"].index(sample_id)]
+        assert image[0].float().mean() > 200 and image[1].float().mean() < 60  # red now
+        e3 = loader.stats().epochs[3]
+        assert e3.misses == 1 and e3.hits == len(ds) - 1
+        loader.close()
+
+
+def test_dropping_a_loader_with_tasks_held_at_the_gate_stops_its_workers(
+    own_data: Path, small_pipeline: Pipeline, cache_root: Path
+) -> None:
+    """After a warm epoch the workers hold the next epoch's tasks at the gate, where they
+    do not read torch's stop signal: dropping the loader must open it first (else torch
+    waits 5 s per worker, then kills them)."""
+    import gc
+    import time
+
+    import psutil
+
+    ds = MultimodalDataset(own_data, pipeline=small_pipeline)
+    before = {p.pid for p in psutil.Process().children()}
+    with Cache(cache_root, memory="16MiB", temporary=True) as cache:
+        loader = DataLoader(ds, cache=cache, batch_size=8, num_workers=2, persistent_workers=True)
+        for e in range(3):
+            _epoch(loader, e)
+        workers = [p for p in psutil.Process().children() if p.pid not in before]
+        assert len(workers) == 2
+        t0 = time.monotonic()
+        del loader
+        gc.collect()
+        _, alive = psutil.wait_procs(workers, timeout=30)
+        assert not alive
+        assert time.monotonic() - t0 < 4  # torch's timeouts would take 10 s
