@@ -3,21 +3,29 @@
 How a batch is made (every epoch's order is known in advance, see
 :mod:`mmcache.sampler`):
 
-1. A *planner* walks the epoch's batches ahead of the training loop, computes
-   each sample's cache key and asks the node-shared memory tier which are
-   resident. The samples that are not become *miss tasks*.
-2. The miss tasks of each batch go, in exactly the order they will be needed,
-   to a plain ``torch.utils.data.DataLoader`` over an internal task dataset,
-   so its worker processes (fork or spawn, persistent or not, with the user's
-   ``worker_init_fn``) look them up in the disk tier (promoting hits to memory)
-   or decode them, admit the result to the cache (write-behind: the training
-   loop never waits on a put), and send the arrays back. ``prefetch`` batches
-   per worker are in flight, as with torch's ``prefetch_factor``.
-3. The *consumer* (``next(loader)``) gathers the planned hits of the batch
-   straight from shared memory into the batch tensors, in one vectorised copy
-   per field, then fills in the rows that came from the workers. Hits never
-   travel through a worker. A planned hit that was evicted in the meantime is
-   produced in the consumer (a *late miss*, counted).
+1. *Planning*, in order, by the worker processes of a plain
+   ``torch.utils.data.DataLoader`` over an internal task dataset (fork or
+   spawn, persistent or not, with the user's ``worker_init_fn``;
+   ``prefetch`` tasks per worker in flight, as torch's ``prefetch_factor``).
+   A task is one batch, or up to eight while the epoch is warm: the worker
+   ``stat``-s the image files (so a changed file gets a new key every epoch),
+   computes the cache keys, asks the node-shared memory tier which it holds,
+   and for every other sample looks in the disk tier (promoting hits to
+   memory) or decodes it, admitting the result (write-behind: nobody waits
+   on a disk put). What comes back is the keys and a hit mask; a sample the
+   worker put in shared memory is not sent either. With ``num_workers=0``
+   the training process runs the same tasks.
+2. *Assembly* in the training process (:class:`~mmcache.inorder.InOrderBuilder`:
+   on a helper thread one batch ahead, or by the training loop itself when
+   it asks first): the hits are gathered straight from shared memory into
+   the batch tensors, all byte ranges under one shared lock, then the rows a
+   worker sent are filled in. Hits never travel through a worker. A planned
+   hit evicted in the meantime is produced here (a *late miss*, counted).
+3. *Across epochs* with persistent workers the plan stream runs on: the
+   next epoch's tasks wait at a :class:`~mmcache.gate.Gate` in the workers
+   until the training loop begins that epoch (so nothing changed between
+   epochs is missed); the first batch of a warm epoch is planned early and
+   re-checked here with a ``stat`` of its files when the epoch begins.
 
 The batch is what torch's default collate would make of the dataset's items,
 plus the cache keys: ``{"id": list[str], "key": list[str], "image": uint8
@@ -25,8 +33,10 @@ plus the cache keys: ``{"id": list[str], "key": list[str], "image": uint8
 depends on the cache: the same seed gives bitwise the same batches with the
 cache on, off, cold or warm.
 
-Thread/process safety: one loader is driven by one thread (like torch's).
-Its worker processes share the cache through the node-shared tiers.
+Thread/process safety: one loader is driven by one thread (like torch's);
+internally a helper thread assembles batches too (the buffer pool, layout and
+counters it shares are locked). Its worker processes share the cache through
+the node-shared tiers.
 """
 
 from __future__ import annotations
@@ -392,7 +402,8 @@ class DataLoader:
         pin_memory: allocate batch tensors in pinned memory (when CUDA is present).
         rank, world_size: this process's part; default to torch.distributed's
             when it is initialised, else a single process.
-        prefetch: miss batches in flight per worker (torch's ``prefetch_factor``).
+        prefetch: worker tasks (batches to plan and produce) in flight per worker
+            (torch's ``prefetch_factor``).
         persistent_workers, worker_init_fn, multiprocessing_context, generator,
             timeout: as in ``torch.utils.data.DataLoader``, for the miss workers.
         on_epoch_end: called after each complete epoch with a dict of scalars
