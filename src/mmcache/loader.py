@@ -142,11 +142,14 @@ class _BatchTasks(torch.utils.data.Dataset["_Planned"]):
                 return _Result(index, _PRODUCED, in_memory=True)
         return _Result(index, _PRODUCED, produced)
 
-    def plan(self, indices: np.ndarray, *, with_stamps: bool = False) -> _Plan:
+    def plan(
+        self, indices: np.ndarray, *, with_stamps: bool = False, produce: bool = True
+    ) -> _Plan | None:
         """Plan one batch: its keys, which rows the memory tier holds, and the misses made.
 
         The rows the memory tier holds are only named (their bytes are gathered
         by the training process); every other row is :meth:`run`, in order.
+        ``produce=False``: return None instead when a row is missing.
         """
         stamps = self.dataset.stat_stamps(indices) if with_stamps else None
         keys = self.dataset.key_rows(indices, stamps=stamps)
@@ -155,10 +158,19 @@ class _BatchTasks(torch.utils.data.Dataset["_Planned"]):
             planned = memory.contains_many(keys)
         else:
             planned = np.zeros(len(indices), dtype=bool)
+        if not produce and not planned.all():
+            return None
         results = [
             self.run(int(indices[r]), keys[r].tobytes()) for r in np.flatnonzero(~planned).tolist()
         ]
         return _Plan(indices, keys, planned, results, stamps)
+
+    def produced(self, indices: np.ndarray, *, with_stamps: bool = False) -> _Plan:
+        """:meth:`plan` with every missing row produced."""
+        plan = self.plan(indices, with_stamps=with_stamps)
+        if plan is None:  # pragma: no cover - plan() returns None only with produce=False
+            raise RuntimeError("a produced plan is missing")
+        return plan
 
     def __getitem__(self, task: Any) -> _Planned:
         return self.__getitems__([task])[0]
@@ -170,7 +182,7 @@ class _BatchTasks(torch.utils.data.Dataset["_Planned"]):
         for gate, early, indices in tasks:
             if gate and self.gate is not None:
                 self.gate.wait(gate)  # a batch of an epoch the training loop has not begun
-            plan = self.plan(np.asarray(indices, dtype=np.int64), with_stamps=early)
+            plan = self.produced(np.asarray(indices, dtype=np.int64), with_stamps=early)
             stamps = plan.stamps.tobytes() if plan.stamps is not None else None
             out.append(
                 _Planned(plan.keys.tobytes(), plan.planned_hit.tobytes(), plan.results, stamps)
@@ -329,6 +341,10 @@ class _PlanSource:
         self._base = 0  # the gate value its tasks count from
         self._plans: Iterator[list[_Planned]] | None = None
         self._received: collections.deque[_Planned] = collections.deque()
+        # Non-persistent workers are started for every epoch (a fork or spawn each):
+        # the batches are planned here until the first miss (a warm epoch: all of them),
+        # and from that batch on by the workers.
+        self._local = loader.num_workers > 0 and not loader._inner_kwargs["persistent_workers"]
 
     def _loader(self) -> DataLoader:
         loader = self._ref()
@@ -342,16 +358,20 @@ class _PlanSource:
         loader = self._loader()
         batches = loader._epoch_batches(epoch)
         indices = batches[j]
-        if loader.num_workers > 0:
+        plan = loader._tasks.plan(indices, produce=False) if self._local else None
+        self._local = plan is not None  # after a miss the workers plan and produce the rest
+        if plan is not None:
+            pass  # planned here: a warm batch
+        elif loader.num_workers > 0:
             if not self._received:
                 self._received.extend(self._next_task())
             plan = self._received.popleft().unpack(indices)
             if plan.stamps is not None and not np.array_equal(
                 plan.stamps, loader.dataset.stat_stamps(indices)
             ):
-                plan = loader._tasks.plan(indices)  # planned early, and a file changed since
+                plan = loader._tasks.produced(indices)  # planned early; a file changed since
         else:
-            plan = loader._tasks.plan(indices)
+            plan = loader._tasks.produced(indices)
         loader._warm_stretch = bool(plan.planned_hit.all())
         self.cursor = (epoch, j + 1) if j + 1 < len(batches) else (epoch + 1, 0)
         return plan

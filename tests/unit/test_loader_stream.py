@@ -149,3 +149,33 @@ def test_dropping_a_loader_with_tasks_held_at_the_gate_stops_its_workers(
         _, alive = psutil.wait_procs(workers, timeout=30)
         assert not alive
         assert time.monotonic() - t0 < 4  # torch's timeouts would take 10 s
+
+
+def test_non_persistent_workers_are_not_started_for_a_warm_epoch(
+    own_data: Path, small_pipeline: Pipeline, cache_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch starts non-persistent workers anew each epoch: a warm epoch is planned in the
+    training process instead (until a miss, when the workers take over from that batch)."""
+    ds = MultimodalDataset(own_data, pipeline=small_pipeline)
+    ref = DataLoader(ds, cache=None, batch_size=8, seed=4)
+    with Cache(cache_root, memory="16MiB", temporary=True) as cache:
+        loader = DataLoader(ds, cache=cache, batch_size=8, seed=4, num_workers=2)
+        _same(_epoch(loader, 0), _epoch(ref, 0))
+        started: list[int] = []
+        real = DataLoader._inner_loader
+
+        def spy(self: DataLoader) -> Any:
+            started.append(1)
+            return real(self)
+
+        monkeypatch.setattr(DataLoader, "_inner_loader", spy)
+        _same(_epoch(loader, 1), _epoch(ref, 1))
+        assert started == [] and loader.stats().epochs[1].hit_rate == 1.0
+        # a miss in the middle of a warm epoch: the workers produce it and the rest
+        order = loader._epoch_batches(2)
+        assert cache.memory is not None
+        cache.memory.discard(ds.key(int(order[2][1])), why="test")
+        _same(_epoch(loader, 2), _epoch(ref, 2))
+        assert started == [1]
+        e2 = loader.stats().epochs[2]
+        assert (e2.hits, e2.misses) == (len(ds) - 1, 1)
