@@ -225,6 +225,9 @@ def test_persistent_workers_and_start_methods(
         )
         _same(_epoch(loader, 0), reference[0])
         _same(_epoch(loader, 1), reference[1])
+        ref2 = _epoch(DataLoader(ds, cache=None, batch_size=10, seed=3), 2)
+        _same(_epoch(loader, 2), ref2)  # warm into warm: an early plan, then the gate
+        _same(_epoch(loader, 0), reference[0])  # back in time: a new plan stream
         del loader
     assert seen == []
 
