@@ -183,15 +183,16 @@ class MultimodalDataset(torch.utils.data.Dataset[dict[str, Any] | None]):
     ) -> np.ndarray:
         """Cache keys of many samples as a ``uint8 [n, 16]`` array (row j: ``key(indices[j])``).
 
-        What the loader's planner asks for every batch. It remembers each
-        sample's key with the image file's size and mtime it was computed from:
+        What the loader asks for every batch it plans (in a worker, or in the
+        training process). It remembers each sample's key with the image file's
+        size and mtime it was computed from:
         the file is still ``stat``-ed every time (a changed file gets a new key
         at once), only the hashing is skipped when nothing changed, and the
         comparison with the remembered stamps is one vectorised step. With
         ``content_stamp=True`` every key is recomputed from the file's bytes.
         ``stamps``: :meth:`stat_stamps` of ``indices`` taken just before, if the
-        caller has them. Not thread-safe (one thread per process calls it: the
-        loader's planner, or a worker).
+        caller has them. Not thread-safe (one thread per process calls it: a
+        loader worker, or the loader's plan fetch in the training process).
         """
         idx = self._checked(indices)
         n = len(self.records)

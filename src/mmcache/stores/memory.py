@@ -1529,7 +1529,7 @@ class MemoryStore(Store):
 
         ``keys``: a sequence of 16-byte keys, or a ``uint8 [n, 16]`` array of them.
 
-        The loader's planner asks this for every upcoming batch. Thread/process-safe.
+        The loader asks this for every batch it plans (in its workers). Thread/process-safe.
         """
         if len(keys) == 0:
             return np.zeros(0, dtype=bool)
