@@ -482,10 +482,12 @@ class DataLoader:
             drop_last=drop_last,
         )
         self.num_workers = num_workers
-        # Holds back workers' tasks of epochs not begun yet (see _EpochBatches). Opened
-        # whenever the loader goes, before torch stops the workers: a worker held at
-        # the gate does not read torch's stop signal.
-        self._gate = Gate(multiprocessing_context) if num_workers > 0 else None
+        # Holds back workers' tasks of epochs not begun yet (see _EpochBatches; only
+        # persistent workers get such tasks). Opened whenever the loader goes, before
+        # torch stops the workers: a worker held at the gate does not read torch's
+        # stop signal.
+        continuous = num_workers > 0 and persistent_workers
+        self._gate = Gate(multiprocessing_context) if continuous else None
         if self._gate is not None:
             weakref.finalize(self, self._gate.open_all)
         self._tasks = _BatchTasks(dataset, cache, self._gate)
