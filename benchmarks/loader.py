@@ -33,6 +33,7 @@ import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -202,6 +203,19 @@ def run_numpy_bound(arrays: dict[str, np.ndarray], bs: int, epochs: int) -> floa
     return statistics.median(rates)
 
 
+@contextlib.contextmanager
+def memory_cache(root: Path, memory: int, policy: str = "value") -> Iterator[Cache]:
+    """A temporary memory-only cache; its shared memory and folder go afterwards."""
+    cache = Cache(root, memory=memory, disk=None, policy=policy, temporary=True)
+    try:
+        yield cache
+    finally:
+        if cache.memory is not None:
+            cache.memory.unlink()  # type: ignore[attr-defined]
+        cache.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def run_interleaved(
     ds: mc.MultimodalDataset,
     root: Path,
@@ -219,10 +233,9 @@ def run_interleaved(
     first batch, the last short one).
     """
     n = len(ds)
-    cache = Cache(root, memory=memory, disk=None, temporary=True)
     rng = np.random.default_rng(1)
     ratios, mm_batches, np_batches = [], [], []
-    try:
+    with memory_cache(root, memory) as cache:
         loader = mc.DataLoader(
             ds, cache=cache, batch_size=bs, seed=0, num_workers=workers, persistent_workers=True
         )
@@ -238,11 +251,6 @@ def run_interleaved(
             mm_batches += list(np.diff(stamps)[1:-1])
             ratios.append(n / (stamps[-1] - stamps[0]) / bound)
         loader.close()
-    finally:
-        if cache.memory is not None:
-            cache.memory.unlink()  # type: ignore[attr-defined]
-        cache.close()
-        shutil.rmtree(root, ignore_errors=True)
     return {
         "epoch_ratio": statistics.median(ratios),
         "batch_ratio": statistics.median(np_batches) / statistics.median(mm_batches),
@@ -262,8 +270,7 @@ def run_mmcache(
     step: float = 0.0,
     policy: str = "value",
 ) -> dict[str, Any]:
-    cache = Cache(root, memory=memory, disk=None, policy=policy, temporary=True)
-    try:
+    with memory_cache(root, memory, policy) as cache:
         loader = mc.DataLoader(
             ds,
             cache=cache,
@@ -275,11 +282,6 @@ def run_mmcache(
         times = time_epochs(loader, epochs, step)
         stats = loader.stats()
         del loader
-    finally:
-        if cache.memory is not None:
-            cache.memory.unlink()  # type: ignore[attr-defined]
-        cache.close()
-        shutil.rmtree(root, ignore_errors=True)
     return {"times": times, "stats": stats}
 
 
@@ -369,23 +371,20 @@ def main() -> None:
         mem: dict[int, dict[str, float]] = {}
         for workers in (1, 2, 4):
             root = tmp / f"c-mem{workers}"
-            cache = Cache(root, memory=int(data_bytes * 1.2), temporary=True)
-            loader = mc.DataLoader(
-                ds, cache=cache, batch_size=bs, num_workers=workers, persistent_workers=True
-            )
-            loader.set_epoch(0)
-            for _ in loader:
-                pass
-            loader.set_epoch(1)
-            with PssMonitor() as mon:
+            with memory_cache(root, int(data_bytes * 1.2)) as cache:
+                loader = mc.DataLoader(
+                    ds, cache=cache, batch_size=bs, num_workers=workers, persistent_workers=True
+                )
+                loader.set_epoch(0)
                 for _ in loader:
                     pass
-            seg = shm_bytes(mc.cache._memory_name(root.absolute()))
-            mem[workers] = {"peak_pss_mib": mon.peak / 2**20, "shm_mib": seg / 2**20}
-            del loader
-            if cache.memory is not None:
-                cache.memory.unlink()  # type: ignore[attr-defined]
-            cache.close()
+                loader.set_epoch(1)
+                with PssMonitor() as mon:
+                    for _ in loader:
+                        pass
+                seg = shm_bytes(mc.cache._memory_name(root.absolute()))
+                mem[workers] = {"peak_pss_mib": mon.peak / 2**20, "shm_mib": seg / 2**20}
+                del loader
         rows["memory"] = {str(k): v for k, v in mem.items()}
         print("memory", rows["memory"])
 
