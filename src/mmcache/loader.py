@@ -360,25 +360,29 @@ class _PlanSource:
         indices = batches[j]
         plan = loader._tasks.plan(indices, produce=False) if self._local else None
         self._local = plan is not None  # after a miss the workers plan and produce the rest
-        if plan is not None:
-            pass  # planned here: a warm batch
-        elif loader.num_workers > 0:
-            if not self._received:
-                self._received.extend(self._next_task())
-            plan = self._received.popleft().unpack(indices)
-            if plan.stamps is not None and not np.array_equal(
-                plan.stamps, loader.dataset.stat_stamps(indices)
-            ):
-                plan = loader._tasks.produced(indices)  # planned early; a file changed since
-        else:
+        if plan is None:
+            plan = self._from_workers(indices) if loader.num_workers > 0 else None
+        if plan is None:
             plan = loader._tasks.produced(indices)
         loader._warm_stretch = bool(plan.planned_hit.all())
         self.cursor = (epoch, j + 1) if j + 1 < len(batches) else (epoch + 1, 0)
         return plan
 
+    def _from_workers(self, indices: np.ndarray) -> _Plan | None:
+        """The workers' plan of the next batch; None for one planned early whose files
+        changed since (the caller plans it again)."""
+        if not self._received:
+            self._received.extend(self._next_task())
+        plan = self._received.popleft().unpack(indices)
+        if plan.stamps is not None and not np.array_equal(
+            plan.stamps, self._loader().dataset.stat_stamps(indices)
+        ):
+            return None
+        return plan
+
     def _next_task(self) -> list[_Planned]:
         """The next task's plans; (re)starts the workers' stream at the cursor when it
-        has not started or has ended (it ends at the end of an epoch that had misses)."""
+        has not started or has ended (without persistent workers it ends with the epoch)."""
         if self._plans is not None:
             with contextlib.suppress(StopIteration):
                 return next(self._plans)
