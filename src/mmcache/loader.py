@@ -56,11 +56,12 @@ import numpy as np
 import torch
 
 from mmcache import codec
+from mmcache.board import StampBoard
 from mmcache.cache import Cache
 from mmcache.dataset import MultimodalDataset
 from mmcache.errors import ConfigError, SampleError
 from mmcache.gate import Gate
-from mmcache.inorder import InOrderBuilder
+from mmcache.inorder import Helper, InOrderBuilder
 from mmcache.sampler import EpochSampler
 from mmcache.stats import EpochStats, LoaderStats
 from mmcache.units import format_size
@@ -87,7 +88,7 @@ class _Result:
     in_memory: bool = False  # the sample is in the memory tier: gather it, nothing sent
 
 
-class _BatchTasks(torch.utils.data.Dataset["_Planned"]):
+class _BatchTasks(torch.utils.data.Dataset["_Planned | _Swept"]):
     """The dataset the internal torch DataLoader's workers run: one task per batch.
 
     A task is the batch's dataset indices (:meth:`plan`): the worker computes
@@ -100,11 +101,30 @@ class _BatchTasks(torch.utils.data.Dataset["_Planned"]):
     """
 
     def __init__(
-        self, dataset: MultimodalDataset, cache: Cache | None, gate: Gate | None = None
+        self,
+        dataset: MultimodalDataset,
+        cache: Cache | None,
+        gate: Gate | None = None,
+        board: StampBoard | None = None,
+        order: _Order | None = None,
     ) -> None:
         self.dataset = dataset
         self.cache = cache
         self.gate = gate
+        self.board = board
+        self.order = order
+        # The training process plans on both of its assembling threads; the dataset's
+        # key memo takes one at a time (the stat calls before it run unlocked).
+        self._keys_lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        del state["_keys_lock"]  # sent to spawned workers: a lock does not pickle
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._keys_lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -142,17 +162,16 @@ class _BatchTasks(torch.utils.data.Dataset["_Planned"]):
                 return _Result(index, _PRODUCED, in_memory=True)
         return _Result(index, _PRODUCED, produced)
 
-    def plan(
-        self, indices: np.ndarray, *, with_stamps: bool = False, produce: bool = True
-    ) -> _Plan | None:
+    def plan(self, indices: np.ndarray, *, produce: bool = True) -> _Plan | None:
         """Plan one batch: its keys, which rows the memory tier holds, and the misses made.
 
         The rows the memory tier holds are only named (their bytes are gathered
         by the training process); every other row is :meth:`run`, in order.
         ``produce=False``: return None instead when a row is missing.
         """
-        stamps = self.dataset.stat_stamps(indices) if with_stamps else None
-        keys = self.dataset.key_rows(indices, stamps=stamps)
+        stamps = None if self.dataset.content_stamp else self.dataset.stat_stamps(indices)
+        with self._keys_lock:
+            keys = self.dataset.key_rows(indices, stamps=stamps)
         memory = self.cache.memory if self.cache is not None else None
         if memory is not None:
             planned = memory.contains_many(keys)
@@ -165,39 +184,82 @@ class _BatchTasks(torch.utils.data.Dataset["_Planned"]):
         ]
         return _Plan(indices, keys, planned, results, stamps)
 
-    def produced(self, indices: np.ndarray, *, with_stamps: bool = False) -> _Plan:
+    def produced(self, indices: np.ndarray) -> _Plan:
         """:meth:`plan` with every missing row produced."""
-        plan = self.plan(indices, with_stamps=with_stamps)
+        plan = self.plan(indices)
         if plan is None:  # pragma: no cover - plan() returns None only with produce=False
             raise RuntimeError("a produced plan is missing")
         return plan
 
-    def __getitem__(self, task: Any) -> _Planned:
+    def __getitem__(self, task: Any) -> _Planned | _Swept:
         return self.__getitems__([task])[0]
 
-    def __getitems__(self, tasks: Sequence[Any]) -> list[_Planned]:
-        """Plan the batches of one task (one or, in warm stretches, several batches)
-        in a worker, in the compact form sent back to the training process."""
-        out = []
-        for gate, early, indices in tasks:
-            if gate and self.gate is not None:
-                self.gate.wait(gate)  # a batch of an epoch the training loop has not begun
-            plan = self.produced(np.asarray(indices, dtype=np.int64), with_stamps=early)
+    def __getitems__(self, tasks: Sequence[Any]) -> list[_Planned | _Swept]:
+        """Run one task in a worker: plan its batches (one or, in warm stretches,
+        several), in the compact form sent back to the training process; or
+        sweep an epoch (:class:`_Sweep`)."""
+        out: list[_Planned | _Swept] = []
+        for task in tasks:
+            if task.gate and self.gate is not None:
+                self.gate.wait(task.gate)  # a batch of an epoch the training loop has not begun
+            if isinstance(task, _Sweep):
+                out.append(self.sweep(task))
+                continue
+            plan = self.produced(np.asarray(task.indices, dtype=np.int64))
             stamps = plan.stamps.tobytes() if plan.stamps is not None else None
             out.append(
                 _Planned(plan.keys.tobytes(), plan.planned_hit.tobytes(), plan.results, stamps)
             )
         return out
 
+    def sweep(self, task: _Sweep) -> _Swept:
+        """``stat`` the files of an epoch's batches, in order, and publish the results
+        on the board (batches claimed one at a time, shared with the other workers)."""
+        if self.board is None or self.order is None:  # pragma: no cover - sent only with both
+            raise RuntimeError("a sweep task reached a loader without a stamp board")
+        batches = self.order.batches(task.epoch)
+        done = 0
+        while (k := self.board.claim(task.round, len(batches))) is not None:
+            indices = batches[k]
+            self.board.publish(indices, self.dataset.stat_stamps(indices), task.round)
+            done += 1
+        return _Swept(task.epoch, done)
+
+
+@dataclass(frozen=True)
+class _PlanTask:
+    """Plan (and produce the misses of) one batch; ``gate``: wait for it first (0: none)."""
+
+    gate: int
+    indices: np.ndarray
+
+
+@dataclass(frozen=True)
+class _Sweep:
+    """``stat`` every file of ``epoch`` for the stamp board, in sweep round ``round``."""
+
+    gate: int
+    epoch: int
+    round: int
+
+
+@dataclass
+class _Swept:
+    """A worker's part of a sweep is done (``batches`` of it were its own)."""
+
+    epoch: int
+    batches: int
+
 
 @dataclass
 class _Planned:
-    """A batch plan as a worker sends it: raw keys and hit mask (cheap to pickle), results."""
+    """A batch plan as a worker sends it: raw keys, hit mask and the files' stamps
+    (cheap to pickle), and the misses' results."""
 
     keys: bytes
     planned_hit: bytes
     results: list[_Result]
-    stamps: bytes | None = None  # the files' (size, mtime_ns) when planned early
+    stamps: bytes | None = None
 
     def unpack(self, indices: np.ndarray) -> _Plan:
         keys = np.frombuffer(self.keys, dtype=np.uint8).reshape(len(indices), -1)
@@ -208,7 +270,22 @@ class _Planned:
         return _Plan(indices, keys, hit, self.results, stamps)
 
 
-def _identity(batch: list[_Planned]) -> list[_Planned]:
+@dataclass(frozen=True)
+class _Order:
+    """The batches of each epoch: what the loader and its workers both compute."""
+
+    sampler: EpochSampler
+    batch_size: int
+    drop_last: bool
+
+    def batches(self, epoch: int) -> list[np.ndarray]:
+        order = self.sampler.indices(epoch)
+        bs = self.batch_size
+        stop = len(order) - len(order) % bs if self.drop_last else len(order)
+        return [order[i : i + bs] for i in range(0, stop, bs)]
+
+
+def _identity(batch: list[_Planned | _Swept]) -> list[_Planned | _Swept]:
     return batch
 
 
@@ -227,7 +304,12 @@ class _Plan:
     keys: np.ndarray
     planned_hit: np.ndarray  # bool per row: the memory tier held it when planned
     results: list[_Result]  # one per row that was not a planned hit, in row order
-    stamps: np.ndarray | None = None  # int64 [n, 2]: what the keys were made from, if asked
+    stamps: np.ndarray | None = None  # int64 [n, 2]: the files' (size, mtime_ns) keyed on
+    # Made in the training process from the keys learnt in an earlier epoch, all
+    # assumed in memory: gathered at once, served only once the stamp board (or a
+    # stat here) shows every file unchanged this epoch. ``round``: the sweep's.
+    speculative: bool = False
+    round: int = 0
 
 
 @dataclass
@@ -246,14 +328,8 @@ class _EpochRun:
 _WARM_GROUP = 8
 
 
-#: Batches at the start of the next warm epoch that workers plan before it begins
-#: (the training process checks them when it does, see _EpochBatches): they cover
-#: the time the workers held at the gate take to wake up and deliver the next ones.
-_EARLY_BATCHES = 1
-
-
 class _EpochBatches:
-    """The internal DataLoader's batch sampler: the batches from a start point on, in order.
+    """The internal DataLoader's batch sampler: the workers' tasks from a start point on.
 
     Read lazily by torch in the training process as it keeps its workers busy
     (``prefetch`` tasks each), so the workers plan and produce the batches in
@@ -262,13 +338,18 @@ class _EpochBatches:
     had no misses (then a task is only ``stat`` calls and index lookups).
 
     With persistent workers the stream goes on into the next epochs (each
-    epoch's order is known in advance), so the workers hold the first batches
-    of epoch e+1 when it begins instead of waiting for a round trip (~2.6 ms,
-    15% of a warm epoch of 1,500 samples here). Those tasks carry a
-    :class:`~mmcache.gate.Gate` number: the worker plans them (``stat``, keys,
-    residency) only once the training loop has begun that epoch, so nothing
-    the user's code changes between epochs is missed, and a cold epoch's
-    misses are all in the cache before the next epoch looks for them. The
+    epoch's order is known in advance), so the workers hold the next epoch's
+    tasks when it begins instead of waiting for a round trip. Those tasks carry
+    a :class:`~mmcache.gate.Gate` number: the worker runs them only once the
+    training loop has begun that epoch, so nothing the user's code changes
+    between epochs is missed, and a cold epoch's misses are all in the cache
+    before the next epoch looks for them.
+
+    An epoch that begins warm (the last plans had no misses) with a stamp
+    board is a *sweep* epoch: its batches are not planned by the workers at
+    all. The training process gathers them with the keys it learnt, and the
+    workers only ``stat`` the epoch's files, in order, and publish the results
+    on the :class:`~mmcache.board.StampBoard` (one :class:`_Sweep` task). The
     loader starts a new stream when the training loop goes elsewhere (another
     epoch, a resumed position, a loop left early).
     """
@@ -279,43 +360,47 @@ class _EpochBatches:
         # alive after the user drops the loader.
         self._loader = weakref.ref(loader)
 
-    def __iter__(self) -> Iterator[list[tuple[int, bool, np.ndarray]]]:
+    def __iter__(self) -> Iterator[list[_PlanTask | _Sweep]]:
         loader = self._loader()
         if loader is None:
             return
         epoch, j = loader._stream_from
         base = loader._stream_gate
         continuous = bool(loader._inner_kwargs["persistent_workers"])
+        loader._epoch_mode[epoch] = _PLANNED
         del loader
         group, gate = 1, 0  # the stream's first epoch has begun: no gate
+        batches: list[np.ndarray] | None = None  # of `epoch`, None in a sweep epoch
         while True:
             loader = self._loader()
             if loader is None:
                 return
-            batches = loader._epoch_batches(epoch)
-            del loader
-            if j >= len(batches):
+            if batches is None:
+                batches = loader._epoch_batches(epoch)
+            while j >= len(batches):
                 if not continuous or not batches:
                     return
                 epoch, j, group = epoch + 1, 0, 1
                 gate = gate + 1 if gate else base + 1
-                loader = self._loader()
-                if loader is None:
-                    return
-                early = loader._warm_stretch and loader._can_verify
+                if loader._warm_stretch and loader._board is not None:
+                    # Swept by one worker (each result read costs the training loop
+                    # ~0.1 ms; one worker's stat calls keep well ahead of it).
+                    loader._rounds += 1
+                    loader._epoch_mode[epoch] = (_SWEPT, loader._rounds)
+                    sweep = _Sweep(gate, epoch, loader._rounds)
+                    del loader
+                    for _ in range(_SWEEPERS):
+                        yield [sweep]
+                    loader = self._loader()
+                    if loader is None:
+                        return
+                    j = len(batches)  # every epoch has as many batches: on to the next
+                    continue
+                loader._epoch_mode[epoch] = _PLANNED
                 batches = loader._epoch_batches(epoch)
-                del loader
-                if early:
-                    # The first batches of a warm epoch are planned now, not held at
-                    # the gate, so they are ready when it begins; the training process
-                    # re-stats their files then (_PlanSource.fetch) and re-plans a
-                    # batch whose files changed in between.
-                    task = batches[:_EARLY_BATCHES]
-                    yield [(0, True, b) for b in task]
-                    j = len(task)
-                continue
+            del loader
             task = batches[j : j + group]
-            yield [(gate, False, b) for b in task]
+            yield [_PlanTask(gate, b) for b in task]
             j += len(task)
             loader = self._loader()
             warm = loader is not None and loader._warm_stretch
@@ -323,14 +408,26 @@ class _EpochBatches:
             group = min(2 * group, _WARM_GROUP) if warm else 1
 
 
+_SWEEPERS = 1
+
+#: How an epoch's batches are planned: by the workers (plan tasks), or in the
+#: training process with the stamps the workers publish (sweep round number).
+_PLANNED, _SWEPT = "planned", "swept"
+
+
 class _PlanSource:
     """The plans of the batches, in order from a start point: from the workers, or made here.
 
-    ``fetch(epoch, j)`` must be called for consecutive batches (then epoch+1's
-    from 0), one call at a time (:class:`~mmcache.inorder.InOrderBuilder`
-    holds its fetch lock). With workers, a task's result holds the plans of
-    one or more batches, and the stream may outlive one epoch (see
-    :class:`_EpochBatches`); ``cursor`` is the next batch it delivers.
+    ``fetch(epoch, j)`` is called for consecutive batches (then epoch+1's from
+    0), one call at a time (:class:`~mmcache.inorder.InOrderBuilder` holds its
+    fetch lock); ``cursor`` is the next batch it is asked for. With workers, a
+    task's result holds the plans of one or more batches, and the stream may
+    outlive one epoch (see :class:`_EpochBatches`).
+
+    In a sweep epoch a batch whose keys and stamps were learnt before gets a
+    *speculative* plan at once (all its keys assumed in memory): the training
+    process gathers it while the workers ``stat`` its files, and serves it only
+    when :meth:`verified` finds every file unchanged this epoch.
     """
 
     def __init__(self, loader: DataLoader, epoch: int, start: int) -> None:
@@ -339,8 +436,11 @@ class _PlanSource:
         self.cursor = (epoch, start)
         self._first_epoch = epoch  # of the workers' current stream
         self._base = 0  # the gate value its tasks count from
-        self._plans: Iterator[list[_Planned]] | None = None
-        self._received: collections.deque[_Planned] = collections.deque()
+        self._plans: Iterator[list[_Planned | _Swept]] | None = None
+        self._next = (epoch, start)  # the batch the workers' next plan is for
+        self._received: dict[tuple[int, int], _Plan] = {}
+        self._sweeps_due: dict[int, int] = {}  # sweep results not read yet, per epoch
+        self._lock = threading.Lock()  # the workers' results are read by both assembling threads
         # Non-persistent workers are started for every epoch (a fork or spawn each):
         # the batches are planned here until the first miss (a warm epoch: all of them),
         # and from that batch on by the workers.
@@ -358,36 +458,108 @@ class _PlanSource:
         loader = self._loader()
         batches = loader._epoch_batches(epoch)
         indices = batches[j]
-        plan = loader._tasks.plan(indices, produce=False) if self._local else None
-        self._local = plan is not None  # after a miss the workers plan and produce the rest
-        if plan is None:
-            plan = self._from_workers(indices) if loader.num_workers > 0 else None
+        mode = loader._epoch_mode.get(epoch) if self._plans is not None else None
+        plan = None
+        if isinstance(mode, tuple):  # a sweep epoch: planned here
+            plan = loader._known.speculate(indices, mode[1])
+            if plan is None:
+                plan = loader._tasks.produced(indices)
+        if plan is None and self._local:
+            plan = loader._tasks.plan(indices, produce=False)
+            self._local = plan is not None  # after a miss the workers plan and produce the rest
+        if plan is None and loader.num_workers > 0:
+            plan = self.confirmed(epoch, j)
         if plan is None:
             plan = loader._tasks.produced(indices)
-        loader._warm_stretch = bool(plan.planned_hit.all())
+        if not plan.speculative:
+            loader._known.learn(plan)
+            loader._warm_stretch = bool(plan.planned_hit.all())
         self.cursor = (epoch, j + 1) if j + 1 < len(batches) else (epoch + 1, 0)
         return plan
 
-    def _from_workers(self, indices: np.ndarray) -> _Plan | None:
-        """The workers' plan of the next batch; None for one planned early whose files
-        changed since (the caller plans it again)."""
-        if not self._received:
-            self._received.extend(self._next_task())
-        plan = self._received.popleft().unpack(indices)
-        if plan.stamps is not None and not np.array_equal(
-            plan.stamps, self._loader().dataset.stat_stamps(indices)
-        ):
-            return None
+    def confirmed(self, epoch: int, j: int) -> _Plan:
+        """The workers' plan of batch ``j`` of ``epoch``; thread-safe. Plans of the
+        batches before it that nobody asked for yet are kept for their turn."""
+        loader = self._loader()
+        with self._lock:
+            plan = self._received.pop((epoch, j), None)
+            while plan is None:
+                if self._plans is not None and (epoch, j) < self._next:
+                    # Not in this stream (its epoch turned out a sweep epoch): made here.
+                    return loader._tasks.produced(loader._epoch_batches(epoch)[j])
+                for result in self._next_task():
+                    if isinstance(result, _Swept):
+                        self._sweep_read(result.epoch)
+                        continue
+                    e, i = self._skip_swept(self._next)
+                    batches = loader._epoch_batches(e)
+                    received = result.unpack(batches[i])
+                    self._next = (e, i + 1) if i + 1 < len(batches) else (e + 1, 0)
+                    if (e, i) == (epoch, j):
+                        plan = received
+                    else:
+                        self._received[(e, i)] = received
         return plan
 
-    def _next_task(self) -> list[_Planned]:
-        """The next task's plans; (re)starts the workers' stream at the cursor when it
-        has not started or has ended (without persistent workers it ends with the epoch)."""
+    def _skip_swept(self, pos: tuple[int, int]) -> tuple[int, int]:
+        """``pos``, or the start of the first epoch after it that is not a sweep epoch."""
+        modes = self._loader()._epoch_mode
+        epoch, j = pos
+        while isinstance(modes.get(epoch), tuple):
+            epoch, j = epoch + 1, 0
+        return epoch, j
+
+    def _sweep_read(self, epoch: int) -> None:
+        self._sweeps_due[epoch] = self._sweeps_due.get(epoch, 0) - 1
+
+    def finish(self, epoch: int) -> None:
+        """The training loop took the last batch of ``epoch``: read the workers' sweep
+        results of it (done by now), so torch hands them the next tasks."""
+        loader = self._loader()
+        mode = loader._epoch_mode.get(epoch)
+        if not isinstance(mode, tuple) or self._plans is None:
+            return
+        with self._lock:
+            due = self._sweeps_due.setdefault(epoch, _SWEEPERS)
+            while due > 0:
+                for result in self._next_task():
+                    if isinstance(result, _Swept):
+                        self._sweep_read(result.epoch)
+                    else:  # pragma: no cover - no plan is due before the sweep results
+                        raise RuntimeError("a batch plan arrived where sweep results were due")
+                due = self._sweeps_due[epoch]
+            del self._sweeps_due[epoch]
+
+    def verified(self, epoch: int, j: int, guess: _Plan) -> _Plan | None:
+        """Whether every file of a speculative plan is unchanged this epoch: ``guess``
+        if so, else None. Thread-safe.
+
+        The stamp board says so for the files a worker has ``stat``-ed already in
+        this sweep round; the others are ``stat``-ed here.
+        """
+        loader = self._loader()
+        board = loader._board
+        if board is None or guess.stamps is None:  # pragma: no cover - speculate() needs both
+            return None
+        ok = board.verified(guess.indices, guess.stamps, guess.round)
+        if not ok.all():
+            late = np.flatnonzero(~ok)
+            now = loader.dataset.stat_stamps(guess.indices[late])
+            if not np.array_equal(now, guess.stamps[late]):
+                return None
+        return guess
+
+    def _next_task(self) -> list[_Planned | _Swept]:
+        """The next task's results; (re)starts the workers' stream at the batch to plan
+        next when it has not started or has ended (without persistent workers it
+        ends with the epoch)."""
         if self._plans is not None:
             with contextlib.suppress(StopIteration):
                 return next(self._plans)
         loader = self._loader()
-        loader._stream_from = self.cursor
+        self._received.clear()
+        self._sweeps_due.clear()
+        self._next = loader._stream_from = self.cursor
         self._first_epoch = self.cursor[0]
         self._base = loader._stream_gate = loader._gate.value if loader._gate is not None else 0
         self._plans = iter(loader._inner_loader())  # starts or wakes the workers
@@ -404,6 +576,44 @@ class _PlanSource:
             self._gate.open_all()  # tasks held for epochs that will not come
         self._plans = None  # a non-persistent torch iterator stops its workers when dropped
         self._received.clear()
+        self._sweeps_due.clear()
+
+
+class _KnownKeys:
+    """Each sample's cache key and the file stamps it was made from, as last planned.
+
+    40 bytes per sample of the dataset, in the training process: what a
+    speculative plan is made of (see :class:`_PlanSource`), never trusted on
+    its own. Rows are written whole by the thread that fetches plans; a row
+    read while another thread writes it at most makes a speculation fail.
+    """
+
+    def __init__(self, n: int) -> None:
+        self._n = n
+        self._keys: np.ndarray | None = None
+        self._stamps: np.ndarray | None = None
+        self._have: np.ndarray | None = None
+
+    def learn(self, plan: _Plan) -> None:
+        if plan.stamps is None:
+            return  # keys of file contents (content_stamp): nothing a stat can verify
+        if self._keys is None or self._stamps is None or self._have is None:
+            self._keys = np.zeros((self._n, 16), dtype=np.uint8)
+            self._stamps = np.zeros((self._n, 2), dtype=np.int64)
+            self._have = np.zeros(self._n, dtype=bool)
+        self._keys[plan.indices] = plan.keys
+        self._stamps[plan.indices] = plan.stamps
+        self._have[plan.indices] = True
+
+    def speculate(self, indices: np.ndarray, round_: int) -> _Plan | None:
+        """A plan of ``indices`` from their known keys, all in memory; None if one is unknown."""
+        if self._keys is None or self._stamps is None or self._have is None:
+            return None
+        if not self._have[indices].all():
+            return None
+        hit = np.ones(len(indices), dtype=bool)
+        keys, stamps = self._keys[indices], self._stamps[indices]
+        return _Plan(indices, keys, hit, [], stamps, speculative=True, round=round_)
 
 
 class DataLoader:
@@ -491,10 +701,16 @@ class DataLoader:
         # torch stops the workers: a worker held at the gate does not read torch's
         # stop signal.
         continuous = num_workers > 0 and persistent_workers
-        self._gate = Gate(multiprocessing_context) if continuous else None
+        self._gate = Gate(multiprocessing_context, num_workers) if continuous else None
         if self._gate is not None:
             weakref.finalize(self, self._gate.open_all)
-        self._tasks = _BatchTasks(dataset, cache, self._gate)
+        # Where workers publish the stat results of sweep epochs (see _EpochBatches);
+        # keys of file contents (content_stamp) cannot be checked with a stat.
+        self._board: StampBoard | None = None
+        if continuous and cache is not None and not dataset.content_stamp:
+            self._board = StampBoard(len(dataset), multiprocessing_context)
+        self._order = _Order(self.sampler, batch_size, drop_last)
+        self._tasks = _BatchTasks(dataset, cache, self._gate, self._board, self._order)
         self._inner_kwargs: dict[str, Any] = {
             "num_workers": num_workers,
             "collate_fn": _identity,
@@ -506,7 +722,7 @@ class DataLoader:
         }
         if num_workers > 0:
             self._inner_kwargs["prefetch_factor"] = prefetch
-        self._inner: torch.utils.data.DataLoader[_Planned] | None = None
+        self._inner: torch.utils.data.DataLoader[_Planned | _Swept] | None = None
         self._warm_stretch = False  # the last batch planned had no misses
         self._live: _EpochCounter | None = None  # the epoch being iterated
         # Guards the layout learnt from the first batch and the buffer pool: batches
@@ -517,8 +733,9 @@ class DataLoader:
         self._stream: _PlanSource | None = None  # plans of the batches to come
         self._stream_from = (0, 0)  # where the workers' next stream starts (epoch, batch)
         self._stream_gate = 0  # the gate value its tasks count from
-        # Early plans can be checked with a stat; content-hash keys cannot.
-        self._can_verify = not dataset.content_stamp
+        self._epoch_mode: dict[int, Any] = {}  # _PLANNED, or (_SWEPT, round); set by the sampler
+        self._rounds = 0  # sweep rounds handed out
+        self._known = _KnownKeys(len(dataset))  # keys the workers sent (speculation)
         self._batches_memo: dict[int, list[np.ndarray]] = {}
         self._batches_lock = threading.Lock()
         self._history: dict[int, EpochStats] = {}
@@ -526,6 +743,9 @@ class DataLoader:
         # Pinned buffers may still be read by an asynchronous host-to-device copy
         # after the training loop dropped them: never recycle those.
         self._pool = _BufferPool(enabled=not self.pin_memory)
+        # The thread that assembles batches ahead, kept from epoch to epoch.
+        self._helper = Helper()
+        weakref.finalize(self, self._helper.close, 5.0)
         self.on_epoch_end = on_epoch_end
         self._warned_low_hits = False
 
@@ -585,6 +805,7 @@ class DataLoader:
         """
         flush_all()
         self._stop_workers()
+        self._helper.close()
 
     def _stop_workers(self) -> None:
         stream, self._stream = self._stream, None
@@ -709,16 +930,13 @@ class DataLoader:
         with self._batches_lock:
             batches = self._batches_memo.get(epoch)
             if batches is None:
-                order = self.sampler.indices(epoch)
-                bs = self.batch_size
-                stop = len(order) - len(order) % bs if self.drop_last else len(order)
-                batches = [order[i : i + bs] for i in range(0, stop, bs)]
+                batches = self._order.batches(epoch)
                 if len(self._batches_memo) >= 3:
                     del self._batches_memo[next(iter(self._batches_memo))]
                 self._batches_memo[epoch] = batches
             return batches
 
-    def _inner_loader(self) -> torch.utils.data.DataLoader[_Planned]:
+    def _inner_loader(self) -> torch.utils.data.DataLoader[_Planned | _Swept]:
         if self._inner is None:
             self._inner = torch.utils.data.DataLoader(
                 self._tasks, batch_sampler=_EpochBatches(self), **self._inner_kwargs
@@ -748,8 +966,9 @@ class DataLoader:
             run.start,
             len(run.batches),
             fetch=lambda j: source.fetch(run.epoch, j),
-            build=lambda _j, plan: self._assemble(plan, stats),
+            build=lambda j, plan: self._build(source, run.epoch, j, plan, stats),
             ahead=_BUILD_AHEAD,
+            helper=self._helper,
         )
         try:
             t0 = time.perf_counter()
@@ -764,6 +983,7 @@ class DataLoader:
                 stats.end(t1)
                 yield batch
                 t0 = time.perf_counter()
+            source.finish(run.epoch)
             flush_all()  # this process's pending puts (num_workers=0, late misses)
             stats.end(time.perf_counter())
             self._history[run.epoch] = stats.snapshot()
@@ -780,6 +1000,50 @@ class DataLoader:
                 self._live = None
             if not self._inner_kwargs["persistent_workers"]:
                 self._inner = None  # non-persistent workers exit with their iterator
+
+    def _build(
+        self, source: _PlanSource, epoch: int, j: int, plan: _Plan, stats: _EpochCounter
+    ) -> dict[str, Any] | None:
+        """Batch ``j`` of ``epoch``. A speculative plan is gathered at once and served when
+        every key was in memory and every file is unchanged this epoch; otherwise (a file
+        changed, an entry went) the batch is planned and its misses produced here."""
+        if plan.speculative:
+            batch = self._gather_all(plan)
+            if batch is not None and source.verified(epoch, j, plan) is not None:
+                self._count_memory_hits(len(plan.indices))
+                stats.count([_MEMORY] * len(plan.indices))
+                return batch
+            plan = self._tasks.produced(plan.indices)
+            self._known.learn(plan)
+            self._warm_stretch = self._warm_stretch and bool(plan.planned_hit.all())
+        return self._assemble(plan, stats)
+
+    def _gather_all(self, plan: _Plan) -> dict[str, Any] | None:
+        """The batch of a speculative plan, gathered from shared memory; None unless
+        every key is there (nothing is produced for it, nothing counted)."""
+        memory = self.cache.memory if self.cache is not None else None
+        layout = self._layout
+        if memory is None or layout is None:
+            return None
+        n = len(plan.indices)
+        out = self._allocate(layout, n)
+        rows = np.arange(n, dtype=np.int64)
+        found = memory_gather(
+            memory, layout, plan.keys, rows, out, ttl_cutoff=self._ttl_cutoff(), count=False
+        )
+        if not found.all():
+            return None
+        batch: dict[str, Any] = {
+            "id": self.dataset.records.ids(plan.indices),
+            "key": _hex_rows(plan.keys),
+        }
+        batch.update(out)
+        return batch
+
+    def _count_memory_hits(self, n: int) -> None:
+        memory: Any = self.cache.memory if self.cache is not None else None
+        if memory is not None:
+            memory.count_reads(hits=n)  # the MemoryStore gathered with count=False
 
     def _assemble(self, plan: _Plan, stats: _EpochCounter) -> dict[str, Any] | None:
         n = len(plan.indices)
@@ -983,6 +1247,7 @@ def memory_gather(
     out: dict[str, torch.Tensor],
     *,
     ttl_cutoff: float | None,
+    count: bool = True,
 ) -> np.ndarray:
     """Gather the fields of ``keys`` (``uint8 [n, 16]``) from the memory tier into rows
     ``rows`` of ``out``.
@@ -1002,6 +1267,8 @@ def memory_gather(
     tensor when every row of the batch is a hit; the header and the small
     fields (token ids, mask) that lie close together are merged into as few
     ranges as possible, because each range costs a Python-level row copy.
+    ``count=False``: the tier's hit and miss counters are left alone (the caller
+    counts what it serves).
     """
     n = len(keys)
     plan = _gather_plan(layout)
@@ -1019,7 +1286,7 @@ def memory_gather(
             dst = np.empty((n, stop - start), dtype=np.uint8)
             seg_bufs.append(dst)
         targets.append((start, stop - start, dst))
-    found = np.asarray(memory.gather_ranges(keys, targets), dtype=bool)
+    found = np.asarray(memory.gather_ranges(keys, targets, count=count), dtype=bool)
     head = seg_bufs[0][:, : plan.table_end]
     foreign = found & ~_head_matches(head, plan.expected_head)
     ok = found & ~foreign

@@ -1406,13 +1406,17 @@ class MemoryStore(Store):
         self,
         keys: Keys,
         targets: Sequence[tuple[int, int, npt.NDArray[np.uint8]]],
+        *,
+        count: bool = True,
     ) -> npt.NDArray[np.bool_]:
         """:meth:`gather` of several byte ranges at once: ``(offset, length, out)`` each.
 
         Every range of every key is copied under one shared lock, so no entry
         can be replaced between two of its ranges (a batch never mixes two
         versions of a sample). A key is found when it is present and holds
-        every range; only found rows are written. Thread/process-safe.
+        every range; only found rows are written. ``count=False`` leaves the hit
+        and miss counters alone (a caller that may not serve what it read counts
+        with :meth:`count_reads`). Thread/process-safe.
         """
         n = len(keys)
         end = 0
@@ -1447,12 +1451,17 @@ class MemoryStore(Store):
                 self._eatime[e] = self._clock()
                 np.add.at(self._ehits, e, 1)  # a key twice in a batch: two hits
             found[idx] = True
-        hits = int(idx.shape[0])
+        if count:
+            hits = int(idx.shape[0])
+            self.count_reads(hits=hits, misses=n - hits)
+        return found
+
+    def count_reads(self, *, hits: int = 0, misses: int = 0) -> None:
+        """Add to this process's hit and miss counters (see ``gather_ranges(count=False)``)."""
         if hits:
             self._count(_Count.HITS, hits)
-        if n - hits:
-            self._count(_Count.MISSES, n - hits)
-        return found
+        if misses:
+            self._count(_Count.MISSES, misses)
 
     def _copy_rows(
         self,

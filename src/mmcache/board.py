@@ -1,0 +1,121 @@
+"""Per-sample ``stat`` results that worker processes publish for the training process.
+
+In a warm epoch every sample's cache key is already known in the training
+process; what each epoch must still establish is that no image file changed
+since that key was made (a ``stat`` per file, after the epoch began). The
+loader's workers do those ``stat`` calls in the background, in the epoch's
+order, and publish each result here, in shared memory: the training process
+reads them with one vectorised comparison per batch, with no message to
+wait for (a result sent through torch's worker queues arrives a few hundred
+microseconds to milliseconds after it is ready, which at the start of every
+epoch cost more than the whole check).
+
+One ``uint64`` per sample: a 64-bit mix of the file's ``(size, mtime_ns)``
+and the *round* of the ``stat`` (:func:`seal`): a number the training process
+gives each sweep, never reused (an epoch number would be: an epoch run again
+after going back must not pass on the old run's results). A single aligned
+64-bit store is atomic, so a reader sees a whole old value or a whole new
+one, and a value only matches what the reader expects when the file was
+``stat``-ed in that round and had the expected stamp. Zero means "never
+published".
+
+Workers share a round's batches through a claim counter: each takes the
+next batch number until the round is done (or a later round has begun).
+
+Thread/process safety: :meth:`publish` and :meth:`claim` from any worker,
+:meth:`verified` from the training process; created before the workers
+start (fork) or sent to them at start (spawn), like the other
+``multiprocessing`` shared objects.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["StampBoard", "seal"]
+
+# splitmix64's constants: a cheap bijective mix of 64-bit words.
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+
+
+def _mix(z: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    z = (z ^ (z >> np.uint64(30))) * _M1
+    z = (z ^ (z >> np.uint64(27))) * _M2
+    out: npt.NDArray[np.uint64] = z ^ (z >> np.uint64(31))
+    return out
+
+
+def seal(stamps: npt.NDArray[np.int64], round_: int) -> npt.NDArray[np.uint64]:
+    """One non-zero 64-bit value per row of ``stamps`` (``int64 [n, 2]``: size,
+    mtime_ns) for sweep round ``round_``; equal values mean equal stamps in the
+    same round (up to a 2**-64 chance)."""
+    s = np.ascontiguousarray(stamps, dtype=np.int64).view(np.uint64).reshape(-1, 2)
+    with np.errstate(over="ignore"):
+        z = _mix(s[:, 0] + _GOLDEN)
+        z = _mix(z ^ s[:, 1])
+        z = _mix(z ^ (np.uint64(round_ & 0xFFFFFFFFFFFFFFFF) + _GOLDEN))
+    z[z == 0] = 1  # zero is "never published"
+    return z
+
+
+class StampBoard:
+    """The shared ``stat`` results of ``n`` samples (see the module docstring).
+
+    Args:
+        n: samples (dataset rows).
+        context: the multiprocessing context (or its name) of the workers.
+    """
+
+    def __init__(self, n: int, context: Any = None) -> None:
+        if isinstance(context, str):
+            context = multiprocessing.get_context(context)
+        ctx = context if context is not None else multiprocessing.get_context()
+        self._n = n
+        self._raw = ctx.RawArray("Q", max(n, 1))
+        self._claims = ctx.RawArray("q", 2)  # round being swept, its next batch number
+        self._claim_lock = ctx.Lock()
+        self._values: npt.NDArray[np.uint64] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_values"] = None  # a view of this process's mapping: made again on arrival
+        return state
+
+    @property
+    def values(self) -> npt.NDArray[np.uint64]:
+        if self._values is None:
+            self._values = np.frombuffer(self._raw, dtype=np.uint64, count=self._n)
+        return self._values
+
+    def publish(
+        self, indices: npt.NDArray[np.int64], stamps: npt.NDArray[np.int64], round_: int
+    ) -> None:
+        """Record that ``indices`` had ``stamps`` when ``stat``-ed in ``round_``."""
+        self.values[indices] = seal(stamps, round_)
+
+    def verified(
+        self, indices: npt.NDArray[np.int64], stamps: npt.NDArray[np.int64], round_: int
+    ) -> npt.NDArray[np.bool_]:
+        """Per row: published in ``round_`` with exactly ``stamps``."""
+        got = self.values[indices]
+        result: npt.NDArray[np.bool_] = got == seal(stamps, round_)
+        return result
+
+    def claim(self, round_: int, batches: int) -> int | None:
+        """The next batch number of ``round_`` (of ``batches``) to sweep; None when
+        all are taken or a later round has begun. Rounds are numbered from 1."""
+        with self._claim_lock:
+            current, nxt = int(self._claims[0]), int(self._claims[1])
+            if round_ > current:
+                current, nxt = round_, 0
+            if round_ < current or nxt >= batches:
+                self._claims[0], self._claims[1] = current, nxt
+                return None
+            self._claims[0], self._claims[1] = current, nxt + 1
+            return nxt
