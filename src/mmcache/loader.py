@@ -64,6 +64,7 @@ from mmcache.gate import Gate
 from mmcache.inorder import Helper, InOrderBuilder
 from mmcache.sampler import EpochSampler
 from mmcache.stats import EpochStats, LoaderStats
+from mmcache.sweeper import Sweeper
 from mmcache.units import format_size
 from mmcache.writeback import flush_all, write_behind
 
@@ -88,7 +89,7 @@ class _Result:
     in_memory: bool = False  # the sample is in the memory tier: gather it, nothing sent
 
 
-class _BatchTasks(torch.utils.data.Dataset["_Planned | _Swept"]):
+class _BatchTasks(torch.utils.data.Dataset["_Planned"]):
     """The dataset the internal torch DataLoader's workers run: one task per batch.
 
     A task is the batch's dataset indices (:meth:`plan`): the worker computes
@@ -105,14 +106,10 @@ class _BatchTasks(torch.utils.data.Dataset["_Planned | _Swept"]):
         dataset: MultimodalDataset,
         cache: Cache | None,
         gate: Gate | None = None,
-        board: StampBoard | None = None,
-        order: _Order | None = None,
     ) -> None:
         self.dataset = dataset
         self.cache = cache
         self.gate = gate
-        self.board = board
-        self.order = order
         # The training process plans on both of its assembling threads; the dataset's
         # key memo takes one at a time (the stat calls before it run unlocked).
         self._keys_lock = threading.Lock()
@@ -191,39 +188,22 @@ class _BatchTasks(torch.utils.data.Dataset["_Planned | _Swept"]):
             raise RuntimeError("a produced plan is missing")
         return plan
 
-    def __getitem__(self, task: Any) -> _Planned | _Swept:
+    def __getitem__(self, task: Any) -> _Planned:
         return self.__getitems__([task])[0]
 
-    def __getitems__(self, tasks: Sequence[Any]) -> list[_Planned | _Swept]:
-        """Run one task in a worker: plan its batches (one or, in warm stretches,
-        several), in the compact form sent back to the training process; or
-        sweep an epoch (:class:`_Sweep`)."""
-        out: list[_Planned | _Swept] = []
+    def __getitems__(self, tasks: Sequence[Any]) -> list[_Planned]:
+        """Plan the batches of one task (one or, in warm stretches, several batches)
+        in a worker, in the compact form sent back to the training process."""
+        out = []
         for task in tasks:
             if task.gate and self.gate is not None:
                 self.gate.wait(task.gate)  # a batch of an epoch the training loop has not begun
-            if isinstance(task, _Sweep):
-                out.append(self.sweep(task))
-                continue
             plan = self.produced(np.asarray(task.indices, dtype=np.int64))
             stamps = plan.stamps.tobytes() if plan.stamps is not None else None
             out.append(
                 _Planned(plan.keys.tobytes(), plan.planned_hit.tobytes(), plan.results, stamps)
             )
         return out
-
-    def sweep(self, task: _Sweep) -> _Swept:
-        """``stat`` the files of an epoch's batches, in order, and publish the results
-        on the board (batches claimed one at a time, shared with the other workers)."""
-        if self.board is None or self.order is None:  # pragma: no cover - sent only with both
-            raise RuntimeError("a sweep task reached a loader without a stamp board")
-        batches = self.order.batches(task.epoch)
-        done = 0
-        while (k := self.board.claim(task.round, len(batches))) is not None:
-            indices = batches[k]
-            self.board.publish(indices, self.dataset.stat_stamps(indices), task.round)
-            done += 1
-        return _Swept(task.epoch, done)
 
 
 @dataclass(frozen=True)
@@ -232,23 +212,6 @@ class _PlanTask:
 
     gate: int
     indices: np.ndarray
-
-
-@dataclass(frozen=True)
-class _Sweep:
-    """``stat`` every file of ``epoch`` for the stamp board, in sweep round ``round``."""
-
-    gate: int
-    epoch: int
-    round: int
-
-
-@dataclass
-class _Swept:
-    """A worker's part of a sweep is done (``batches`` of it were its own)."""
-
-    epoch: int
-    batches: int
 
 
 @dataclass
@@ -285,7 +248,7 @@ class _Order:
         return [order[i : i + bs] for i in range(0, stop, bs)]
 
 
-def _identity(batch: list[_Planned | _Swept]) -> list[_Planned | _Swept]:
+def _identity(batch: list[_Planned]) -> list[_Planned]:
     return batch
 
 
@@ -345,13 +308,12 @@ class _EpochBatches:
     between epochs is missed, and a cold epoch's misses are all in the cache
     before the next epoch looks for them.
 
-    An epoch that begins warm (the last plans had no misses) with a stamp
-    board is a *sweep* epoch: its batches are not planned by the workers at
-    all. The training process gathers them with the keys it learnt, and the
-    workers only ``stat`` the epoch's files, in order, and publish the results
-    on the :class:`~mmcache.board.StampBoard` (one :class:`_Sweep` task). The
-    loader starts a new stream when the training loop goes elsewhere (another
-    epoch, a resumed position, a loop left early).
+    The stream ends instead at an epoch boundary reached while warm (the last
+    plans had no misses) when the loader has a sweeper: the next epoch is a
+    *sweep* epoch, gathered by the training process from the keys it learnt,
+    while the :class:`~mmcache.sweeper.Sweeper` checks its files (see
+    :class:`_PlanSource`). The loader starts a new stream when it needs the
+    workers again (a miss, another epoch, a resumed position, a loop left early).
     """
 
     def __init__(self, loader: DataLoader) -> None:
@@ -360,43 +322,26 @@ class _EpochBatches:
         # alive after the user drops the loader.
         self._loader = weakref.ref(loader)
 
-    def __iter__(self) -> Iterator[list[_PlanTask | _Sweep]]:
+    def __iter__(self) -> Iterator[list[_PlanTask]]:
         loader = self._loader()
         if loader is None:
             return
         epoch, j = loader._stream_from
         base = loader._stream_gate
         continuous = bool(loader._inner_kwargs["persistent_workers"])
-        loader._epoch_mode[epoch] = _PLANNED
         del loader
         group, gate = 1, 0  # the stream's first epoch has begun: no gate
-        batches: list[np.ndarray] | None = None  # of `epoch`, None in a sweep epoch
         while True:
             loader = self._loader()
             if loader is None:
                 return
-            if batches is None:
-                batches = loader._epoch_batches(epoch)
-            while j >= len(batches):
-                if not continuous or not batches:
+            batches = loader._epoch_batches(epoch)
+            if j >= len(batches):
+                if not continuous or not batches or loader._sweeps():
+                    loader._stream_stop = (epoch + 1, 0)
                     return
                 epoch, j, group = epoch + 1, 0, 1
                 gate = gate + 1 if gate else base + 1
-                if loader._warm_stretch and loader._board is not None:
-                    # Swept by one worker (each result read costs the training loop
-                    # ~0.1 ms; one worker's stat calls keep well ahead of it).
-                    loader._rounds += 1
-                    loader._epoch_mode[epoch] = (_SWEPT, loader._rounds)
-                    sweep = _Sweep(gate, epoch, loader._rounds)
-                    del loader
-                    for _ in range(_SWEEPERS):
-                        yield [sweep]
-                    loader = self._loader()
-                    if loader is None:
-                        return
-                    j = len(batches)  # every epoch has as many batches: on to the next
-                    continue
-                loader._epoch_mode[epoch] = _PLANNED
                 batches = loader._epoch_batches(epoch)
             del loader
             task = batches[j : j + group]
@@ -408,13 +353,6 @@ class _EpochBatches:
             group = min(2 * group, _WARM_GROUP) if warm else 1
 
 
-_SWEEPERS = 1
-
-#: How an epoch's batches are planned: by the workers (plan tasks), or in the
-#: training process with the stamps the workers publish (sweep round number).
-_PLANNED, _SWEPT = "planned", "swept"
-
-
 class _PlanSource:
     """The plans of the batches, in order from a start point: from the workers, or made here.
 
@@ -424,10 +362,11 @@ class _PlanSource:
     task's result holds the plans of one or more batches, and the stream may
     outlive one epoch (see :class:`_EpochBatches`).
 
-    In a sweep epoch a batch whose keys and stamps were learnt before gets a
-    *speculative* plan at once (all its keys assumed in memory): the training
-    process gathers it while the workers ``stat`` its files, and serves it only
-    when :meth:`verified` finds every file unchanged this epoch.
+    In a sweep epoch (``loader._swept[epoch]`` holds its sweep round) a batch
+    whose keys and file stamps were learnt before gets a *speculative* plan at
+    once (all its keys assumed in memory): the training process gathers it
+    while the sweeper ``stat``-s its files, and serves it only when
+    :meth:`verified` finds every file unchanged this epoch.
     """
 
     def __init__(self, loader: DataLoader, epoch: int, start: int) -> None:
@@ -436,11 +375,10 @@ class _PlanSource:
         self.cursor = (epoch, start)
         self._first_epoch = epoch  # of the workers' current stream
         self._base = 0  # the gate value its tasks count from
-        self._plans: Iterator[list[_Planned | _Swept]] | None = None
+        self._plans: Iterator[list[_Planned]] | None = None
         self._next = (epoch, start)  # the batch the workers' next plan is for
         self._received: dict[tuple[int, int], _Plan] = {}
-        self._sweeps_due: dict[int, int] = {}  # sweep results not read yet, per epoch
-        self._lock = threading.Lock()  # the workers' results are read by both assembling threads
+        self._lock = threading.Lock()  # the workers' plans are read by both assembling threads
         # Non-persistent workers are started for every epoch (a fork or spawn each):
         # the batches are planned here until the first miss (a warm epoch: all of them),
         # and from that batch on by the workers.
@@ -452,16 +390,23 @@ class _PlanSource:
             raise RuntimeError("the mmcache.DataLoader of this plan stream was garbage-collected")
         return loader
 
+    def streams(self, epoch: int) -> bool:
+        """Whether the workers' stream runs on into ``epoch`` (its tasks wait at the gate)."""
+        if self._plans is None:
+            return False
+        stop = self._loader()._stream_stop
+        return stop is None or (epoch, 0) < stop
+
     def fetch(self, epoch: int, j: int) -> _Plan:
         if (epoch, j) != self.cursor:  # pragma: no cover - the loader keeps them aligned
             raise RuntimeError(f"plan stream at {self.cursor}, asked for {(epoch, j)}")
         loader = self._loader()
         batches = loader._epoch_batches(epoch)
         indices = batches[j]
-        mode = loader._epoch_mode.get(epoch) if self._plans is not None else None
         plan = None
-        if isinstance(mode, tuple):  # a sweep epoch: planned here
-            plan = loader._known.speculate(indices, mode[1])
+        round_ = loader._swept.get(epoch)
+        if round_ is not None:  # a sweep epoch: planned here
+            plan = loader._known.speculate(indices, round_)
             if plan is None:
                 plan = loader._tasks.produced(indices)
         if plan is None and self._local:
@@ -484,16 +429,12 @@ class _PlanSource:
         with self._lock:
             plan = self._received.pop((epoch, j), None)
             while plan is None:
-                if self._plans is not None and (epoch, j) < self._next:
-                    # Not in this stream (its epoch turned out a sweep epoch): made here.
-                    return loader._tasks.produced(loader._epoch_batches(epoch)[j])
-                for result in self._next_task():
-                    if isinstance(result, _Swept):
-                        self._sweep_read(result.epoch)
-                        continue
-                    e, i = self._skip_swept(self._next)
+                if self._plans is not None and (epoch, j) < self._next:  # pragma: no cover
+                    raise RuntimeError(f"the workers' plans went past batch {j} of epoch {epoch}")
+                for planned in self._next_task():
+                    e, i = self._next
                     batches = loader._epoch_batches(e)
-                    received = result.unpack(batches[i])
+                    received = planned.unpack(batches[i])
                     self._next = (e, i + 1) if i + 1 < len(batches) else (e + 1, 0)
                     if (e, i) == (epoch, j):
                         plan = received
@@ -501,64 +442,32 @@ class _PlanSource:
                         self._received[(e, i)] = received
         return plan
 
-    def _skip_swept(self, pos: tuple[int, int]) -> tuple[int, int]:
-        """``pos``, or the start of the first epoch after it that is not a sweep epoch."""
-        modes = self._loader()._epoch_mode
-        epoch, j = pos
-        while isinstance(modes.get(epoch), tuple):
-            epoch, j = epoch + 1, 0
-        return epoch, j
+    def verified(self, guess: _Plan) -> bool:
+        """Whether every file of a speculative plan is unchanged this epoch. Thread-safe.
 
-    def _sweep_read(self, epoch: int) -> None:
-        self._sweeps_due[epoch] = self._sweeps_due.get(epoch, 0) - 1
-
-    def finish(self, epoch: int) -> None:
-        """The training loop took the last batch of ``epoch``: read the workers' sweep
-        results of it (done by now), so torch hands them the next tasks."""
-        loader = self._loader()
-        mode = loader._epoch_mode.get(epoch)
-        if not isinstance(mode, tuple) or self._plans is None:
-            return
-        with self._lock:
-            due = self._sweeps_due.setdefault(epoch, _SWEEPERS)
-            while due > 0:
-                for result in self._next_task():
-                    if isinstance(result, _Swept):
-                        self._sweep_read(result.epoch)
-                    else:  # pragma: no cover - no plan is due before the sweep results
-                        raise RuntimeError("a batch plan arrived where sweep results were due")
-                due = self._sweeps_due[epoch]
-            del self._sweeps_due[epoch]
-
-    def verified(self, epoch: int, j: int, guess: _Plan) -> _Plan | None:
-        """Whether every file of a speculative plan is unchanged this epoch: ``guess``
-        if so, else None. Thread-safe.
-
-        The stamp board says so for the files a worker has ``stat``-ed already in
-        this sweep round; the others are ``stat``-ed here.
+        The stamp board says so for the files the sweeper has ``stat``-ed
+        already in this round; the others are ``stat``-ed here.
         """
         loader = self._loader()
         board = loader._board
         if board is None or guess.stamps is None:  # pragma: no cover - speculate() needs both
-            return None
+            return False
         ok = board.verified(guess.indices, guess.stamps, guess.round)
-        if not ok.all():
-            late = np.flatnonzero(~ok)
-            now = loader.dataset.stat_stamps(guess.indices[late])
-            if not np.array_equal(now, guess.stamps[late]):
-                return None
-        return guess
+        if ok.all():
+            return True
+        late = np.flatnonzero(~ok)
+        return np.array_equal(loader.dataset.stat_stamps(guess.indices[late]), guess.stamps[late])
 
-    def _next_task(self) -> list[_Planned | _Swept]:
-        """The next task's results; (re)starts the workers' stream at the batch to plan
+    def _next_task(self) -> list[_Planned]:
+        """The next task's plans; (re)starts the workers' stream at the batch to plan
         next when it has not started or has ended (without persistent workers it
-        ends with the epoch)."""
+        ends with the epoch; with them, at an epoch to sweep)."""
         if self._plans is not None:
             with contextlib.suppress(StopIteration):
                 return next(self._plans)
         loader = self._loader()
         self._received.clear()
-        self._sweeps_due.clear()
+        loader._stream_stop = None
         self._next = loader._stream_from = self.cursor
         self._first_epoch = self.cursor[0]
         self._base = loader._stream_gate = loader._gate.value if loader._gate is not None else 0
@@ -576,7 +485,6 @@ class _PlanSource:
             self._gate.open_all()  # tasks held for epochs that will not come
         self._plans = None  # a non-persistent torch iterator stops its workers when dropped
         self._received.clear()
-        self._sweeps_due.clear()
 
 
 class _KnownKeys:
@@ -704,13 +612,17 @@ class DataLoader:
         self._gate = Gate(multiprocessing_context, num_workers) if continuous else None
         if self._gate is not None:
             weakref.finalize(self, self._gate.open_all)
-        # Where workers publish the stat results of sweep epochs (see _EpochBatches);
-        # keys of file contents (content_stamp) cannot be checked with a stat.
-        self._board: StampBoard | None = None
-        if continuous and cache is not None and not dataset.content_stamp:
-            self._board = StampBoard(len(dataset), multiprocessing_context)
         self._order = _Order(self.sampler, batch_size, drop_last)
-        self._tasks = _BatchTasks(dataset, cache, self._gate, self._board, self._order)
+        # Sweep epochs (see _PlanSource): a process stats the files and publishes the
+        # results on a board. Only with workers (num_workers=0 starts no process), and
+        # not for keys of file contents (content_stamp), which a stat cannot check.
+        self._board: StampBoard | None = None
+        self._sweeper: Sweeper | None = None
+        if num_workers > 0 and cache is not None and not dataset.content_stamp:
+            self._board = StampBoard(len(dataset), multiprocessing_context)
+            self._sweeper = Sweeper(self._board, dataset, self._order, multiprocessing_context)
+            weakref.finalize(self, self._sweeper.close)
+        self._tasks = _BatchTasks(dataset, cache, self._gate)
         self._inner_kwargs: dict[str, Any] = {
             "num_workers": num_workers,
             "collate_fn": _identity,
@@ -722,7 +634,7 @@ class DataLoader:
         }
         if num_workers > 0:
             self._inner_kwargs["prefetch_factor"] = prefetch
-        self._inner: torch.utils.data.DataLoader[_Planned | _Swept] | None = None
+        self._inner: torch.utils.data.DataLoader[_Planned] | None = None
         self._warm_stretch = False  # the last batch planned had no misses
         self._live: _EpochCounter | None = None  # the epoch being iterated
         # Guards the layout learnt from the first batch and the buffer pool: batches
@@ -733,7 +645,8 @@ class DataLoader:
         self._stream: _PlanSource | None = None  # plans of the batches to come
         self._stream_from = (0, 0)  # where the workers' next stream starts (epoch, batch)
         self._stream_gate = 0  # the gate value its tasks count from
-        self._epoch_mode: dict[int, Any] = {}  # _PLANNED, or (_SWEPT, round); set by the sampler
+        self._stream_stop: tuple[int, int] | None = None  # where the workers' stream ended
+        self._swept: dict[int, int] = {}  # sweep epochs (the last few): their sweep round
         self._rounds = 0  # sweep rounds handed out
         self._known = _KnownKeys(len(dataset))  # keys the workers sent (speculation)
         self._batches_memo: dict[int, list[np.ndarray]] = {}
@@ -806,6 +719,8 @@ class DataLoader:
         flush_all()
         self._stop_workers()
         self._helper.close()
+        if self._sweeper is not None:
+            self._sweeper.close()
 
     def _stop_workers(self) -> None:
         stream, self._stream = self._stream, None
@@ -852,6 +767,10 @@ class DataLoader:
         return self._iterate(run)
 
     # -- planning (training process) -------------------------------------------------------
+    def _sweeps(self) -> bool:
+        """Whether the epoch to begin next is a sweep epoch: warm, with a sweeper."""
+        return self._sweeper is not None and self._warm_stretch
+
     def _epoch_done(self, stats: EpochStats) -> None:
         """Per-epoch hooks: the user's callback, and the low-hit-rate warning."""
         if self.on_epoch_end is not None:
@@ -936,7 +855,7 @@ class DataLoader:
                 self._batches_memo[epoch] = batches
             return batches
 
-    def _inner_loader(self) -> torch.utils.data.DataLoader[_Planned | _Swept]:
+    def _inner_loader(self) -> torch.utils.data.DataLoader[_Planned]:
         if self._inner is None:
             self._inner = torch.utils.data.DataLoader(
                 self._tasks, batch_sampler=_EpochBatches(self), **self._inner_kwargs
@@ -961,6 +880,17 @@ class DataLoader:
             if source is not None:
                 source.close()
             source = self._stream = _PlanSource(self, run.epoch, run.start)
+        self._swept.pop(run.epoch, None)
+        if self._sweeper is not None:
+            self._sweeper.start()  # in a cold epoch, where its start costs nothing
+        if self._sweeps() and not source.streams(run.epoch):
+            # Warm, and the workers hold no plans of this epoch: a sweep epoch.
+            self._rounds += 1
+            self._swept[run.epoch] = self._rounds
+            while len(self._swept) > 4:
+                del self._swept[next(iter(self._swept))]
+            if self._sweeper is not None:
+                self._sweeper.request(self._rounds, run.epoch, run.start)
         source.begin_epoch(run.epoch)
         builder: InOrderBuilder[_Plan, dict[str, Any] | None] = InOrderBuilder(
             run.start,
@@ -983,7 +913,6 @@ class DataLoader:
                 stats.end(t1)
                 yield batch
                 t0 = time.perf_counter()
-            source.finish(run.epoch)
             flush_all()  # this process's pending puts (num_workers=0, late misses)
             stats.end(time.perf_counter())
             self._history[run.epoch] = stats.snapshot()
@@ -1009,10 +938,13 @@ class DataLoader:
         changed, an entry went) the batch is planned and its misses produced here."""
         if plan.speculative:
             batch = self._gather_all(plan)
-            if batch is not None and source.verified(epoch, j, plan) is not None:
+            if batch is not None and source.verified(plan):
                 self._count_memory_hits(len(plan.indices))
                 stats.count([_MEMORY] * len(plan.indices))
                 return batch
+            # A file changed or an entry went: this batch is planned and its misses are
+            # produced here; the next ones are planned as in an epoch that is not swept.
+            self._swept.pop(epoch, None)
             plan = self._tasks.produced(plan.indices)
             self._known.learn(plan)
             self._warm_stretch = self._warm_stretch and bool(plan.planned_hit.all())

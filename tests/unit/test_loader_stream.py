@@ -124,12 +124,14 @@ def test_an_image_rewritten_between_epochs_is_seen_in_the_next(
         loader.close()
 
 
-def test_dropping_a_loader_with_tasks_held_at_the_gate_stops_its_workers(
-    own_data: Path, small_pipeline: Pipeline, cache_root: Path
+@pytest.mark.parametrize("memory", ["16MiB", "200KiB"])
+def test_dropping_a_loader_stops_its_processes_at_once(
+    own_data: Path, small_pipeline: Pipeline, cache_root: Path, memory: str
 ) -> None:
-    """After a warm epoch the workers hold the next epoch's tasks at the gate, where they
-    do not read torch's stop signal: dropping the loader must open it first (else torch
-    waits 5 s per worker, then kills them)."""
+    """Dropping the loader stops its workers and its sweeper at once. With a budget that
+    holds everything the epochs are swept; with one that does not (misses every epoch)
+    the workers hold the next epoch's tasks at the gate, where they do not read torch's
+    stop signal: the loader must open it first (else torch waits 5 s per worker)."""
     import gc
     import time
 
@@ -137,16 +139,19 @@ def test_dropping_a_loader_with_tasks_held_at_the_gate_stops_its_workers(
 
     ds = MultimodalDataset(own_data, pipeline=small_pipeline)
     before = {p.pid for p in psutil.Process().children()}
-    with Cache(cache_root, memory="16MiB", temporary=True) as cache:
+    with Cache(cache_root, memory=memory, temporary=True) as cache:
         loader = DataLoader(ds, cache=cache, batch_size=8, num_workers=2, persistent_workers=True)
         for e in range(3):
             _epoch(loader, e)
-        workers = [p for p in psutil.Process().children() if p.pid not in before]
-        assert len(workers) == 2
+        swept = bool(loader._swept)
+        assert swept == (memory == "16MiB")
+        assert (loader._stream_stop is None) == (memory != "16MiB")  # tasks held at the gate
+        children = [p for p in psutil.Process().children() if p.pid not in before]
+        assert len(children) == 3  # two workers and the sweeper
         t0 = time.monotonic()
         del loader
         gc.collect()
-        _, alive = psutil.wait_procs(workers, timeout=30)
+        _, alive = psutil.wait_procs(children, timeout=30)
         assert not alive
         assert time.monotonic() - t0 < 4  # torch's timeouts would take 10 s
 
@@ -154,8 +159,9 @@ def test_dropping_a_loader_with_tasks_held_at_the_gate_stops_its_workers(
 def test_non_persistent_workers_are_not_started_for_a_warm_epoch(
     own_data: Path, small_pipeline: Pipeline, cache_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """torch starts non-persistent workers anew each epoch: a warm epoch is planned in the
-    training process instead (until a miss, when the workers take over from that batch)."""
+    """torch starts non-persistent workers anew each epoch: a warm epoch is gathered in the
+    training process instead (swept: the sweeper checks the files), and a miss found there
+    is produced there too; the batches after it are planned as in an epoch not swept."""
     ds = MultimodalDataset(own_data, pipeline=small_pipeline)
     ref = DataLoader(ds, cache=None, batch_size=8, seed=4)
     with Cache(cache_root, memory="16MiB", temporary=True) as cache:
@@ -171,11 +177,53 @@ def test_non_persistent_workers_are_not_started_for_a_warm_epoch(
         monkeypatch.setattr(DataLoader, "_inner_loader", spy)
         _same(_epoch(loader, 1), _epoch(ref, 1))
         assert started == [] and loader.stats().epochs[1].hit_rate == 1.0
-        # a miss in the middle of a warm epoch: the workers produce it and the rest
+        # a miss in the middle of a warm epoch: produced here, no worker started for it
         order = loader._epoch_batches(2)
         assert cache.memory is not None
         cache.memory.discard(ds.key(int(order[2][1])), why="test")
         _same(_epoch(loader, 2), _epoch(ref, 2))
-        assert started == [1]
+        assert started == []
         e2 = loader.stats().epochs[2]
         assert (e2.hits, e2.misses) == (len(ds) - 1, 1)
+        # misses in every batch: the workers plan and produce them from the first one on
+        for batch in loader._epoch_batches(3):
+            cache.memory.discard(ds.key(int(batch[0])), why="test")
+        _same(_epoch(loader, 3), _epoch(ref, 3))
+        assert started == [1]
+        e3 = loader.stats().epochs[3]
+        assert e3.misses == len(loader._epoch_batches(3))
+
+
+@pytest.mark.parametrize("sweeper_works", [True, False])
+def test_a_swept_epoch_checks_every_file_with_or_without_the_sweeper(
+    own_data: Path,
+    small_pipeline: Pipeline,
+    cache_root: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    sweeper_works: bool,
+) -> None:
+    """A warm epoch is swept: gathered from the keys learnt, served once each file is
+    known unchanged this epoch, from the sweeper's results or (when it has not got
+    there: here, never) from a stat in the training process. A file rewritten between
+    two swept epochs is read again either way."""
+    from mmcache.sweeper import Sweeper
+
+    if not sweeper_works:
+        monkeypatch.setattr(Sweeper, "request", lambda self, *a, **k: None)
+    ds = MultimodalDataset(own_data, pipeline=small_pipeline)
+    ref = DataLoader(ds, cache=None, batch_size=6, seed=1)
+    with Cache(cache_root, memory="16MiB", temporary=True) as cache:
+        loader = DataLoader(
+            ds, cache=cache, batch_size=6, seed=1, num_workers=2, persistent_workers=True
+        )
+        for e in range(3):
+            _same(_epoch(loader, e), _epoch(ref, e))
+        assert 2 in loader._swept  # epoch 0 cold, 1 planned by the workers, 2 swept
+        index = 7
+        path = Path(ds.records.image_path(index) or "")
+        Image.new("RGB", (80, 60), (0, 0, 255)).save(path, quality=95)
+        got = _epoch(loader, 3)
+        _same(got, _epoch(ref, 3))
+        e3 = loader.stats().epochs[3]
+        assert (e3.hits, e3.misses) == (len(ds) - 1, 1)
+        loader.close()

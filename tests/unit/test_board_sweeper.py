@@ -1,0 +1,184 @@
+"""StampBoard (shared stat results) and Sweeper (the low-priority process that fills it)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mmcache.board import StampBoard, seal
+from mmcache.sweeper import Sweeper
+
+_INT64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
+
+
+@given(size=_INT64, mtime=_INT64, round_=st.integers(min_value=1, max_value=2**40))
+def test_seal_tells_stamps_and_rounds_apart(size: int, mtime: int, round_: int) -> None:
+    stamps = np.array([[size, mtime]], dtype=np.int64)
+    value = seal(stamps, round_)
+    assert value[0] != 0  # zero means "never published"
+    assert seal(stamps.copy(), round_)[0] == value[0]
+    assert seal(stamps, round_ + 1)[0] != value[0]  # another round: not verified
+    changed = stamps.copy()
+    changed[0, 1] ^= 1  # mtime one nanosecond off
+    assert seal(changed, round_)[0] != value[0]
+    grown = stamps.copy()
+    grown[0, 0] ^= 1
+    assert seal(grown, round_)[0] != value[0]
+
+
+def test_board_verifies_only_what_was_published_in_that_round() -> None:
+    board = StampBoard(10)
+    idx = np.array([1, 3, 5], dtype=np.int64)
+    stamps = np.array([[10, 100], [20, 200], [30, 300]], dtype=np.int64)
+    assert not board.verified(idx, stamps, 1).any()  # nothing published yet
+    board.publish(idx[:2], stamps[:2], 1)
+    assert board.verified(idx, stamps, 1).tolist() == [True, True, False]
+    assert not board.verified(idx, stamps, 2).any()  # a later round starts unverified
+    other = stamps.copy()
+    other[1, 1] = 201  # the file changed after its key was made
+    assert board.verified(idx, other, 1).tolist() == [True, False, False]
+
+
+def test_claims_hand_out_each_batch_once_and_a_later_round_ends_an_earlier_one() -> None:
+    board = StampBoard(4)
+    assert [board.claim(1, 3) for _ in range(4)] == [0, 1, 2, None]
+    assert board.claim(3, 2) == 0
+    assert board.claim(2, 5) is None  # round 3 has begun: round 2 is over
+    assert board.claim(3, 2) == 1
+
+
+def _publish_in_child(board: StampBoard, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    board.publish(np.array([0, 2]), np.array([[1, 2], [3, 4]], dtype=np.int64), 7)
+    out.put(board.claim(7, 5))
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_board_is_shared_with_processes(method: str) -> None:
+    ctx = multiprocessing.get_context(method)
+    board = StampBoard(3, ctx)
+    out = ctx.Queue()
+    proc = ctx.Process(target=_publish_in_child, args=(board, out))
+    proc.start()
+    try:
+        assert out.get(timeout=60) == 0
+    finally:
+        proc.join(30)
+    stamps = np.array([[1, 2], [9, 9], [3, 4]], dtype=np.int64)
+    assert board.verified(np.arange(3), stamps, 7).tolist() == [True, False, True]
+    assert board.claim(7, 5) == 1  # the child's claim counts here too
+
+
+class _Files:
+    """What the sweeper needs of a dataset: the (size, mtime_ns) of each row's file."""
+
+    def __init__(self, paths: list[Path]) -> None:
+        self.paths = [str(p) for p in paths]
+
+    def stat_stamps(self, indices: np.ndarray) -> np.ndarray:
+        out = np.full((len(indices), 2), -2, dtype=np.int64)
+        for j, i in enumerate(indices.tolist()):
+            st = os.stat(self.paths[i])
+            out[j] = st.st_size, st.st_mtime_ns
+        return out
+
+
+class _Order:
+    def __init__(self, n: int, batch: int) -> None:
+        self.n, self.batch = n, batch
+
+    def batches(self, epoch: int) -> list[np.ndarray]:
+        order = np.random.default_rng(epoch).permutation(self.n)
+        return [order[i : i + self.batch] for i in range(0, self.n, self.batch)]
+
+
+def _wait_verified(board: StampBoard, files: _Files, round_: int, timeout: float = 30) -> bool:
+    idx = np.arange(len(files.paths))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if board.verified(idx, files.stat_stamps(idx), round_).all():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_sweeper_publishes_every_file_of_an_epoch_at_the_lowest_priority(
+    tmp_path: Path, method: str
+) -> None:
+    paths = []
+    for i in range(23):
+        p = tmp_path / f"{i}.jpg"
+        p.write_bytes(b"x" * (i + 1))
+        paths.append(p)
+    files = _Files(paths)
+    board = StampBoard(len(paths), method)
+    sweeper = Sweeper(board, files, _Order(len(paths), 5), method)
+    try:
+        sweeper.request(1, epoch=0)
+        assert _wait_verified(board, files, 1)
+        pid = sweeper.pid
+        assert pid is not None
+        assert psutil.Process(pid).nice() == 19
+        # The next epoch, after a file changed: the new round shows the new stamp.
+        paths[4].write_bytes(b"changed, and longer")
+        sweeper.request(2, epoch=1)
+        assert _wait_verified(board, files, 2)
+        assert sweeper.pid == pid  # one process for all epochs
+    finally:
+        sweeper.close()
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    sweeper.close()  # idempotent
+
+
+def test_a_sweeper_left_by_a_killed_parent_exits(tmp_path: Path) -> None:
+    """kill -9 of the training process: its sweeper notices within a second or two."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import os, sys, time
+        import numpy as np
+        from mmcache.board import StampBoard
+        from mmcache.sweeper import Sweeper
+
+        class Files:
+            def stat_stamps(self, idx):
+                return np.zeros((len(idx), 2), dtype=np.int64)
+
+        class Order:
+            def batches(self, epoch):
+                return [np.arange(4)]
+
+        s = Sweeper(StampBoard(4), Files(), Order())
+        s.start()
+        print(s.pid, flush=True)
+        time.sleep(60)
+        """
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        pid = int(parent.stdout.readline())
+        assert psutil.pid_exists(pid)
+        parent.kill()
+        parent.wait(30)
+        deadline = time.monotonic() + 10
+        while psutil.pid_exists(pid) and time.monotonic() < deadline:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                break
+            time.sleep(0.05)
+        gone = not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        assert gone
+    finally:
+        if parent.poll() is None:  # pragma: no cover - the test kills it
+            parent.kill()
