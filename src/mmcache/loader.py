@@ -471,6 +471,10 @@ class _PlanSource:
         self._next = loader._stream_from = self.cursor
         self._first_epoch = self.cursor[0]
         self._base = loader._stream_gate = loader._gate.value if loader._gate is not None else 0
+        if loader._sweeper is not None and loader._sweeper.pid is None:
+            # Forked with the workers: the training process then copies each page it
+            # writes once for all of them, not again for a sweeper forked later.
+            loader._sweeper.start()
         self._plans = iter(loader._inner_loader())  # starts or wakes the workers
         return next(self._plans)
 
@@ -490,7 +494,7 @@ class _PlanSource:
 class _KnownKeys:
     """Each sample's cache key and the file stamps it was made from, as last planned.
 
-    40 bytes per sample of the dataset, in the training process: what a
+    33 bytes per sample of the dataset, in the training process: what a
     speculative plan is made of (see :class:`_PlanSource`), never trusted on
     its own. Rows are written whole by the thread that fetches plans; a row
     read while another thread writes it at most makes a speculation fail.
@@ -498,29 +502,26 @@ class _KnownKeys:
 
     def __init__(self, n: int) -> None:
         self._n = n
-        self._keys: np.ndarray | None = None
-        self._stamps: np.ndarray | None = None
+        self._rows: np.ndarray | None = None  # uint8 [n, 32]: key, then int64 size, mtime
         self._have: np.ndarray | None = None
 
     def learn(self, plan: _Plan) -> None:
         if plan.stamps is None:
             return  # keys of file contents (content_stamp): nothing a stat can verify
-        if self._keys is None or self._stamps is None or self._have is None:
-            self._keys = np.zeros((self._n, 16), dtype=np.uint8)
-            self._stamps = np.zeros((self._n, 2), dtype=np.int64)
+        if self._rows is None or self._have is None:
+            self._rows = np.zeros((self._n, 32), dtype=np.uint8)
             self._have = np.zeros(self._n, dtype=bool)
-        self._keys[plan.indices] = plan.keys
-        self._stamps[plan.indices] = plan.stamps
+        self._rows[plan.indices, :16] = plan.keys
+        self._rows[plan.indices, 16:] = np.ascontiguousarray(plan.stamps).view(np.uint8)
         self._have[plan.indices] = True
 
     def speculate(self, indices: np.ndarray, round_: int) -> _Plan | None:
         """A plan of ``indices`` from their known keys, all in memory; None if one is unknown."""
-        if self._keys is None or self._stamps is None or self._have is None:
+        if self._rows is None or self._have is None or not self._have[indices].all():
             return None
-        if not self._have[indices].all():
-            return None
+        rows = self._rows[indices]
+        keys, stamps = rows[:, :16], rows[:, 16:].view(np.int64)
         hit = np.ones(len(indices), dtype=bool)
-        keys, stamps = self._keys[indices], self._stamps[indices]
         return _Plan(indices, keys, hit, [], stamps, speculative=True, round=round_)
 
 
@@ -881,8 +882,6 @@ class DataLoader:
                 source.close()
             source = self._stream = _PlanSource(self, run.epoch, run.start)
         self._swept.pop(run.epoch, None)
-        if self._sweeper is not None:
-            self._sweeper.start()  # in a cold epoch, where its start costs nothing
         if self._sweeps() and not source.streams(run.epoch):
             # Warm, and the workers hold no plans of this epoch: a sweep epoch.
             self._rounds += 1
@@ -940,7 +939,7 @@ class DataLoader:
             batch = self._gather_all(plan)
             if batch is not None and source.verified(plan):
                 self._count_memory_hits(len(plan.indices))
-                stats.count([_MEMORY] * len(plan.indices))
+                stats.count_hits(_MEMORY, len(plan.indices))
                 return batch
             # A file changed or an entry went: this batch is planned and its misses are
             # produced here; the next ones are planned as in an epoch that is not swept.
@@ -1413,6 +1412,14 @@ class _EpochCounter:
     def count(self, sources: list[str]) -> None:
         with self._lock:
             self._count(sources)
+
+    def count_hits(self, tier: str, n: int) -> None:
+        """A batch of ``n`` hits in ``tier``: ``count([tier] * n)``, cheaper."""
+        with self._lock:
+            self.batches += 1
+            self.hits += n
+            self.samples += n
+            self.tier_hits[tier] = self.tier_hits.get(tier, 0) + n
 
     def _count(self, sources: list[str]) -> None:
         self.batches += 1

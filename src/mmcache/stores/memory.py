@@ -444,6 +444,10 @@ _PLAN_ATTEMPTS = 3  # optimistic policy plans before deciding under the exclusiv
 _IN_FLIGHT: set[tuple[tuple[str, int], int, int]] = set()
 
 
+#: Byte ranges up to this long are gathered in one fancy-indexing step (see _copy_rows).
+_SMALL_RANGE = 4096
+
+
 class MemoryStore(Store):
     """Node-shared byte store in ``/dev/shm``; see the module docstring for the design.
 
@@ -1473,7 +1477,10 @@ class MemoryStore(Store):
     ) -> None:
         """``out[idx[j]] = slab[slot(e[j]), start:stop]``, grouped by size class.
 
-        One numpy row copy (a memcpy) per sample. Measured on 64 x 150 KB
+        A short range (a header and the token ids: up to ``_SMALL_RANGE`` bytes)
+        is gathered with one fancy-indexing step (its temporary is small; 64
+        row copies in Python cost 47 us a batch, this ~5 us). A long one (the
+        image) takes one numpy row copy (a memcpy) per sample. Measured on 64 x 150 KB
         samples, this runs at 0.92-1.0x a plain contiguous copy of the same
         bytes, while the "vectorised" alternatives are slower: ``np.take`` along
         axis 0 (0.21x: it copies the whole slab when the column range is not the
@@ -1490,8 +1497,12 @@ class MemoryStore(Store):
             groups = [
                 (int(c), idx[cls == c].tolist(), slots[cls == c].tolist()) for c in np.unique(cls)
             ]
+        small = stop - start <= _SMALL_RANGE
         for c, rows_out, rows_in in groups:
             slab = self._slab(c).rows
+            if small:
+                out[rows_out] = slab[rows_in, start:stop]  # one gather: no per-row Python
+                continue
             for i, r in zip(rows_out, rows_in, strict=True):
                 out[i] = slab[r, start:stop]
 
