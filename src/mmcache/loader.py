@@ -21,11 +21,18 @@ How a batch is made (every epoch's order is known in advance, see
    the batch tensors, all byte ranges under one shared lock, then the rows a
    worker sent are filled in. Hits never travel through a worker. A planned
    hit evicted in the meantime is produced here (a *late miss*, counted).
-3. *Across epochs* with persistent workers the plan stream runs on: the
-   next epoch's tasks wait at a :class:`~mmcache.gate.Gate` in the workers
-   until the training loop begins that epoch (so nothing changed between
-   epochs is missed); the first batch of a warm epoch is planned early and
-   re-checked here with a ``stat`` of its files when the epoch begins.
+3. *Across epochs* with persistent workers the plan stream runs on while
+   epochs have misses: the next epoch's tasks wait at a
+   :class:`~mmcache.gate.Gate` in the workers until the training loop
+   begins that epoch (so nothing changed between epochs is missed).
+4. *Sweep epochs*: an epoch that begins warm is not planned by the workers.
+   The training process gathers each batch at once from the keys (and file
+   stamps) it learnt, while a low-priority :class:`~mmcache.sweeper.Sweeper`
+   process ``stat``-s the epoch's files in order and publishes the results on
+   a :class:`~mmcache.board.StampBoard`; a batch is served once every file of
+   it is known unchanged this epoch (files the sweeper has not reached are
+   ``stat``-ed here), else it is planned and produced here and the rest of
+   the epoch is planned as in 1.
 
 The batch is what torch's default collate would make of the dataset's items,
 plus the cache keys: ``{"id": list[str], "key": list[str], "image": uint8
@@ -472,9 +479,7 @@ class _PlanSource:
         self._first_epoch = self.cursor[0]
         self._base = loader._stream_gate = loader._gate.value if loader._gate is not None else 0
         if loader._sweeper is not None and loader._sweeper.pid is None:
-            # Forked with the workers: the training process then copies each page it
-            # writes once for all of them, not again for a sweeper forked later.
-            loader._sweeper.start()
+            loader._sweeper.start()  # closed since: started again with the workers
         self._plans = iter(loader._inner_loader())  # starts or wakes the workers
         return next(self._plans)
 
@@ -515,6 +520,10 @@ class _KnownKeys:
         self._rows[plan.indices, 16:] = np.ascontiguousarray(plan.stamps).view(np.uint8)
         self._have[plan.indices] = True
 
+    def count(self) -> int:
+        """Samples whose key is known."""
+        return int(self._have.sum()) if self._have is not None else 0
+
     def speculate(self, indices: np.ndarray, round_: int) -> _Plan | None:
         """A plan of ``indices`` from their known keys, all in memory; None if one is unknown."""
         if self._rows is None or self._have is None or not self._have[indices].all():
@@ -540,6 +549,8 @@ class DataLoader:
         shuffle: a fresh permutation each epoch (a pure function of seed and epoch).
         seed: the order's seed.
         num_workers: processes that produce misses (0: in the training process).
+            With workers (and a cache) the loader also starts one low-priority
+            sweeper process, which checks the files of warm epochs.
         drop_last: drop the last incomplete batch (and, across ranks, trim
             rather than pad; see :mod:`mmcache.sampler`).
         pin_memory: allocate batch tensors in pinned memory (when CUDA is present).
@@ -623,6 +634,10 @@ class DataLoader:
             self._board = StampBoard(len(dataset), multiprocessing_context)
             self._sweeper = Sweeper(self._board, dataset, self._order, multiprocessing_context)
             weakref.finalize(self, self._sweeper.close)
+            # Started now (a fork: ~7 ms, plus a copy of each page the training process
+            # writes afterwards): not in the first epoch's time, and before any batch
+            # buffer exists (started later, those pages are copied in the warm epochs).
+            self._sweeper.start()
         self._tasks = _BatchTasks(dataset, cache, self._gate)
         self._inner_kwargs: dict[str, Any] = {
             "num_workers": num_workers,
@@ -712,7 +727,7 @@ class DataLoader:
         self._position = int(state["position"])
 
     def close(self) -> None:
-        """Stop the worker processes now (persistent ones included). Idempotent.
+        """Stop the worker processes (persistent ones included) and the sweeper now. Idempotent.
 
         Dropping the loader does the same; ``close`` makes it deterministic. A
         later iteration starts new workers.
@@ -768,9 +783,25 @@ class DataLoader:
         return self._iterate(run)
 
     # -- planning (training process) -------------------------------------------------------
-    def _sweeps(self) -> bool:
-        """Whether the epoch to begin next is a sweep epoch: warm, with a sweeper."""
-        return self._sweeper is not None and self._warm_stretch
+    def _sweeps(self, *, beginning: bool = False) -> bool:
+        """Whether the next epoch is to be swept: with a sweeper, when warm (the last
+        batch planned had no misses), or when the memory tier's budget holds every
+        sample (after a cold epoch: its last batches had misses, but all are in now).
+
+        ``beginning``: asked as the epoch begins, when the keys of all this rank's
+        samples must be known too (the workers' stream asks earlier, while the last
+        plans of the epoch before are still coming).
+        """
+        if self._sweeper is None:
+            return False
+        if self._warm_stretch:
+            return True
+        layout = self._layout
+        if layout is None or self.cache is None or self.cache.memory is None:
+            return False
+        if self.cache.memory_budget < layout.length * len(self.dataset):
+            return False
+        return not beginning or self._known.count() >= self.sampler.num_samples()
 
     def _epoch_done(self, stats: EpochStats) -> None:
         """Per-epoch hooks: the user's callback, and the low-hit-rate warning."""
@@ -882,7 +913,7 @@ class DataLoader:
                 source.close()
             source = self._stream = _PlanSource(self, run.epoch, run.start)
         self._swept.pop(run.epoch, None)
-        if self._sweeps() and not source.streams(run.epoch):
+        if self._sweeps(beginning=True) and not source.streams(run.epoch):
             # Warm, and the workers hold no plans of this epoch: a sweep epoch.
             self._rounds += 1
             self._swept[run.epoch] = self._rounds
