@@ -116,3 +116,70 @@ def test_gate_holds_a_worker_until_opened(method: str) -> None:
         if proc.is_alive():  # pragma: no cover - a hang is the failure
             proc.kill()
     assert proc.exitcode == 0
+
+
+def test_a_shared_helper_serves_builders_one_after_another() -> None:
+    from mmcache.inorder import Helper
+
+    helper = Helper(name="shared-helper")
+    builders: set[str] = set()
+
+    def build(j: int, plan: int) -> int:
+        builders.add(threading.current_thread().name)
+        time.sleep(0.002)  # a copy that releases the GIL
+        return plan
+
+    threads_before = threading.active_count()
+    for epoch in range(3):
+        b: InOrderBuilder[int, int] = InOrderBuilder(
+            0, 20, fetch=lambda j, e=epoch: 100 * e + j, build=build, ahead=2, helper=helper
+        )
+        assert [b.take() for _ in range(20)] == [100 * epoch + j for j in range(20)]
+        assert b.close(timeout=5)
+        with pytest.raises(RuntimeError, match="closed"):
+            b._fetch(0)  # a closed builder keeps nothing its callables refer to
+    assert "shared-helper" in builders  # the helper built some items
+    assert threading.active_count() <= threads_before + 1  # one thread for all builders
+    helper.close(timeout=5)
+    assert threading.active_count() <= threads_before
+    # A closed helper starts a new thread for the next builder.
+    b = InOrderBuilder(0, 5, fetch=lambda j: j, build=build, ahead=1, helper=helper)
+    assert [b.take() for _ in range(5)] == list(range(5))
+    assert b.close(timeout=5)
+    helper.close(timeout=5)
+
+
+def _wait_slot(gate: Gate, number: int, slot: int, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    out.put(("ready", slot))
+    gate.wait(number, slot=slot)
+    out.put(("passed", slot))
+
+
+def test_gate_wakes_each_sleeper_when_its_number_is_reached() -> None:
+    """Two workers held at different numbers: opening the lower one releases only its
+    waiter, and the other is still woken later (one wake-up cannot be taken by both)."""
+    ctx = multiprocessing.get_context("fork")
+    gate = Gate(ctx, slots=2)
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_wait_slot, args=(gate, 1 + k, k, out)) for k in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        assert sorted(out.get(timeout=60) for _ in range(2)) == [("ready", 0), ("ready", 1)]
+        time.sleep(0.1)  # both asleep
+        t0 = time.monotonic()
+        gate.open_to(1)
+        assert out.get(timeout=10) == ("passed", 0)
+        assert time.monotonic() - t0 < 0.5  # woken, not found by the once-a-second check
+        time.sleep(0.2)
+        assert out.empty()  # slot 1 waits for 2
+        t0 = time.monotonic()
+        gate.open_to(2)
+        assert out.get(timeout=10) == ("passed", 1)
+        assert time.monotonic() - t0 < 0.5
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():  # pragma: no cover - a hang is the failure
+                p.kill()
+    assert [p.exitcode for p in procs] == [0, 0]
