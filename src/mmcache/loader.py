@@ -415,7 +415,9 @@ class _PlanSource:
         if round_ is not None:  # a sweep epoch: planned here
             plan = loader._known.speculate(indices, round_)
             if plan is None:
-                plan = loader._tasks.produced(indices)
+                # A sample whose key this process never learnt (another rank had it
+                # before): the rest of the epoch is planned as in one not swept.
+                loader._swept.pop(epoch, None)
         if plan is None and self._local:
             plan = loader._tasks.plan(indices, produce=False)
             self._local = plan is not None  # after a miss the workers plan and produce the rest

@@ -227,3 +227,30 @@ def test_a_swept_epoch_checks_every_file_with_or_without_the_sweeper(
         e3 = loader.stats().epochs[3]
         assert (e3.hits, e3.misses) == (len(ds) - 1, 1)
         loader.close()
+
+
+def test_a_rank_sweeps_only_while_it_knows_the_keys_of_its_samples(
+    own_data: Path, small_pipeline: Pipeline, cache_root: Path
+) -> None:
+    """With two ranks each epoch splits the samples anew: rank 0 meets samples whose keys it
+    never learnt (rank 1 had them). A swept epoch hands such batches, and the rest of the
+    epoch, back to the workers; the batches stay exactly those of the uncached loader."""
+    ds = MultimodalDataset(own_data, pipeline=small_pipeline)
+    ref = DataLoader(ds, cache=None, batch_size=4, seed=3, rank=0, world_size=2)
+    with Cache(cache_root, memory="16MiB", temporary=True) as cache:
+        loader = DataLoader(
+            ds,
+            cache=cache,
+            batch_size=4,
+            seed=3,
+            rank=0,
+            world_size=2,
+            num_workers=2,
+            persistent_workers=True,
+        )
+        for e in range(5):
+            _same(_epoch(loader, e), _epoch(ref, e))
+        seen = {int(i) for e in range(5) for b in loader._epoch_batches(e) for i in b}
+        assert len(seen) > len(ds) // 2  # it did meet samples it had not planned before
+        assert loader._known.count() == len(seen)
+        loader.close()
