@@ -1,14 +1,14 @@
-"""Per-sample ``stat`` results that worker processes publish for the training process.
+"""Per-sample ``stat`` results that the sweeper process publishes for the training process.
 
 In a warm epoch every sample's cache key is already known in the training
 process; what each epoch must still establish is that no image file changed
 since that key was made (a ``stat`` per file, after the epoch began). The
-loader's workers do those ``stat`` calls in the background, in the epoch's
-order, and publish each result here, in shared memory: the training process
-reads them with one vectorised comparison per batch, with no message to
-wait for (a result sent through torch's worker queues arrives a few hundred
-microseconds to milliseconds after it is ready, which at the start of every
-epoch cost more than the whole check).
+loader's :class:`~mmcache.sweeper.Sweeper` does those ``stat`` calls in the
+background, in the epoch's order, and publishes each result here, in shared
+memory: the training process reads them with one vectorised comparison per
+batch, with no message to wait for (a result sent through torch's worker
+queues arrives a few hundred microseconds to milliseconds after it is ready,
+which at the start of every epoch cost more than the whole check).
 
 One ``uint64`` per sample: a 64-bit mix of the file's ``(size, mtime_ns)``
 and the *round* of the ``stat`` (:func:`seal`): a number the training process
@@ -19,10 +19,7 @@ one, and a value only matches what the reader expects when the file was
 ``stat``-ed in that round and had the expected stamp. Zero means "never
 published".
 
-Workers share a round's batches through a claim counter: each takes the
-next batch number until the round is done (or a later round has begun).
-
-Thread/process safety: :meth:`publish` and :meth:`claim` from any worker,
+Thread/process safety: :meth:`publish` from any process (the sweeper),
 :meth:`verified` from the training process; created before the workers
 start (fork) or sent to them at start (spawn), like the other
 ``multiprocessing`` shared objects.
@@ -82,8 +79,6 @@ class StampBoard:
         ctx = context if context is not None else multiprocessing.get_context()
         self._n = n
         self._raw = ctx.RawArray("Q", max(n, 1))
-        self._claims = ctx.RawArray("q", 2)  # round being swept, its next batch number
-        self._claim_lock = ctx.Lock()
         self._values: npt.NDArray[np.uint64] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -110,16 +105,3 @@ class StampBoard:
         got = self.values[indices]
         result: npt.NDArray[np.bool_] = got == seal(stamps, round_)
         return result
-
-    def claim(self, round_: int, batches: int) -> int | None:
-        """The next batch number of ``round_`` (of ``batches``) to sweep; None when
-        all are taken or a later round has begun. Rounds are numbered from 1."""
-        with self._claim_lock:
-            current, nxt = int(self._claims[0]), int(self._claims[1])
-            if round_ > current:
-                current, nxt = round_, 0
-            if round_ < current or nxt >= batches:
-                self._claims[0], self._claims[1] = current, nxt
-                return None
-            self._claims[0], self._claims[1] = current, nxt + 1
-            return nxt

@@ -383,9 +383,8 @@ class _PlanSource:
         self._first_epoch = epoch  # of the workers' current stream
         self._base = 0  # the gate value its tasks count from
         self._plans: Iterator[list[_Planned]] | None = None
-        self._next = (epoch, start)  # the batch the workers' next plan is for
-        self._received: dict[tuple[int, int], _Plan] = {}
-        self._lock = threading.Lock()  # the workers' plans are read by both assembling threads
+        # Plans received in a task's result for the batches after the one asked for.
+        self._received: collections.deque[_Planned] = collections.deque()
         # Non-persistent workers are started for every epoch (a fork or spawn each):
         # the batches are planned here until the first miss (a warm epoch: all of them),
         # and from that batch on by the workers.
@@ -432,24 +431,11 @@ class _PlanSource:
         return plan
 
     def confirmed(self, epoch: int, j: int) -> _Plan:
-        """The workers' plan of batch ``j`` of ``epoch``; thread-safe. Plans of the
-        batches before it that nobody asked for yet are kept for their turn."""
-        loader = self._loader()
-        with self._lock:
-            plan = self._received.pop((epoch, j), None)
-            while plan is None:
-                if self._plans is not None and (epoch, j) < self._next:  # pragma: no cover
-                    raise RuntimeError(f"the workers' plans went past batch {j} of epoch {epoch}")
-                for planned in self._next_task():
-                    e, i = self._next
-                    batches = loader._epoch_batches(e)
-                    received = planned.unpack(batches[i])
-                    self._next = (e, i + 1) if i + 1 < len(batches) else (e + 1, 0)
-                    if (e, i) == (epoch, j):
-                        plan = received
-                    else:
-                        self._received[(e, i)] = received
-        return plan
+        """The workers' plan of batch ``j`` of ``epoch``: the next one they deliver
+        (:meth:`fetch` asks in order, one call at a time)."""
+        if not self._received:
+            self._received.extend(self._next_task())
+        return self._received.popleft().unpack(self._loader()._epoch_batches(epoch)[j])
 
     def verified(self, guess: _Plan) -> bool:
         """Whether every file of a speculative plan is unchanged this epoch. Thread-safe.
@@ -477,7 +463,7 @@ class _PlanSource:
         loader = self._loader()
         self._received.clear()
         loader._stream_stop = None
-        self._next = loader._stream_from = self.cursor
+        loader._stream_from = self.cursor
         self._first_epoch = self.cursor[0]
         self._base = loader._stream_gate = loader._gate.value if loader._gate is not None else 0
         if loader._sweeper is not None and loader._sweeper.pid is None:

@@ -133,9 +133,7 @@ def _run(board: StampBoard, dataset: _Stats, order: _Batches, ch: _Channel, pare
             return
         with lock:
             round_, epoch, start = int(request[0]), int(request[1]), int(request[2])
-        batches = order.batches(epoch)
-        while (k := board.claim(round_, len(batches) - start)) is not None:
+        for indices in order.batches(epoch)[start:]:
             if request[3] or int(request[0]) != round_:
                 break  # stopped, or a newer sweep was asked for
-            indices = batches[start + k]
             board.publish(indices, dataset.stat_stamps(indices), round_)

@@ -47,17 +47,9 @@ def test_board_verifies_only_what_was_published_in_that_round() -> None:
     assert board.verified(idx, other, 1).tolist() == [True, False, False]
 
 
-def test_claims_hand_out_each_batch_once_and_a_later_round_ends_an_earlier_one() -> None:
-    board = StampBoard(4)
-    assert [board.claim(1, 3) for _ in range(4)] == [0, 1, 2, None]
-    assert board.claim(3, 2) == 0
-    assert board.claim(2, 5) is None  # round 3 has begun: round 2 is over
-    assert board.claim(3, 2) == 1
-
-
 def _publish_in_child(board: StampBoard, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
     board.publish(np.array([0, 2]), np.array([[1, 2], [3, 4]], dtype=np.int64), 7)
-    out.put(board.claim(7, 5))
+    out.put("published")
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
@@ -68,12 +60,11 @@ def test_board_is_shared_with_processes(method: str) -> None:
     proc = ctx.Process(target=_publish_in_child, args=(board, out))
     proc.start()
     try:
-        assert out.get(timeout=60) == 0
+        assert out.get(timeout=60) == "published"
     finally:
         proc.join(30)
     stamps = np.array([[1, 2], [9, 9], [3, 4]], dtype=np.int64)
     assert board.verified(np.arange(3), stamps, 7).tolist() == [True, False, True]
-    assert board.claim(7, 5) == 1  # the child's claim counts here too
 
 
 class _Files:
