@@ -24,8 +24,9 @@ Keys. A feature's key is :func:`mmcache.keys.feature_key` of the sample key
 pipeline fingerprint, so a changed image or resize gives new keys), the
 *encoder fingerprint*, the dtype name and the output selection. The encoder
 fingerprint (:func:`encoder_fingerprint`) hashes the module's class, every
-submodule's class and plain attributes (``eps``, ``stride``, activation
-functions by name...), every parameter and buffer (name, dtype, shape and
+submodule's class and plain attributes (``eps``, ``stride``, library
+activation functions by name, a ``partial`` with its arguments, a lambda by
+code and closure...), every parameter and buffer (name, dtype, shape and
 exact bytes) and the fingerprint of ``preprocess`` (:func:`preprocess_fingerprint`).
 Change one weight and every old feature is a miss. ``name=``/``version=`` pin
 the fingerprint instead (no hashing at all: you bump ``version`` when the
@@ -250,26 +251,40 @@ def encoder_fingerprint(encoder: torch.nn.Module, *, preprocess: Any = None) -> 
     """Hex xxh3-128 of everything about ``encoder`` (and ``preprocess``) that changes its output.
 
     Hashed: the module's class name; for every submodule its name, class name
-    and plain public attributes (numbers, strings, tuples, dtypes, functions by
-    name, tensors by value; other objects are skipped); every parameter and
+    and plain public attributes (numbers, strings, tuples, dtypes, tensors by
+    value; callables as :func:`preprocess_fingerprint` hashes them: library
+    functions such as ``torch.tanh`` or ``F.gelu`` by name, ``functools.partial``
+    with its arguments, lambdas and user functions by code, constants and
+    closure; other objects are skipped); every parameter and
     buffer's name, dtype, shape and exact bytes; :func:`preprocess_fingerprint`
     of ``preprocess``. Not hashed: the device, ``training`` (FeatureCache runs
     in eval mode), code inside ``forward``, the Python module a class is
     defined in (a class in a script's ``__main__`` and the same class imported
     by ``mmcache warm`` agree). Deterministic across processes and runs.
     Raises ConfigError for weights on the meta device or an unhashable
-    ``preprocess``.
+    ``preprocess``. A callable attribute whose content cannot be hashed (a
+    lambda capturing a tokenizer) is hashed by name, with a logged warning:
+    pin ``name=``/``version=`` for such an encoder.
     """
     if not isinstance(encoder, torch.nn.Module):
         raise ConfigError(
             f"encoder_fingerprint needs a torch.nn.Module, got {type(encoder).__name__}"
         )
+    return _module_fingerprint(encoder, preprocess, set())
+
+
+def _module_fingerprint(encoder: torch.nn.Module, preprocess: Any, outer: set[int]) -> str:
+    """:func:`encoder_fingerprint`; ``outer`` holds the ids of the modules being hashed
+    around this one, which a callable attribute may capture (``lambda x: self.f(x)``):
+    those are named, not hashed again (their content is hashed where they are)."""
     h = _Hasher()
     # Classes by __qualname__ without their module: the class of a training script
     # (module "__main__") and the same class imported by `mmcache warm` must agree.
     h.part("mmcache.encoder", FINGERPRINT_VERSION, type(encoder).__qualname__)
-    for name, mod in encoder.named_modules():
-        h.part("module", name, type(mod).__qualname__, _attrs_token(mod))
+    modules = list(encoder.named_modules())
+    inside = outer | {id(mod) for _, mod in modules}
+    for name, mod in modules:
+        h.part("module", name, type(mod).__qualname__, _attrs_token(mod, inside))
     staging: list[torch.Tensor] = []
     for name, t in _module_tensors(encoder):
         h.part("tensor", name, str(t.dtype), repr(tuple(t.shape)), t.numel() * t.element_size())
@@ -314,22 +329,47 @@ def preprocess_fingerprint(preprocess: Any) -> str:
     return xxhash.xxh3_128_hexdigest(token.encode("utf-8", "surrogatepass"))
 
 
-def _attrs_token(mod: torch.nn.Module) -> str:
+def _attrs_token(mod: torch.nn.Module, inside: set[int]) -> str:
     parts = []
     for name in sorted(vars(mod)):
         if name.startswith("_") or name == "training":
             continue
         value = vars(mod)[name]
         if callable(value) and not isinstance(value, torch.nn.Module):
-            # Activation functions and the like, by name: hashing their code (or the
-            # library's version) would invalidate every feature on a torch upgrade.
-            parts.append(f"{name}=callable:{_name(value)}")
+            parts.append(f"{name}=callable:{_attr_callable_token(mod, name, value, inside)}")
             continue
         try:
-            parts.append(f"{name}={_value_token(value, 1, set())}")
+            parts.append(f"{name}={_value_token(value, 1, set(inside))}")
         except _Unhashable:
             continue  # configuration objects and the like: the weights carry the meaning
     return ";".join(parts)
+
+
+def _attr_callable_token(mod: torch.nn.Module, name: str, value: Any, inside: set[int]) -> str:
+    """A callable attribute (``self.act``) as ``preprocess`` is hashed, by content.
+
+    Library functions and classes (``torch.tanh``, ``F.relu``, ``nn.LayerNorm``)
+    stay by name, in the token used before content hashing, so a torch upgrade
+    and this change leave those fingerprints as they were. By name only, a
+    ``partial(F.gelu, approximate="tanh")`` or ``lambda x: x * 3`` attribute
+    shared the features of its ``"none"`` / ``x * 2`` sibling.
+    """
+    by_name = isinstance(
+        value, (type, types.FunctionType, types.BuiltinFunctionType, types.BuiltinMethodType)
+    ) or not hasattr(value, "__dict__")
+    if by_name and _is_library(value):
+        return _name(value)
+    try:
+        return _callable_token(value, 1, set(inside))
+    except _Unhashable as exc:
+        logger.warning(
+            "%s.%s is fingerprinted by name only (%s): features of encoders that differ "
+            "there would be shared; pin FeatureCache(..., name=, version=) for this encoder",
+            type(mod).__qualname__,
+            name,
+            exc,
+        )
+        return _name(value)
 
 
 def _tensor_token(t: torch.Tensor) -> str:
@@ -434,9 +474,15 @@ def _name(obj: Any) -> str:
     return str(getattr(obj, "__qualname__", None) or type(obj).__qualname__)
 
 
+def _module_token(m: torch.nn.Module, seen: set[int]) -> str:
+    if id(m) in seen:  # the encoder being hashed (or a part of it), captured by a closure
+        return f"nn-inside:{type(m).__qualname__}"
+    return f"nn:{_module_fingerprint(m, None, seen)}"
+
+
 def _callable_token(fn: Any, depth: int, seen: set[int]) -> str:
     if isinstance(fn, torch.nn.Module):
-        return f"nn:{encoder_fingerprint(fn)}"
+        return _module_token(fn, seen)
     if isinstance(fn, functools.partial):
         return (
             f"partial({_callable_token(fn.func, depth, seen)};"
@@ -445,7 +491,7 @@ def _callable_token(fn: Any, depth: int, seen: set[int]) -> str:
     if isinstance(fn, types.MethodType):
         owner = fn.__self__
         owner_token = (
-            f"nn:{encoder_fingerprint(owner)}"
+            _module_token(owner, seen)
             if isinstance(owner, torch.nn.Module)
             else _object_token(owner, depth, seen)
         )

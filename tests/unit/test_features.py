@@ -322,6 +322,85 @@ def test_fingerprint_covers_structure_dtype_and_preprocess() -> None:
         encoder_fingerprint(nn.Linear(2, 2, device="meta"))
 
 
+class _Activated(nn.Module):
+    """A tiny encoder whose activation is a plain attribute (a partial, a lambda...)."""
+
+    def __init__(self, act: Any, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.proj = nn.Linear(3 * SIZE * SIZE, 8)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.proj(x.flatten(1)))
+
+
+def _twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def _self_scaled() -> _Activated:
+    enc = _Activated(None)
+    enc.scale = 2.0
+    enc.act = lambda x: x * enc.scale  # captures the module itself: no endless recursion
+    return enc
+
+
+def _self_method() -> _Activated:
+    enc = _Activated(None)
+    enc.act = enc.proj.forward  # a bound method of its own submodule
+    return enc
+
+
+def test_opaque_callable_attribute_falls_back_to_its_name(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    opaque = _Opaque()
+    enc = _Activated(lambda x: x if opaque is not None else -x)
+    with caplog.at_level(logging.WARNING, logger="mmcache.features"):
+        fp = encoder_fingerprint(enc)
+    assert fp == encoder_fingerprint(_Activated(lambda x: x if opaque is not None else -x))
+    assert "_Activated.act is fingerprinted by name only" in caplog.text
+
+
+def test_callable_attributes_are_fingerprinted_by_content(cache: Cache) -> None:
+    batch = random_batch(3, seed=14)
+    pairs = [
+        (
+            _Activated(functools.partial(torch.nn.functional.gelu, approximate="none")),
+            _Activated(functools.partial(torch.nn.functional.gelu, approximate="tanh")),
+        ),
+        (_Activated(lambda x: x * 2), _Activated(lambda x: x * 3)),
+    ]
+    for a, b in pairs:
+        assert encoder_fingerprint(a) != encoder_fingerprint(b)
+        from_a = feature_cache(a, cache, memory=0)(batch)
+        calls = count_calls(b)
+        from_b = feature_cache(b, cache, memory=0)(batch)
+        assert calls == [3]  # B is run: A's features are not served for it
+        assert torch.equal(from_b, direct(b, batch["image"], torch.float32))
+        assert not torch.equal(from_a, from_b)
+    # Built twice the same way: the same fingerprint (nothing id()-dependent leaks in).
+    same = [
+        lambda: _Activated(functools.partial(torch.nn.functional.gelu, approximate="tanh")),
+        lambda: _Activated(lambda x: x * 2),
+        lambda: _Activated(_twice),
+        lambda: _Activated(torch.tanh),
+        lambda: _Activated(torch.nn.functional.relu),
+        lambda: _Activated(nn.GELU()),
+        _self_scaled,
+        _self_method,
+    ]
+    for build in same:
+        assert encoder_fingerprint(build()) == encoder_fingerprint(build())
+    assert encoder_fingerprint(_Activated(torch.tanh)) != encoder_fingerprint(
+        _Activated(torch.sigmoid)
+    )
+    changed = _self_scaled()
+    changed.scale = 3.0
+    assert encoder_fingerprint(changed) != encoder_fingerprint(_self_scaled())
+
+
 def _scale_by(k: float) -> Any:
     return lambda x: x.float() / k
 
