@@ -82,6 +82,7 @@ from PIL import Image, ImageFile, JpegImagePlugin, UnidentifiedImageError
 from tokenizers import Encoding, Tokenizer
 
 from mmcache.errors import ConfigError, SampleError
+from mmcache.units import MiB
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
@@ -132,6 +133,12 @@ _RESAMPLE: dict[str, Image.Resampling] = {
 _PILLOW_MAX_PIXELS: int | None = Image.MAX_IMAGE_PIXELS
 
 _PILLOW_MAJOR = int(PIL.__version__.split(".")[0])
+
+# The default of ImageSpec.max_bytes. A large photo is tens of MiB (a 100 MP
+# 16-bit TIFF about 600 MiB is the rare exception, raise the limit for those);
+# a file far larger is a video or an archive listed by mistake, and reading it
+# whole would raise MemoryError, which no on_error policy catches.
+_DEFAULT_MAX_BYTES = 256 * MiB
 
 _EXIF_ORIENTATION_TAG = 0x0112
 # EXIF orientation -> the transpose that makes the image upright (as ImageOps.exif_transpose).
@@ -204,6 +211,11 @@ class ImageSpec:
             ours (Pillow's global ``Image.MAX_IMAGE_PIXELS`` still applies when it
             opens a file: raise it too to accept bigger images). The default is
             Pillow's limit at import time, about 89 MP.
+        max_bytes: refuse image files larger than this many bytes (a video or a tar
+            shard listed by mistake), from the file's size before anything is read,
+            with a SampleError that ``on_error="skip"`` skips and counts. Default
+            256 MiB; ``None``: no limit. Like ``max_pixels`` it decides which samples
+            fail, never what a sample contains, so it is not in the fingerprint.
 
     Raises ConfigError on invalid values.
 
@@ -216,6 +228,7 @@ class ImageSpec:
     interpolation: Interpolation = "bicubic"
     draft: bool = True
     max_pixels: int | None = field(default=_PILLOW_MAX_PIXELS)
+    max_bytes: int | None = _DEFAULT_MAX_BYTES
 
     def __post_init__(self) -> None:
         _check_int("ImageSpec.size", self.size, minimum=1)
@@ -236,6 +249,8 @@ class ImageSpec:
             raise ConfigError(f"ImageSpec.draft must be a bool, got {self.draft!r}")
         if self.max_pixels is not None:
             _check_int("ImageSpec.max_pixels", self.max_pixels, minimum=1)
+        if self.max_bytes is not None:
+            _check_int("ImageSpec.max_bytes", self.max_bytes, minimum=1)
 
     @property
     def resize_to(self) -> int:
@@ -243,8 +258,9 @@ class ImageSpec:
         return cast(int, self.resize)
 
     def fingerprint_fields(self) -> dict[str, Any]:
-        """Everything about this spec that changes its output (not ``max_pixels``:
-        it decides which samples fail, never what a successful sample contains)."""
+        """Everything about this spec that changes its output (not ``max_pixels`` or
+        ``max_bytes``: they decide which samples fail, never what a successful sample
+        contains)."""
         return {
             "size": self.size,
             "resize": self.resize_to,
@@ -258,13 +274,15 @@ class ImageSpec:
         }
 
 
-def _read_file(path: str, sample_id: str) -> bytes:
+def _read_file(path: str, sample_id: str, max_bytes: int | None) -> bytes:
     """The whole file, or SampleError with a plain reason.
 
     Reading it in one go (rather than letting Pillow read lazily from the path)
     separates I/O errors from decode errors and catches empty files, directories and
     special files before any decoder sees them. ``O_NONBLOCK`` keeps a FIFO from
-    blocking the reader forever; it has no effect on regular files.
+    blocking the reader forever; it has no effect on regular files. A file over
+    ``max_bytes`` is refused from its ``fstat`` size, and reads stop past the limit
+    should it grow meanwhile: nothing allocates more than ``max_bytes + 1``.
     """
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
     try:
@@ -298,12 +316,30 @@ def _read_file(path: str, sample_id: str) -> bytes:
             raise SampleError("not a regular file", sample_id=sample_id, path=path)
         if st.st_size == 0:
             raise SampleError("empty file", sample_id=sample_id, path=path)
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise SampleError(
+                f"file is {st.st_size} bytes, over the limit of {max_bytes} bytes "
+                "(ImageSpec.max_bytes)",
+                sample_id=sample_id,
+                path=path,
+            )
         chunks = []
+        total = 0
+        budget = (max_bytes + 1) if max_bytes is not None else None
         while True:  # one read for the whole file, one more to see the end
-            chunk = os.read(fd, max(st.st_size, 1 << 16))
+            want = max(st.st_size, 1 << 16)
+            chunk = os.read(fd, want if budget is None else min(want, budget - total))
             if not chunk:
                 break
             chunks.append(chunk)
+            total += len(chunk)
+            if max_bytes is not None and total > max_bytes:  # grew after fstat
+                raise SampleError(
+                    f"file is more than {max_bytes} bytes, over the limit "
+                    "(ImageSpec.max_bytes); it grew while being read",
+                    sample_id=sample_id,
+                    path=path,
+                )
     except IsADirectoryError:
         raise SampleError("is a directory", sample_id=sample_id, path=path) from None
     except OSError as exc:
@@ -415,7 +451,7 @@ def _load_image(
     Raises SampleError for every bad-file case. Thread-safe.
     """
     path_str = os.fspath(path)
-    data = _read_file(path_str, sample_id)
+    data = _read_file(path_str, sample_id, spec.max_bytes)
     try:
         im = Image.open(io.BytesIO(data))
     except Image.DecompressionBombError as exc:
@@ -866,7 +902,8 @@ class Pipeline:
         alpha background, decoder (Pillow) major version, the tokenizer's content
         (canonical JSON, not its path), max_length, pad id, and
         :data:`PIPELINE_FORMAT_VERSION`. Out: file paths, worker counts, batch sizes,
-        ``max_pixels`` (it decides which samples fail, not what others contain), and
+        ``max_pixels`` and ``max_bytes`` (they decide which samples fail, not what
+        others contain), and
         the tokenizers library version (its output for a given tokenizer.json is
         stable). Identical across processes, runs and machines with the same Pillow
         major version.

@@ -648,6 +648,17 @@ def decompression_bomb(c: Corpus) -> Case:
 
 
 @case("image")
+def huge_file(c: Corpus) -> Case:
+    # A video or tar shard listed as an image: 1 TiB, sparse (no disk used). Read
+    # whole it was a MemoryError that on_error="skip" did not catch.
+    size = 1 << 40
+    with open(c.images / "shard.jpg", "wb") as f:
+        os.truncate(f.fileno(), size)
+    reason = f"file is {size} bytes, over the limit of {256 << 20} bytes (ImageSpec.max_bytes)"
+    return bad_image_case(c, "huge_file", "images/shard.jpg", reason)
+
+
+@case("image")
 def symlink_loop(c: Corpus) -> Case:
     (c.images / "loop-a.jpg").symlink_to("loop-b.jpg")
     (c.images / "loop-b.jpg").symlink_to("loop-a.jpg")

@@ -110,6 +110,8 @@ def test_image_spec_defaults_and_validation() -> None:
         {"interpolation": "cubic"},
         {"draft": 1},
         {"max_pixels": 0},
+        {"max_bytes": 0},
+        {"max_bytes": "256MiB"},
     ):
         with pytest.raises(ConfigError):
             ImageSpec(**bad)
@@ -464,6 +466,39 @@ def test_pixel_limit_from_spec(tmp_path: Path) -> None:
     err = _assert_sample_error(path, "over the limit", ImageSpec(max_pixels=4999))
     assert "image has 5000 pixels, over the limit of 4999 (ImageSpec.max_pixels)" in err.reason
     Pipeline(image=ImageSpec(max_pixels=5000)).load_image(path, sample_id="ok")
+
+
+def test_file_size_limit_refuses_huge_files_before_reading(tmp_path: Path) -> None:
+    path = tmp_path / "video.jpg"  # a video listed as an image: 300 MiB, sparse
+    with open(path, "wb") as f:
+        os.truncate(f.fileno(), 300 << 20)
+    assert ImageSpec().max_bytes == 256 << 20
+    err = _assert_sample_error(path, "over the limit")
+    assert err.reason == (
+        f"file is {300 << 20} bytes, over the limit of {256 << 20} bytes (ImageSpec.max_bytes)"
+    )
+    small = save(Image.new("RGB", (40, 30), (9, 9, 9)), tmp_path / "small.png")
+    size = small.stat().st_size
+    _assert_sample_error(small, f"file is {size} bytes", ImageSpec(max_bytes=size - 1))
+    Pipeline(image=ImageSpec(max_bytes=size)).load_image(small, sample_id="ok")
+    Pipeline(image=ImageSpec(max_bytes=None)).load_image(small, sample_id="ok")
+    assert Pipeline(image=ImageSpec(max_bytes=size)).fingerprint() == Pipeline(image=ImageSpec()).fingerprint()
+
+
+def test_file_size_limit_holds_for_a_file_growing_after_fstat(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = save(Image.new("RGB", (64, 64)), tmp_path / "growing.png")
+    size = path.stat().st_size
+    real_fstat = os.fstat
+
+    def stale(fd: int) -> os.stat_result:  # the size seen before the file was appended to
+        st = real_fstat(fd)
+        return os.stat_result((*st[:6], 10, *st[7:]))
+
+    monkeypatch.setattr(os, "fstat", stale)
+    err = _assert_sample_error(path, "over the limit", ImageSpec(max_bytes=size // 2))
+    assert err.reason.startswith(f"file is more than {size // 2} bytes")
 
 
 def _png_header_only(path: Path, width: int, height: int) -> Path:
