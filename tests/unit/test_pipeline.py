@@ -482,7 +482,10 @@ def test_file_size_limit_refuses_huge_files_before_reading(tmp_path: Path) -> No
     _assert_sample_error(small, f"file is {size} bytes", ImageSpec(max_bytes=size - 1))
     Pipeline(image=ImageSpec(max_bytes=size)).load_image(small, sample_id="ok")
     Pipeline(image=ImageSpec(max_bytes=None)).load_image(small, sample_id="ok")
-    assert Pipeline(image=ImageSpec(max_bytes=size)).fingerprint() == Pipeline(image=ImageSpec()).fingerprint()
+    assert (
+        Pipeline(image=ImageSpec(max_bytes=size)).fingerprint()
+        == Pipeline(image=ImageSpec()).fingerprint()
+    )
 
 
 def test_file_size_limit_holds_for_a_file_growing_after_fstat(
