@@ -40,7 +40,7 @@ import xxhash
 
 from mmcache import codec, sizing
 from mmcache.errors import CacheError, ConfigError, CorruptEntryError
-from mmcache.keys import key_from_hex
+from mmcache.keys import as_key
 from mmcache.policies import Policy, get_policy, policy_names
 from mmcache.registry import FingerprintRegistry
 from mmcache.stats import CacheStats
@@ -94,9 +94,7 @@ class VerifyReport:
 
 
 def _to_key(key: KeyLike) -> bytes:
-    if isinstance(key, str):
-        return key_from_hex(key)
-    return key
+    return as_key(key)  # 16 bytes and 32 hex as they are, any other str/bytes hashed
 
 
 def _memory_name(root: Path) -> str:
@@ -113,6 +111,15 @@ class Cache:
 
     >>> cache = Cache("/tmp/mmcache-doc", memory="64MiB", disk="1GiB")  # doctest: +SKIP
     >>> cache.get_or_produce(key, lambda: {"x": np.zeros(3)})            # doctest: +SKIP
+    >>> cache.put("sample/001.jpg", {"x": np.zeros(3)})                  # doctest: +SKIP
+
+    Keys. ``get``, ``lookup``, ``put``, ``put_encoded``, ``get_or_produce``,
+    ``contains``, ``in`` and ``delete`` take any ``str`` or ``bytes``, mapped by
+    :func:`mmcache.keys.as_key`: 16 bytes (a :func:`~mmcache.keys.sample_key`) and
+    32 hex digits (its :func:`~mmcache.keys.key_hex`, either case) name that key
+    as they always did; any other string or bytes (``"k0"``, ``b"abc"``) is hashed
+    to 16 bytes (``"abc"`` and ``b"abc"`` are different keys). ``put_many`` and
+    ``tag`` take 16-byte keys only (the loader's hot path).
 
     Args:
         root: directory of the persistent tier and of the cache's metadata.
@@ -395,11 +402,12 @@ class Cache:
         if self.registry is not None:
             self.registry.log(fingerprint, keys)
 
-    def put_encoded(self, key: bytes, raw: bytes, *, cost: float, tag: str | None = None) -> bool:
+    def put_encoded(self, key: KeyLike, raw: bytes, *, cost: float, tag: str | None = None) -> bool:
         """Offer already-encoded bytes to every tier; True if any tier admitted them."""
+        k = _to_key(key)
         if tag is not None:
-            self.tag(tag, [key])
-        return self.put_many([(key, raw, cost)])[0]
+            self.tag(tag, [k])
+        return self.put_many([(k, raw, cost)])[0]
 
     def put_many(
         self, entries: list[tuple[bytes, bytes, float]], *, memory: bool = True

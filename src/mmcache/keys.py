@@ -50,6 +50,7 @@ from mmcache.stores.base import KEY_SIZE
 __all__ = [
     "FORMAT_VERSION",
     "KEY_SIZE",
+    "as_key",
     "digest",
     "feature_key",
     "key_from_hex",
@@ -181,6 +182,33 @@ def key_from_hex(s: str) -> bytes:
     if not isinstance(s, str) or _HEX_RE.fullmatch(s) is None:
         raise ValueError(f"a key is 32 hex digits, got {s!r}")
     return bytes.fromhex(s)
+
+
+def as_key(key: str | bytes) -> bytes:
+    """Return the 16-byte key that ``key``, as given to :class:`~mmcache.cache.Cache`, names.
+
+    - ``bytes`` of exactly 16: the key itself (what :func:`sample_key` returns).
+    - a ``str`` of exactly 32 hex digits, either case: the key it spells
+      (:func:`key_from_hex`; what :func:`key_hex`, logs and the CLI print).
+    - any other ``str`` or ``bytes`` (``"k0"``, ``"sample/001.jpg"``, ``b"abc"``,
+      ``""``): ``digest("mmcache.key", key)``, hashed to 16 bytes. The type is
+      part of the hash, so ``"abc"`` and ``b"abc"`` are two keys; the domain
+      string keeps them apart from sample and feature keys.
+
+    The first two rules are how keys were read before any string was accepted,
+    so existing caches keep their meaning. Raises ``TypeError`` for other types.
+
+    >>> as_key("k0") == digest("mmcache.key", "k0")
+    True
+    >>> k = sample_key("img-001", "stamp", "fp")
+    >>> as_key(k) == as_key(key_hex(k)) == as_key(key_hex(k).upper()) == k
+    True
+    """
+    if isinstance(key, bytes):
+        return key if len(key) == KEY_SIZE else digest("mmcache.key", key)
+    if isinstance(key, str):
+        return key_from_hex(key) if _HEX_RE.fullmatch(key) else digest("mmcache.key", key)
+    raise TypeError(f"a cache key is str or bytes, got {type(key).__name__} {key!r}")
 
 
 def _check_key(key: bytes) -> bytes:

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from mmcache import codec
 from mmcache.cache import Cache
 from mmcache.cached import CachedDataset
 from mmcache.dataset import MultimodalDataset, collate
 from mmcache.errors import CacheError, ConfigError
-from mmcache.keys import key_hex, sample_key
+from mmcache.keys import as_key, digest, key_hex, sample_key
 from mmcache.pipeline import ImageSpec, Pipeline, TextSpec
 
 
@@ -45,6 +48,58 @@ def test_put_get_round_trip_both_tiers(cache_root: Path) -> None:
         assert s["memory"].hits == 2 and s["memory"].misses == 1 and s["memory"].items == 1
         assert s["disk"].items == 1 and s["disk"].bytes > 1000
         assert _key(1) in cache and cache.contains(key_hex(_key(1)))
+
+
+def test_any_str_or_bytes_is_a_key(cache_root: Path) -> None:
+    raw = _key(3)
+    with Cache(cache_root, memory="1MiB", disk="4MiB", temporary=True) as cache:
+        names: list[str | bytes] = ["k0", "sample/001.jpg", b"abc", "", b"", "abc"]
+        for i, name in enumerate(names):
+            assert cache.put(name, _sample(i, 10), cost=0.01)
+        for i, name in enumerate(names):
+            got = cache.get(name)
+            assert got is not None and got["i"].tolist() == [i], name  # "abc" != b"abc"
+            assert cache.contains(name) and name in cache
+        assert cache.delete("k0") and not cache.contains("k0") and cache.get("k0") is None
+        assert cache.get("sample/001.jpg") is not None  # the others are still there
+        # The 16-byte key and its 32-hex form (either case) still name the raw key.
+        cache.put(raw, _sample(9, 10), cost=0.01)
+        for form in (raw, key_hex(raw), key_hex(raw).upper()):
+            got = cache.get(form)
+            assert got is not None and got["i"].tolist() == [9]
+        assert as_key(raw) == raw and as_key(key_hex(raw)) == raw
+        assert as_key("k0") == digest("mmcache.key", "k0") and len(as_key(b"abc")) == 16
+        assert as_key(raw.hex()[:-1]) != as_key(raw.hex()[:-1] + "0")  # 31 digits: hashed
+        assert as_key(raw + b"!") != raw and len(as_key(raw[:15])) == 16
+        with pytest.raises(TypeError, match="str or bytes"):
+            cache.get(3)  # type: ignore[arg-type]
+
+
+_HEX32 = re.compile(r"[0-9a-fA-F]{32}")
+
+
+def _spelled(text: str) -> str:
+    """The key a text names: a 32-hex text spells a raw key in either case."""
+    return text.lower() if _HEX32.fullmatch(text) else text
+
+
+def test_any_text_round_trips_as_a_key(cache_root: Path) -> None:
+    with Cache(cache_root, memory="1MiB", disk=None, temporary=True) as cache:
+
+        @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+        @given(texts=st.lists(st.text(max_size=40), min_size=1, max_size=6, unique_by=_spelled))
+        def check(texts: list[str]) -> None:
+            assert len({as_key(t) for t in texts}) == len(texts)
+            for i, text in enumerate(texts):
+                assert as_key(text) == as_key(text) and len(as_key(text)) == 16
+                assert cache.put(text, _sample(i, 4), cost=0.01)
+            for i, text in enumerate(texts):
+                got = cache.get(text)
+                assert got is not None and got["i"].tolist() == [i]
+            for text in texts:
+                assert cache.delete(text) and not cache.contains(text)
+
+        check()
 
 
 def test_disk_hit_is_verified_and_promoted(cache_root: Path) -> None:
