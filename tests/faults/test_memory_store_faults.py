@@ -19,7 +19,13 @@ import pytest
 from mmcache.errors import CacheError
 from mmcache.stores import memory as memory_mod
 from mmcache.stores._shm import Segment
-from mmcache.stores.memory import EntryState, MemoryStore, reclaim_orphans, unlink_store
+from mmcache.stores.memory import (
+    EntryState,
+    MemoryStore,
+    reclaim_orphans,
+    store_dir,
+    unlink_store,
+)
 
 FORK = mp.get_context("fork")
 # 300 B and 20 KB are copied inside the exclusive section, 200 KB and 1 MB outside it.
@@ -40,7 +46,7 @@ def value_of(i: int) -> bytes:
 
 
 def shm_files(name: str) -> list[str]:
-    return glob.glob(f"/dev/shm/mmcache-{glob.escape(name)}*")
+    return glob.glob(f"{store_dir()}/mmcache-{glob.escape(name)}*")
 
 
 @pytest.fixture
@@ -227,7 +233,7 @@ def test_a_creator_that_died_while_initialising_is_replaced(shm_name: str) -> No
     assert ready.wait(30)
     p.kill()
     p.join(10)
-    assert os.path.exists(f"/dev/shm/mmcache-{shm_name}-meta")
+    assert os.path.exists(f"{store_dir()}/mmcache-{shm_name}-meta")
     assert reclaim_orphans(shm_name)  # the node-wide scan removes it...
     assert shm_files(shm_name) == []
     p = FORK.Process(target=die_while_creating, args=(shm_name, ready := FORK.Event()))
@@ -253,9 +259,9 @@ def test_a_temporary_store_of_dead_processes_is_reclaimed(shm_name: str) -> None
     p.start()
     assert ready.wait(30)
     assert reclaim_orphans(shm_name) == []  # its user is alive
-    assert os.path.exists(f"/dev/shm/mmcache-{shm_name}-meta")
+    assert os.path.exists(f"{store_dir()}/mmcache-{shm_name}-meta")
     p.kill()
     p.join(10)
     removed = reclaim_orphans(shm_name)
-    assert f"/dev/shm/mmcache-{shm_name}-meta" in removed
+    assert f"{store_dir()}/mmcache-{shm_name}-meta" in removed
     assert shm_files(shm_name) == []

@@ -40,6 +40,7 @@ from mmcache.dataset import MultimodalDataset
 from mmcache.loader import DataLoader
 from mmcache.manifest import read_manifest
 from mmcache.pipeline import ImageSpec, Pipeline, TextSpec
+from mmcache.stores.memory import store_dir
 from mmcache.warm import warm
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "mmcache"
@@ -349,7 +350,7 @@ def test_hostile_ids_never_become_paths(
         f"fingerprints/{fp}.keys",
     }
     name = _memory_name(cache_root.absolute())
-    segments = [os.path.basename(p) for p in glob.glob(f"/dev/shm/mmcache-{name}*")]
+    segments = [os.path.basename(p) for p in glob.glob(f"{store_dir()}/mmcache-{name}*")]
     assert segments and all(
         re.fullmatch(rf"mmcache-{name}(\.lock|-meta|-d\d{{3}})", s) for s in segments
     ), segments
@@ -359,8 +360,9 @@ def modes(root: Path) -> dict[str, int]:
     out = {str(p.relative_to(root)): stat.S_IMODE(p.stat().st_mode) for p in root.rglob("*")}
     out["."] = stat.S_IMODE(root.stat().st_mode)
     name = _memory_name(root.absolute())
-    for seg in glob.glob(f"/dev/shm/mmcache-{name}*"):
-        out[os.path.basename(seg)] = stat.S_IMODE(os.stat(seg).st_mode)
+    for directory in {store_dir(), store_dir(os.getegid())}:  # the user's, the group's
+        for seg in glob.glob(f"{directory}/mmcache-{name}*"):
+            out[os.path.basename(seg)] = stat.S_IMODE(os.stat(seg).st_mode)
     return out
 
 

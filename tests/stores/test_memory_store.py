@@ -25,7 +25,7 @@ from mmcache.errors import CacheError, ConfigError
 from mmcache.policies import Policy, Residents
 from mmcache.stores import memory as memory_mod
 from mmcache.stores._index import slot_sizes_upto
-from mmcache.stores.memory import MemoryStore, reclaim_orphans, unlink_store
+from mmcache.stores.memory import MemoryStore, reclaim_orphans, store_dir, unlink_store
 
 MiB = 1 << 20
 
@@ -40,7 +40,7 @@ def value(i: int, size: int) -> bytes:
 
 
 def shm_files(name: str) -> list[str]:
-    return glob.glob(f"/dev/shm/mmcache-{glob.escape(name)}*")
+    return glob.glob(f"{store_dir()}/mmcache-{glob.escape(name)}*")
 
 
 @pytest.fixture
@@ -383,7 +383,7 @@ def test_unlink_removes_files_and_stops_other_users(shm_name: str) -> None:
     b = MemoryStore(shm_name, capacity=MiB)
     a.put(key(1), b"x")
     removed = a.unlink()
-    assert f"/dev/shm/mmcache-{shm_name}.lock" in removed and shm_files(shm_name) == []
+    assert f"{store_dir()}/mmcache-{shm_name}.lock" in removed and shm_files(shm_name) == []
     with pytest.raises(CacheError, match="removed"):
         b.get(key(1))
     b.close()
@@ -593,6 +593,11 @@ FULL_SHM = textwrap.dedent(
             while True:
                 f.write(bytes(4096))
 
+    def left():  # files in /dev/shm and in the store directory (kept, empty, like /run/user)
+        mine = memory.store_dir()
+        found = [f for f in os.listdir(shm) if f != os.path.basename(mine)]
+        return sorted(found + (os.listdir(mine) if os.path.isdir(mine) else []))
+
     out = {}
     # 1. open on a full /dev/shm: CacheError, nothing left behind
     fill(os.path.join(shm, "filler"))
@@ -601,7 +606,7 @@ FULL_SHM = textwrap.dedent(
         out["open"] = "opened"
     except CacheError as exc:
         out["open"] = str(exc)
-    out["left"] = sorted(os.listdir(shm))
+    out["left"] = left()
     os.unlink(os.path.join(shm, "filler"))
     # 2. full mid-run: every kind of put is refused cleanly
     s = memory.MemoryStore(name, capacity=8 << 20, temporary=True)
@@ -628,7 +633,7 @@ FULL_SHM = textwrap.dedent(
     out["problems_after"] = s.check()
     s.close()
     out["warnings"] = warnings
-    out["left_at_end"] = os.listdir(shm)
+    out["left_at_end"] = left()
     print(json.dumps(out))
     """
 )
