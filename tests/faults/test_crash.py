@@ -489,7 +489,8 @@ def test_a_killed_process_never_blocks_the_next_start(
 
 
 def test_gc_reclaims_segments_of_a_killed_temporary_cache(root: Path, tmp_path: Path) -> None:
-    """Nobody reopens the cache: `mmcache gc` on any cache removes the dead one's segments."""
+    """Nobody reopens the cache: `mmcache gc --all` on any cache removes the dead one's
+    segments (a plain gc stays in its own root)."""
     ready = FORK.Event()
     child = FORK.Process(target=hold_cache, args=(str(root), ready, True, False))
     child.start()
@@ -499,6 +500,7 @@ def test_gc_reclaims_segments_of_a_killed_temporary_cache(root: Path, tmp_path: 
     assert dead
     other = tmp_path / "other"
     with Cache(other, memory=0, disk="1MiB") as cache:
-        report = cache.gc()
+        assert not set(dead) & set(cache.gc().orphan_segments)
+        report = cache.gc(all_roots=True)
     assert set(dead) <= set(report.orphan_segments)
     assert glob.glob(f"{store_dir()}/mmcache-{_memory_name(root.absolute())}*") == []

@@ -7,7 +7,10 @@ unrelated processes) sees the same entries, and reads them at memory speed:
 preallocated array with one ``memcpy`` per sample, :meth:`MemoryStore.view`
 lends a zero-copy buffer.
 
-Layout (all files ``0600`` in ``/dev/shm``, named ``mmcache-<name>...``):
+Layout (all files ``0600`` in this user's directory ``/dev/shm/mmcache-u<uid>/``, mode
+``0700``, or ``0660`` in a group's ``/dev/shm/mmcache-g<gid>/``, ``0770``; named
+``mmcache-<name>...``; every file and the directory are checked for owner and mode
+before use, see ``_access.py``):
 
 ``mmcache-<name>.lock``
     Empty file. ``flock`` on it is the node-wide readers-writer lock; the kernel
@@ -70,6 +73,15 @@ Locking protocol (readers ``LOCK_SH``, writers ``LOCK_EX``):
 * ``get``/``get_many``/``gather``/``view`` run under ``LOCK_SH``; they update
   ``atime``/``hits`` in place (concurrent readers may lose an increment of an
   entry's ``hits``; it is a policy hint).
+
+Data-path waits are bounded (``DATA_LOCK_TIMEOUT``): a process stopped inside a
+section (SIGSTOP, Ctrl-Z) costs others one bounded wait and one warning naming it,
+then reads are misses and puts refused until it lets go. A data segment that is
+missing or truncated (a same-user ``: > file`` cannot be stopped, and kills a process
+that has it mapped with SIGBUS when it touches the lost pages) makes the tier fail:
+reads miss and puts are refused in the processes that find it; the next opener
+re-creates the store when nobody is attached (or ``CacheError``), and
+:func:`reclaim_orphans` removes it.
 
 Nothing half-written is ever served: an entry becomes ``READY`` only after its
 whole payload was copied by a process that then took the lock again.
