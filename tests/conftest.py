@@ -51,11 +51,13 @@ def cache_root(tmp_path: Path) -> Iterator[Path]:
     root = tmp_path / "cache"
     yield root
     from mmcache.cache import _memory_name
+    from mmcache.stores.memory import store_dir
 
     name = _memory_name(root.absolute())
-    for path in glob.glob(f"/dev/shm/mmcache-{name}*"):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+    for directory in {store_dir(), store_dir(os.getegid())}:  # mode=0o660: the group's
+        for path in glob.glob(f"{directory}/mmcache-{name}*"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 def _mount_tmpfs(path: Path, size: str) -> Path:

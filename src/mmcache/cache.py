@@ -98,8 +98,22 @@ def _to_key(key: KeyLike) -> bytes:
 
 
 def _memory_name(root: Path) -> str:
-    """Node-wide name of the memory tier of ``root``: a hash, never the path itself."""
-    return xxhash.xxh3_64_hexdigest(f"{os.getuid()}:{root}".encode())
+    """Name of the memory tier of ``root``: a hash, never the path itself.
+
+    No uid in it: the store's directory says whose it is (``/dev/shm/mmcache-u<uid>/``,
+    or ``mmcache-g<gid>/`` shared by a group, where every member must find one name).
+    """
+    return xxhash.xxh3_64_hexdigest(str(root).encode())
+
+
+def _memory_group(root: Path, mode: int) -> int | None:
+    """The group sharing the memory tier: the root's, when ``mode`` opens it to a group."""
+    if not mode & 0o060:
+        return None
+    try:
+        return os.stat(root).st_gid
+    except OSError:
+        return os.getegid()
 
 
 def _verifies(buf: bytes) -> bool:
@@ -140,7 +154,14 @@ class Cache:
             tier, shared-memory segments, ``cache.json``); folders get the
             matching search bits. The default ``0o600`` keeps the cache to its
             owner; ``0o660`` shares it with the group (e.g. one cache for the
-            jobs of a team on a node).
+            jobs of a team on a node). The memory tier is then shared with the
+            cache root's group (make the root group-owned: ``chgrp team ROOT``):
+            one copy in ``/dev/shm/mmcache-g<gid>/`` for every member; it is
+            never shared beyond that group, whatever the "other" bits say.
+        memory_entries: most entries the memory tier indexes (default: one per
+            4 KiB of its budget, at least 1024); raise it for many small
+            samples (tokens only, pooled features): a warning says when the
+            index is full while bytes are free.
     """
 
     def __init__(
@@ -155,6 +176,7 @@ class Cache:
         temporary: bool = False,
         fallback: Fallback = "raise",
         mode: int = 0o600,
+        memory_entries: int | None = None,
     ) -> None:
         if not isinstance(mode, int) or mode & ~0o666 or (mode & 0o600) != 0o600:
             raise ConfigError(
@@ -170,6 +192,9 @@ class Cache:
         self.clock = clock
         self.temporary = temporary
         self.fallback: Fallback = fallback
+        self.memory_entries = memory_entries
+        #: Tiers that could not be opened (fallback="uncached"), with the reason.
+        self.degraded: dict[str, str] = {}
         self._memory_arg = memory
         self._disk_arg = disk
         if memory == "auto":
@@ -189,6 +214,7 @@ class Cache:
         if self.fallback == "raise":
             raise CacheError(f"{msg} (pass fallback='uncached' to train without it)") from exc
         logger.warning("%s; continuing without it (fallback='uncached')", msg)
+        self.degraded[tier] = str(exc)
 
     def _open(self) -> None:
         from mmcache.stores.disk import DiskStore
@@ -222,6 +248,7 @@ class Cache:
             except OSError as exc:
                 logger.debug("no fingerprint registry in %s: %s", self.root, exc)
         if self.memory_budget > 0:
+            group = _memory_group(self.root, self.mode)
             try:
                 self.memory = MemoryStore(
                     _memory_name(self.root),
@@ -229,7 +256,9 @@ class Cache:
                     policy=self.policy,
                     temporary=self.temporary,
                     owner_path=str(self.root),
-                    mode=self.mode,
+                    index_capacity=self.memory_entries,
+                    mode=self.mode & 0o660 if group is not None else 0o600,
+                    group=group,
                 )
             except (OSError, CacheError) as exc:
                 self._degrade("memory", exc)
@@ -296,6 +325,7 @@ class Cache:
             "temporary": self.temporary,
             "fallback": self.fallback,
             "mode": self.mode,
+            "memory_entries": self.memory_entries,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -309,6 +339,7 @@ class Cache:
             temporary=state["temporary"],
             fallback=state["fallback"],
             mode=state.get("mode", 0o600),
+            memory_entries=state.get("memory_entries"),
         )
 
     @property
@@ -474,7 +505,8 @@ class Cache:
             if self.registry is not None
             else {}
         )
-        return CacheStats({name: tier.stats() for name, tier in self.tiers.items()}, fps)
+        tiers = {name: tier.stats() for name, tier in self.tiers.items()}
+        return CacheStats(tiers, fps, degraded=dict(self.degraded))
 
     def verify(self, *, repair: bool = False) -> VerifyReport:
         """Check every entry's header and checksum; with ``repair`` remove bad ones."""
@@ -495,9 +527,17 @@ class Cache:
         )
 
     def gc(
-        self, *, max_size: int | str | None = None, unused_for: float | str | None = None
+        self,
+        *,
+        max_size: int | str | None = None,
+        unused_for: float | str | None = None,
+        all_roots: bool = False,
     ) -> GcReport:
         """Remove expired and corrupt entries and orphaned shared-memory segments.
+
+        Orphaned segments: this root's memory tier when it is damaged or unused
+        and temporary (see :func:`~mmcache.stores.memory.reclaim_orphans`);
+        ``all_roots`` also those of every other root of this user (or group).
 
         ``max_size`` shrinks the disk tier's budget to that size (evicting by the
         policy; ``keep``/``value`` fall back to least recently used) and records
@@ -537,7 +577,8 @@ class Cache:
             self.disk_budget = limit
             self._write_config()
             evicted = items - len(self.disk)
-        orphans = tuple(reclaim_orphans())
+        pattern = "*" if all_roots else _memory_name(self.root)
+        orphans = tuple(reclaim_orphans(pattern, group=_memory_group(self.root, self.mode)))
         after = sum(t.nbytes() for t in self.tiers.values())
         return GcReport(
             expired=expired,

@@ -228,6 +228,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
         report = cache.gc(
             max_size=None if args.max_size is None else parse_size(args.max_size),
             unused_for=args.unused_for,
+            all_roots=args.all,
         )
     finally:
         cache.close()
@@ -440,6 +441,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-size", help="shrink the disk tier to this size (e.g. 10GiB)")
     p.add_argument(
         "--unused-for", help="drop entries of pipeline fingerprints unused this long (e.g. 30d)"
+    )
+    p.add_argument(
+        "--all",
+        action="store_true",
+        help="also remove orphaned shared-memory stores of this user's other cache roots",
     )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_gc)

@@ -51,6 +51,9 @@ class CacheStats:
     tiers: dict[str, TierStats] = field(default_factory=dict)
     #: Pipeline fingerprints that wrote into this cache root (see mmcache.registry).
     fingerprints: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: Tiers that could not be opened (``fallback="uncached"``) and why: a memory tier
+    #: refused because another user owns its files shows here, not only in the log.
+    degraded: dict[str, str] = field(default_factory=dict)
 
     def __getitem__(self, tier: str) -> TierStats:
         return self.tiers[tier]
@@ -58,6 +61,8 @@ class CacheStats:
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {name: t.as_dict() for name, t in self.tiers.items()}
         out["fingerprints"] = self.fingerprints
+        if self.degraded:
+            out["degraded"] = self.degraded
         return out
 
 

@@ -44,6 +44,7 @@ from mmcache.dataset import MultimodalDataset
 from mmcache.errors import ManifestError, MmcacheError, SampleError
 from mmcache.loader import DataLoader
 from mmcache.pipeline import ImageSpec, Pipeline, TextSpec
+from mmcache.stores.memory import store_dir
 
 SIZE = 32
 MAX_LENGTH = 16
@@ -801,7 +802,7 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cache]:
 
 
 def remove_segments(root: Path) -> None:
-    for path in glob.glob(f"/dev/shm/mmcache-{_memory_name(root.absolute())}*"):
+    for path in glob.glob(f"{store_dir()}/mmcache-{_memory_name(root.absolute())}*"):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
 

@@ -8,9 +8,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,7 +21,13 @@ import pytest
 from mmcache.errors import CacheError
 from mmcache.stores import memory as memory_mod
 from mmcache.stores._shm import Segment
-from mmcache.stores.memory import EntryState, MemoryStore, reclaim_orphans, unlink_store
+from mmcache.stores.memory import (
+    EntryState,
+    MemoryStore,
+    reclaim_orphans,
+    store_dir,
+    unlink_store,
+)
 
 FORK = mp.get_context("fork")
 # 300 B and 20 KB are copied inside the exclusive section, 200 KB and 1 MB outside it.
@@ -40,7 +48,7 @@ def value_of(i: int) -> bytes:
 
 
 def shm_files(name: str) -> list[str]:
-    return glob.glob(f"/dev/shm/mmcache-{glob.escape(name)}*")
+    return glob.glob(f"{store_dir()}/mmcache-{glob.escape(name)}*")
 
 
 @pytest.fixture
@@ -227,7 +235,7 @@ def test_a_creator_that_died_while_initialising_is_replaced(shm_name: str) -> No
     assert ready.wait(30)
     p.kill()
     p.join(10)
-    assert os.path.exists(f"/dev/shm/mmcache-{shm_name}-meta")
+    assert os.path.exists(f"{store_dir()}/mmcache-{shm_name}-meta")
     assert reclaim_orphans(shm_name)  # the node-wide scan removes it...
     assert shm_files(shm_name) == []
     p = FORK.Process(target=die_while_creating, args=(shm_name, ready := FORK.Event()))
@@ -253,9 +261,173 @@ def test_a_temporary_store_of_dead_processes_is_reclaimed(shm_name: str) -> None
     p.start()
     assert ready.wait(30)
     assert reclaim_orphans(shm_name) == []  # its user is alive
-    assert os.path.exists(f"/dev/shm/mmcache-{shm_name}-meta")
+    assert os.path.exists(f"{store_dir()}/mmcache-{shm_name}-meta")
     p.kill()
     p.join(10)
     removed = reclaim_orphans(shm_name)
-    assert f"/dev/shm/mmcache-{shm_name}-meta" in removed
+    assert f"{store_dir()}/mmcache-{shm_name}-meta" in removed
     assert shm_files(shm_name) == []
+
+
+# ------------------------------------------------------------------ a truncated data segment
+
+
+def data_segment(store: MemoryStore) -> str:
+    return next(p for p in store.segment_paths() if p[-5:-3] == "-d")
+
+
+def test_a_truncated_data_segment_is_removed_by_gc(shm_name: str, tmp_path: Path) -> None:
+    """`: > /dev/shm/...-dNNN` between runs (SIGBUS while mapped cannot be prevented):
+    the error's advice, `mmcache gc`, must remove the store."""
+    store = MemoryStore(shm_name, capacity=CAPACITY, owner_path=str(tmp_path))
+    assert store.put(key_of(0), value_of(0))
+    segment = data_segment(store)
+    store.close()
+    os.truncate(segment, 0)
+    removed = reclaim_orphans(shm_name)
+    assert segment in removed and shm_files(shm_name) == []
+
+
+def test_a_truncated_data_segment_is_recreated_when_nobody_is_attached(
+    shm_name: str, tmp_path: Path
+) -> None:
+    store = MemoryStore(shm_name, capacity=CAPACITY, owner_path=str(tmp_path))
+    assert store.put(key_of(0), value_of(0))
+    segment = data_segment(store)
+    store.close()
+    os.truncate(segment, 0)
+    again = MemoryStore(shm_name, capacity=CAPACITY, owner_path=str(tmp_path))  # a later run
+    try:
+        assert again.get(key_of(0)) is None  # never a CacheError on the first read
+        assert again.put(key_of(0), value_of(0)) and again.get(key_of(0)) == value_of(0)
+        assert again.check() == []
+    finally:
+        again.close()
+
+
+@pytest.mark.parametrize("fallback", ["raise", "uncached"])
+def test_a_truncated_data_segment_in_use_is_a_failed_tier(
+    shm_name: str, tmp_path: Path, fallback: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process still attached: not re-created under it; Cache treats the tier as
+    failed (fallback), and a process that had not mapped the segment yet reads misses."""
+    from mmcache import cache as cache_mod
+    from mmcache.cache import Cache
+
+    monkeypatch.setattr(cache_mod, "_memory_name", lambda root: shm_name)
+    first = Cache(tmp_path / "root", memory=CAPACITY, disk=None)
+    try:
+        first.put(key_of(0), {"x": np.arange(10)})
+        assert first.memory is not None
+        other = MemoryStore(shm_name, capacity=CAPACITY)  # attached, nothing mapped yet
+        os.truncate(data_segment(first.memory), 0)
+        assert other.get(key_of(0)) is None and not other.put(key_of(1), b"x" * 10)
+        other.close()
+        if fallback == "raise":
+            with pytest.raises(CacheError, match="truncated"):
+                Cache(tmp_path / "root", memory=CAPACITY, disk=None)
+        else:
+            with Cache(tmp_path / "root", memory=CAPACITY, disk=None, fallback="uncached") as c:
+                assert c.memory is None and "truncated" in c.stats().degraded["memory"]
+    finally:
+        first.close()
+
+
+# ------------------------------------------------------------------ a stopped lock holder
+
+STOP_INSIDE = """
+import os, signal, sys
+from mmcache.stores.memory import MemoryStore
+store = MemoryStore(sys.argv[1], capacity=1 << 22)
+store.put(bytes(16), b"v" * 100)
+if sys.argv[2] == "exclusive":
+    section = store._exclusive()  # a put's critical section
+else:
+    section = store.view(bytes(16))  # a reader's (a gather's) section
+with section:
+    print("inside", flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
+"""
+
+
+def wait_stopped(pid: int) -> None:
+    for _ in range(500):
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.01)
+    raise AssertionError("the child never stopped")
+
+
+@pytest.mark.parametrize("section", ["exclusive", "shared"])
+def test_a_stopped_lock_holder_costs_a_bounded_wait_and_one_warning(
+    shm_name: str, section: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(memory_mod, "DATA_LOCK_TIMEOUT", 0.5, raising=False)
+    store = MemoryStore(shm_name, capacity=1 << 22)
+    child = subprocess.Popen(
+        [sys.executable, "-c", STOP_INSIDE, shm_name, section], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "inside"
+        wait_stopped(child.pid)
+        results: dict[str, Any] = {}
+
+        def use() -> None:
+            results["put"] = store.put(key_of(1), b"w" * 100)
+            results["get"] = store.get(bytes(16))
+            out = np.zeros((1, 10), np.uint8)
+            results["gather"] = store.gather([bytes(16)], 0, 10, out).tolist()
+
+        with caplog.at_level("WARNING", logger="mmcache"):
+            t0 = time.monotonic()
+            user = threading.Thread(target=use, daemon=True)
+            user.start()
+            user.join(10)
+            waited = time.monotonic() - t0
+            assert not user.is_alive(), "a stopped holder blocked this process"
+        assert results["put"] is False  # refused, not blocked
+        if section == "exclusive":
+            assert results["get"] is None and results["gather"] == [False]  # misses
+        else:
+            assert results["get"] == b"v" * 100 and results["gather"] == [True]  # readers share
+        assert waited < 5  # one bounded wait, then no wait while it stays stuck
+        warned = [r.getMessage() for r in caplog.records if str(child.pid) in r.getMessage()]
+        assert len(warned) == 1, [r.getMessage() for r in caplog.records]
+    finally:
+        child.kill()  # SIGKILL ends a stopped process too; the kernel drops its lock
+        child.wait(10)
+    time.sleep(0.6)  # the holder is gone: the store works again
+    assert store.put(key_of(2), b"z" * 100) and store.get(key_of(2)) == b"z" * 100
+    assert store.check() == []
+    store.close()
+
+
+# ------------------------------------------------------------------ gc stays in its root
+
+
+def test_gc_of_one_root_leaves_the_orphans_of_other_roots_unless_asked(tmp_path: Path) -> None:
+    from mmcache import cli
+    from mmcache.cache import Cache, _memory_name
+
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    for root in (mine, other):
+        with Cache(root, memory="1MiB", disk="1MiB") as cache:
+            cache.put(key_of(0), {"x": np.arange(4)})
+    other_files = shm_files(_memory_name(other))
+    assert other_files
+    for path in other.rglob("*"):
+        if path.is_file():
+            path.unlink()
+    for path in sorted(other.rglob("*"), reverse=True):
+        path.rmdir()
+    other.rmdir()  # an orphan now: its owner path is gone
+    try:
+        assert cli.main(["gc", "--cache", str(mine)]) == 0
+        assert shm_files(_memory_name(other)) == other_files  # not this root's to remove
+        assert cli.main(["gc", "--cache", str(mine), "--all"]) == 0
+        assert shm_files(_memory_name(other)) == []
+        assert shm_files(_memory_name(mine))  # its root exists: kept
+    finally:
+        unlink_store(_memory_name(mine))
+        unlink_store(_memory_name(other))

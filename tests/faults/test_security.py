@@ -22,8 +22,10 @@ import marshal
 import os
 import pickle
 import re
+import shutil
 import stat
 import struct
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -37,9 +39,11 @@ import xxhash
 from mmcache import codec
 from mmcache.cache import Cache, _memory_name
 from mmcache.dataset import MultimodalDataset
+from mmcache.errors import CacheError
 from mmcache.loader import DataLoader
 from mmcache.manifest import read_manifest
 from mmcache.pipeline import ImageSpec, Pipeline, TextSpec
+from mmcache.stores.memory import store_dir
 from mmcache.warm import warm
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "mmcache"
@@ -349,7 +353,7 @@ def test_hostile_ids_never_become_paths(
         f"fingerprints/{fp}.keys",
     }
     name = _memory_name(cache_root.absolute())
-    segments = [os.path.basename(p) for p in glob.glob(f"/dev/shm/mmcache-{name}*")]
+    segments = [os.path.basename(p) for p in glob.glob(f"{store_dir()}/mmcache-{name}*")]
     assert segments and all(
         re.fullmatch(rf"mmcache-{name}(\.lock|-meta|-d\d{{3}})", s) for s in segments
     ), segments
@@ -359,8 +363,9 @@ def modes(root: Path) -> dict[str, int]:
     out = {str(p.relative_to(root)): stat.S_IMODE(p.stat().st_mode) for p in root.rglob("*")}
     out["."] = stat.S_IMODE(root.stat().st_mode)
     name = _memory_name(root.absolute())
-    for seg in glob.glob(f"/dev/shm/mmcache-{name}*"):
-        out[os.path.basename(seg)] = stat.S_IMODE(os.stat(seg).st_mode)
+    for directory in {store_dir(), store_dir(os.getegid())}:  # the user's, the group's
+        for seg in glob.glob(f"{directory}/mmcache-{name}*"):
+            out[os.path.basename(seg)] = stat.S_IMODE(os.stat(seg).st_mode)
     return out
 
 
@@ -393,3 +398,111 @@ def test_the_user_can_ask_to_share_the_cache_with_a_group(cache_root: Path) -> N
     assert got.pop(".") == 0o770
     for path, mode in got.items():
         assert mode == (0o770 if path in ("disk", "fingerprints") else 0o660), (path, oct(mode))
+
+
+# ------------------------------------------------------------------ another local user
+
+ATTACKER = 23402  # a numeric uid with no account; setpriv needs none
+
+
+@pytest.fixture
+def fake_shm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A world-writable sticky folder standing for /dev/shm (so planting in it cannot
+    disturb other tests), patched in as the memory tier's SHM_DIR."""
+    from mmcache.stores import memory as memory_mod
+
+    base = Path(f"/dev/shm/mmcache-test-{os.urandom(6).hex()}")
+    base.mkdir()
+    os.chmod(base, 0o1777)
+    monkeypatch.setattr(memory_mod, "SHM_DIR", str(base))
+    yield base
+    subprocess.run(["rm", "-rf", str(base)], check=False)
+
+
+def as_user(uid: int, gid: int, *argv: str) -> subprocess.CompletedProcess[str]:
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("running as another user needs root and setpriv")
+    cmd = ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", *argv]
+    return subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=30)
+
+
+def test_a_store_directory_made_by_another_user_is_refused_never_used(
+    fake_shm: Path, cache_root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The attacker (a real other uid) makes the victim's store directory first, open to
+    all: the victim refuses it, naming it and its owner, and with fallback="uncached"
+    trains without the memory tier, saying so in the log and in stats."""
+    planted = store_dir()
+    assert as_user(ATTACKER, ATTACKER, "mkdir", "-m", "0777", planted).returncode == 0
+    with pytest.raises(CacheError) as info:
+        Cache(cache_root, memory="1MiB", disk=None)
+    assert planted in str(info.value) and f"uid {ATTACKER}" in str(info.value)
+    with caplog.at_level("WARNING", logger="mmcache"):
+        cache = Cache(cache_root, memory="1MiB", disk=None, fallback="uncached")
+    with cache:
+        assert cache.memory is None
+        assert f"uid {ATTACKER}" in cache.stats().degraded["memory"]
+        assert cache.stats().as_dict()["degraded"]["memory"]
+    assert any(planted in r.getMessage() and "uncached" in r.getMessage() for r in caplog.records)
+    assert os.listdir(planted) == []  # nothing of the victim's went into it
+
+
+def test_the_store_directory_keeps_other_users_out(fake_shm: Path, cache_root: Path) -> None:
+    with Cache(cache_root, memory="1MiB", disk=None) as cache:
+        cache.put(key(1), sample(1))
+        meta = next(p for p in cache.memory.segment_paths() if p.endswith("-meta"))  # type: ignore[union-attr]
+        assert stat.S_IMODE(os.stat(os.path.dirname(meta)).st_mode) == 0o700
+        for argv in (["cat", meta], ["sh", "-c", f": > {os.path.dirname(meta)}/mmcache-x-meta"]):
+            assert as_user(ATTACKER, ATTACKER, *argv).returncode != 0, argv
+
+
+@pytest.mark.parametrize("fallback", ["raise", "uncached"])
+def test_store_files_owned_by_another_user_are_refused(
+    cache_root: Path, fallback: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What pre-created segments leave behind: files of another uid, mode 0666, where the
+    victim's store goes. The victim must not attach (it would serve the attacker's data)."""
+    with Cache(cache_root, memory="1MiB", disk=None) as cache:
+        cache.put(key(1), sample(1))
+        paths = cache.memory.segment_paths()  # type: ignore[union-attr]
+    for path in paths:
+        os.chown(path, ATTACKER, ATTACKER)
+        os.chmod(path, 0o666)
+    if fallback == "raise":
+        with pytest.raises(CacheError) as info:
+            Cache(cache_root, memory="1MiB", disk=None)
+        assert f"uid {ATTACKER}" in str(info.value)
+        assert any(p in str(info.value) for p in paths)
+        return
+    with caplog.at_level("WARNING", logger="mmcache"):
+        cache = Cache(cache_root, memory="1MiB", disk=None, fallback="uncached")
+    with cache:
+        assert cache.memory is None and cache.get(key(1)) is None
+        assert f"uid {ATTACKER}" in cache.stats().degraded["memory"]
+
+
+def test_group_members_share_one_copy_of_the_memory_tier(
+    fake_shm: Path,
+) -> None:
+    """mode=0o660 shares the memory tier with the root's group: a second member (another
+    uid) finds the first one's entries in the same segments, not a copy of their own."""
+    root = fake_shm / "team-cache"
+    root.mkdir(mode=0o770)
+    os.chmod(root, 0o770)
+    with Cache(root, memory="1MiB", disk=None, mode=0o660) as alice:
+        alice.put(key(1), sample(1))
+        paths = alice.memory.segment_paths()  # type: ignore[union-attr]
+        with pytest.MonkeyPatch.context() as other_member:  # another uid's process
+            other_member.setattr(os, "getuid", lambda: ATTACKER)
+            other_member.setattr(os, "geteuid", lambda: ATTACKER)
+            with Cache(root, memory="1MiB", disk=None, mode=0o660) as bob:
+                got, tier = bob.lookup(key(1))
+                assert tier == "memory" and got is not None
+                assert bob.memory.segment_paths() == paths  # type: ignore[union-attr]
+    group_dir = os.path.dirname(paths[0])
+    assert group_dir == store_dir(os.getegid())
+    assert stat.S_IMODE(os.stat(group_dir).st_mode) == 0o770
+    # really, as other uids: a member may open the segments, a non-member may not
+    member = as_user(ATTACKER, os.getegid(), "sh", "-c", f"test -r {paths[1]} -a -w {paths[1]}")
+    outsider = as_user(ATTACKER, ATTACKER, "cat", paths[1])
+    assert member.returncode == 0 and outsider.returncode != 0

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from mmcache.stores.memory import MemoryStore, unlink_store
+from mmcache.stores.memory import MemoryStore, store_dir, unlink_store
 
 # Sizes cover the copy-under-the-lock path (<= 64 KiB) and the copy-outside path.
 SIZES = (700, 12_000, 90_000, 150_528)
@@ -88,7 +88,7 @@ def shm_name() -> Iterator[str]:
     name = f"tmemmp-{uuid.uuid4().hex[:12]}"
     yield name
     unlink_store(name)
-    assert glob.glob(f"/dev/shm/mmcache-{name}*") == []
+    assert glob.glob(f"{store_dir()}/mmcache-{name}*") == []
 
 
 @pytest.mark.parametrize("policy", ["lru", "value"])

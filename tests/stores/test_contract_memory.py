@@ -10,7 +10,7 @@ import pytest
 from hypothesis import settings
 
 from mmcache.stores.base import Store
-from mmcache.stores.memory import MemoryStore, unlink_store
+from mmcache.stores.memory import MemoryStore, store_dir, unlink_store
 from mmcache.testing.store_contract import StoreContract
 from mmcache.testing.store_machine import make_store_machine
 
@@ -26,7 +26,7 @@ class TestMemoryStoreContract(StoreContract):
         yield
         for name in self.names:
             unlink_store(name)
-        assert glob.glob(f"/dev/shm/mmcache-{prefix}-*") == []
+        assert glob.glob(f"{store_dir()}/mmcache-{prefix}-*") == []
 
     def make_store(self, capacity: int, policy: str = "lru") -> Store:
         name = f"{self.prefix}-{len(self.names)}"

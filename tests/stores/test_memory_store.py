@@ -25,7 +25,7 @@ from mmcache.errors import CacheError, ConfigError
 from mmcache.policies import Policy, Residents
 from mmcache.stores import memory as memory_mod
 from mmcache.stores._index import slot_sizes_upto
-from mmcache.stores.memory import MemoryStore, reclaim_orphans, unlink_store
+from mmcache.stores.memory import MemoryStore, reclaim_orphans, store_dir, unlink_store
 
 MiB = 1 << 20
 
@@ -40,7 +40,7 @@ def value(i: int, size: int) -> bytes:
 
 
 def shm_files(name: str) -> list[str]:
-    return glob.glob(f"/dev/shm/mmcache-{glob.escape(name)}*")
+    return glob.glob(f"{store_dir()}/mmcache-{glob.escape(name)}*")
 
 
 @pytest.fixture
@@ -383,7 +383,7 @@ def test_unlink_removes_files_and_stops_other_users(shm_name: str) -> None:
     b = MemoryStore(shm_name, capacity=MiB)
     a.put(key(1), b"x")
     removed = a.unlink()
-    assert f"/dev/shm/mmcache-{shm_name}.lock" in removed and shm_files(shm_name) == []
+    assert f"{store_dir()}/mmcache-{shm_name}.lock" in removed and shm_files(shm_name) == []
     with pytest.raises(CacheError, match="removed"):
         b.get(key(1))
     b.close()
@@ -593,6 +593,11 @@ FULL_SHM = textwrap.dedent(
             while True:
                 f.write(bytes(4096))
 
+    def left():  # files in /dev/shm and in the store directory (kept, empty, like /run/user)
+        mine = memory.store_dir()
+        found = [f for f in os.listdir(shm) if f != os.path.basename(mine)]
+        return sorted(found + (os.listdir(mine) if os.path.isdir(mine) else []))
+
     out = {}
     # 1. open on a full /dev/shm: CacheError, nothing left behind
     fill(os.path.join(shm, "filler"))
@@ -601,7 +606,7 @@ FULL_SHM = textwrap.dedent(
         out["open"] = "opened"
     except CacheError as exc:
         out["open"] = str(exc)
-    out["left"] = sorted(os.listdir(shm))
+    out["left"] = left()
     os.unlink(os.path.join(shm, "filler"))
     # 2. full mid-run: every kind of put is refused cleanly
     s = memory.MemoryStore(name, capacity=8 << 20, temporary=True)
@@ -628,7 +633,7 @@ FULL_SHM = textwrap.dedent(
     out["problems_after"] = s.check()
     s.close()
     out["warnings"] = warnings
-    out["left_at_end"] = os.listdir(shm)
+    out["left_at_end"] = left()
     print(json.dumps(out))
     """
 )
@@ -665,3 +670,50 @@ def test_a_full_shm_is_a_cache_error_at_open_and_a_refused_put_later(
     assert len(warnings) == 3 and all(str(small_shm) in w for w in warnings), warnings
     assert "is full" in warnings[2]
     assert out["left_at_end"] == []
+
+
+# ------------------------------------------------------------------ dropped without close
+
+
+def test_a_store_collected_in_a_reference_cycle_raises_nothing(
+    shm_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The garbage collector may finalize the store's lock (closing its descriptors)
+    before the store's __del__ runs: nothing may be raised ("Exception ignored in")."""
+    unraisable: list[Any] = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    for _ in range(3):
+        s = MemoryStore(shm_name, capacity=MiB)
+        s.put(key(1), value(1, 100))
+        s.cycle = s  # type: ignore[attr-defined]
+        del s
+        gc.collect()
+    assert [str(u.exc_value) for u in unraisable] == []
+    again = MemoryStore(shm_name, capacity=MiB)  # the store is still usable
+    assert again.get(key(1)) == value(1, 100) and again.check() == []
+    again.close()
+    again.close()  # idempotent
+
+
+# ------------------------------------------------------------------ many small entries
+
+
+def test_an_index_full_while_bytes_are_free_warns_once_and_can_be_raised(
+    make: Callable[..., MemoryStore], caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """3,000 samples of 140 B in 1 MiB: the default index (1,024 entries) holds a seventh
+    of them while 86% of the budget stays free. Say so, once, and name the knob."""
+    s = make(capacity=MiB, policy="lru")
+    with caplog.at_level("WARNING", logger="mmcache"):
+        for i in range(3000):
+            s.put(key(i), value(i, 140))
+    warned = [r.getMessage() for r in caplog.records if "index" in r.getMessage()]
+    assert len(warned) == 1 and "memory_entries" in warned[0], warned
+    bigger = make(name=f"{s.shm_name}-big", capacity=MiB, index_capacity=4096)
+    assert all(bigger.put(key(i), value(i, 140)) for i in range(3000))
+    assert len(bigger) == 3000
+    bigger.unlink()
+    from mmcache.cache import Cache
+
+    with Cache(tmp_path / "c", memory=MiB, disk=None, memory_entries=4096, temporary=True) as c:
+        assert c.memory is not None and c.memory.index_capacity == 4096  # type: ignore[attr-defined]

@@ -33,16 +33,19 @@ import weakref
 from collections.abc import Iterable, Iterator
 
 from mmcache.errors import CacheError, ConfigError
+from mmcache.stores._access import Access
 
 __all__ = [
     "NO_SPACE_ERRNOS",
     "PAGE_SIZE",
     "SHM_DIR",
     "SHM_PREFIX",
+    "LockTimeout",
     "NodeLock",
     "Segment",
     "check_store_name",
     "is_no_space",
+    "lock_holders",
     "pid_alive",
     "proc_start_time",
 ]
@@ -141,18 +144,18 @@ class Segment:
 
     @classmethod
     def create(
-        cls, path: str, size: int, *, mode: int, reserve: Iterable[tuple[int, int]] = ()
+        cls, path: str, size: int, *, access: Access, reserve: Iterable[tuple[int, int]] = ()
     ) -> Segment:
-        """Create a new zero-filled segment (fails if ``path`` exists).
+        """Create a new zero-filled segment (fails if ``path`` exists), owned per ``access``.
 
         ``reserve``: ``(offset, length)`` ranges to allocate now (see
         :meth:`reserve`). If the file system has no room for them, the file is
         removed and the ``OSError`` (``ENOSPC``, see :func:`is_no_space`) raised.
         """
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(path, flags, mode)
+        fd = os.open(path, flags, 0o600)
         try:
-            os.fchmod(fd, mode)  # exactly the mode asked for, whatever the umask
+            access.created(fd)
             os.ftruncate(fd, size)
             seg = cls(path, fd, size)
             try:
@@ -170,10 +173,15 @@ class Segment:
             raise
 
     @classmethod
-    def open(cls, path: str, size: int | None = None) -> Segment:
-        """Map an existing segment (its whole length when ``size`` is None)."""
+    def open(cls, path: str, size: int | None = None, *, access: Access) -> Segment:
+        """Map an existing segment (its whole length when ``size`` is None).
+
+        Raises ``CacheError`` if the file is not one ``access`` trusts (another
+        user's: see :mod:`._access`) or is shorter than ``size``.
+        """
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
+            access.check_fd(fd, path)
             actual = os.fstat(fd).st_size
             if size is None:
                 size = actual
@@ -242,6 +250,39 @@ class Segment:
 
 # --------------------------------------------------------------------------- the node lock
 
+
+class LockTimeout(CacheError):
+    """A bounded wait for a :class:`NodeLock` ran out: a live process holds it (stopped?)."""
+
+
+#: Waits at least this long poll every 50 ms; shorter ones (data-path reads and puts),
+#: every 5 ms at most, so a lock freed a moment later costs little.
+OPEN_WAIT_POLL = 20.0
+
+
+def lock_holders(inode: int) -> list[int]:
+    """Pids holding (or waiting for) an ``flock`` on the file with inode ``inode``.
+
+    From ``/proc/locks`` (``N: FLOCK ADVISORY WRITE <pid> <maj>:<min>:<inode> ...``);
+    empty where it cannot be read. Pids of other pid namespaces show as 0 there.
+    """
+    pids: list[int] = []
+    try:
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            for line in f:
+                fields = line.split()
+                if "->" in fields:  # a waiter, listed under the holder
+                    continue
+                if len(fields) >= 6 and fields[1] == "FLOCK":
+                    dev_inode = fields[5].rsplit(":", 1)
+                    if len(dev_inode) == 2 and dev_inode[1] == str(inode):
+                        with contextlib.suppress(ValueError):
+                            pids.append(int(fields[4]))
+    except OSError:
+        return []
+    return sorted(set(pids))
+
+
 SHARED = fcntl.LOCK_SH
 EXCLUSIVE = fcntl.LOCK_EX
 
@@ -289,9 +330,9 @@ class NodeLock:
     open file descriptions).
     """
 
-    def __init__(self, path: str, *, create: bool, mode: int) -> None:
+    def __init__(self, path: str, *, create: bool, access: Access) -> None:
         self.path = path
-        self._anchor = self._open_anchor(path, create=create, mode=mode)
+        self._anchor = self._open_anchor(path, create=create, access=access)
         self.inode = os.fstat(self._anchor).st_ino
         self._pid = os.getpid()
         self._local = threading.local()
@@ -300,20 +341,31 @@ class NodeLock:
         self._close = weakref.finalize(self, _close_all, [self._anchor], self._holders)
 
     @staticmethod
-    def _open_anchor(path: str, *, create: bool, mode: int) -> int:
+    def _open_anchor(path: str, *, create: bool, access: Access) -> int:
         flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
         directory = os.path.dirname(path) or "."
         for _ in range(10):
             try:
+                fd = -1
                 if create:
                     try:
-                        fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, mode)
+                        fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
                     except FileExistsError:
                         pass
                     else:
-                        os.fchmod(fd, mode)  # exactly the mode asked for, whatever the umask
+                        try:
+                            access.created(fd)
+                        except BaseException:
+                            os.close(fd)
+                            raise
                         return fd
-                return os.open(path, flags)
+                fd = os.open(path, flags)
+                try:
+                    access.check_fd(fd, path)  # another user's lock file: never lock it
+                except BaseException:
+                    os.close(fd)
+                    raise
+                return fd
             except FileNotFoundError:
                 if not os.path.isdir(directory):
                     # Containers and some CI runners have no /dev/shm at all; saying
@@ -328,6 +380,8 @@ class NodeLock:
                         f"no memory store at {path}: create it first (create=True)"
                     ) from None
                 # Removed between our O_EXCL attempt and the plain open: try again.
+            except CacheError:
+                raise
             except OSError as exc:
                 raise CacheError(f"cannot open the lock file {path}: {exc}") from exc
         raise CacheError(f"the lock file {path} keeps being removed while opening it")
@@ -346,6 +400,10 @@ class NodeLock:
             return holder
         if pid != self._pid:
             self._after_fork(pid)
+        if self._anchor < 0 or not self._close.alive:
+            # Closed (or finalized by the garbage collector): the anchor's number may
+            # already name another file, so never open /proc/self/fd/<anchor> again.
+            raise CacheError(f"the lock {self.path} is closed")
         fd = os.open(f"/proc/self/fd/{self._anchor}", os.O_RDWR | os.O_CLOEXEC)
         holder = _Holder(fd, pid)
         self._local.holder = holder
@@ -394,8 +452,14 @@ class NodeLock:
         if timeout is None:
             fcntl.flock(fd, mode)
             return
+        try:  # the uncontended case: one system call, no clock read
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
+                raise
         deadline = time.monotonic() + timeout
-        delay = 0.001
+        delay = 0.0001
         while True:
             try:
                 fcntl.flock(fd, mode | fcntl.LOCK_NB)
@@ -404,13 +468,14 @@ class NodeLock:
                 if exc.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
                     raise
             if time.monotonic() >= deadline:
-                raise CacheError(
+                holders = ", ".join(map(str, lock_holders(self.inode))) or "unknown"
+                raise LockTimeout(
                     f"timed out after {timeout:.0f}s waiting for the lock {self.path}: a live"
-                    " process holds it (a stopped one?); find it with `fuser` and resume or"
-                    " end it"
+                    f" process holds it (pids {holders}; a stopped one?); resume it"
+                    " (kill -CONT) or end it"
                 )
             time.sleep(delay)
-            delay = min(delay * 2, 0.05)
+            delay = min(delay * 2, 0.005 if timeout < OPEN_WAIT_POLL else 0.05)
 
     def try_exclusive(self) -> bool:
         """Take the exclusive lock without waiting; return whether it was taken.
@@ -441,3 +506,8 @@ class NodeLock:
             self._close()
         self._local = threading.local()
         self._anchor = -1
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (or the garbage collector finalized the lock)."""
+        return self._anchor < 0 or not self._close.alive

@@ -7,7 +7,10 @@ unrelated processes) sees the same entries, and reads them at memory speed:
 preallocated array with one ``memcpy`` per sample, :meth:`MemoryStore.view`
 lends a zero-copy buffer.
 
-Layout (all files ``0600`` in ``/dev/shm``, named ``mmcache-<name>...``):
+Layout (all files ``0600`` in this user's directory ``/dev/shm/mmcache-u<uid>/``, mode
+``0700``, or ``0660`` in a group's ``/dev/shm/mmcache-g<gid>/``, ``0770``; named
+``mmcache-<name>...``; every file and the directory are checked for owner and mode
+before use, see ``_access.py``):
 
 ``mmcache-<name>.lock``
     Empty file. ``flock`` on it is the node-wide readers-writer lock; the kernel
@@ -71,6 +74,15 @@ Locking protocol (readers ``LOCK_SH``, writers ``LOCK_EX``):
   ``atime``/``hits`` in place (concurrent readers may lose an increment of an
   entry's ``hits``; it is a policy hint).
 
+Data-path waits are bounded (``DATA_LOCK_TIMEOUT``): a process stopped inside a
+section (SIGSTOP, Ctrl-Z) costs others one bounded wait and one warning naming it,
+then reads are misses and puts refused until it lets go. A data segment that is
+missing or truncated (a same-user ``: > file`` cannot be stopped, and kills a process
+that has it mapped with SIGBUS when it touches the lost pages) makes the tier fail:
+reads miss and puts are refused in the processes that find it; the next opener
+re-creates the store when nobody is attached (or ``CacheError``), and
+:func:`reclaim_orphans` removes it.
+
 Nothing half-written is ever served: an entry becomes ``READY`` only after its
 whole payload was copied by a process that then took the lock again.
 
@@ -114,6 +126,7 @@ import numpy.typing as npt
 from mmcache.errors import CacheError, ConfigError
 from mmcache.policies import KeepPolicy, Policy, Residents, get_policy
 from mmcache.stats import TierStats
+from mmcache.stores._access import Access, UntrustedFileError
 from mmcache.stores._index import (
     CELL_FREE,
     CELL_TOMBSTONE,
@@ -128,6 +141,7 @@ from mmcache.stores._shm import (
     SHARED,
     SHM_DIR,
     SHM_PREFIX,
+    LockTimeout,
     NodeLock,
     Segment,
     check_store_name,
@@ -147,6 +161,7 @@ __all__ = [
     "StoreState",
     "default_index_capacity",
     "reclaim_orphans",
+    "store_dir",
     "unlink_store",
 ]
 
@@ -160,6 +175,11 @@ MAX_INDEX_CAPACITY = 1 << 24
 INLINE_COPY_MAX = 64 * 1024
 #: How long opening a store waits for a live holder of the lock (seconds).
 OPEN_TIMEOUT = 30.0
+#: How long a read or a put waits for the lock (seconds) before it gives up: a miss or a
+#: refused put, with one warning naming the holder. A live holder keeps the lock for
+#: micro- to milliseconds; only a stopped (SIGSTOP, Ctrl-Z) or stuck one holds it longer.
+#: After a wait ran out, data-path calls do not wait at all for as long again.
+DATA_LOCK_TIMEOUT = 10.0
 #: Attached-process rows (each with its own counters); more processes share one row.
 MAX_PROCS = 1024
 #: Bytes reserved for the owner path in the header.
@@ -264,25 +284,65 @@ _FLAG_TEMPORARY = 1
 _C_CREATED, _C_SLOTS, _C_USED, _C_HINT = range(4)
 
 
-def _path(name: str, suffix: str) -> str:
-    return os.path.join(SHM_DIR, f"{SHM_PREFIX}{name}{suffix}")
+def _path(directory: str, name: str, suffix: str) -> str:
+    return os.path.join(directory, f"{SHM_PREFIX}{name}{suffix}")
 
 
-def _lock_path(name: str) -> str:
-    return _path(name, ".lock")
+def _lock_path(directory: str, name: str) -> str:
+    return _path(directory, name, ".lock")
 
 
-def _meta_path(name: str) -> str:
-    return _path(name, "-meta")
+def _meta_path(directory: str, name: str) -> str:
+    return _path(directory, name, "-meta")
 
 
-def _data_path(name: str, cls: int) -> str:
-    return _path(name, f"-d{cls:03d}")
+def _data_path(directory: str, name: str, cls: int) -> str:
+    return _path(directory, name, f"-d{cls:03d}")
 
 
-def _data_paths(name: str) -> list[str]:
-    pattern = glob.escape(os.path.join(SHM_DIR, f"{SHM_PREFIX}{name}-d")) + "[0-9][0-9][0-9]"
+def _data_paths(directory: str, name: str) -> list[str]:
+    pattern = glob.escape(os.path.join(directory, f"{SHM_PREFIX}{name}-d")) + "[0-9][0-9][0-9]"
     return sorted(glob.glob(pattern))
+
+
+class _Damaged(CacheError):
+    """A data segment of this store is missing, truncated or not ours: the tier failed."""
+
+
+def _data_problem(store: MemoryStore | _Where, classes: npt.NDArray[np.int64]) -> str | None:
+    """Why the data segment of a created size class cannot be used, or None.
+
+    Missing or shorter than its class needs (truncated by another program: reading
+    past the end of a mapping is SIGBUS, so this is checked before any is mapped).
+    Raises :class:`UntrustedFileError` for a segment another user could control.
+    """
+    sizes = slot_sizes_upto(int(store._capacity)).tolist()
+    for c in np.flatnonzero(classes[:, _C_CREATED]).tolist():
+        path = _data_path(store._dir, store.shm_name, c)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return f"data segment {path} is missing"
+        store._access.check(st, path)
+        want = _Slab.file_size(int(classes[c, _C_SLOTS]), sizes[c])
+        if st.st_size < want:
+            return f"data segment {path} has {st.st_size} bytes, expected {want} (truncated)"
+    return None
+
+
+@dataclass(frozen=True)
+class _Where:
+    """Where a store's files are, for the node-wide scans that do not attach to it."""
+
+    shm_name: str
+    _dir: str
+    _access: Access
+    _capacity: int
+
+
+def store_dir(group: int | None = None) -> str:
+    """The directory holding this user's stores (or group ``group``'s): see ``_access.py``."""
+    return Access(0o600 if group is None else 0o660, group).directory(SHM_DIR)
 
 
 def _remove(path: str, removed: list[str]) -> None:
@@ -452,8 +512,10 @@ class MemoryStore(Store):
     """Node-shared byte store in ``/dev/shm``; see the module docstring for the design.
 
     Args:
-        name: identifies the store on the node (files ``/dev/shm/mmcache-<name>*``);
-            every process opening the same name shares the same entries.
+        name: identifies the store on the node (files ``mmcache-<name>*`` in
+            :func:`store_dir`: ``/dev/shm/mmcache-u<uid>/``, or ``mmcache-g<gid>/``
+            with ``group``); every process opening the same name there shares the
+            same entries.
         capacity: hard byte budget of the payloads held.
         policy: admission/eviction policy (name or instance), consulted when full.
             It is per-process configuration; give every process the same one.
@@ -462,8 +524,15 @@ class MemoryStore(Store):
         owner_path: the cache root this store belongs to; :func:`reclaim_orphans`
             removes unused stores whose owner path no longer exists.
         clock: source of ``atime`` (must be comparable across processes).
-        index_capacity: most entries held (default: capacity / 4 KiB, in [1024, 2**24]).
+        index_capacity: most entries held (default: capacity / 4 KiB, in [1024, 2**24]);
+            raise it for many small entries (a warning says when the index is full
+            while bytes are free).
         mode: file mode of the segments (default ``0o600``: this user only).
+        group: share the store with the members of this group (a gid; needs
+            ``mode=0o660``): its files go to ``/dev/shm/mmcache-g<gid>/``.
+
+    Files another user could have planted are never used: see ``_access.py``
+    (``CacheError`` naming the file and its owner).
 
     If the store exists, its configuration (capacity, index capacity,
     temporary, owner path) wins unless no other live process is attached and
@@ -495,6 +564,7 @@ class MemoryStore(Store):
         clock: Callable[[], float] = time.monotonic,
         index_capacity: int | None = None,
         mode: int = 0o600,
+        group: int | None = None,
     ) -> None:
         self.shm_name = check_store_name(name)
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
@@ -510,8 +580,7 @@ class MemoryStore(Store):
                 f"index_capacity must be an int in [1, {MAX_INDEX_CAPACITY}],"
                 f" got {index_capacity!r}"
             )
-        if not isinstance(mode, int) or mode & ~0o777 or (mode & 0o600) != 0o600:
-            raise ConfigError(f"mode must be a permission mask including 0o600, got {mode!r}")
+        self._access = Access(mode, group)  # validates both
         owner = None if owner_path is None else os.path.abspath(os.fspath(owner_path))
         if owner is not None and len(owner.encode()) > OWNER_PATH_MAX:
             raise ConfigError(f"owner_path is longer than {OWNER_PATH_MAX} bytes: {owner[:80]}...")
@@ -526,10 +595,12 @@ class MemoryStore(Store):
             "clock": clock,
             "index_capacity": index_capacity,
             "mode": mode,
+            "group": group,
         }
         self._clock = clock
-        self._mode = mode
         self._closed = True
+        self._stuck_until = 0.0  # see _wait
+        self._broken: str | None = None  # a damaged data segment: reads miss, puts refused
         self._row = -1
         self._warned: set[str] = set()
         self._slabs: dict[int, _Slab] = {}
@@ -567,8 +638,10 @@ class MemoryStore(Store):
         self, *, capacity: int, entries: int, create: bool, temporary: bool, owner: str | None
     ) -> None:
         """Open (or create) the store and register this process. Process-safe."""
+        self._dir = self._access.ensure_directory(SHM_DIR, create=create)
         for _ in range(10):
-            lock = NodeLock(_lock_path(self.shm_name), create=create, mode=self._mode)
+            path = _lock_path(self._dir, self.shm_name)
+            lock = NodeLock(path, create=create, access=self._access)
             try:
                 with lock.hold(EXCLUSIVE, timeout=OPEN_TIMEOUT):
                     if lock.unlinked():
@@ -605,14 +678,14 @@ class MemoryStore(Store):
         self, capacity: int, entries: int, create: bool, temporary: bool, owner: str | None
     ) -> None:
         """Map the meta segment, creating or repairing it. Caller holds the lock exclusively."""
-        meta = _meta_path(self.shm_name)
+        meta = _meta_path(self._dir, self.shm_name)
         seg: Segment | None = None
         try:
-            seg = Segment.open(meta)
+            seg = Segment.open(meta, access=self._access)
         except FileNotFoundError:
             pass
-        except CacheError:
-            if not create:
+        except CacheError as exc:
+            if not create or isinstance(exc, UntrustedFileError):
                 raise
             log.warning("memory store %s: meta segment truncated, re-creating it", self.shm_name)
         if seg is not None:
@@ -636,8 +709,17 @@ class MemoryStore(Store):
             del header
             if problem is None:
                 self._bind(seg)
+                damaged = _data_problem(self, self._classes)
                 same = self._capacity == capacity and self._entries == entries
-                if same or self._live_procs_locked():
+                if damaged is not None and (self._live_procs_locked() or not create):
+                    self._unmap()
+                    raise CacheError(
+                        f"memory store {self.shm_name!r} cannot be used: {damaged}; it is"
+                        " re-created once no process is attached (or remove it: mmcache gc)"
+                    )
+                if damaged is not None:
+                    log.warning("memory store %s: re-creating it: %s", self.shm_name, damaged)
+                elif same or self._live_procs_locked():
                     if not same:
                         log.warning(
                             "memory store %s exists with capacity %d B and %d entries (asked"
@@ -647,11 +729,12 @@ class MemoryStore(Store):
                     if int(self._h[_H_HOLDER_PID]) != 0:
                         self._repair_locked("a process died holding the lock")
                     return
-                log.info(
-                    "memory store %s: re-creating it with capacity %d B, %d entries (was %d B,"
-                    " %d); no other process is attached",
-                    self.shm_name, capacity, entries, self._capacity, self._entries,
-                )  # fmt: skip
+                else:
+                    log.info(
+                        "memory store %s: re-creating it with capacity %d B, %d entries (was"
+                        " %d B, %d); no other process is attached",
+                        self.shm_name, capacity, entries, self._capacity, self._entries,
+                    )  # fmt: skip
                 self._unmap()
             else:
                 seg.close()
@@ -673,7 +756,7 @@ class MemoryStore(Store):
     ) -> None:
         """Create a fresh, empty store. Caller holds the lock exclusively."""
         removed: list[str] = []
-        for path in [*_data_paths(self.shm_name), _meta_path(self.shm_name)]:
+        for path in [*_data_paths(self._dir, self.shm_name), _meta_path(self._dir, self.shm_name)]:
             _remove(path, removed)
         sizes = slot_sizes_upto(capacity)
         layout = _Layout.build(
@@ -682,9 +765,9 @@ class MemoryStore(Store):
         self._warn_if_shm_small(capacity)
         try:
             seg = Segment.create(
-                _meta_path(self.shm_name),
+                _meta_path(self._dir, self.shm_name),
                 layout.size,
-                mode=self._mode,
+                access=self._access,
                 reserve=[layout.fixed_range(), layout.table_range()],
             )
         except OSError as exc:
@@ -693,7 +776,7 @@ class MemoryStore(Store):
             # Nothing of the store is left but its lock file: remove it too (processes
             # waiting for it see it unlinked and start over), so a failed open leaves
             # nothing behind in /dev/shm.
-            _remove(_lock_path(self.shm_name), removed)
+            _remove(_lock_path(self._dir, self.shm_name), removed)
             fixed, table = layout.fixed_range()[1], layout.table_range()[1]
             raise CacheError(
                 f"no space left in {SHM_DIR} for memory store {self.shm_name!r}: its tables"
@@ -875,7 +958,8 @@ class MemoryStore(Store):
         if self._closed:
             return
         try:
-            if self._fork_gen == _FORK_GENERATION[0] and os.getpid() == self._pid:
+            attached = self._fork_gen == _FORK_GENERATION[0] and os.getpid() == self._pid
+            if attached and not self._lock.closed:
                 with contextlib.suppress(CacheError), self._exclusive(timeout=OPEN_TIMEOUT):
                     self._detach_locked()
         finally:
@@ -888,21 +972,28 @@ class MemoryStore(Store):
         # lifetime of a temporary store) follows the objects really in use. Never
         # wait for the lock here: the garbage collector may run this in a thread
         # that holds it through another object (a view() block).
+        # The lock may be finalized already (both were garbage in one cycle: its
+        # descriptors are closed): then the row stays until this process exits, when
+        # the next opener prunes it. Never raises: nobody could catch it.
         if getattr(self, "_closed", True) or sys.is_finalizing():
             return
+        self._closed = True
         try:
             attached = self._fork_gen == _FORK_GENERATION[0] and os.getpid() == self._pid
-            if attached and self._lock.try_exclusive():
+            if attached and not self._lock.closed and self._lock.try_exclusive():
                 try:
                     h = self._h
                     if int(h[_H_STATE]) == StoreState.READY and int(h[_H_HOLDER_PID]) == 0:
                         self._detach_locked()
                 finally:
                     self._lock.release()
+        except (OSError, ValueError, AttributeError) as exc:  # CacheError is an OSError
+            log.debug("memory store %s: detach at garbage collection: %s", self.shm_name, exc)
         finally:
-            self._closed = True
-            self._unmap()
-            self._lock.close()
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                self._unmap()
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                self._lock.close()
 
     def _detach_locked(self) -> None:
         """Leave the attached table; the last user of a temporary store removes it. EX held."""
@@ -930,9 +1021,9 @@ class MemoryStore(Store):
         self._h[_H_STATE] = StoreState.UNLINKED
         removed: list[str] = []
         for path in [
-            *_data_paths(self.shm_name),
-            _meta_path(self.shm_name),
-            _lock_path(self.shm_name),
+            *_data_paths(self._dir, self.shm_name),
+            _meta_path(self._dir, self.shm_name),
+            _lock_path(self._dir, self.shm_name),
         ]:
             _remove(path, removed)
         return removed
@@ -971,12 +1062,37 @@ class MemoryStore(Store):
     def _mark_holder(self) -> None:
         self._h[_H_HOLDER_PID] = os.getpid()
 
+    def _wait(self) -> float:
+        """How long a data-path call waits for the lock (see ``DATA_LOCK_TIMEOUT``)."""
+        if self._broken is not None:
+            raise _Damaged(self._broken)
+        return 0.0 if time.monotonic() < self._stuck_until else DATA_LOCK_TIMEOUT
+
+    def _data_path_failed(self, exc: CacheError, outcome: str) -> None:
+        """A read or put gave up (lock held too long, or a damaged segment): warn once."""
+        if isinstance(exc, LockTimeout):
+            self._stuck_until = time.monotonic() + DATA_LOCK_TIMEOUT
+            holder = int(self._h[_H_HOLDER_PID]) if not self._closed else 0
+            who = f"exclusive holder pid {holder}" if holder else "held shared"
+            what = f"lock ({who}): {exc}"
+            tag = "lock"
+        else:
+            if self._broken is None:
+                self._broken = str(exc)
+            what, tag = f"damaged: {exc}", "damaged"
+        if tag not in self._warned:
+            self._warned.add(tag)
+            log.warning(
+                "memory store %s: %s; %s (the memory tier is bypassed, training goes on)",
+                self.shm_name, what, outcome,
+            )  # fmt: skip
+
     @contextlib.contextmanager
-    def _shared(self) -> Iterator[None]:
+    def _shared(self, timeout: float | None = None) -> Iterator[None]:
         """Hold the node lock shared (readers), after any repair a dead writer left due."""
         self._ensure_process()
         for _ in range(3):
-            with self._lock.hold(SHARED):
+            with self._lock.hold(SHARED, timeout=timeout):
                 h = self._h
                 if int(h[_H_STATE]) != StoreState.READY:
                     raise CacheError(
@@ -985,7 +1101,7 @@ class MemoryStore(Store):
                 if int(h[_H_HOLDER_PID]) == 0:
                     yield
                     return
-            with self._exclusive():
+            with self._exclusive(timeout):
                 pass  # repairs
         raise CacheError(f"memory store {self.shm_name!r}: shared state cannot be repaired")
 
@@ -1009,22 +1125,24 @@ class MemoryStore(Store):
             n_slots = int(self._classes[cls, _C_SLOTS])
             slot_size = self._sizes_list[cls]
             size = _Slab.file_size(n_slots, slot_size)
-            path = _data_path(self.shm_name, cls)
+            path = _data_path(self._dir, self.shm_name, cls)
             if int(self._classes[cls, _C_CREATED]):
                 try:
-                    seg = Segment.open(path, size)
+                    seg = Segment.open(path, size, access=self._access)
                 except FileNotFoundError:
-                    raise CacheError(
+                    raise _Damaged(
                         f"memory store {self.shm_name!r}: data segment {path} is missing"
                         " (removed by hand?); remove the store (mmcache gc) and retry"
                     ) from None
+                except CacheError as exc:  # truncated, or not ours
+                    raise _Damaged(str(exc)) from exc
             elif create:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)  # left by a creator that died before flagging it
                 # The bitmap is read and written through the mapping: reserve all of
                 # it now (1 B per slot); payload pages are written with pwrite.
                 seg = Segment.create(
-                    path, size, mode=self._mode, reserve=[(0, _page_round(n_slots))]
+                    path, size, access=self._access, reserve=[(0, _page_round(n_slots))]
                 )
                 self._classes[cls, _C_CREATED] = 1
             else:
@@ -1032,6 +1150,16 @@ class MemoryStore(Store):
             slab = _Slab(seg, n_slots, slot_size)
             self._slabs[cls] = slab
             return slab
+
+    def _slab_ok(self, cls: int) -> bool:
+        """Whether size class ``cls``'s data segment can be mapped (see :class:`_Damaged`)."""
+        try:
+            self._slab(cls)
+        except _Damaged as exc:
+            if self._broken is None:
+                self._broken = str(exc)
+            return False
+        return True
 
     def _alloc_slot_locked(self, cls: int) -> tuple[_Slab, int]:
         slab = self._slab(cls, create=True)
@@ -1267,6 +1395,10 @@ class MemoryStore(Store):
         ok &= expected == cls
         ok &= (slot >= 0) & (slot < self._classes[safe_cls, _C_SLOTS])
         ok &= self._classes[safe_cls, _C_CREATED] != 0
+        # A class whose data segment cannot be mapped (truncated, removed) holds nothing.
+        damaged = [c for c in np.flatnonzero(self._classes[:, _C_CREATED]).tolist()
+                   if not self._slab_ok(int(c))]  # fmt: skip
+        ok &= ~np.isin(safe_cls, damaged)
         corrupt += int((~ok).sum())
         # A slot claimed by two entries holds at most one of them: trust neither.
         slot_id = safe_cls * (1 << 40) + np.where(ok, slot, 0)
@@ -1307,6 +1439,8 @@ class MemoryStore(Store):
         h[_H_TOMBSTONES] = 0
         live_cls = self._ecls[live]
         for c in np.flatnonzero(self._classes[:, _C_CREATED]).tolist():
+            if c in damaged:
+                continue
             slab = self._slab(int(c))
             # Zeroed in place, not punched: its pages must stay allocated (a full
             # /dev/shm would kill the next process touching a punched one).
@@ -1326,13 +1460,18 @@ class MemoryStore(Store):
     def get(self, key: bytes) -> bytes | None:
         """Return a copy of the value, or None. Counts a hit or a miss. Thread/process-safe."""
         check_key(key)
-        with self._shared():
-            e = self._find_ready(key)
-            if e >= 0:
-                slab = self._slab(int(self._ecls[e]))
-                value = slab.rows[int(self._eslot[e]), : int(self._esize[e])].tobytes()
-                self._eatime[e] = self._clock()
-                self._ehits[e] += 1
+        e = -1
+        try:
+            with self._shared(self._wait()):
+                e = self._find_ready(key)
+                if e >= 0:
+                    slab = self._slab(int(self._ecls[e]))
+                    value = slab.rows[int(self._eslot[e]), : int(self._esize[e])].tobytes()
+                    self._eatime[e] = self._clock()
+                    self._ehits[e] += 1
+        except (LockTimeout, _Damaged) as exc:
+            self._data_path_failed(exc, "reads are misses")
+            e = -1
         if e < 0:
             self._count(_Count.MISSES)
             return None
@@ -1351,13 +1490,19 @@ class MemoryStore(Store):
         Thread/process-safe.
         """
         check_key(key)
-        with self._shared():
-            e = self._find_ready(key)
-            if e < 0:
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(self._shared(self._wait()))
+                e = self._find_ready(key)
+                slab = self._slab(int(self._ecls[e])) if e >= 0 else None
+            except (LockTimeout, _Damaged) as exc:
+                self._data_path_failed(exc, "reads are misses")
+                stack.close()
+                e, slab = -1, None
+            if e < 0 or slab is None:
                 self._count(_Count.MISSES)
                 yield None
                 return
-            slab = self._slab(int(self._ecls[e]))
             row = slab.rows[int(self._eslot[e]), : int(self._esize[e])]
             self._eatime[e] = self._clock()
             self._ehits[e] += 1
@@ -1442,19 +1587,24 @@ class MemoryStore(Store):
         if n == 0:
             return found
         q = self._keys_array(keys)
-        with self._shared():
-            eids = self._lookup_ready(q)
-            idx = np.flatnonzero(eids >= 0)
-            e = eids[idx]
-            fits = self._esize[e] >= end
-            idx, e = idx[fits], e[fits]
-            if idx.shape[0]:
-                for offset, length, out in targets:
-                    if length:
-                        self._copy_rows(out, idx, e, offset, offset + length)
-                self._eatime[e] = self._clock()
-                np.add.at(self._ehits, e, 1)  # a key twice in a batch: two hits
-            found[idx] = True
+        try:
+            with self._shared(self._wait()):
+                eids = self._lookup_ready(q)
+                idx = np.flatnonzero(eids >= 0)
+                e = eids[idx]
+                fits = self._esize[e] >= end
+                idx, e = idx[fits], e[fits]
+                if idx.shape[0]:
+                    for offset, length, out in targets:
+                        if length:
+                            self._copy_rows(out, idx, e, offset, offset + length)
+                    self._eatime[e] = self._clock()
+                    np.add.at(self._ehits, e, 1)  # a key twice in a batch: two hits
+                found[idx] = True
+        except (LockTimeout, _Damaged) as exc:
+            self._data_path_failed(exc, "reads are misses")
+            found[:] = False  # rows already copied are not served
+            idx = np.zeros(0, np.int64)
         if count:
             hits = int(idx.shape[0])
             self.count_reads(hits=hits, misses=n - hits)
@@ -1516,21 +1666,26 @@ class MemoryStore(Store):
             return []
         q = self._keys_array(keys)
         result: list[bytes | None] = [None] * n
-        with self._shared():
-            eids = self._lookup_ready(q)
-            idx = np.flatnonzero(eids >= 0)
-            e = eids[idx]
-            for i, c, s, size in zip(
-                idx.tolist(),
-                self._ecls[e].tolist(),
-                self._eslot[e].tolist(),
-                self._esize[e].tolist(),
-                strict=True,
-            ):
-                result[i] = self._slab(c).rows[s, :size].tobytes()
-            if idx.shape[0]:
-                self._eatime[e] = self._clock()
-                np.add.at(self._ehits, e, 1)
+        try:
+            with self._shared(self._wait()):
+                eids = self._lookup_ready(q)
+                idx = np.flatnonzero(eids >= 0)
+                e = eids[idx]
+                for i, c, s, size in zip(
+                    idx.tolist(),
+                    self._ecls[e].tolist(),
+                    self._eslot[e].tolist(),
+                    self._esize[e].tolist(),
+                    strict=True,
+                ):
+                    result[i] = self._slab(c).rows[s, :size].tobytes()
+                if idx.shape[0]:
+                    self._eatime[e] = self._clock()
+                    np.add.at(self._ehits, e, 1)
+        except (LockTimeout, _Damaged) as exc:
+            self._data_path_failed(exc, "reads are misses")
+            result = [None] * n
+            idx = np.zeros(0, np.int64)
         hits = int(idx.shape[0])
         if hits:
             self._count(_Count.HITS, hits)
@@ -1541,8 +1696,12 @@ class MemoryStore(Store):
     def contains(self, key: bytes) -> bool:
         """Whether ``key`` is present (no hit/miss counted). Thread/process-safe."""
         check_key(key)
-        with self._shared():
-            return self._find_ready(key) >= 0
+        try:
+            with self._shared(self._wait()):
+                return self._find_ready(key) >= 0
+        except (LockTimeout, _Damaged) as exc:
+            self._data_path_failed(exc, "reads are misses")
+            return False
 
     def contains_many(self, keys: Keys) -> npt.NDArray[np.bool_]:
         """Presence of each key (no hit/miss counted), under one shared lock, vectorised.
@@ -1554,8 +1713,12 @@ class MemoryStore(Store):
         if len(keys) == 0:
             return np.zeros(0, dtype=bool)
         q = self._keys_array(keys)
-        with self._shared():
-            found: npt.NDArray[np.bool_] = self._lookup_ready(q) >= 0
+        try:
+            with self._shared(self._wait()):
+                found: npt.NDArray[np.bool_] = self._lookup_ready(q) >= 0
+        except (LockTimeout, _Damaged) as exc:
+            self._data_path_failed(exc, "reads are misses")
+            found = np.zeros(len(keys), dtype=bool)
         return found
 
     def info(self, key: bytes) -> EntryInfo | None:
@@ -1636,8 +1799,8 @@ class MemoryStore(Store):
 
     def segment_paths(self) -> list[str]:
         """The files of this store in ``/dev/shm`` (lock, meta, data), existing now."""
-        paths = [_lock_path(self.shm_name), _meta_path(self.shm_name)]
-        return [p for p in paths if os.path.exists(p)] + _data_paths(self.shm_name)
+        paths = [_lock_path(self._dir, self.shm_name), _meta_path(self._dir, self.shm_name)]
+        return [p for p in paths if os.path.exists(p)] + _data_paths(self._dir, self.shm_name)
 
     def resident_bytes(self) -> int:
         """RAM the store's files really hold now (tmpfs blocks), metadata included."""
@@ -1663,9 +1826,17 @@ class MemoryStore(Store):
         """
         check_key(key)
         src = _as_flat_bytes(value)
-        size = src.nbytes
         self._ensure_process()
         self._count(_Count.PUTS)
+        try:
+            return self._put(key, src, cost=cost, ctime=ctime)
+        except (LockTimeout, _Damaged) as exc:
+            self._count(_Count.REFUSED)
+            self._data_path_failed(exc, "puts are refused")
+            return False
+
+    def _put(self, key: bytes, src: memoryview, *, cost: float, ctime: float) -> bool:
+        size = src.nbytes
         k0, k1 = _KEY.unpack(key)
         if size > self._capacity:
             self._count(_Count.REFUSED)
@@ -1694,7 +1865,9 @@ class MemoryStore(Store):
             self._abort(res)
             raise
         try:
-            with self._exclusive():
+            # If this wait runs out, the reservation is left WRITING: this process
+            # reclaims it later (not in flight any more), others once it exits.
+            with self._exclusive(self._wait()):
                 return self._publish_locked(res)
         finally:
             _IN_FLIGHT.discard((self._store_id, res.entry, res.seq))
@@ -1711,7 +1884,7 @@ class MemoryStore(Store):
         counted = False  # whether the refused put was counted as admitted already
         plan: tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None = None
         for attempt in range(_PLAN_ATTEMPTS + 1):
-            with self._exclusive():
+            with self._exclusive(self._wait()):
                 res = self._reserve_locked(
                     k0=k0,
                     k1=k1,
@@ -1751,12 +1924,31 @@ class MemoryStore(Store):
 
     def _drop_stale(self, k0: int, k1: int) -> None:
         """Remove the published value of a key whose new value was refused."""
-        with self._exclusive():
+        with self._exclusive(self._wait()):
             e, _ = self._find(k0, k1)
             if e >= 0 and self._mv_state[e] == EntryState.READY:
                 released: list[tuple[int, int]] = []
                 self._free_locked(e, released)
                 self._release_all_locked(released)
+
+    def _warn_index_full(self, size: int) -> None:
+        """Once per process: the index is full while bytes are free (many small entries).
+
+        Why not grow the index instead: its arrays live in the meta segment, mapped
+        at fixed offsets by every attached process; growing it would mean a new
+        segment and a remap protocol in every process's every locked section.
+        """
+        if "index" in self._warned:
+            return
+        self._warned.add("index")
+        held, cap = int(self._h[_H_NBYTES]), self._capacity
+        log.warning(
+            "memory store %s: its index is full (%d entries) with only %d of %d B held"
+            " (entries of about %d B): the rest of the budget stays unused. Raise the index"
+            " capacity: Cache(memory_entries=%d) or MemoryStore(index_capacity=...)",
+            self.shm_name, self._entries, held, cap, size,
+            min(max(cap // max(size, 1), self._entries * 2), MAX_INDEX_CAPACITY),
+        )  # fmt: skip
 
     def _refuse_no_space(self, *, admitted: bool) -> None:
         """Count a put refused because /dev/shm is full (it may have been counted admitted)."""
@@ -1791,7 +1983,7 @@ class MemoryStore(Store):
 
     def _abort(self, res: _Reserved) -> None:
         try:
-            with self._exclusive():
+            with self._exclusive(self._wait()):
                 e = res.entry
                 if self._mv_state[e] == EntryState.WRITING and int(self._eseq[e]) == res.seq:
                     released: list[tuple[int, int]] = []
@@ -1834,6 +2026,8 @@ class MemoryStore(Store):
         need, full = shortfall()
         if (need > 0 or full) and int(h[_H_WRITING]) and self._reclaim_dead_writers_locked():
             need, full = shortfall()
+        if full and need <= 0 and int(h[_H_NBYTES]) < self._capacity // 2:
+            self._warn_index_full(size)
         victims: npt.NDArray[np.int64] | None = None
         if need > 0 or full:
             victims = None if plan is None else self._validate_plan_locked(plan, old, need, full)
@@ -1950,7 +2144,7 @@ class MemoryStore(Store):
         nothing. Returns ``(entries, their seq)`` for validation, or None
         (refuse), and whether the key had a published value.
         """
-        with self._shared():
+        with self._shared(self._wait()):
             old = self._find(k0, k1)[0]
             if old >= 0 and self._mv_state[old] != EntryState.READY:
                 old = -1
@@ -2131,10 +2325,10 @@ def _close_at_exit(ref: weakref.ref[MemoryStore]) -> None:
 # --------------------------------------------------------------------------- node-wide cleanup
 
 
-def _store_names(pattern: str) -> dict[str, list[str]]:
-    """Store names found in /dev/shm (matching the glob ``pattern``) and their files."""
+def _store_names(directory: str, pattern: str) -> dict[str, list[str]]:
+    """Store names found in ``directory`` (matching the glob ``pattern``) and their files."""
     names: dict[str, list[str]] = {}
-    for path in glob.glob(os.path.join(SHM_DIR, SHM_PREFIX + "*")):
+    for path in glob.glob(os.path.join(glob.escape(directory), SHM_PREFIX + "*")):
         base = os.path.basename(path)[len(SHM_PREFIX) :]
         for suffix in (".lock", "-meta"):
             if base.endswith(suffix):
@@ -2150,12 +2344,18 @@ def _store_names(pattern: str) -> dict[str, list[str]]:
     return names
 
 
-def _orphan_reason(name: str) -> str | None:
+def _scan_access(group: int | None) -> Access:
+    return Access(0o600 if group is None else 0o660, group)
+
+
+def _orphan_reason(directory: str, name: str, access: Access) -> str | None:
     """Why the store ``name`` should go, or None to keep it. Caller holds its lock (EX)."""
     try:
-        seg = Segment.open(_meta_path(name))
+        seg = Segment.open(_meta_path(directory, name), access=access)
     except FileNotFoundError:
         return "no meta segment (creation never finished)"
+    except UntrustedFileError:
+        return None  # not ours to judge, nor to remove
     except CacheError:
         return "truncated meta segment"
     except OSError:
@@ -2188,7 +2388,14 @@ def _orphan_reason(name: str) -> str | None:
         temporary = bool(int(h[_H_FLAGS]) & _FLAG_TEMPORARY)
         reason = None
         if not live:
-            if temporary:
+            where = _Where(name, directory, access, int(h[_H_CAPACITY]))
+            try:
+                reason = _data_problem(where, arrays["classes"])
+            except UntrustedFileError:
+                return None
+            if reason is not None:
+                pass  # a damaged store: every later open would fail on it
+            elif temporary:
                 reason = "temporary and no live process attached"
             elif owner is not None and not os.path.exists(owner):
                 reason = f"owner path {owner} no longer exists"
@@ -2200,23 +2407,33 @@ def _orphan_reason(name: str) -> str | None:
         seg.close()
 
 
-def reclaim_orphans(pattern: str = "*") -> list[str]:
-    """Remove memory stores of this node that nobody will use again; return the paths removed.
+def reclaim_orphans(pattern: str = "*", *, group: int | None = None) -> list[str]:
+    """Remove memory stores of this user (or of ``group``) that nobody will use again;
+    return the paths removed.
 
     A store goes when no live process is attached to it and it is temporary,
-    or its ``owner_path`` (the cache root) no longer exists, or it was left
-    half-initialised by a creator that died; also leftover files of a store
-    without a lock file. Stores whose lock is held right now are skipped.
-    ``pattern`` is a glob on store names. Process-safe.
+    or its ``owner_path`` (the cache root) no longer exists, or one of its data
+    segments is missing or truncated, or it was left half-initialised by a
+    creator that died; also leftover files of a store without a lock file.
+    Stores whose lock is held right now are skipped, and so are files another
+    user could control. ``pattern`` is a glob on store names (``Cache.gc``
+    passes its own store's name). Process-safe.
     """
     removed: list[str] = []
-    for name, paths in sorted(_store_names(pattern).items()):
-        if not os.path.exists(_lock_path(name)):
+    access = _scan_access(group)
+    try:
+        directory = access.ensure_directory(SHM_DIR, create=False)
+    except UntrustedFileError:
+        raise
+    except CacheError:
+        return removed  # no directory: no store
+    for name, paths in sorted(_store_names(directory, pattern).items()):
+        if not os.path.exists(_lock_path(directory, name)):
             for path in paths:
                 _remove(path, removed)
             continue
         try:
-            lock = NodeLock(_lock_path(name), create=False, mode=0o600)
+            lock = NodeLock(_lock_path(directory, name), create=False, access=access)
         except CacheError:
             continue
         try:
@@ -2225,10 +2442,14 @@ def reclaim_orphans(pattern: str = "*") -> list[str]:
             try:
                 if lock.unlinked():
                     continue
-                reason = _orphan_reason(name)
+                reason = _orphan_reason(directory, name, access)
                 if reason is not None:
                     log.info("removing orphaned memory store %s: %s", name, reason)
-                    for path in [*_data_paths(name), _meta_path(name), _lock_path(name)]:
+                    for path in [
+                        *_data_paths(directory, name),
+                        _meta_path(directory, name),
+                        _lock_path(directory, name),
+                    ]:
                         _remove(path, removed)
             finally:
                 lock.release()
@@ -2237,7 +2458,9 @@ def reclaim_orphans(pattern: str = "*") -> list[str]:
     return removed
 
 
-def unlink_store(name: str, *, timeout: float = OPEN_TIMEOUT) -> list[str]:
+def unlink_store(
+    name: str, *, timeout: float = OPEN_TIMEOUT, group: int | None = None
+) -> list[str]:
     """Remove the store ``name`` (all its files), whether or not it is in use.
 
     Waits for the lock (at most ``timeout`` seconds) so no critical section is
@@ -2246,16 +2469,26 @@ def unlink_store(name: str, *, timeout: float = OPEN_TIMEOUT) -> list[str]:
     """
     check_store_name(name)
     removed: list[str] = []
+    access = _scan_access(group)
     try:
-        lock = NodeLock(_lock_path(name), create=False, mode=0o600)
+        directory = access.ensure_directory(SHM_DIR, create=False)
+    except UntrustedFileError:
+        raise
     except CacheError:
-        for path in [*_data_paths(name), _meta_path(name)]:
+        return removed
+    files = [*_data_paths(directory, name), _meta_path(directory, name)]
+    try:
+        lock = NodeLock(_lock_path(directory, name), create=False, access=access)
+    except UntrustedFileError:
+        raise
+    except CacheError:
+        for path in files:
             _remove(path, removed)
         return removed
     try:
         with lock.hold(EXCLUSIVE, timeout=timeout):
             with contextlib.suppress(FileNotFoundError, CacheError):
-                seg = Segment.open(_meta_path(name))
+                seg = Segment.open(_meta_path(directory, name), access=access)
                 try:
                     h = np.frombuffer(seg.buf, np.int64, count=_HEADER_WORDS)
                     if int(h[_H_MAGIC]) == _MAGIC:
@@ -2263,7 +2496,7 @@ def unlink_store(name: str, *, timeout: float = OPEN_TIMEOUT) -> list[str]:
                     del h
                 finally:
                     seg.close()
-            for path in [*_data_paths(name), _meta_path(name), _lock_path(name)]:
+            for path in [*_data_paths(directory, name), *files[-1:], _lock_path(directory, name)]:
                 _remove(path, removed)
     finally:
         lock.close()
