@@ -163,10 +163,17 @@ def _cmd_warm(args: argparse.Namespace) -> int:
 
 
 # -- stats / verify / gc --------------------------------------------------------------------
-def _open(args: argparse.Namespace, **kwargs: Any) -> Any:
+def _open(args: argparse.Namespace) -> Any:
+    """The cache at ``--cache`` with its recorded budgets; attaches the memory tier
+    only if it exists and writes nothing to ``cache.json`` (see Cache.open_existing)."""
     from mmcache.cache import Cache
 
-    return Cache.open_existing(args.cache, **kwargs)
+    return Cache.open_existing(args.cache)
+
+
+def _absent(cache: Any) -> str:
+    """``"memory tier: not present"`` lines for tiers with a budget that are not there."""
+    return "".join(f"\n{tier} tier: not present" for tier in cache.absent_tiers)
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
@@ -175,10 +182,12 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     cache = _open(args)
     try:
         stats = cache.stats()
+        absent = list(cache.absent_tiers)
+        note = _absent(cache)
     finally:
         cache.close()
     if args.json:
-        _print_json(stats.as_dict())
+        _print_json({**stats.as_dict(), "not_present": absent})
         return 0
     fields = ["items", "bytes", "budget", "hits", "misses", "evictions", "expired", "corrupt"]
     rows = []
@@ -191,7 +200,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
                 for f in fields
             ]
         )
-    print(_table(rows, ["tier", *fields]))
+    print(_table(rows, ["tier", *fields]) + note)
     if stats.fingerprints:
         import datetime as dt
 
@@ -203,31 +212,33 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    cache = _open(args, memory=0)
+    cache = _open(args)
     try:
         report = cache.verify(repair=args.repair)
+        note = _absent(cache)
     finally:
         cache.close()
     if args.json:
         _print_json(report.as_dict())
     else:
-        print(f"checked {report.checked} entries: {len(report.bad)} bad, {report.removed} removed")
-        for key in report.bad[:20]:
-            print(f"  bad entry {key}")
+        where = " and ".join(report.tiers) or "no"
+        print(
+            f"checked {report.checked} entries in the {where} tier"
+            f"{'s' if len(report.tiers) > 1 else ''}: {len(report.bad)} bad,"
+            f" {report.removed} removed{note}"
+        )
+        for key, tier in list(zip(report.bad, report.bad_tiers, strict=True))[:20]:
+            print(f"  bad entry {key} ({tier} tier)")
     return 0 if report.ok or args.repair else 1
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    from mmcache.units import format_size, parse_duration, parse_size
+    from mmcache.units import format_size
 
-    kwargs: dict[str, Any] = {}
-    if args.older_than is not None:
-        kwargs["ttl"] = parse_duration(args.older_than)
-    cache = _open(args, memory=0, **kwargs)
+    cache = _open(args)
     try:
         report = cache.gc(
-            max_size=None if args.max_size is None else parse_size(args.max_size),
-            unused_for=args.unused_for,
+            older_than=args.older_than, max_size=args.max_size, unused_for=args.unused_for
         )
     finally:
         cache.close()

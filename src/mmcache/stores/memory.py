@@ -147,6 +147,7 @@ __all__ = [
     "StoreState",
     "default_index_capacity",
     "reclaim_orphans",
+    "store_exists",
     "unlink_store",
 ]
 
@@ -637,7 +638,8 @@ class MemoryStore(Store):
             if problem is None:
                 self._bind(seg)
                 same = self._capacity == capacity and self._entries == entries
-                if same or self._live_procs_locked():
+                # create=False only attaches (mmcache verify/stats): never re-create.
+                if same or not create or self._live_procs_locked():
                     if not same:
                         log.warning(
                             "memory store %s exists with capacity %d B and %d entries (asked"
@@ -1981,6 +1983,29 @@ class MemoryStore(Store):
             return None
         return victims
 
+    def verify(self, check: Callable[[bytes], bool]) -> list[bytes]:
+        """Keys whose value fails ``check`` (the Cache passes the codec's checksum).
+
+        Entries are trusted on reads (see the module docstring), so this is how a
+        byte changed in ``/dev/shm`` is found. Each entry is copied under its own
+        short shared section (writers wait for one copy, not the whole pass) and
+        no hit, miss or access time is recorded. Bad entries are counted as
+        ``corrupt`` but not deleted: the caller decides. Thread/process-safe.
+        """
+        bad: list[bytes] = []
+        for key in list(self.keys()):
+            with self._shared():
+                e = self._find_ready(key)
+                if e < 0:
+                    continue
+                slab = self._slab(int(self._ecls[e]))
+                value = slab.rows[int(self._eslot[e]), : int(self._esize[e])].tobytes()
+            if not check(value):
+                bad.append(key)
+        if bad:
+            self._count(_Count.CORRUPT, len(bad))
+        return bad
+
     def discard(self, key: bytes, *, why: Literal["corrupt", "expired"]) -> bool:
         """Delete ``key`` and count it as ``corrupt`` or ``expired``. Thread/process-safe."""
         removed = self.delete(key)
@@ -2235,6 +2260,12 @@ def reclaim_orphans(pattern: str = "*") -> list[str]:
         finally:
             lock.close()
     return removed
+
+
+def store_exists(name: str) -> bool:
+    """Whether some process made the store ``name`` on this node (its files exist)."""
+    check_store_name(name)
+    return os.path.exists(_lock_path(name)) or os.path.exists(_meta_path(name))
 
 
 def unlink_store(name: str, *, timeout: float = OPEN_TIMEOUT) -> list[str]:
