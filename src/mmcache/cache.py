@@ -11,7 +11,7 @@ Verification: entries read from disk are checked against their xxhash
 checksum (disk bytes can rot, and LMDB does not checksum its pages); entries
 read from the memory tier are not, because they were verified or produced
 when they entered it, and checking every read costs about a third of the
-gather speed.
+gather speed; :meth:`Cache.verify` (``mmcache verify``) checks both tiers.
 
 TTL: every entry carries its creation time from ``clock`` (default
 ``time.time``: persisted entries outlive the process, so a monotonic clock,
@@ -561,7 +561,9 @@ class Cache:
         """Remove expired and corrupt entries and orphaned shared-memory segments.
 
         ``older_than`` (seconds or ``"7d"``) also removes, this once, every entry
-        created longer ago than that (``ttl`` stays as it is). ``max_size`` shrinks the disk tier's budget to that size (evicting by the
+        created longer ago than that (``ttl`` stays as it is).
+
+        ``max_size`` shrinks the disk tier's budget to that size (evicting by the
         policy; ``keep``/``value`` fall back to least recently used) and records
         the new budget for later opens. ``unused_for`` (seconds or ``"30d"``)
         removes every entry of the pipeline fingerprints not used for that long.

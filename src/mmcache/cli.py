@@ -10,12 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import shutil
 import sys
 import tempfile
 import time
-import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -232,9 +232,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 # -- synth --------------------------------------------------------------------------------
 def _cmd_synth(args: argparse.Namespace) -> int:
-    from mmcache.synth import make_dataset
-
     from mmcache.errors import ConfigError
+    from mmcache.synth import make_dataset
 
     t0 = time.perf_counter()
     try:
@@ -475,10 +474,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     else:
         from mmcache.units import format_size
 
+        disk = "off" if args.disk is None else format_size(args.disk)
         print(
             f"{len(ds)} samples, {format_size(data_bytes)} preprocessed; memory tier "
-            f"{format_size(memory)}, disk tier {'off' if args.disk is None else format_size(args.disk)},"
-            f" {args.workers} workers"
+            f"{format_size(memory)}, disk tier {disk}, {args.workers} workers"
         )
         header = ["run", "samples/s", "vs uncached", "hit rate", "memory", "disk", "stall s"]
         print(_table(rows, header))
@@ -512,7 +511,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=_int_at_least(1), default=3)
     p.add_argument("--workers", type=_int_at_least(0), default=2)
     p.add_argument("--batch-size", type=_int_at_least(1), default=64)
-    p.add_argument("--size", type=_int_at_least(1), default=224, help="image side in px (default 224)")
+    p.add_argument(
+        "--size", type=_int_at_least(1), default=224, help="image side in px (default 224)"
+    )
     p.add_argument(
         "--budget",
         type=_fraction,
@@ -548,7 +549,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="the loader benchmark on your own data")
     p.add_argument("manifest")
-    p.add_argument("--budget", type=_budget, default="50%", help="memory tier: 50%% of the data, or 2GiB")
+    p.add_argument(
+        "--budget", type=_budget, default="50%", help="memory tier: 50%% of the data, or 2GiB"
+    )
     p.add_argument("--epochs", type=_int_at_least(1), default=3)
     p.add_argument("--workers", type=_int_at_least(0), default=2)
     p.add_argument("--batch-size", type=_int_at_least(1), default=64)
@@ -567,7 +570,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_stats)
 
-    p = sub.add_parser("verify", help="check every entry's header and checksum")
+    p = sub.add_parser(
+        "verify", help="check every entry's header and checksum, in every tier that exists"
+    )
     p.add_argument("--cache", required=True)
     p.add_argument("--repair", action="store_true", help="remove bad entries")
     p.add_argument("--json", action="store_true")
@@ -578,7 +583,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--older-than", type=_duration, help="remove entries older than this (e.g. 7d)")
     p.add_argument("--max-size", type=_size, help="shrink the disk tier to this size (e.g. 10GiB)")
     p.add_argument(
-        "--unused-for", type=_duration, help="drop entries of pipeline fingerprints unused this long (e.g. 30d)"
+        "--unused-for",
+        type=_duration,
+        help="drop entries of pipeline fingerprints unused this long (e.g. 30d)",
     )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_gc)
