@@ -10,15 +10,25 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
+
+from mmcache.cliargs import (
+    Parser,
+    budget,
+    duration,
+    fraction,
+    glue_dash_values,
+    int_at_least,
+    parse_budget,
+    size,
+)
 
 __all__ = ["build_parser", "main"]
 
@@ -35,123 +45,6 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(str(c).rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     return "\n".join(lines)
-
-
-# -- argument types -----------------------------------------------------------------------
-# Validated while parsing, so a bad value stops the command before any work with
-# "mmcache warm: error: argument --workers: must be an integer >= 0, got '-1'".
-class _Parser(argparse.ArgumentParser):
-    """argparse, with errors on one line (the usage is one ``--help`` away)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def _int_at_least(minimum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = minimum - 1
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
-        return value
-
-    parse.__name__ = f"integer >= {minimum}"
-    return parse
-
-
-def _library_parse(parse: Callable[[str], Any]) -> Callable[[str], Any]:
-    """A units.py parser as an argparse type: its message, and the value, on error."""
-
-    def wrapped(text: str) -> Any:
-        from mmcache.errors import ConfigError
-
-        if text.strip().startswith("-"):
-            raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
-        try:
-            return parse(text)
-        except ConfigError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    return wrapped
-
-
-def _size(text: str) -> int:
-    from mmcache.units import parse_size
-
-    return int(_library_parse(parse_size)(text))
-
-
-def _duration(text: str) -> float:
-    from mmcache.units import parse_duration
-
-    return float(_library_parse(parse_duration)(text))
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not (math.isfinite(value) and value >= 0.0):
-        raise argparse.ArgumentTypeError(
-            f"must be a fraction >= 0 of the preprocessed data (e.g. 0.5), got {text!r}"
-        )
-    return value
-
-
-def _budget(text: str) -> str:
-    """``"50%"`` or an IEC size; checked now, resolved once the data size is known."""
-    from mmcache.errors import ConfigError
-
-    try:
-        _parse_budget(text, 0)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(f"{exc}") from None
-    return text
-
-
-def _glue_dash_values(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
-    """``--disk -1GiB`` -> ``--disk=-1GiB``.
-
-    argparse takes a value starting with ``-`` (other than a plain negative
-    number) for an option and answers "expected one argument"; glued to its flag,
-    the value reaches its type, whose message says what is wrong with it.
-    """
-    takes_value: set[str] = set()
-    flags: set[str] = set()
-    parsers = [parser]
-    while parsers:
-        p = parsers.pop()
-        for action in p._actions:
-            flags.update(action.option_strings)
-            if action.option_strings and action.nargs is None:
-                takes_value.update(action.option_strings)
-            if isinstance(action, argparse._SubParsersAction):
-                parsers.extend(action.choices.values())
-    out: list[str] = []
-    args = list(argv)
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        if arg == "--":
-            out.extend(args[i:])
-            break
-        following = args[i + 1] if i + 1 < len(args) else None
-        if (
-            arg in takes_value
-            and following is not None
-            and following.startswith("-")
-            and following not in flags
-            and following.split("=", 1)[0] not in flags
-        ):
-            out.append(f"{arg}={following}")
-            i += 2
-            continue
-        out.append(arg)
-        i += 1
-    return out
 
 
 # -- demo ---------------------------------------------------------------------------------
@@ -380,25 +273,6 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 
 
 # -- bench --------------------------------------------------------------------------------
-def _parse_budget(text: str, data_bytes: int) -> int:
-    """``"50%"`` of the preprocessed data, or an IEC size (``"2GiB"``)."""
-    from mmcache.errors import ConfigError
-    from mmcache.units import parse_size
-
-    text = text.strip()
-    if text.endswith("%"):
-        try:
-            fraction = float(text[:-1]) / 100.0
-        except ValueError as exc:
-            raise ConfigError(f"cannot parse budget {text!r}: use e.g. 50% or 2GiB") from exc
-        if not (math.isfinite(fraction) and fraction >= 0.0):
-            raise ConfigError(f"budget must be >= 0%, got {text!r}")
-        return int(data_bytes * fraction)
-    if text.startswith("-"):
-        raise ConfigError(f"budget must be >= 0, got {text!r}")
-    return parse_size(text)
-
-
 def _cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
@@ -412,7 +286,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if first is None:
         raise mc.ConfigError(f"none of the first 100 samples of {args.manifest} can be decoded")
     data_bytes = mc.codec.encoded_size(first) * len(ds)
-    memory = _parse_budget(args.budget, data_bytes)
+    memory = parse_budget(args.budget, data_bytes)
     rows: list[list[str]] = []
     result: dict[str, Any] = {"samples": len(ds), "data_bytes": data_bytes, "memory": memory}
     baseline = None
@@ -498,7 +372,7 @@ def _first_sample(ds: Any, *, limit: int) -> Any:
 
 # -- parser -------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = Parser(
         prog="mmcache",
         description="Decode, resize and tokenize image-text samples once; cache them.",
     )
@@ -507,16 +381,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="run the main job on synthetic data (nothing to download)")
     p.add_argument("--dir", help="keep the data and cache here (default: a temporary folder)")
-    p.add_argument("--n", type=_int_at_least(1), default=2000, help="samples (default 2000)")
-    p.add_argument("--epochs", type=_int_at_least(1), default=3)
-    p.add_argument("--workers", type=_int_at_least(0), default=2)
-    p.add_argument("--batch-size", type=_int_at_least(1), default=64)
+    p.add_argument("--n", type=int_at_least(1), default=2000, help="samples (default 2000)")
+    p.add_argument("--epochs", type=int_at_least(1), default=3)
+    p.add_argument("--workers", type=int_at_least(0), default=2)
+    p.add_argument("--batch-size", type=int_at_least(1), default=64)
     p.add_argument(
-        "--size", type=_int_at_least(1), default=224, help="image side in px (default 224)"
+        "--size", type=int_at_least(1), default=224, help="image side in px (default 224)"
     )
     p.add_argument(
         "--budget",
-        type=_fraction,
+        type=fraction,
         default=0.5,
         help="memory tier as a fraction of the preprocessed data (default 0.5)",
     )
@@ -528,7 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("synth", help="write a synthetic image-caption dataset")
     p.add_argument("out")
-    p.add_argument("--n", type=_int_at_least(1), default=1000)
+    p.add_argument("--n", type=int_at_least(1), default=1000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--large", action="store_true", help="1,000-2,000 px sources")
     p.set_defaults(func=_cmd_synth)
@@ -536,11 +410,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("warm", help="fill a cache's disk tier ahead of training (resumable)")
     p.add_argument("manifest")
     p.add_argument("--cache", required=True, help="cache root")
-    p.add_argument("--disk", type=_size, default="50GiB", help="disk budget (default 50GiB)")
-    p.add_argument("--workers", type=_int_at_least(0), default=os.cpu_count() or 1)
+    p.add_argument("--disk", type=size, default="50GiB", help="disk budget (default 50GiB)")
+    p.add_argument("--workers", type=int_at_least(0), default=os.cpu_count() or 1)
     p.add_argument("--features", help="module:factory returning a frozen encoder")
-    p.add_argument("--size", type=_int_at_least(1), default=224)
-    p.add_argument("--max-length", type=_int_at_least(1), default=32)
+    p.add_argument("--size", type=int_at_least(1), default=224)
+    p.add_argument("--max-length", type=int_at_least(1), default=32)
     p.add_argument("--tokenizer", help="tokenizer.json (default: the built-in offline one)")
     p.add_argument("--policy", default="value")
     p.add_argument("--on-error", choices=["raise", "skip"], default="skip")
@@ -550,16 +424,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="the loader benchmark on your own data")
     p.add_argument("manifest")
     p.add_argument(
-        "--budget", type=_budget, default="50%", help="memory tier: 50%% of the data, or 2GiB"
+        "--budget", type=budget, default="50%", help="memory tier: 50%% of the data, or 2GiB"
     )
-    p.add_argument("--epochs", type=_int_at_least(1), default=3)
-    p.add_argument("--workers", type=_int_at_least(0), default=2)
-    p.add_argument("--batch-size", type=_int_at_least(1), default=64)
-    p.add_argument("--disk", type=_size, help="also a disk tier of this size (e.g. 10GiB)")
+    p.add_argument("--epochs", type=int_at_least(1), default=3)
+    p.add_argument("--workers", type=int_at_least(0), default=2)
+    p.add_argument("--batch-size", type=int_at_least(1), default=64)
+    p.add_argument("--disk", type=size, help="also a disk tier of this size (e.g. 10GiB)")
     p.add_argument("--cache", help="cache root to use and keep (default: a temporary one)")
     p.add_argument("--policy", default="value")
-    p.add_argument("--size", type=_int_at_least(1), default=224)
-    p.add_argument("--max-length", type=_int_at_least(1), default=32)
+    p.add_argument("--size", type=int_at_least(1), default=224)
+    p.add_argument("--max-length", type=int_at_least(1), default=32)
     p.add_argument("--tokenizer", help="tokenizer.json (default: the built-in offline one)")
     p.add_argument("--no-baseline", action="store_true", help="skip the uncached epoch")
     p.add_argument("--json", action="store_true")
@@ -580,11 +454,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("gc", help="remove expired, corrupt, orphaned and over-budget data")
     p.add_argument("--cache", required=True)
-    p.add_argument("--older-than", type=_duration, help="remove entries older than this (e.g. 7d)")
-    p.add_argument("--max-size", type=_size, help="shrink the disk tier to this size (e.g. 10GiB)")
+    p.add_argument("--older-than", type=duration, help="remove entries older than this (e.g. 7d)")
+    p.add_argument("--max-size", type=size, help="shrink the disk tier to this size (e.g. 10GiB)")
     p.add_argument(
         "--unused-for",
-        type=_duration,
+        type=duration,
         help="drop entries of pipeline fingerprints unused this long (e.g. 30d)",
     )
     p.add_argument("--json", action="store_true")
@@ -594,7 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(_glue_dash_values(parser, sys.argv[1:] if argv is None else argv))
+    args = parser.parse_args(glue_dash_values(parser, sys.argv[1:] if argv is None else argv))
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
