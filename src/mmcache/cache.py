@@ -11,7 +11,7 @@ Verification: entries read from disk are checked against their xxhash
 checksum (disk bytes can rot, and LMDB does not checksum its pages); entries
 read from the memory tier are not, because they were verified or produced
 when they entered it, and checking every read costs about a third of the
-gather speed.
+gather speed; :meth:`Cache.verify` (``mmcache verify``) checks both tiers.
 
 TTL: every entry carries its creation time from ``clock`` (default
 ``time.time``: persisted entries outlive the process, so a monotonic clock,
@@ -54,6 +54,7 @@ logger = logging.getLogger(__name__)
 Sample = dict[str, np.ndarray]
 KeyLike = bytes | str
 Fallback = Literal["raise", "uncached"]
+OpenedAs = Literal["owner", "worker", "inspect"]
 
 #: Budgets of a cache root, written beside its disk tier (see Cache.open_existing).
 CONFIG_FILE = "cache.json"
@@ -77,11 +78,14 @@ class GcReport:
 
 @dataclass(frozen=True)
 class VerifyReport:
-    """What :meth:`Cache.verify` found: entries checked, bad keys (hex), removed count."""
+    """What :meth:`Cache.verify` found: entries checked, bad keys (hex), removed count,
+    the tiers checked (fastest first) and, for each bad key, the tier holding it."""
 
     checked: int
     bad: tuple[str, ...]
     removed: int
+    tiers: tuple[str, ...] = ()
+    bad_tiers: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -177,6 +181,7 @@ class Cache:
         fallback: Fallback = "raise",
         mode: int = 0o600,
         memory_entries: int | None = None,
+        _opened_as: OpenedAs = "owner",
     ) -> None:
         if not isinstance(mode, int) or mode & ~0o666 or (mode & 0o600) != 0o600:
             raise ConfigError(
@@ -195,6 +200,13 @@ class Cache:
         self.memory_entries = memory_entries
         #: Tiers that could not be opened (fallback="uncached"), with the reason.
         self.degraded: dict[str, str] = {}
+        # "owner": a caller creating or configuring the cache; its budgets are recorded
+        # in cache.json. "worker": a pickled copy re-attaching; records nothing.
+        # "inspect" (open_existing, the CLI): attaches the memory tier only if it
+        # exists and records nothing, so a one-off override (memory=0, a TTL) never
+        # becomes the budget of later opens.
+        self._opened_as: OpenedAs = _opened_as
+        self._inspect = _opened_as == "inspect"
         self._memory_arg = memory
         self._disk_arg = disk
         if memory == "auto":
@@ -218,7 +230,7 @@ class Cache:
 
     def _open(self) -> None:
         from mmcache.stores.disk import DiskStore
-        from mmcache.stores.memory import MemoryStore
+        from mmcache.stores.memory import MemoryStore, store_exists
 
         folder_mode = dir_mode(self.mode)
         try:
@@ -238,7 +250,8 @@ class Cache:
                     policy=self.policy,
                     mode=self.mode,
                 )
-                self._write_config()
+                if self._opened_as == "owner":
+                    self._write_config()
             except (OSError, CacheError) as exc:
                 self._degrade("disk", exc)
         self.registry: FingerprintRegistry | None = None
@@ -247,13 +260,15 @@ class Cache:
                 self.registry = FingerprintRegistry(self.root / "fingerprints", mode=self.mode)
             except OSError as exc:
                 logger.debug("no fingerprint registry in %s: %s", self.root, exc)
-        if self.memory_budget > 0:
-            group = _memory_group(self.root, self.mode)
+        group = _memory_group(self.root, self.mode)
+        attach = not self._inspect or store_exists(self.memory_name, group=group)
+        if self.memory_budget > 0 and attach:
             try:
                 self.memory = MemoryStore(
-                    _memory_name(self.root),
+                    self.memory_name,
                     capacity=self.memory_budget,
                     policy=self.policy,
+                    create=not self._inspect,
                     temporary=self.temporary,
                     owner_path=str(self.root),
                     index_capacity=self.memory_entries,
@@ -263,19 +278,47 @@ class Cache:
             except (OSError, CacheError) as exc:
                 self._degrade("memory", exc)
 
-    def _write_config(self) -> None:
+    @property
+    def memory_name(self) -> str:
+        """Node-wide name of this root's memory tier (``/dev/shm/mmcache-<name>*``)."""
+        return _memory_name(self.root)
+
+    @property
+    def absent_tiers(self) -> tuple[str, ...]:
+        """Tiers with a budget that are not open: not created yet (``open_existing``
+        attaches the memory tier only if some process made it) or failed to open."""
+        out = []
+        if self.memory is None and self.memory_budget > 0:
+            out.append("memory")
+        if self.disk is None and self.disk_budget is not None:
+            out.append("disk")
+        return tuple(out)
+
+    def _write_config(self, **changes: Any) -> None:
         """Record the budgets in ``root/cache.json`` so the CLI can reopen this cache.
 
+        Without ``changes``: the budgets this object was created with (a caller
+        creating or configuring a cache). With ``changes`` (``gc(max_size=...)``):
+        only those fields change in the recorded file, so the overrides of an
+        :meth:`open_existing` (``memory=0``, a TTL) are never persisted.
         Written atomically (temp file + rename); plain JSON, never executed.
         """
-        config = {
+        path = self.root / CONFIG_FILE
+        config: dict[str, Any] = {
             "format": 1,
             "memory": self.memory_budget,
             "disk": self.disk_budget,
             "policy": self.policy.name,
             "ttl": self.ttl,
         }
-        path = self.root / CONFIG_FILE
+        if changes:
+            try:
+                recorded = json.loads(path.read_text())
+            except (OSError, ValueError):
+                recorded = None
+            if isinstance(recorded, dict) and recorded.get("format") == 1:
+                config = recorded
+            config.update(changes)
         tmp = path.with_name(f".{CONFIG_FILE}.{os.getpid()}.tmp")
         try:
             tmp.write_text(json.dumps(config, indent=1))
@@ -291,7 +334,10 @@ class Cache:
         """Reopen a cache with the budgets recorded in ``root/cache.json`` (CLI use).
 
         ``memory`` overrides the recorded memory budget (e.g. 0 to inspect the
-        disk tier without attaching shared memory).
+        disk tier without attaching shared memory). The memory tier is attached
+        only if it exists (never created: inspecting a cache must not allocate
+        shared memory), and nothing passed here is written to ``cache.json``:
+        overrides apply to this object only.
         """
         path = Path(os.path.expanduser(os.fspath(root))) / CONFIG_FILE
         try:
@@ -312,7 +358,7 @@ class Cache:
             "ttl": config.get("ttl"),
         }
         options.update(kwargs)
-        return cls(root, **options)
+        return cls(root, **options, _opened_as="inspect")
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -326,6 +372,7 @@ class Cache:
             "fallback": self.fallback,
             "mode": self.mode,
             "memory_entries": self.memory_entries,
+            "opened_as": "inspect" if self._inspect else "worker",
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -340,6 +387,7 @@ class Cache:
             fallback=state["fallback"],
             mode=state.get("mode", 0o600),
             memory_entries=state.get("memory_entries"),
+            _opened_as=state.get("opened_as", "worker"),
         )
 
     @property
@@ -509,31 +557,53 @@ class Cache:
         return CacheStats(tiers, fps, degraded=dict(self.degraded))
 
     def verify(self, *, repair: bool = False) -> VerifyReport:
-        """Check every entry's header and checksum; with ``repair`` remove bad ones."""
-        bad: list[bytes] = []
+        """Check every entry's header and checksum in every open tier; with ``repair``
+        remove bad ones.
+
+        Each tier checks itself (``Store.verify``, which the memory and disk tiers
+        have): no hit or miss is counted and no access time changes, so verifying
+        leaves the statistics and the policy's order as they were. Bad entries are
+        counted as ``corrupt`` by the tier. Safe while other processes use the cache.
+        """
+        bad: list[tuple[str, bytes]] = []
         checked = 0
-        for tier in self.tiers.values():
-            for k in list(tier.keys()):
-                raw = tier.get(k)
-                if raw is None:
-                    continue
-                checked += 1
-                if not _verifies(raw):
-                    bad.append(k)
-                    if repair:
-                        tier.discard(k, why="corrupt")
+        for name, tier in self.tiers.items():
+            checked += len(tier)
+            check_tier = getattr(tier, "verify", None)
+            if check_tier is not None:  # counts what it finds as corrupt
+                found = list(check_tier(_verifies))
+            else:  # a tier without its own check: plain reads (they count as hits)
+                found = []
+                for k in list(tier.keys()):
+                    raw = tier.get(k)
+                    if raw is not None and not _verifies(raw):
+                        found.append(k)
+            for k in found:
+                bad.append((name, k))
+                if repair and check_tier is not None:
+                    tier.delete(k)
+                elif repair:
+                    tier.discard(k, why="corrupt")
         return VerifyReport(
-            checked=checked, bad=tuple(k.hex() for k in bad), removed=len(bad) if repair else 0
+            checked=checked,
+            bad=tuple(k.hex() for _, k in bad),
+            removed=len(bad) if repair else 0,
+            tiers=tuple(self.tiers),
+            bad_tiers=tuple(name for name, _ in bad),
         )
 
     def gc(
         self,
         *,
+        older_than: float | str | None = None,
         max_size: int | str | None = None,
         unused_for: float | str | None = None,
         all_roots: bool = False,
     ) -> GcReport:
         """Remove expired and corrupt entries and orphaned shared-memory segments.
+
+        ``older_than`` (seconds or ``"7d"``) also removes, this once, every entry
+        created longer ago than that (``ttl`` stays as it is).
 
         Orphaned segments: this root's memory tier when it is damaged or unused
         and temporary (see :func:`~mmcache.stores.memory.reclaim_orphans`);
@@ -547,10 +617,11 @@ class Cache:
         from mmcache.stores.disk import DiskStore
         from mmcache.stores.memory import reclaim_orphans
 
+        ages = [a for a in (self.ttl, older_than) if a is not None]
         before = sum(t.nbytes() for t in self.tiers.values())
         expired = 0
-        if self.ttl is not None:
-            cutoff = self.clock() - self.ttl
+        if ages:
+            cutoff = self.clock() - min(parse_duration(a) for a in ages)
             for tier in self.tiers.values():
                 expired += tier.expire(cutoff)
         dropped: list[str] = []
@@ -575,7 +646,7 @@ class Cache:
                 self.root / "disk", capacity=limit, policy=self.policy, mode=self.mode
             )
             self.disk_budget = limit
-            self._write_config()
+            self._write_config(disk=limit)
             evicted = items - len(self.disk)
         pattern = "*" if all_roots else _memory_name(self.root)
         orphans = tuple(reclaim_orphans(pattern, group=_memory_group(self.root, self.mode)))

@@ -19,6 +19,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from mmcache.cliargs import (
+    Parser,
+    budget,
+    duration,
+    fraction,
+    glue_dash_values,
+    int_at_least,
+    parse_budget,
+    size,
+)
+
 __all__ = ["build_parser", "main"]
 
 logger = logging.getLogger(__name__)
@@ -114,10 +125,16 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 # -- synth --------------------------------------------------------------------------------
 def _cmd_synth(args: argparse.Namespace) -> int:
+    from mmcache.errors import ConfigError
     from mmcache.synth import make_dataset
 
     t0 = time.perf_counter()
-    path = make_dataset(args.out, args.n, seed=args.seed, large=args.large)
+    try:
+        path = make_dataset(args.out, args.n, seed=args.seed, large=args.large)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot write the dataset to {args.out}: {exc.strerror or exc} (give a folder path)"
+        ) from exc
     print(f"{args.n} samples written in {time.perf_counter() - t0:.1f}s; manifest: {path}")
     return 0
 
@@ -163,10 +180,17 @@ def _cmd_warm(args: argparse.Namespace) -> int:
 
 
 # -- stats / verify / gc --------------------------------------------------------------------
-def _open(args: argparse.Namespace, **kwargs: Any) -> Any:
+def _open(args: argparse.Namespace) -> Any:
+    """The cache at ``--cache`` with its recorded budgets; attaches the memory tier
+    only if it exists and writes nothing to ``cache.json`` (see Cache.open_existing)."""
     from mmcache.cache import Cache
 
-    return Cache.open_existing(args.cache, **kwargs)
+    return Cache.open_existing(args.cache)
+
+
+def _absent(cache: Any) -> str:
+    """``"memory tier: not present"`` lines for tiers with a budget that are not there."""
+    return "".join(f"\n{tier} tier: not present" for tier in cache.absent_tiers)
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
@@ -175,10 +199,12 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     cache = _open(args)
     try:
         stats = cache.stats()
+        absent = list(cache.absent_tiers)
+        note = _absent(cache)
     finally:
         cache.close()
     if args.json:
-        _print_json(stats.as_dict())
+        _print_json({**stats.as_dict(), "not_present": absent})
         return 0
     fields = ["items", "bytes", "budget", "hits", "misses", "evictions", "expired", "corrupt"]
     rows = []
@@ -191,7 +217,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
                 for f in fields
             ]
         )
-    print(_table(rows, ["tier", *fields]))
+    print(_table(rows, ["tier", *fields]) + note)
     if stats.fingerprints:
         import datetime as dt
 
@@ -203,30 +229,34 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    cache = _open(args, memory=0)
+    cache = _open(args)
     try:
         report = cache.verify(repair=args.repair)
+        note = _absent(cache)
     finally:
         cache.close()
     if args.json:
         _print_json(report.as_dict())
     else:
-        print(f"checked {report.checked} entries: {len(report.bad)} bad, {report.removed} removed")
-        for key in report.bad[:20]:
-            print(f"  bad entry {key}")
+        where = " and ".join(report.tiers) or "no"
+        print(
+            f"checked {report.checked} entries in the {where} tier"
+            f"{'s' if len(report.tiers) > 1 else ''}: {len(report.bad)} bad,"
+            f" {report.removed} removed{note}"
+        )
+        for key, tier in list(zip(report.bad, report.bad_tiers, strict=True))[:20]:
+            print(f"  bad entry {key} ({tier} tier)")
     return 0 if report.ok or args.repair else 1
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    from mmcache.units import format_size, parse_duration, parse_size
+    from mmcache.units import format_size
 
-    kwargs: dict[str, Any] = {}
-    if args.older_than is not None:
-        kwargs["ttl"] = parse_duration(args.older_than)
-    cache = _open(args, memory=0, **kwargs)
+    cache = _open(args)
     try:
         report = cache.gc(
-            max_size=None if args.max_size is None else parse_size(args.max_size),
+            older_than=args.older_than,
+            max_size=args.max_size,
             unused_for=args.unused_for,
             all_roots=args.all,
         )
@@ -246,23 +276,6 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 
 
 # -- bench --------------------------------------------------------------------------------
-def _parse_budget(text: str, data_bytes: int) -> int:
-    """``"50%"`` of the preprocessed data, or an IEC size (``"2GiB"``)."""
-    from mmcache.errors import ConfigError
-    from mmcache.units import parse_size
-
-    text = text.strip()
-    if text.endswith("%"):
-        try:
-            fraction = float(text[:-1]) / 100.0
-        except ValueError as exc:
-            raise ConfigError(f"cannot parse budget {text!r}: use e.g. 50% or 2GiB") from exc
-        if not fraction >= 0.0:
-            raise ConfigError(f"budget must be >= 0%, got {text!r}")
-        return int(data_bytes * fraction)
-    return parse_size(text)
-
-
 def _cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
@@ -276,7 +289,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if first is None:
         raise mc.ConfigError(f"none of the first 100 samples of {args.manifest} can be decoded")
     data_bytes = mc.codec.encoded_size(first) * len(ds)
-    memory = _parse_budget(args.budget, data_bytes)
+    memory = parse_budget(args.budget, data_bytes)
     rows: list[list[str]] = []
     result: dict[str, Any] = {"samples": len(ds), "data_bytes": data_bytes, "memory": memory}
     baseline = None
@@ -338,9 +351,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     else:
         from mmcache.units import format_size
 
+        disk = "off" if args.disk is None else format_size(args.disk)
         print(
             f"{len(ds)} samples, {format_size(data_bytes)} preprocessed; memory tier "
-            f"{format_size(memory)}, disk tier {args.disk or 'off'}, {args.workers} workers"
+            f"{format_size(memory)}, disk tier {disk}, {args.workers} workers"
         )
         header = ["run", "samples/s", "vs uncached", "hit rate", "memory", "disk", "stall s"]
         print(_table(rows, header))
@@ -361,7 +375,7 @@ def _first_sample(ds: Any, *, limit: int) -> Any:
 
 # -- parser -------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="mmcache",
         description="Decode, resize and tokenize image-text samples once; cache them.",
     )
@@ -370,14 +384,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="run the main job on synthetic data (nothing to download)")
     p.add_argument("--dir", help="keep the data and cache here (default: a temporary folder)")
-    p.add_argument("--n", type=int, default=2000, help="samples (default 2000)")
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--size", type=int, default=224, help="image side in px (default 224)")
+    p.add_argument("--n", type=int_at_least(1), default=2000, help="samples (default 2000)")
+    p.add_argument("--epochs", type=int_at_least(1), default=3)
+    p.add_argument("--workers", type=int_at_least(0), default=2)
+    p.add_argument("--batch-size", type=int_at_least(1), default=64)
+    p.add_argument(
+        "--size", type=int_at_least(1), default=224, help="image side in px (default 224)"
+    )
     p.add_argument(
         "--budget",
-        type=float,
+        type=fraction,
         default=0.5,
         help="memory tier as a fraction of the preprocessed data (default 0.5)",
     )
@@ -389,7 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("synth", help="write a synthetic image-caption dataset")
     p.add_argument("out")
-    p.add_argument("--n", type=int, default=1000)
+    p.add_argument("--n", type=int_at_least(1), default=1000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--large", action="store_true", help="1,000-2,000 px sources")
     p.set_defaults(func=_cmd_synth)
@@ -397,11 +413,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("warm", help="fill a cache's disk tier ahead of training (resumable)")
     p.add_argument("manifest")
     p.add_argument("--cache", required=True, help="cache root")
-    p.add_argument("--disk", default="50GiB", help="disk budget (default 50GiB)")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--disk", type=size, default="50GiB", help="disk budget (default 50GiB)")
+    p.add_argument("--workers", type=int_at_least(0), default=os.cpu_count() or 1)
     p.add_argument("--features", help="module:factory returning a frozen encoder")
-    p.add_argument("--size", type=int, default=224)
-    p.add_argument("--max-length", type=int, default=32)
+    p.add_argument("--size", type=int_at_least(1), default=224)
+    p.add_argument("--max-length", type=int_at_least(1), default=32)
     p.add_argument("--tokenizer", help="tokenizer.json (default: the built-in offline one)")
     p.add_argument("--policy", default="value")
     p.add_argument("--on-error", choices=["raise", "skip"], default="skip")
@@ -410,15 +426,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="the loader benchmark on your own data")
     p.add_argument("manifest")
-    p.add_argument("--budget", default="50%", help="memory tier: 50%% of the data, or 2GiB")
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--disk", help="also a disk tier of this size (e.g. 10GiB)")
+    p.add_argument(
+        "--budget", type=budget, default="50%", help="memory tier: 50%% of the data, or 2GiB"
+    )
+    p.add_argument("--epochs", type=int_at_least(1), default=3)
+    p.add_argument("--workers", type=int_at_least(0), default=2)
+    p.add_argument("--batch-size", type=int_at_least(1), default=64)
+    p.add_argument("--disk", type=size, help="also a disk tier of this size (e.g. 10GiB)")
     p.add_argument("--cache", help="cache root to use and keep (default: a temporary one)")
     p.add_argument("--policy", default="value")
-    p.add_argument("--size", type=int, default=224)
-    p.add_argument("--max-length", type=int, default=32)
+    p.add_argument("--size", type=int_at_least(1), default=224)
+    p.add_argument("--max-length", type=int_at_least(1), default=32)
     p.add_argument("--tokenizer", help="tokenizer.json (default: the built-in offline one)")
     p.add_argument("--no-baseline", action="store_true", help="skip the uncached epoch")
     p.add_argument("--json", action="store_true")
@@ -429,7 +447,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_stats)
 
-    p = sub.add_parser("verify", help="check every entry's header and checksum")
+    p = sub.add_parser(
+        "verify", help="check every entry's header and checksum, in every tier that exists"
+    )
     p.add_argument("--cache", required=True)
     p.add_argument("--repair", action="store_true", help="remove bad entries")
     p.add_argument("--json", action="store_true")
@@ -437,10 +457,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("gc", help="remove expired, corrupt, orphaned and over-budget data")
     p.add_argument("--cache", required=True)
-    p.add_argument("--older-than", help="remove entries older than this (e.g. 7d)")
-    p.add_argument("--max-size", help="shrink the disk tier to this size (e.g. 10GiB)")
+    p.add_argument("--older-than", type=duration, help="remove entries older than this (e.g. 7d)")
+    p.add_argument("--max-size", type=size, help="shrink the disk tier to this size (e.g. 10GiB)")
     p.add_argument(
-        "--unused-for", help="drop entries of pipeline fingerprints unused this long (e.g. 30d)"
+        "--unused-for",
+        type=duration,
+        help="drop entries of pipeline fingerprints unused this long (e.g. 30d)",
     )
     p.add_argument(
         "--all",
@@ -454,7 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(glue_dash_values(parser, sys.argv[1:] if argv is None else argv))
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",

@@ -73,6 +73,36 @@ def _remove(path: str) -> None:
         os.unlink(path)
 
 
+_REJECT_LOG_PREFIX = "mmcache-rejects-"
+
+
+def _remove_stale_reject_logs(directory: str) -> None:
+    """Remove this user's reject logs whose creating process is gone (killed, so its
+    finalizer never ran). The creator's pid is in the name (``mmcache-rejects-<pid>-*``);
+    a reused pid only keeps a stale log for a while, it never removes a live one."""
+    with contextlib.suppress(OSError), os.scandir(directory) as entries:
+        for entry in entries:
+            name = entry.name
+            if not (name.startswith(_REJECT_LOG_PREFIX) and name.endswith(".jsonl")):
+                continue
+            pid = name[len(_REJECT_LOG_PREFIX) :].split("-", 1)[0]
+            if not pid.isdigit() or _alive(int(pid)):
+                continue
+            with contextlib.suppress(OSError):
+                if entry.stat(follow_symlinks=False).st_uid == os.getuid():
+                    os.unlink(entry.path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 class MultimodalDataset(torch.utils.data.Dataset[dict[str, Any] | None]):
     """Image-text samples from a manifest, decoded by a :class:`~mmcache.pipeline.Pipeline`.
 
@@ -114,7 +144,10 @@ class MultimodalDataset(torch.utils.data.Dataset[dict[str, Any] | None]):
         # Memo of keys by file stamp (see keys()); allocated on first use.
         self._memo_keys: np.ndarray | None = None
         self._memo_stamp: np.ndarray | None = None
-        fd, self._reject_log = tempfile.mkstemp(prefix="mmcache-rejects-", suffix=".jsonl")
+        _remove_stale_reject_logs(tempfile.gettempdir())
+        fd, self._reject_log = tempfile.mkstemp(
+            prefix=f"{_REJECT_LOG_PREFIX}{os.getpid()}-", suffix=".jsonl"
+        )
         os.close(fd)
         # Only the creating process removes the log; pickled copies in workers just append.
         self._finalizer: weakref.finalize[Any, Any] | None = weakref.finalize(

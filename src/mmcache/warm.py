@@ -86,6 +86,8 @@ def warm(
     multiprocessing_context: Any = None,
 ) -> WarmReport:
     """Produce and store every sample of this rank's shard that the cache lacks."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+        raise ConfigError(f"workers must be an int >= 0 (0: produce here), got {workers!r}")
     if rank is None or world_size is None:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             rank = torch.distributed.get_rank() if rank is None else rank

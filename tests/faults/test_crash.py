@@ -504,3 +504,28 @@ def test_gc_reclaims_segments_of_a_killed_temporary_cache(root: Path, tmp_path: 
         report = cache.gc(all_roots=True)
     assert set(dead) <= set(report.orphan_segments)
     assert glob.glob(f"{store_dir()}/mmcache-{_memory_name(root.absolute())}*") == []
+
+
+def test_reject_logs_of_killed_processes_do_not_pile_up(tmp_path: Path) -> None:
+    """A killed training process leaves its reject log; the next dataset removes it."""
+    from mmcache.synth import make_dataset
+
+    manifest = make_dataset(tmp_path / "data", 2, seed=0)
+    logs = tmp_path / "tmp"
+    logs.mkdir()
+    script = (
+        "import os, signal, sys\n"
+        "from mmcache.dataset import MultimodalDataset\n"
+        "from mmcache.defaults import default_pipeline\n"
+        "ds = MultimodalDataset(sys.argv[1], pipeline=default_pipeline(size=32, max_length=8))\n"
+        "if sys.argv[2] == 'kill':\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    env = {**os.environ, "TMPDIR": str(logs)}
+    for _ in range(3):
+        run = subprocess.run([sys.executable, "-c", script, str(manifest), "kill"], env=env)
+        assert run.returncode == -signal.SIGKILL
+        assert len(list(logs.glob("mmcache-rejects-*"))) == 1  # the last killed one's
+    run = subprocess.run([sys.executable, "-c", script, str(manifest), "exit"], env=env)
+    assert run.returncode == 0
+    assert list(logs.glob("mmcache-rejects-*")) == []

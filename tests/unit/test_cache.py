@@ -19,6 +19,7 @@ from mmcache.dataset import MultimodalDataset, collate
 from mmcache.errors import CacheError, ConfigError
 from mmcache.keys import as_key, digest, key_hex, sample_key
 from mmcache.pipeline import ImageSpec, Pipeline, TextSpec
+from mmcache.stores.memory import store_dir
 
 
 def _key(i: int) -> bytes:
@@ -366,3 +367,52 @@ def test_loader_and_workers_tag_their_entries(
             list(loader)
         info = cache.stats().fingerprints[small_pipeline.fingerprint()]
         assert info["keys_logged"] == 48
+
+
+def test_open_existing_records_nothing_and_never_creates_the_memory_tier(
+    cache_root: Path,
+) -> None:
+    import glob
+    import json
+    import pickle
+
+    from mmcache.cache import _memory_name
+    from mmcache.stores.memory import unlink_store
+
+    with Cache(cache_root, memory="1MiB", disk="4MiB") as cache:
+        for i in range(3):
+            cache.put(_key(i), _sample(i))
+    config = (cache_root / "cache.json").read_bytes()
+    with Cache.open_existing(cache_root, memory=0, ttl=5) as inspected:
+        assert inspected.ttl == 5 and inspected.memory is None
+        pickle.loads(pickle.dumps(inspected)).close()  # a worker's copy
+    with Cache.open_existing(cache_root) as inspected:
+        assert inspected.gc(max_size="3MiB").evicted == 0
+    recorded = json.loads((cache_root / "cache.json").read_text())
+    assert recorded == {**json.loads(config), "disk": 3 * 2**20}  # only what gc changed
+    # The recorded memory budget differs from the store's: attach it as it is, never wipe it.
+    (cache_root / "cache.json").write_text(json.dumps({**recorded, "memory": 2 * 2**20}))
+    with Cache.open_existing(cache_root) as inspected:
+        assert inspected.memory is not None and len(inspected.memory) == 3
+        assert inspected.memory.capacity() == 2**20 and inspected.absent_tiers == ()
+    name = _memory_name(cache_root.absolute())
+    unlink_store(name)
+    with Cache.open_existing(cache_root) as inspected:
+        assert inspected.memory is None and inspected.absent_tiers == ("memory",)
+        assert inspected.verify().tiers == ("disk",)
+    assert glob.glob(f"{store_dir()}/mmcache-{name}*") == []
+
+
+def test_gc_older_than_applies_once(cache_root: Path) -> None:
+    clock = FakeClock()
+    with Cache(cache_root, memory="1MiB", disk="4MiB", clock=clock, temporary=True) as cache:
+        for i in range(5):
+            cache.put(_key(i), _sample(i))
+        clock.now += 10
+        cache.put(_key(9), _sample(9))
+        assert cache.gc(older_than="5s").expired == 5 * 2  # both tiers
+        assert cache.ttl is None and cache.get(_key(9)) is not None
+        clock.now += 10
+        assert cache.gc().expired == 0
+        with pytest.raises(ConfigError, match="duration"):
+            cache.gc(older_than="-1d")

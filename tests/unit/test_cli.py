@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from mmcache.cli import main
+from mmcache.stores.memory import store_dir
 
 
 def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
@@ -214,3 +215,120 @@ def test_bench_on_user_data(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         == 0
     )
     assert "mmcache epoch 0" in capsys.readouterr().out
+
+
+# -- reopening from the CLI changes nothing it was not asked to change --------------------
+def _populated(root: Path, n: int = 20, *, memory: str = "1MiB") -> list[bytes]:
+    """A cache root (not temporary) holding ``n`` fresh entries in both tiers."""
+    import numpy as np
+
+    from mmcache.cache import Cache
+    from mmcache.keys import sample_key
+
+    keys = [sample_key(f"id{i}", "stamp", "fp") for i in range(n)]
+    with Cache(root, memory=memory, disk="4MiB") as cache:
+        for i, k in enumerate(keys):
+            cache.put(k, {"x": np.full(1000, i + 1, dtype=np.uint8)})
+    return keys
+
+
+def _entries(root: Path) -> dict[str, int]:
+    from mmcache.cache import Cache
+
+    with Cache.open_existing(root) as cache:
+        return {name: len(tier) for name, tier in cache.tiers.items()}
+
+
+def test_gc_older_than_applies_once_and_nothing_is_persisted(
+    cache_root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import time
+
+    _populated(cache_root)
+    config = (cache_root / "cache.json").read_bytes()
+    assert main(["gc", "--cache", str(cache_root), "--older-than", "3s", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["expired"] == 0
+    assert (cache_root / "cache.json").read_bytes() == config
+    time.sleep(4)
+    assert main(["gc", "--cache", str(cache_root), "--json"]) == 0  # only orphans, corrupt
+    assert json.loads(capsys.readouterr().out)["expired"] == 0
+    assert _entries(cache_root) == {"memory": 20, "disk": 20}
+    for argv in (["stats"], ["verify"], ["verify", "--repair"], ["gc", "--unused-for", "1d"]):
+        assert main([*argv, "--cache", str(cache_root)]) == 0
+        assert (cache_root / "cache.json").read_bytes() == config, argv
+    capsys.readouterr()
+    assert _entries(cache_root) == {"memory": 20, "disk": 20}
+    assert main(["gc", "--cache", str(cache_root), "--older-than", "1s", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["expired"] == 2 * 20  # both tiers, once
+    assert _entries(cache_root) == {"memory": 0, "disk": 0}
+
+
+def test_verify_checks_the_memory_tier_and_repairs_it(
+    cache_root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A byte flipped in /dev/shm is reported bad (naming the tier) and --repair removes it."""
+    import glob
+
+    from mmcache.cache import _memory_name
+    from mmcache.keys import key_hex
+
+    keys = _populated(cache_root, 8)
+    marker = bytes([5]) * 1000  # the payload of entry 4 (values i + 1)
+    flipped = 0
+    for path in glob.glob(f"{store_dir()}/mmcache-{_memory_name(cache_root.absolute())}-d*"):
+        with open(path, "r+b") as f:
+            data = f.read()
+            at = data.find(marker)
+            if at >= 0:
+                f.seek(at + 500)
+                f.write(b"\x06")
+                flipped += 1
+    assert flipped == 1
+    capsys.readouterr()
+    assert main(["verify", "--cache", str(cache_root), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["tiers"] == ["memory", "disk"]
+    assert report["bad"] == [key_hex(keys[4])] and report["bad_tiers"] == ["memory"]
+    assert main(["verify", "--cache", str(cache_root)]) == 1
+    out = capsys.readouterr().out
+    assert "memory and disk tiers" in out and f"{key_hex(keys[4])} (memory tier)" in out
+    assert main(["verify", "--cache", str(cache_root), "--repair"]) == 0
+    assert "1 bad, 1 removed" in capsys.readouterr().out
+    assert main(["verify", "--cache", str(cache_root), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"] is True
+    assert _entries(cache_root) == {"memory": 7, "disk": 8}
+
+
+def test_stats_and_verify_leave_the_memory_tier_and_counters_alone(
+    cache_root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """stats never creates the memory tier; verify counts no hits or misses."""
+    import glob
+
+    from mmcache.cache import _memory_name
+    from mmcache.stores.memory import unlink_store
+
+    _populated(cache_root, 5)
+    capsys.readouterr()
+    assert main(["stats", "--cache", str(cache_root), "--json"]) == 0
+    before = json.loads(capsys.readouterr().out)
+    assert main(["verify", "--cache", str(cache_root)]) == 0
+    capsys.readouterr()
+    assert main(["stats", "--cache", str(cache_root), "--json"]) == 0
+    after = json.loads(capsys.readouterr().out)
+    for tier in ("memory", "disk"):
+        assert (after[tier]["hits"], after[tier]["misses"]) == (
+            before[tier]["hits"],
+            before[tier]["misses"],
+        ), tier
+    name = _memory_name(cache_root.absolute())
+    unlink_store(name)
+    assert main(["stats", "--cache", str(cache_root)]) == 0
+    assert "memory tier: not present" in capsys.readouterr().out
+    assert main(["stats", "--cache", str(cache_root), "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert "memory" not in stats and stats["not_present"] == ["memory"]
+    assert main(["verify", "--cache", str(cache_root)]) == 0
+    assert "memory tier: not present" in capsys.readouterr().out
+    assert main(["gc", "--cache", str(cache_root)]) == 0
+    assert glob.glob(f"{store_dir()}/mmcache-{name}*") == []

@@ -162,6 +162,7 @@ __all__ = [
     "default_index_capacity",
     "reclaim_orphans",
     "store_dir",
+    "store_exists",
     "unlink_store",
 ]
 
@@ -719,7 +720,8 @@ class MemoryStore(Store):
                     )
                 if damaged is not None:
                     log.warning("memory store %s: re-creating it: %s", self.shm_name, damaged)
-                elif same or self._live_procs_locked():
+                elif same or not create or self._live_procs_locked():
+                    # create=False only attaches (mmcache verify/stats): never re-create.
                     if not same:
                         log.warning(
                             "memory store %s exists with capacity %d B and %d entries (asked"
@@ -2175,6 +2177,29 @@ class MemoryStore(Store):
             return None
         return victims
 
+    def verify(self, check: Callable[[bytes], bool]) -> list[bytes]:
+        """Keys whose value fails ``check`` (the Cache passes the codec's checksum).
+
+        Entries are trusted on reads (see the module docstring), so this is how a
+        byte changed in ``/dev/shm`` is found. Each entry is copied under its own
+        short shared section (writers wait for one copy, not the whole pass) and
+        no hit, miss or access time is recorded. Bad entries are counted as
+        ``corrupt`` but not deleted: the caller decides. Thread/process-safe.
+        """
+        bad: list[bytes] = []
+        for key in list(self.keys()):
+            with self._shared():
+                e = self._find_ready(key)
+                if e < 0:
+                    continue
+                slab = self._slab(int(self._ecls[e]))
+                value = slab.rows[int(self._eslot[e]), : int(self._esize[e])].tobytes()
+            if not check(value):
+                bad.append(key)
+        if bad:
+            self._count(_Count.CORRUPT, len(bad))
+        return bad
+
     def discard(self, key: bytes, *, why: Literal["corrupt", "expired"]) -> bool:
         """Delete ``key`` and count it as ``corrupt`` or ``expired``. Thread/process-safe."""
         removed = self.delete(key)
@@ -2456,6 +2481,15 @@ def reclaim_orphans(pattern: str = "*", *, group: int | None = None) -> list[str
         finally:
             lock.close()
     return removed
+
+
+def store_exists(name: str, *, group: int | None = None) -> bool:
+    """Whether some process made the store ``name`` on this node (its files exist)."""
+    check_store_name(name)
+    directory = store_dir(group)
+    return os.path.exists(_lock_path(directory, name)) or os.path.exists(
+        _meta_path(directory, name)
+    )
 
 
 def unlink_store(

@@ -1,0 +1,157 @@
+"""Argument types of the ``mmcache`` command: each value is checked while parsing.
+
+A bad value stops the command before any work, on one line that names the flag
+and the value: ``mmcache warm: error: argument --workers: must be an integer >= 0,
+got '-1' (see mmcache warm --help)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+__all__ = [
+    "Parser",
+    "budget",
+    "duration",
+    "fraction",
+    "glue_dash_values",
+    "int_at_least",
+    "parse_budget",
+    "size",
+]
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with errors on one line (the usage is one ``--help`` away)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+def _library_parse(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """A units.py parser as an argparse type: its message, and the value, on error."""
+
+    def wrapped(text: str) -> Any:
+        from mmcache.errors import ConfigError
+
+        if text.strip().startswith("-"):
+            raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+        try:
+            return parse(text)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return wrapped
+
+
+def size(text: str) -> int:
+    from mmcache.units import parse_size
+
+    return int(_library_parse(parse_size)(text))
+
+
+def duration(text: str) -> float:
+    from mmcache.units import parse_duration
+
+    return float(_library_parse(parse_duration)(text))
+
+
+def fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (math.isfinite(value) and value >= 0.0):
+        raise argparse.ArgumentTypeError(
+            f"must be a fraction >= 0 of the preprocessed data (e.g. 0.5), got {text!r}"
+        )
+    return value
+
+
+def budget(text: str) -> str:
+    """``"50%"`` or an IEC size; checked now, resolved once the data size is known."""
+    from mmcache.errors import ConfigError
+
+    try:
+        parse_budget(text, 0)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}") from None
+    return text
+
+
+def glue_dash_values(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
+    """``--disk -1GiB`` -> ``--disk=-1GiB``.
+
+    argparse takes a value starting with ``-`` (other than a plain negative
+    number) for an option and answers "expected one argument"; glued to its flag,
+    the value reaches its type, whose message says what is wrong with it.
+    """
+    takes_value: set[str] = set()
+    flags: set[str] = set()
+    parsers = [parser]
+    while parsers:
+        p = parsers.pop()
+        for action in p._actions:
+            flags.update(action.option_strings)
+            if action.option_strings and action.nargs is None:
+                takes_value.update(action.option_strings)
+            if isinstance(action, argparse._SubParsersAction):
+                parsers.extend(action.choices.values())
+    out: list[str] = []
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--":
+            out.extend(args[i:])
+            break
+        following = args[i + 1] if i + 1 < len(args) else None
+        if (
+            arg in takes_value
+            and following is not None
+            and following.startswith("-")
+            and following not in flags
+            and following.split("=", 1)[0] not in flags
+        ):
+            out.append(f"{arg}={following}")
+            i += 2
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
+def parse_budget(text: str, data_bytes: int) -> int:
+    """``"50%"`` of the preprocessed data, or an IEC size (``"2GiB"``)."""
+    from mmcache.errors import ConfigError
+    from mmcache.units import parse_size
+
+    text = text.strip()
+    if text.endswith("%"):
+        try:
+            fraction = float(text[:-1]) / 100.0
+        except ValueError as exc:
+            raise ConfigError(f"cannot parse budget {text!r}: use e.g. 50% or 2GiB") from exc
+        if not (math.isfinite(fraction) and fraction >= 0.0):
+            raise ConfigError(f"budget must be >= 0%, got {text!r}")
+        return int(data_bytes * fraction)
+    if text.startswith("-"):
+        raise ConfigError(f"budget must be >= 0, got {text!r}")
+    return parse_size(text)
