@@ -69,6 +69,7 @@ from mmcache.dataset import MultimodalDataset
 from mmcache.errors import ConfigError, SampleError
 from mmcache.gate import Gate
 from mmcache.inorder import Helper, InOrderBuilder
+from mmcache.keys import STAT_FIELDS
 from mmcache.sampler import EpochSampler
 from mmcache.stats import EpochStats, LoaderStats
 from mmcache.sweeper import Sweeper
@@ -80,6 +81,9 @@ __all__ = ["DataLoader"]
 logger = logging.getLogger(__name__)
 
 _STATE_VERSION = 1
+
+#: int64 words of a file's stat stamp (:func:`mmcache.keys.stat_fields`).
+_STAMP_W = len(STAT_FIELDS)
 
 # Where a sample of a batch came from.
 _MEMORY, _DISK, _PRODUCED, _REJECTED = "memory", "disk", "produced", "rejected"
@@ -236,7 +240,7 @@ class _Planned:
         hit = np.frombuffer(self.planned_hit, dtype=bool)
         stamps = None
         if self.stamps is not None:
-            stamps = np.frombuffer(self.stamps, dtype=np.int64).reshape(len(indices), 2)
+            stamps = np.frombuffer(self.stamps, dtype=np.int64).reshape(len(indices), _STAMP_W)
         return _Plan(indices, keys, hit, self.results, stamps)
 
 
@@ -274,7 +278,7 @@ class _Plan:
     keys: np.ndarray
     planned_hit: np.ndarray  # bool per row: the memory tier held it when planned
     results: list[_Result]  # one per row that was not a planned hit, in row order
-    stamps: np.ndarray | None = None  # int64 [n, 2]: the files' (size, mtime_ns) keyed on
+    stamps: np.ndarray | None = None  # int64 [n, _STAMP_W]: the files' stat stamps keyed on
     # Made in the training process from the keys learnt in an earlier epoch, all
     # assumed in memory: gathered at once, served only once the stamp board (or a
     # stat here) shows every file unchanged this epoch. ``round``: the sweep's.
@@ -487,7 +491,7 @@ class _PlanSource:
 class _KnownKeys:
     """Each sample's cache key and the file stamps it was made from, as last planned.
 
-    33 bytes per sample of the dataset, in the training process: what a
+    49 bytes per sample of the dataset, in the training process: what a
     speculative plan is made of (see :class:`_PlanSource`), never trusted on
     its own. Rows are written whole by the thread that fetches plans; a row
     read while another thread writes it at most makes a speculation fail.
@@ -495,14 +499,14 @@ class _KnownKeys:
 
     def __init__(self, n: int) -> None:
         self._n = n
-        self._rows: np.ndarray | None = None  # uint8 [n, 32]: key, then int64 size, mtime
+        self._rows: np.ndarray | None = None  # uint8 [n, 48]: key, then the int64 stamp
         self._have: np.ndarray | None = None
 
     def learn(self, plan: _Plan) -> None:
         if plan.stamps is None:
             return  # keys of file contents (content_stamp): nothing a stat can verify
         if self._rows is None or self._have is None:
-            self._rows = np.zeros((self._n, 32), dtype=np.uint8)
+            self._rows = np.zeros((self._n, 16 + 8 * _STAMP_W), dtype=np.uint8)
             self._have = np.zeros(self._n, dtype=bool)
         self._rows[plan.indices, :16] = plan.keys
         self._rows[plan.indices, 16:] = np.ascontiguousarray(plan.stamps).view(np.uint8)
