@@ -51,6 +51,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import operator
 import sys
 import threading
 import time
@@ -80,7 +81,7 @@ __all__ = ["DataLoader"]
 
 logger = logging.getLogger(__name__)
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2  # 2: the ids digest
 
 #: int64 words of a file's stat stamp (:func:`mmcache.keys.stat_fields`).
 _STAMP_W = len(STAT_FIELDS)
@@ -650,6 +651,9 @@ class DataLoader:
         self._assembly_lock = threading.Lock()
         self._epoch = 0
         self._position = 0  # batches of the current epoch already yielded
+        self._chosen = False  # set_epoch called since the last iteration began
+        self._resumed = False  # the position came from load_state_dict
+        self._ids: str | None = None  # the dataset's ids digest (state_dict)
         self._stream: _PlanSource | None = None  # plans of the batches to come
         self._stream_from = (0, 0)  # where the workers' next stream starts (epoch, batch)
         self._stream_gate = 0  # the gate value its tasks count from
@@ -680,17 +684,32 @@ class DataLoader:
         return self._epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch the next iteration yields. Keeps a resumed position
-        when ``epoch`` is the epoch restored by :meth:`load_state_dict`."""
-        if epoch != self._epoch:
-            self._epoch = epoch
+        """Select the epoch the next iteration yields: all of epoch ``epoch``, whatever
+        was iterated before (its order is a pure function of seed and epoch), or,
+        right after :meth:`load_state_dict` of that epoch, what remains of it (maybe
+        nothing). An iteration without a ``set_epoch`` since the last one finished
+        its epoch goes on with the next epoch."""
+        try:
+            epoch = operator.index(epoch)  # an int or a numpy integer
+        except TypeError:
+            raise ConfigError(f"epoch must be an int >= 0, got {epoch!r}") from None
+        if isinstance(epoch, bool) or epoch < 0:
+            raise ConfigError(f"epoch must be an int >= 0, got {epoch!r}")
+        if not (self._resumed and epoch == self._epoch):
             self._position = 0
+            self._resumed = False
+        self._epoch = epoch
+        self._chosen = True
 
     def state_dict(self) -> dict[str, Any]:
         """Where the loader is: resuming from it yields exactly the remaining batches.
 
-        Independent of ``num_workers`` (the order never depends on it).
+        Independent of ``num_workers`` (the order never depends on it). ``ids`` is
+        a digest of the dataset's ids in order (:meth:`~mmcache.manifest.Records.ids_digest`),
+        so a reordered manifest of the same length is refused on resume.
         """
+        if self._ids is None:
+            self._ids = self.dataset.records.ids_digest()
         return {
             "version": _STATE_VERSION,
             "epoch": self._epoch,
@@ -698,6 +717,7 @@ class DataLoader:
             "seed": self.sampler.seed,
             "shuffle": self.sampler.shuffle,
             "size": self.sampler.size,
+            "ids": self._ids,
             "rank": self.sampler.rank,
             "world_size": self.sampler.world_size,
             "batch_size": self.batch_size,
@@ -705,18 +725,52 @@ class DataLoader:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`; the configuration that fixes the order must match."""
-        if state.get("version") != _STATE_VERSION:
-            raise ConfigError(f"unsupported loader state version {state.get('version')!r}")
+        """Restore a :meth:`state_dict`; the configuration that fixes the order must match.
+
+        Raises :class:`ConfigError` naming the key for a missing, mistyped or
+        out-of-range value, or one that differs from this loader's (another seed,
+        dataset order, batch size, rank...); nothing is restored then.
+        """
+        if not isinstance(state, dict):
+            raise ConfigError(
+                f"a loader state is a dict (from state_dict()), got {type(state).__name__}"
+            )
         mine = self.state_dict()
-        for name in ("seed", "shuffle", "size", "rank", "world_size", "batch_size", "drop_last"):
+        if state.get("version") == 1:  # saved before the ids digest: order not checkable
+            logger.warning(
+                "loader state version 1 has no digest of the dataset's ids: resuming "
+                "without checking that the manifest lists the same ids in the same order"
+            )
+            state = {**state, "version": _STATE_VERSION, "ids": mine["ids"]}
+        if state.get("version") != _STATE_VERSION:
+            raise ConfigError(
+                f"unsupported loader state version {state.get('version')!r} (this mmcache "
+                f"reads 1 and {_STATE_VERSION}): it was saved by another mmcache version"
+            )
+        for name in (
+            "seed",
+            "shuffle",
+            "size",
+            "ids",
+            "rank",
+            "world_size",
+            "batch_size",
+            "drop_last",
+        ):
+            if name not in state:
+                raise ConfigError(f"cannot resume: the loader state has no {name!r}")
             if state[name] != mine[name]:
+                what = "the dataset's ids in order" if name == "ids" else name
                 raise ConfigError(
                     f"cannot resume: state has {name}={state[name]!r} but this loader has "
-                    f"{mine[name]!r}; the order (and so the remaining batches) would differ"
+                    f"{mine[name]!r} ({what} differs); the order (and so the remaining "
+                    "batches) would differ"
                 )
-        self._epoch = int(state["epoch"])
-        self._position = int(state["position"])
+        epoch = _state_int(state, "epoch", 0, None)
+        position = _state_int(state, "position", 0, len(self._epoch_batches(epoch)))
+        self._epoch, self._position = epoch, position
+        self._resumed = True  # set_epoch(epoch) keeps the position
+        self._chosen = False
 
     def close(self) -> None:
         """Stop the worker processes (persistent ones included) and the sweeper now. Idempotent.
@@ -765,10 +819,12 @@ class DataLoader:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         epoch = self._epoch
         batches = self._epoch_batches(epoch)
-        if self._position >= len(batches):  # a finished epoch: go on with the next one
+        if self._position >= len(batches) and not self._chosen:
+            # A finished epoch and no set_epoch since: go on with the next one.
             epoch = self._epoch = epoch + 1
             self._position = 0
             batches = self._epoch_batches(epoch)
+        self._chosen = self._resumed = False
         if self.cache is not None:
             self.cache.register(self.dataset.fingerprint(), repr(self.dataset.pipeline))
         run = _EpochRun(epoch=epoch, batches=batches, start=self._position)
@@ -1474,6 +1530,19 @@ class _EpochCounter:
             stall_s=self.stall_s,
             tier_hits=dict(self.tier_hits),
         )
+
+
+def _state_int(state: dict[str, Any], name: str, low: int, high: int | None) -> int:
+    """``state[name]`` checked to be an int in ``[low, high]`` (ConfigError otherwise)."""
+    if name not in state:
+        raise ConfigError(f"cannot resume: the loader state has no {name!r}")
+    value = state[name]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"cannot resume: state {name} must be an int, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ConfigError(f"cannot resume: state {name}={value} is not {bound}")
+    return value
 
 
 def _dist_defaults() -> tuple[int, int]:
