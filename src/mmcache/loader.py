@@ -71,7 +71,7 @@ from mmcache.errors import ConfigError, SampleError
 from mmcache.gate import Gate
 from mmcache.inorder import Helper, InOrderBuilder
 from mmcache.keys import STAT_FIELDS
-from mmcache.sampler import EpochSampler
+from mmcache.sampler import EpochSampler, rank_and_world
 from mmcache.stats import EpochStats, LoaderStats
 from mmcache.sweeper import Sweeper
 from mmcache.units import format_size
@@ -81,7 +81,19 @@ __all__ = ["DataLoader"]
 
 logger = logging.getLogger(__name__)
 
-_STATE_VERSION = 2  # 2: the ids digest
+_STATE_VERSION = 2  # 2: the ids digest, distributed_drop_last
+#: What fixes the order of the batches: a state to resume must match the loader in each.
+_STATE_ORDER = (
+    "seed",
+    "shuffle",
+    "size",
+    "ids",
+    "rank",
+    "world_size",
+    "batch_size",
+    "drop_last",
+    "distributed_drop_last",
+)
 
 #: int64 words of a file's stat stamp (:func:`mmcache.keys.stat_fields`).
 _STAMP_W = len(STAT_FIELDS)
@@ -544,11 +556,20 @@ class DataLoader:
         num_workers: processes that produce misses (0: in the training process).
             With workers (and a cache) the loader also starts one low-priority
             sweeper process, which checks the files of warm epochs.
-        drop_last: drop the last incomplete batch (and, across ranks, trim
-            rather than pad; see :mod:`mmcache.sampler`).
+        drop_last: drop each rank's last incomplete batch, as torch's DataLoader
+            does (every epoch has ``len(loader)`` full batches).
+        distributed_drop_last: how ranks get equal parts when the dataset does not
+            divide by ``world_size``, as ``DistributedSampler``'s ``drop_last``:
+            ``False`` (default) pads by repeating the epoch's first samples (every
+            sample is seen, a few twice), ``True`` drops the last few samples of
+            the epoch's order (see :mod:`mmcache.sampler`). A torch
+            ``DataLoader(sampler=DistributedSampler(ds, drop_last=a), drop_last=b)``
+            has the batch counts of ``distributed_drop_last=a, drop_last=b``.
         pin_memory: allocate batch tensors in pinned memory (when CUDA is present).
         rank, world_size: this process's part; default to torch.distributed's
-            when it is initialised, else a single process.
+            when it is initialised, else a single process; one without the other
+            is refused unless torch.distributed is initialised. A loader with no
+            batches (``len(loader) == 0``) logs a warning.
         prefetch: worker tasks (batches to plan and produce) in flight per worker
             (torch's ``prefetch_factor``).
         persistent_workers, worker_init_fn, multiprocessing_context, generator,
@@ -568,6 +589,7 @@ class DataLoader:
         seed: int = 0,
         num_workers: int = 0,
         drop_last: bool = False,
+        distributed_drop_last: bool = False,
         pin_memory: bool = False,
         rank: int | None = None,
         world_size: int | None = None,
@@ -589,10 +611,7 @@ class DataLoader:
             raise ConfigError(f"num_workers must be >= 0, got {num_workers}")
         if prefetch < 1:
             raise ConfigError(f"prefetch must be >= 1, got {prefetch}")
-        if rank is None or world_size is None:
-            dist_rank, dist_world = _dist_defaults()
-            rank = dist_rank if rank is None else rank
-            world_size = dist_world if world_size is None else world_size
+        rank, world_size = rank_and_world(rank, world_size)
         self.dataset = dataset
         self.cache = cache
         self.batch_size = batch_size
@@ -606,8 +625,19 @@ class DataLoader:
             shuffle=shuffle,
             rank=rank,
             world_size=world_size,
-            drop_last=drop_last,
+            drop_last=distributed_drop_last,
         )
+        if len(self) == 0:
+            logger.warning(
+                "this DataLoader has no batches: every epoch is empty (%d samples, "
+                "world_size=%d: %d per rank, batch_size=%d, drop_last=%s); use a "
+                "smaller batch_size or drop_last=False",
+                len(dataset),
+                world_size,
+                self.sampler.num_samples(),
+                batch_size,
+                drop_last,
+            )
         self.num_workers = num_workers
         # Holds back workers' tasks of epochs not begun yet (see _EpochBatches; only
         # persistent workers get such tasks). Opened whenever the loader goes, before
@@ -722,6 +752,7 @@ class DataLoader:
             "world_size": self.sampler.world_size,
             "batch_size": self.batch_size,
             "drop_last": self.drop_last,
+            "distributed_drop_last": self.sampler.drop_last,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -742,21 +773,18 @@ class DataLoader:
                 "without checking that the manifest lists the same ids in the same order"
             )
             state = {**state, "version": _STATE_VERSION, "ids": mine["ids"]}
+            # Its drop_last also trimmed across ranks (distributed_drop_last), which
+            # changes nothing in a single process.
+            alone = state.get("world_size") == 1
+            state["distributed_drop_last"] = (
+                mine["distributed_drop_last"] if alone else state.get("drop_last")
+            )
         if state.get("version") != _STATE_VERSION:
             raise ConfigError(
                 f"unsupported loader state version {state.get('version')!r} (this mmcache "
                 f"reads 1 and {_STATE_VERSION}): it was saved by another mmcache version"
             )
-        for name in (
-            "seed",
-            "shuffle",
-            "size",
-            "ids",
-            "rank",
-            "world_size",
-            "batch_size",
-            "drop_last",
-        ):
+        for name in _STATE_ORDER:
             if name not in state:
                 raise ConfigError(f"cannot resume: the loader state has no {name!r}")
             if state[name] != mine[name]:
@@ -1543,9 +1571,3 @@ def _state_int(state: dict[str, Any], name: str, low: int, high: int | None) -> 
         bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
         raise ConfigError(f"cannot resume: state {name}={value} is not {bound}")
     return value
-
-
-def _dist_defaults() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
