@@ -103,15 +103,16 @@ def digest(*parts: str | bytes | int | None) -> bytes:
 #: and mtime see an ordinary rewrite; ``st_ino`` tells a file from every other
 #: file of its file system (two datasets with equal ids, captions, sizes and
 #: mtimes; a record pointed at another file); ``st_ctime_ns`` is set to the
-#: current time by every write, ``utime``, rename or new inode, and no tool can
-#: set it back, so a rewrite with the size and mtime restored (``touch -d``,
-#: ``cp -p``, ``rsync -a``, ``tar x``) is seen too. ``st_dev`` is left out on
-#: purpose: it is not stable (overlayfs in a container, NFS, btrfs subvolumes
-#: and FUSE get a new device number at each mount or boot), so a persistent disk
-#: tier would miss after each; two files on two file systems with the same
-#: inode number, size, mtime and ctime to the nanosecond do not occur by chance.
-#: Every comparison of file stamps (the keys, the dataset's key memo, the
-#: loader's sweep of warm epochs) uses exactly these fields (:func:`stat_fields`).
+#: current time by every write, ``utime``, rename, ``chmod`` or new inode, and no
+#: system call sets it back (short of changing the clock), so a rewrite with the
+#: size and mtime restored (``touch -d``, ``cp -p``, ``rsync -a``, ``tar x``) is
+#: seen too. ``st_dev`` is left out on purpose: it is not stable (overlayfs in a
+#: container, NFS, btrfs subvolumes and FUSE get a new device number at each
+#: mount or boot), so a persistent disk tier would miss after each; two files on
+#: two file systems with the same inode number, size, mtime and ctime to the
+#: nanosecond do not occur by chance. Every comparison of file stamps (the keys,
+#: the dataset's key memo, the loader's check of warm epochs on the sweeper's
+#: stamp board) uses exactly these fields, through :func:`stat_fields`.
 STAT_FIELDS = ("st_size", "st_mtime_ns", "st_ctime_ns", "st_ino")
 
 _WRAP = 1 << 64

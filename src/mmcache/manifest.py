@@ -263,8 +263,8 @@ class Records:
         objects); a resumed loader compares it with the one it saved."""
         start, stop = int(self._id_off[0]), int(self._id_off[-1])
         hasher = xxhash.xxh3_64()
-        hasher.update(np.ascontiguousarray(self._id_buf[start:stop]))
-        hasher.update(np.ascontiguousarray(self._id_off - start, dtype="<i8"))
+        hasher.update(np.ascontiguousarray(self._id_buf[start:stop]).data)
+        hasher.update(np.ascontiguousarray(self._id_off - start, dtype="<i8").data)
         return hasher.hexdigest()
 
     def ids_array(self) -> npt.NDArray[np.object_]:

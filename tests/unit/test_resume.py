@@ -188,3 +188,18 @@ def test_resume_accepts_the_end_of_an_epoch(ds: MultimodalDataset) -> None:
     loader.load_state_dict(state)
     loader.set_epoch(0)
     assert list(loader) == []  # what remains of epoch 0: nothing
+
+
+def test_ids_digest_tells_orders_and_id_boundaries_apart(tmp_path: Path) -> None:
+    from mmcache.manifest import read_manifest
+
+    def digest(ids: list[str]) -> str:
+        path = tmp_path / "m.jsonl"
+        rows = [{"id": i, "image_path": f"{n}.jpg", "caption": "c"} for n, i in enumerate(ids)]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return read_manifest(path).ids_digest()
+
+    base = digest(["ab", "c", "d"])
+    assert digest(["ab", "c", "d"]) == base
+    assert digest(["c", "ab", "d"]) != base  # reordered
+    assert digest(["a", "bc", "d"]) != base  # same bytes, other ids
