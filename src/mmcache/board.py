@@ -10,8 +10,9 @@ batch, with no message to wait for (a result sent through torch's worker
 queues arrives a few hundred microseconds to milliseconds after it is ready,
 which at the start of every epoch cost more than the whole check).
 
-One ``uint64`` per sample: a 64-bit mix of the file's ``(size, mtime_ns)``
-and the *round* of the ``stat`` (:func:`seal`): a number the training process
+One ``uint64`` per sample: a 64-bit mix of the file's stamp (every field of
+:data:`mmcache.keys.STAT_FIELDS`: size, mtime, ctime, inode, the same fields the
+keys are made of) and the *round* of the ``stat`` (:func:`seal`): a number the training process
 gives each sweep, never reused (an epoch number would be: an epoch run again
 after going back must not pass on the old run's results). A single aligned
 64-bit store is atomic, so a reader sees a whole old value or a whole new
@@ -35,29 +36,38 @@ import numpy.typing as npt
 
 __all__ = ["StampBoard", "seal"]
 
-# Odd 64-bit multipliers (from splitmix64 and the golden ratio): each product is a
-# bijection of its word, so a change of the size alone, of the mtime alone, or of
-# the round alone always changes the combined word; the final xorshift-multiply
-# rounds are bijections too, spreading it over all 64 bits (of which the value
-# kept drops the lowest, to stay non-zero).
-_K_SIZE = np.uint64(0x9E3779B97F4A7C15)
-_K_MTIME = np.uint64(0xBF58476D1CE4E5B9)
+# Odd 64-bit multipliers (from splitmix64, murmur3 and the golden ratio). Each
+# step of the mix, z = (z ^ word) * K, then z ^= z >> 31, is a bijection of the
+# word for a given z, so a change of any one field (or of the round) always
+# changes the combined word; chaining the steps (rather than xor-ing one product
+# per field) keeps changes of two fields from cancelling out. The value kept
+# drops the lowest bit, to stay non-zero.
+_K_FIELDS = (
+    np.uint64(0x9E3779B97F4A7C15),
+    np.uint64(0xBF58476D1CE4E5B9),
+    np.uint64(0xFF51AFD7ED558CCD),
+    np.uint64(0xC4CEB9FE1A85EC53),
+)
 _K_ROUND = 0x94D049BB133111EB
 _K_MIX = np.uint64(0xD6E8FEB86659FD93)
 _MASK = (1 << 64) - 1
 
 
 def seal(stamps: npt.NDArray[np.int64], round_: int) -> npt.NDArray[np.uint64]:
-    """One non-zero 64-bit value per row of ``stamps`` (``int64 [n, 2]``: size,
-    mtime_ns) for sweep round ``round_``; equal values mean equal stamps in the
-    same round, but for a 2**-63 chance. About ten numpy operations: the
-    training process checks every batch with it."""
-    s = np.ascontiguousarray(stamps, dtype=np.int64).view(np.uint64).reshape(-1, 2)
+    """One non-zero 64-bit value per row of ``stamps`` (``int64 [n, k]``, k <= 4: the
+    :meth:`~mmcache.MultimodalDataset.stat_stamps` rows) for sweep round ``round_``;
+    equal values mean equal stamps in the same round, but for a 2**-63 chance. A
+    few numpy operations per field: the training process checks every batch with it."""
+    arr = np.ascontiguousarray(stamps, dtype=np.int64)
+    s = arr.view(np.uint64).reshape(arr.shape[0], -1)
+    if s.shape[1] > len(_K_FIELDS):
+        raise ValueError(f"a stamp has at most {len(_K_FIELDS)} fields, got {s.shape[1]}")
     with np.errstate(over="ignore"):
-        z = s[:, 0] * _K_SIZE
-        z ^= s[:, 1] * _K_MTIME
-        z ^= np.uint64((round_ * _K_ROUND) & _MASK)
-        z ^= z >> np.uint64(31)
+        z = np.full(s.shape[0], (round_ * _K_ROUND) & _MASK, dtype=np.uint64)
+        for c in range(s.shape[1]):
+            z ^= s[:, c]
+            z *= _K_FIELDS[c]
+            z ^= z >> np.uint64(31)
         z *= _K_MIX
         z ^= z >> np.uint64(29)
     z |= np.uint64(1)  # never zero: zero is "never published"

@@ -117,8 +117,10 @@ class MultimodalDataset(torch.utils.data.Dataset[dict[str, Any] | None]):
             the path and the reason; ``"skip"`` returns ``None`` for the sample,
             counts and lists it (see the module docstring).
         content_stamp: key samples by a hash of the image bytes instead of the
-            file's size and mtime (slower: reads every file to compute a key;
-            for file systems whose mtimes are not trustworthy).
+            file's ``stat`` stamp (size, mtime, ctime, inode: see
+            :data:`mmcache.keys.STAT_FIELDS`); slower: reads every file to compute
+            a key; for file systems whose ctimes or inode numbers are not
+            trustworthy.
     """
 
     def __init__(
@@ -183,25 +185,24 @@ class MultimodalDataset(torch.utils.data.Dataset[dict[str, Any] | None]):
         return [rows[j].tobytes() for j in range(rows.shape[0])]
 
     def stat_stamps(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
-        """``(size, mtime_ns)`` of each sample's image file as ``int64 [n, 2]``: one ``stat``
-        each; ``-2`` where there is none (text-only, missing, unreadable, bad path).
+        """:func:`mmcache.keys.stat_fields` of each sample's image file (size, mtime_ns,
+        ctime_ns, inode) as ``int64 [n, 4]``: one ``stat`` each; ``-2`` where there is
+        none (text-only, missing, unreadable, bad path).
 
         What the default keys are made of (see :meth:`key_rows`); the loader also
         uses it to check that a plan made a little earlier is still current.
         """
         idx = self._checked(indices)
-        stamps = np.full((idx.shape[0], 2), -2, dtype=np.int64)
-        image_path, stat = self.records.image_path, os.stat
+        stamps = np.full((idx.shape[0], len(keys.STAT_FIELDS)), -2, dtype=np.int64)
+        image_path, stat, fields = self.records.image_path, os.stat, keys.stat_fields
         for j, i in enumerate(idx.tolist()):
             path = image_path(i)
             if path is None:
                 continue
             try:
-                st = stat(path)
+                stamps[j] = fields(stat(path))
             except (OSError, ValueError):  # missing, unreadable, or a NUL in the path
                 continue
-            stamps[j, 0] = st.st_size
-            stamps[j, 1] = st.st_mtime_ns
         return stamps
 
     def _checked(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -218,7 +219,7 @@ class MultimodalDataset(torch.utils.data.Dataset[dict[str, Any] | None]):
 
         What the loader asks for every batch it plans (in a worker, or in the
         training process). It remembers each sample's key with the image file's
-        size and mtime it was computed from:
+        stamp (:meth:`stat_stamps`) it was computed from:
         the file is still ``stat``-ed every time (a changed file gets a new key
         at once), only the hashing is skipped when nothing changed, and the
         comparison with the remembered stamps is one vectorised step. With
@@ -236,7 +237,7 @@ class MultimodalDataset(torch.utils.data.Dataset[dict[str, Any] | None]):
             return out
         if self._memo_keys is None or self._memo_stamp is None:
             self._memo_keys = np.zeros((n, 16), dtype=np.uint8)
-            self._memo_stamp = np.full((n, 2), -1, dtype=np.int64)
+            self._memo_stamp = np.full((n, len(keys.STAT_FIELDS)), -1, dtype=np.int64)
         memo_keys, memo_stamp = self._memo_keys, self._memo_stamp
         if stamps is None:
             stamps = self.stat_stamps(idx)
@@ -248,7 +249,7 @@ class MultimodalDataset(torch.utils.data.Dataset[dict[str, Any] | None]):
                 memo_keys[i] = np.frombuffer(self.key(i), dtype=np.uint8)
                 memo_stamp[i] = -1
                 continue
-            stamp = keys.size_mtime_stamp(int(stamps[j, 0]), int(stamps[j, 1]))
+            stamp = keys.fields_stamp(stamps[j].tolist())
             key = keys.sample_key(
                 self.records.id(i), stamp, self._fingerprint, self.records.text(i)
             )

@@ -109,6 +109,7 @@ from mmcache import codec, keys, sizing
 from mmcache.cache import Cache
 from mmcache.errors import ConfigError, SampleError
 from mmcache.policies import Policy
+from mmcache.sampler import rank_and_world
 from mmcache.stats import TierStats
 from mmcache.stores.gpu import DeviceTier
 from mmcache.units import format_size, parse_size
@@ -1562,12 +1563,6 @@ def _collate_list(items: list[_Produced]) -> list[_Produced]:
     return items
 
 
-def _dist_defaults() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
-
 def shard_bounds(n: int, rank: int, world_size: int) -> tuple[int, int]:
     """The contiguous ``[start, stop)`` part of ``n`` samples that ``rank`` warms.
 
@@ -1603,12 +1598,7 @@ def warm_features(
         raise ConfigError(f"batch_size must be an int >= 1, got {batch_size!r}")
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
         raise ConfigError(f"num_workers must be an int >= 0, got {num_workers!r}")
-    if rank is None or world_size is None:
-        d_rank, d_world = _dist_defaults()
-        rank = d_rank if rank is None else rank
-        world_size = d_world if world_size is None else world_size
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ConfigError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+    rank, world_size = rank_and_world(rank, world_size)
     from tqdm.auto import tqdm
 
     t0 = time.perf_counter()

@@ -29,7 +29,7 @@ never equal a feature key.
 
 All functions are pure and thread- and process-safe.
 
->>> key = sample_key("img-001", "1043:1700000000000000000", "pipe-fp", "a red bicycle")
+>>> key = sample_key("img-001", "1043:1700000000000000000:1700000000000000000:42", "fp", "a cat")
 >>> len(key), key_from_hex(key_hex(key)) == key
 (16, True)
 >>> source_stamp(None)
@@ -42,6 +42,7 @@ import errno
 import os
 import re
 import struct
+from collections.abc import Sequence
 
 import xxhash
 
@@ -50,14 +51,16 @@ from mmcache.stores.base import KEY_SIZE
 __all__ = [
     "FORMAT_VERSION",
     "KEY_SIZE",
+    "STAT_FIELDS",
     "as_key",
     "digest",
     "feature_key",
+    "fields_stamp",
     "key_from_hex",
     "key_hex",
     "sample_key",
-    "size_mtime_stamp",
     "source_stamp",
+    "stat_fields",
     "stat_stamp",
 ]
 
@@ -97,26 +100,58 @@ def digest(*parts: str | bytes | int | None) -> bytes:
     return hasher.digest()
 
 
+#: The ``os.stat`` fields a default source stamp is made of, in this order. Size
+#: and mtime see an ordinary rewrite; ``st_ino`` tells a file from every other
+#: file of its file system (two datasets with equal ids, captions, sizes and
+#: mtimes; a record pointed at another file); ``st_ctime_ns`` is set to the
+#: current time by every write, ``utime``, rename, ``chmod`` or new inode, and no
+#: system call sets it back (short of changing the clock), so a rewrite with the
+#: size and mtime restored (``touch -d``, ``cp -p``, ``rsync -a``, ``tar x``) is
+#: seen too. ``st_dev`` is left out on purpose: it is not stable (overlayfs in a
+#: container, NFS, btrfs subvolumes and FUSE get a new device number at each
+#: mount or boot), so a persistent disk tier would miss after each; two files on
+#: two file systems with the same inode number, size, mtime and ctime to the
+#: nanosecond do not occur by chance. Every comparison of file stamps (the keys,
+#: the dataset's key memo, the loader's check of warm epochs on the sweeper's
+#: stamp board) uses exactly these fields, through :func:`stat_fields`.
+STAT_FIELDS = ("st_size", "st_mtime_ns", "st_ctime_ns", "st_ino")
+
+_WRAP = 1 << 64
+_INT64_MAX = (1 << 63) - 1
+
+
+def stat_fields(st: os.stat_result) -> tuple[int, int, int, int]:
+    """The :data:`STAT_FIELDS` of ``st`` as int64 values (an inode number over
+    2**63 wraps to a negative one), ready for an ``int64`` array row."""
+    ino = st.st_ino - _WRAP if st.st_ino > _INT64_MAX else st.st_ino
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, ino
+
+
+def fields_stamp(fields: Sequence[int]) -> str:
+    """The source stamp of a file from its :func:`stat_fields` (for batched ``stat`` loops:
+    ``fields_stamp(row.tolist())`` of an ``int64`` row equals :func:`stat_stamp`)."""
+    return ":".join(str(int(f)) for f in fields)
+
+
 def stat_stamp(st: os.stat_result) -> str:
-    """The default source stamp of a file from its ``os.stat`` result: size and mtime."""
-    return size_mtime_stamp(st.st_size, st.st_mtime_ns)
-
-
-def size_mtime_stamp(size: int, mtime_ns: int) -> str:
-    """:func:`stat_stamp` from the two numbers it is made of (for batched ``stat`` loops)."""
-    return f"{size}:{mtime_ns}"
+    """The default source stamp of a file from its ``os.stat`` result:
+    ``"<size>:<mtime_ns>:<ctime_ns>:<inode>"`` (see :data:`STAT_FIELDS`)."""
+    return fields_stamp(stat_fields(st))
 
 
 def source_stamp(path: str | os.PathLike[str] | None, *, content: bool = False) -> str:
     """Return a short string that changes when the file at ``path`` changes.
 
     - ``None`` (a text-only record): ``"none"``.
-    - default: ``"<size>:<mtime_ns>"`` from ``os.stat`` (symlinks followed), which
-      costs one ``stat`` and catches any rewrite that changes the size or the
-      modification time. Caveat: a tool that preserves mtimes (``rsync -a``,
-      ``cp -p``, ``tar x``) while changing bytes of the same size, or a
-      filesystem with coarse timestamps, can hide a change: use ``content=True``
-      for such data.
+    - default: :func:`stat_stamp`, ``"<size>:<mtime_ns>:<ctime_ns>:<inode>"``
+      from ``os.stat`` (symlinks followed), which costs one ``stat``, tells
+      different files apart and catches any rewrite, also one with the size and
+      the mtime restored (the ctime cannot be restored; see :data:`STAT_FIELDS`).
+      Costs and caveats: a ``chmod``, ``chown``, new hard link or a copy
+      elsewhere changes the stamp (the sample is produced again once); a file
+      system without real ctimes or stable inode numbers (some FUSE mounts give
+      new inode numbers at each mount: every key changes) hides changes or
+      defeats the disk tier: use ``content=True`` for such data.
     - ``content=True``: ``"xxh3:<32 hex>"``, the xxh3_128 of the file's bytes,
       read in 1 MiB chunks; changes exactly when the bytes change (and survives
       copies), at the price of reading the file.

@@ -51,6 +51,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import operator
 import sys
 import threading
 import time
@@ -69,7 +70,8 @@ from mmcache.dataset import MultimodalDataset
 from mmcache.errors import ConfigError, SampleError
 from mmcache.gate import Gate
 from mmcache.inorder import Helper, InOrderBuilder
-from mmcache.sampler import EpochSampler
+from mmcache.keys import STAT_FIELDS
+from mmcache.sampler import EpochSampler, rank_and_world
 from mmcache.stats import EpochStats, LoaderStats
 from mmcache.sweeper import Sweeper
 from mmcache.units import format_size
@@ -79,7 +81,22 @@ __all__ = ["DataLoader"]
 
 logger = logging.getLogger(__name__)
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2  # 2: the ids digest, distributed_drop_last
+#: What fixes the order of the batches: a state to resume must match the loader in each.
+_STATE_ORDER = (
+    "seed",
+    "shuffle",
+    "size",
+    "ids",
+    "rank",
+    "world_size",
+    "batch_size",
+    "drop_last",
+    "distributed_drop_last",
+)
+
+#: int64 words of a file's stat stamp (:func:`mmcache.keys.stat_fields`).
+_STAMP_W = len(STAT_FIELDS)
 
 # Where a sample of a batch came from.
 _MEMORY, _DISK, _PRODUCED, _REJECTED = "memory", "disk", "produced", "rejected"
@@ -236,7 +253,7 @@ class _Planned:
         hit = np.frombuffer(self.planned_hit, dtype=bool)
         stamps = None
         if self.stamps is not None:
-            stamps = np.frombuffer(self.stamps, dtype=np.int64).reshape(len(indices), 2)
+            stamps = np.frombuffer(self.stamps, dtype=np.int64).reshape(len(indices), _STAMP_W)
         return _Plan(indices, keys, hit, self.results, stamps)
 
 
@@ -274,7 +291,7 @@ class _Plan:
     keys: np.ndarray
     planned_hit: np.ndarray  # bool per row: the memory tier held it when planned
     results: list[_Result]  # one per row that was not a planned hit, in row order
-    stamps: np.ndarray | None = None  # int64 [n, 2]: the files' (size, mtime_ns) keyed on
+    stamps: np.ndarray | None = None  # int64 [n, _STAMP_W]: the files' stat stamps keyed on
     # Made in the training process from the keys learnt in an earlier epoch, all
     # assumed in memory: gathered at once, served only once the stamp board (or a
     # stat here) shows every file unchanged this epoch. ``round``: the sweep's.
@@ -487,7 +504,7 @@ class _PlanSource:
 class _KnownKeys:
     """Each sample's cache key and the file stamps it was made from, as last planned.
 
-    33 bytes per sample of the dataset, in the training process: what a
+    49 bytes per sample of the dataset, in the training process: what a
     speculative plan is made of (see :class:`_PlanSource`), never trusted on
     its own. Rows are written whole by the thread that fetches plans; a row
     read while another thread writes it at most makes a speculation fail.
@@ -495,14 +512,14 @@ class _KnownKeys:
 
     def __init__(self, n: int) -> None:
         self._n = n
-        self._rows: np.ndarray | None = None  # uint8 [n, 32]: key, then int64 size, mtime
+        self._rows: np.ndarray | None = None  # uint8 [n, 48]: key, then the int64 stamp
         self._have: np.ndarray | None = None
 
     def learn(self, plan: _Plan) -> None:
         if plan.stamps is None:
             return  # keys of file contents (content_stamp): nothing a stat can verify
         if self._rows is None or self._have is None:
-            self._rows = np.zeros((self._n, 32), dtype=np.uint8)
+            self._rows = np.zeros((self._n, 16 + 8 * _STAMP_W), dtype=np.uint8)
             self._have = np.zeros(self._n, dtype=bool)
         self._rows[plan.indices, :16] = plan.keys
         self._rows[plan.indices, 16:] = np.ascontiguousarray(plan.stamps).view(np.uint8)
@@ -539,11 +556,20 @@ class DataLoader:
         num_workers: processes that produce misses (0: in the training process).
             With workers (and a cache) the loader also starts one low-priority
             sweeper process, which checks the files of warm epochs.
-        drop_last: drop the last incomplete batch (and, across ranks, trim
-            rather than pad; see :mod:`mmcache.sampler`).
+        drop_last: drop each rank's last incomplete batch, as torch's DataLoader
+            does (every epoch has ``len(loader)`` full batches).
+        distributed_drop_last: how ranks get equal parts when the dataset does not
+            divide by ``world_size``, as ``DistributedSampler``'s ``drop_last``:
+            ``False`` (default) pads by repeating the epoch's first samples (every
+            sample is seen, a few twice), ``True`` drops the last few samples of
+            the epoch's order (see :mod:`mmcache.sampler`). A torch
+            ``DataLoader(sampler=DistributedSampler(ds, drop_last=a), drop_last=b)``
+            has the batch counts of ``distributed_drop_last=a, drop_last=b``.
         pin_memory: allocate batch tensors in pinned memory (when CUDA is present).
         rank, world_size: this process's part; default to torch.distributed's
-            when it is initialised, else a single process.
+            when it is initialised, else a single process; one without the other
+            is refused unless torch.distributed is initialised. A loader with no
+            batches (``len(loader) == 0``) logs a warning.
         prefetch: worker tasks (batches to plan and produce) in flight per worker
             (torch's ``prefetch_factor``).
         persistent_workers, worker_init_fn, multiprocessing_context, generator,
@@ -563,6 +589,7 @@ class DataLoader:
         seed: int = 0,
         num_workers: int = 0,
         drop_last: bool = False,
+        distributed_drop_last: bool = False,
         pin_memory: bool = False,
         rank: int | None = None,
         world_size: int | None = None,
@@ -584,10 +611,7 @@ class DataLoader:
             raise ConfigError(f"num_workers must be >= 0, got {num_workers}")
         if prefetch < 1:
             raise ConfigError(f"prefetch must be >= 1, got {prefetch}")
-        if rank is None or world_size is None:
-            dist_rank, dist_world = _dist_defaults()
-            rank = dist_rank if rank is None else rank
-            world_size = dist_world if world_size is None else world_size
+        rank, world_size = rank_and_world(rank, world_size)
         self.dataset = dataset
         self.cache = cache
         self.batch_size = batch_size
@@ -601,8 +625,19 @@ class DataLoader:
             shuffle=shuffle,
             rank=rank,
             world_size=world_size,
-            drop_last=drop_last,
+            drop_last=distributed_drop_last,
         )
+        if len(self) == 0:
+            logger.warning(
+                "this DataLoader has no batches: every epoch is empty (%d samples, "
+                "world_size=%d: %d per rank, batch_size=%d, drop_last=%s); use a "
+                "smaller batch_size or drop_last=False",
+                len(dataset),
+                world_size,
+                self.sampler.num_samples(),
+                batch_size,
+                drop_last,
+            )
         self.num_workers = num_workers
         # Holds back workers' tasks of epochs not begun yet (see _EpochBatches; only
         # persistent workers get such tasks). Opened whenever the loader goes, before
@@ -646,6 +681,9 @@ class DataLoader:
         self._assembly_lock = threading.Lock()
         self._epoch = 0
         self._position = 0  # batches of the current epoch already yielded
+        self._chosen = False  # set_epoch called since the last iteration began
+        self._resumed = False  # the position came from load_state_dict
+        self._ids: str | None = None  # the dataset's ids digest (state_dict)
         self._stream: _PlanSource | None = None  # plans of the batches to come
         self._stream_from = (0, 0)  # where the workers' next stream starts (epoch, batch)
         self._stream_gate = 0  # the gate value its tasks count from
@@ -676,17 +714,32 @@ class DataLoader:
         return self._epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch the next iteration yields. Keeps a resumed position
-        when ``epoch`` is the epoch restored by :meth:`load_state_dict`."""
-        if epoch != self._epoch:
-            self._epoch = epoch
+        """Select the epoch the next iteration yields: all of epoch ``epoch``, whatever
+        was iterated before (its order is a pure function of seed and epoch), or,
+        right after :meth:`load_state_dict` of that epoch, what remains of it (maybe
+        nothing). An iteration without a ``set_epoch`` since the last one finished
+        its epoch goes on with the next epoch."""
+        try:
+            epoch = operator.index(epoch)  # an int or a numpy integer
+        except TypeError:
+            raise ConfigError(f"epoch must be an int >= 0, got {epoch!r}") from None
+        if isinstance(epoch, bool) or epoch < 0:
+            raise ConfigError(f"epoch must be an int >= 0, got {epoch!r}")
+        if not (self._resumed and epoch == self._epoch):
             self._position = 0
+            self._resumed = False
+        self._epoch = epoch
+        self._chosen = True
 
     def state_dict(self) -> dict[str, Any]:
         """Where the loader is: resuming from it yields exactly the remaining batches.
 
-        Independent of ``num_workers`` (the order never depends on it).
+        Independent of ``num_workers`` (the order never depends on it). ``ids`` is
+        a digest of the dataset's ids in order (:meth:`~mmcache.manifest.Records.ids_digest`),
+        so a reordered manifest of the same length is refused on resume.
         """
+        if self._ids is None:
+            self._ids = self.dataset.records.ids_digest()
         return {
             "version": _STATE_VERSION,
             "epoch": self._epoch,
@@ -694,25 +747,58 @@ class DataLoader:
             "seed": self.sampler.seed,
             "shuffle": self.sampler.shuffle,
             "size": self.sampler.size,
+            "ids": self._ids,
             "rank": self.sampler.rank,
             "world_size": self.sampler.world_size,
             "batch_size": self.batch_size,
             "drop_last": self.drop_last,
+            "distributed_drop_last": self.sampler.drop_last,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`; the configuration that fixes the order must match."""
-        if state.get("version") != _STATE_VERSION:
-            raise ConfigError(f"unsupported loader state version {state.get('version')!r}")
+        """Restore a :meth:`state_dict`; the configuration that fixes the order must match.
+
+        Raises :class:`ConfigError` naming the key for a missing, mistyped or
+        out-of-range value, or one that differs from this loader's (another seed,
+        dataset order, batch size, rank...); nothing is restored then.
+        """
+        if not isinstance(state, dict):
+            raise ConfigError(
+                f"a loader state is a dict (from state_dict()), got {type(state).__name__}"
+            )
         mine = self.state_dict()
-        for name in ("seed", "shuffle", "size", "rank", "world_size", "batch_size", "drop_last"):
+        if state.get("version") == 1:  # saved before the ids digest: order not checkable
+            logger.warning(
+                "loader state version 1 has no digest of the dataset's ids: resuming "
+                "without checking that the manifest lists the same ids in the same order"
+            )
+            state = {**state, "version": _STATE_VERSION, "ids": mine["ids"]}
+            # Its drop_last also trimmed across ranks (distributed_drop_last), which
+            # changes nothing in a single process.
+            alone = state.get("world_size") == 1
+            state["distributed_drop_last"] = (
+                mine["distributed_drop_last"] if alone else state.get("drop_last")
+            )
+        if state.get("version") != _STATE_VERSION:
+            raise ConfigError(
+                f"unsupported loader state version {state.get('version')!r} (this mmcache "
+                f"reads 1 and {_STATE_VERSION}): it was saved by another mmcache version"
+            )
+        for name in _STATE_ORDER:
+            if name not in state:
+                raise ConfigError(f"cannot resume: the loader state has no {name!r}")
             if state[name] != mine[name]:
+                what = "the dataset's ids in order" if name == "ids" else name
                 raise ConfigError(
                     f"cannot resume: state has {name}={state[name]!r} but this loader has "
-                    f"{mine[name]!r}; the order (and so the remaining batches) would differ"
+                    f"{mine[name]!r} ({what} differs); the order (and so the remaining "
+                    "batches) would differ"
                 )
-        self._epoch = int(state["epoch"])
-        self._position = int(state["position"])
+        epoch = _state_int(state, "epoch", 0, None)
+        position = _state_int(state, "position", 0, len(self._epoch_batches(epoch)))
+        self._epoch, self._position = epoch, position
+        self._resumed = True  # set_epoch(epoch) keeps the position
+        self._chosen = False
 
     def close(self) -> None:
         """Stop the worker processes (persistent ones included) and the sweeper now. Idempotent.
@@ -761,10 +847,12 @@ class DataLoader:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         epoch = self._epoch
         batches = self._epoch_batches(epoch)
-        if self._position >= len(batches):  # a finished epoch: go on with the next one
+        if self._position >= len(batches) and not self._chosen:
+            # A finished epoch and no set_epoch since: go on with the next one.
             epoch = self._epoch = epoch + 1
             self._position = 0
             batches = self._epoch_batches(epoch)
+        self._chosen = self._resumed = False
         if self.cache is not None:
             self.cache.register(self.dataset.fingerprint(), repr(self.dataset.pipeline))
         run = _EpochRun(epoch=epoch, batches=batches, start=self._position)
@@ -1472,7 +1560,14 @@ class _EpochCounter:
         )
 
 
-def _dist_defaults() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
+def _state_int(state: dict[str, Any], name: str, low: int, high: int | None) -> int:
+    """``state[name]`` checked to be an int in ``[low, high]`` (ConfigError otherwise)."""
+    if name not in state:
+        raise ConfigError(f"cannot resume: the loader state has no {name!r}")
+    value = state[name]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"cannot resume: state {name} must be an int, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ConfigError(f"cannot resume: state {name}={value} is not {bound}")
+    return value

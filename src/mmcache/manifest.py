@@ -256,6 +256,17 @@ class Records:
         rows = np.argsort(hashes, kind="stable").astype(np.int64)
         return hashes[rows], rows
 
+    def ids_digest(self) -> str:
+        """Return a digest of every id in row order (16 hex digits, xxh3_64): equal for
+        two manifests exactly when they list the same ids in the same order, but for
+        a 2**-64 chance. One pass over the id buffer and its offsets (no per-row
+        objects); a resumed loader compares it with the one it saved."""
+        start, stop = int(self._id_off[0]), int(self._id_off[-1])
+        hasher = xxhash.xxh3_64()
+        hasher.update(np.ascontiguousarray(self._id_buf[start:stop]).data)
+        hasher.update(np.ascontiguousarray(self._id_off - start, dtype="<i8").data)
+        return hasher.hexdigest()
+
     def ids_array(self) -> npt.NDArray[np.object_]:
         """Return every id as a numpy array of ``str`` objects (built on each call, not kept).
 

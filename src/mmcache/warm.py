@@ -20,6 +20,7 @@ import torch
 from mmcache.cache import Cache
 from mmcache.dataset import MultimodalDataset
 from mmcache.errors import ConfigError, SampleError
+from mmcache.sampler import rank_and_world
 
 __all__ = ["WarmReport", "warm"]
 
@@ -88,14 +89,7 @@ def warm(
     """Produce and store every sample of this rank's shard that the cache lacks."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
         raise ConfigError(f"workers must be an int >= 0 (0: produce here), got {workers!r}")
-    if rank is None or world_size is None:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            rank = torch.distributed.get_rank() if rank is None else rank
-            world_size = torch.distributed.get_world_size() if world_size is None else world_size
-        else:
-            rank, world_size = rank or 0, world_size or 1
-    if not 0 <= rank < world_size:
-        raise ConfigError(f"rank must be in [0, {world_size}), got {rank}")
+    rank, world_size = rank_and_world(rank, world_size)
     t0 = time.perf_counter()
     cache.register(dataset.fingerprint(), repr(dataset.pipeline))
     shard = list(range(rank, len(dataset), world_size))

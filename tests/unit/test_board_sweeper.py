@@ -173,3 +173,40 @@ def test_a_sweeper_left_by_a_killed_parent_exits(tmp_path: Path) -> None:
     finally:
         if parent.poll() is None:  # pragma: no cover - the test kills it
             parent.kill()
+
+
+@given(
+    fields=st.lists(_INT64, min_size=4, max_size=4),
+    column=st.integers(min_value=0, max_value=3),
+    round_=st.integers(min_value=1, max_value=2**40),
+)
+def test_seal_sees_a_change_of_any_stamp_field(fields: list[int], column: int, round_: int) -> None:
+    # The stamp of mmcache.keys.STAT_FIELDS: size, mtime, ctime, inode. A file
+    # rewritten with its size and mtime restored differs only in ctime (and
+    # maybe inode); another file of the same size and mtime in inode and ctime.
+    stamps = np.array([fields], dtype=np.int64)
+    other = stamps.copy()
+    other[0, column] ^= 1 << (column * 7)
+    assert seal(other, round_)[0] != seal(stamps, round_)[0]
+    both = stamps.copy()
+    both[0, 2] ^= 1
+    both[0, 3] ^= 1
+    assert seal(both, round_)[0] != seal(stamps, round_)[0]  # changes do not cancel out
+
+
+def test_the_board_compares_every_field_the_dataset_stamps(tmp_path: Path) -> None:
+    from mmcache.keys import STAT_FIELDS, stat_fields
+
+    path = tmp_path / "img.bmp"
+    path.write_bytes(b"a" * 100)
+    before = os.stat(path)
+    stamps = np.array([stat_fields(before)], dtype=np.int64)
+    assert stamps.shape[1] == len(STAT_FIELDS)
+    board = StampBoard(1)
+    board.publish(np.arange(1), stamps, 3)
+    path.write_bytes(b"b" * 100)  # same size, mtime restored: only the ctime differs
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    now = np.array([stat_fields(os.stat(path))], dtype=np.int64)
+    board.publish(np.arange(1), now, 4)
+    assert not board.verified(np.arange(1), stamps, 4).any()
+    assert board.verified(np.arange(1), now, 4).all()

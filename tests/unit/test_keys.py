@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from mmcache import codec, keys
@@ -181,12 +182,36 @@ def test_stamp_of_none_and_missing_files(tmp_path: Path) -> None:
     assert len(sample_key(ID, source_stamp(tmp_path / "absent.jpg"), FP)) == 16
 
 
-def test_stamp_is_size_and_mtime(tmp_path: Path) -> None:
+def test_stamp_is_size_mtime_ctime_and_inode(tmp_path: Path) -> None:
     path = tmp_path / "img.jpg"
     path.write_bytes(b"0123456789")
     os.utime(path, ns=(1_700_000_000_000_000_000, 1_700_000_000_123_456_789))
-    assert source_stamp(path) == "10:1700000000123456789"
+    st = os.stat(path)
+    assert keys.STAT_FIELDS == ("st_size", "st_mtime_ns", "st_ctime_ns", "st_ino")
+    assert source_stamp(path) == f"10:1700000000123456789:{st.st_ctime_ns}:{st.st_ino}"
     assert source_stamp(str(path)) == source_stamp(path)
+    assert keys.fields_stamp(list(keys.stat_fields(st))) == source_stamp(path)
+
+
+def test_batched_stamps_equal_single_ones_for_inode_numbers_over_2_63() -> None:
+    # Inode numbers are unsigned 64-bit (NFS, overlayfs xino, btrfs can use the top
+    # bit); an int64 array row holds them wrapped, and both paths give one stamp.
+    st = os.stat_result((0o100644, 2**64 - 5, 1, 1, 0, 0, 7, 1, 2, 3, 1.0, 2.0, 3.0, 10, 20, 30))
+    row = np.array([keys.stat_fields(st)], dtype=np.int64)[0]
+    assert keys.fields_stamp(row.tolist()) == keys.stat_stamp(st) == "7:20:30:-5"
+
+
+def test_different_files_of_equal_size_and_mtime_have_different_stamps(tmp_path: Path) -> None:
+    # Fixed-size formats (BMP, .npy) extracted with `tar x` (mtimes restored).
+    a, b = tmp_path / "a.bmp", tmp_path / "b.bmp"
+    a.write_bytes(b"a" * 64)
+    b.write_bytes(b"b" * 64)
+    for p in (a, b):
+        os.utime(p, ns=(1_000_000_000, 1_000_000_000))
+    assert source_stamp(a) != source_stamp(b)
+    assert sample_key(ID, source_stamp(a), FP, CAPTION) != sample_key(
+        ID, source_stamp(b), FP, CAPTION
+    )
 
 
 def test_touching_or_rewriting_a_file_changes_its_stamp(tmp_path: Path) -> None:
@@ -200,9 +225,15 @@ def test_touching_or_rewriting_a_file_changes_its_stamp(tmp_path: Path) -> None:
     touched = source_stamp(path)
     assert touched != first
 
-    path.write_bytes(b"bbbb")  # same size, other bytes, same mtime restored
+    path.write_bytes(b"bbbb")  # same size, other bytes, same mtime restored (touch -d)
     os.utime(path, ns=(1_000_000_000, 1_000_000_001))
-    assert source_stamp(path) == touched  # the documented blind spot of stat stamps
+    rewritten = source_stamp(path)
+    assert rewritten != touched  # the ctime cannot be restored
+    replaced = tmp_path / "new.jpg"  # the same, written elsewhere and renamed over it
+    replaced.write_bytes(b"cccc")
+    os.utime(replaced, ns=(1_000_000_000, 1_000_000_001))
+    os.replace(replaced, path)
+    assert source_stamp(path) not in (touched, rewritten)
     path.write_bytes(b"bbbbb")  # other size
     os.utime(path, ns=(1_000_000_000, 1_000_000_001))
     assert source_stamp(path) != touched

@@ -325,3 +325,64 @@ def test_recycled_batch_buffers_never_overwrite_what_the_loop_holds(
         seen = {batch["image"].data_ptr() for batch in loader}
         assert len(seen) < len(loader)
         loader.close()
+
+
+@pytest.fixture
+def ds17(tmp_path: Path, tiny_data: Path, small_pipeline: Pipeline) -> MultimodalDataset:
+    recs = [json.loads(line) for line in tiny_data.read_text().splitlines()[:17]]
+    for r in recs:
+        r["image_path"] = str(tiny_data.parent / r["image_path"])
+    path = tmp_path / "m17.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return MultimodalDataset(path, pipeline=small_pipeline)
+
+
+def _torch_batches(n: int, world: int, rank: int, batch: int, *, trim: bool) -> int:
+    """Batches per epoch of torch's DataLoader(drop_last=True) over a DistributedSampler."""
+    sampler = torch.utils.data.DistributedSampler(
+        range(n), num_replicas=world, rank=rank, shuffle=False, drop_last=trim
+    )
+    return len(
+        torch.utils.data.DataLoader(range(n), sampler=sampler, batch_size=batch, drop_last=True)
+    )
+
+
+@pytest.mark.parametrize(("world", "batch"), [(5, 4), (3, 2)])
+@pytest.mark.parametrize("trim", [False, True])
+def test_drop_last_drops_each_ranks_partial_batch_like_torch(
+    ds17: MultimodalDataset, world: int, batch: int, trim: bool
+) -> None:
+    seen: list[str] = []
+    for rank in range(world):
+        loader = DataLoader(
+            ds17, cache=None, batch_size=batch, rank=rank, world_size=world,
+            drop_last=True, distributed_drop_last=trim,
+        )  # fmt: skip
+        batches = _epoch(loader, 0)
+        assert len(batches) == len(loader) == _torch_batches(17, world, rank, batch, trim=trim)
+        assert all(len(b["id"]) == batch for b in batches)
+        seen += [i for b in batches for i in b["id"]]
+    if not trim:  # padded across ranks, as DistributedSampler's default: every sample seen
+        assert len(set(seen)) == 17 and len(seen) > 0
+    else:
+        assert len(set(seen)) == len(seen)  # trimmed: disjoint
+
+
+def test_an_empty_epoch_is_warned_about(
+    ds17: MultimodalDataset, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("WARNING", logger="mmcache.loader"):
+        loader = DataLoader(ds17, cache=None, batch_size=8, rank=0, world_size=5, drop_last=True)
+    assert len(loader) == 0 and _epoch(loader, 0) == []
+    assert any("no batches" in r.getMessage() for r in caplog.records)
+
+
+def test_rank_and_world_size_come_together_without_torch_distributed(
+    ds17: MultimodalDataset,
+) -> None:
+    assert not torch.distributed.is_available() or not torch.distributed.is_initialized()
+    with pytest.raises(ConfigError, match="rank"):
+        DataLoader(ds17, cache=None, batch_size=4, world_size=2)
+    with pytest.raises(ConfigError, match="world_size"):
+        DataLoader(ds17, cache=None, batch_size=4, rank=1)
+    assert len(DataLoader(ds17, cache=None, batch_size=4)) == 5  # neither: one process

@@ -58,3 +58,18 @@ def test_rank_validation() -> None:
         EpochSampler(10, rank=2, world_size=2)
     with pytest.raises(ConfigError):
         EpochSampler(10, world_size=0)
+
+
+def test_rank_and_world_come_together_outside_torch_distributed() -> None:
+    # One helper for the DataLoader, warm() and warm_features().
+    from mmcache.sampler import rank_and_world
+
+    assert rank_and_world(None, None) == (0, 1)
+    assert rank_and_world(2, 4) == (2, 4)
+    with pytest.raises(ConfigError, match="rank is missing"):
+        rank_and_world(None, 2)  # would silently be rank 0 in every process
+    with pytest.raises(ConfigError, match="world_size is missing"):
+        rank_and_world(1, None)
+    for rank, world in ((2, 2), (-1, 2), (0, 0), (True, 2)):
+        with pytest.raises(ConfigError):
+            rank_and_world(rank, world)
