@@ -44,7 +44,7 @@ from mmcache.keys import as_key
 from mmcache.policies import Policy, get_policy, policy_names
 from mmcache.registry import FingerprintRegistry
 from mmcache.stats import CacheStats
-from mmcache.stores.base import Store, dir_mode
+from mmcache.stores.base import BatchReader, Store, dir_mode
 from mmcache.units import parse_duration, parse_size
 
 __all__ = ["Cache", "GcReport", "VerifyReport"]
@@ -399,6 +399,19 @@ class Cache:
         if self.disk is not None:
             out["disk"] = self.disk
         return out
+
+    @property
+    def reader(self) -> BatchReader | None:
+        """The first tier when it can gather whole batches in this process (a
+        :class:`~mmcache.stores.base.BatchReader`), else None.
+
+        What the loader gathers cached batches from; everything else (misses,
+        promotion, writes) goes through the cache's own methods, so the loader
+        never names a tier.
+        """
+        for tier in self.tiers.values():
+            return tier if tier.supports_gather and isinstance(tier, BatchReader) else None
+        return None
 
     # -- reads ----------------------------------------------------------------------------
     def _expired(self, ctime: float) -> bool:

@@ -107,9 +107,9 @@ import xxhash
 
 from mmcache import codec, keys, sizing
 from mmcache.cache import Cache
+from mmcache.dist import rank_and_world, shard_bounds
 from mmcache.errors import ConfigError, SampleError
 from mmcache.policies import Policy
-from mmcache.sampler import rank_and_world
 from mmcache.stats import TierStats
 from mmcache.stores.gpu import DeviceTier
 from mmcache.units import format_size, parse_size
@@ -1561,14 +1561,6 @@ class _WarmImages(torch.utils.data.Dataset[_Produced]):
 
 def _collate_list(items: list[_Produced]) -> list[_Produced]:
     return items
-
-
-def shard_bounds(n: int, rank: int, world_size: int) -> tuple[int, int]:
-    """The contiguous ``[start, stop)`` part of ``n`` samples that ``rank`` warms.
-
-    Parts are disjoint, cover everything and differ in size by at most one.
-    """
-    return rank * n // world_size, (rank + 1) * n // world_size
 
 
 def warm_features(

@@ -67,11 +67,12 @@ from mmcache import codec
 from mmcache.board import StampBoard
 from mmcache.cache import Cache
 from mmcache.dataset import MultimodalDataset
+from mmcache.dist import rank_and_world
 from mmcache.errors import ConfigError, SampleError
 from mmcache.gate import Gate
 from mmcache.inorder import Helper, InOrderBuilder
 from mmcache.keys import STAT_FIELDS
-from mmcache.sampler import EpochSampler, rank_and_world
+from mmcache.sampler import EpochSampler
 from mmcache.stats import EpochStats, LoaderStats
 from mmcache.sweeper import Sweeper
 from mmcache.units import format_size

@@ -31,7 +31,7 @@ import numpy.typing as npt
 
 from mmcache.errors import ConfigError
 
-__all__ = ["EpochSampler", "rank_and_world"]
+__all__ = ["EpochSampler"]
 
 
 @dataclass(frozen=True)
@@ -77,34 +77,3 @@ class EpochSampler:
             perm = np.tile(perm, reps)
         perm = perm[:total]
         return perm[self.rank : total : self.world_size]
-
-
-def rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """This process's ``(rank, world_size)``: the ones given, torch.distributed's for
-    those left ``None`` when it is initialised, else ``(0, 1)`` when both are ``None``.
-
-    One of the two without the other, outside torch.distributed, is refused
-    (:class:`ConfigError`): ``world_size=2`` alone would silently make every
-    process rank 0 and read the same part. Checks ``0 <= rank < world_size``.
-    """
-    if rank is None or world_size is None:
-        import torch  # here: the orders above need only numpy
-
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            rank = torch.distributed.get_rank() if rank is None else rank
-            world_size = torch.distributed.get_world_size() if world_size is None else world_size
-        elif rank is None and world_size is None:
-            rank, world_size = 0, 1
-        else:
-            missing = "rank" if rank is None else "world_size"
-            raise ConfigError(
-                f"{missing} is missing: give rank and world_size together (got rank={rank}, "
-                f"world_size={world_size}), or neither to use torch.distributed's (not "
-                "initialised here) or a single process"
-            )
-    for name, value in (("rank", rank), ("world_size", world_size)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{name} must be an int, got {value!r}")
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ConfigError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
-    return rank, world_size

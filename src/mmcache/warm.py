@@ -19,8 +19,8 @@ import torch
 
 from mmcache.cache import Cache
 from mmcache.dataset import MultimodalDataset
+from mmcache.dist import rank_and_world
 from mmcache.errors import ConfigError, SampleError
-from mmcache.sampler import rank_and_world
 
 __all__ = ["WarmReport", "warm"]
 

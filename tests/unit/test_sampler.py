@@ -62,7 +62,7 @@ def test_rank_validation() -> None:
 
 def test_rank_and_world_come_together_outside_torch_distributed() -> None:
     # One helper for the DataLoader, warm() and warm_features().
-    from mmcache.sampler import rank_and_world
+    from mmcache.dist import rank_and_world
 
     assert rank_and_world(None, None) == (0, 1)
     assert rank_and_world(2, 4) == (2, 4)

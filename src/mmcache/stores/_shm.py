@@ -34,6 +34,7 @@ from collections.abc import Iterable, Iterator
 
 from mmcache.errors import CacheError, ConfigError
 from mmcache.stores._access import Access
+from mmcache.stores.base import NO_SPACE_ERRNOS, is_no_space
 
 __all__ = [
     "NO_SPACE_ERRNOS",
@@ -56,9 +57,6 @@ SHM_DIR = "/dev/shm"
 SHM_PREFIX = "mmcache-"
 PAGE_SIZE = mmap.PAGESIZE
 
-#: errno values meaning "the file system has no room": a refused put, or CacheError at open.
-NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
-
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -74,11 +72,6 @@ def check_store_name(name: str) -> str:
             f" letter or digit, got {name!r}"
         )
     return name
-
-
-def is_no_space(exc: BaseException) -> bool:
-    """Whether ``exc`` says the file system (or the user's quota) is full."""
-    return isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS
 
 
 # --------------------------------------------------------------------------- liveness

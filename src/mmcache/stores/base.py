@@ -18,23 +18,44 @@ read lock or transaction meanwhile, so keep the block short).
 from __future__ import annotations
 
 import contextlib
+import errno
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
 from mmcache.stats import TierStats
 
-__all__ = ["KEY_SIZE", "EntryInfo", "Keys", "Store", "check_key", "dir_mode"]
+__all__ = [
+    "KEY_SIZE",
+    "NO_SPACE_ERRNOS",
+    "BatchReader",
+    "EntryInfo",
+    "Keys",
+    "Store",
+    "check_key",
+    "dir_mode",
+    "is_no_space",
+]
 
 #: Keys are 128-bit digests (xxh3_128 of the key material, see mmcache.keys).
 KEY_SIZE = 16
 
 #: Keys of a batched call: 16-byte ``bytes`` each, or one ``uint8 [n, 16]`` array.
 Keys = Sequence[bytes] | npt.NDArray[np.uint8]
+
+
+#: errno values meaning "the file system (or the user's quota) has no room": every tier
+#: turns them into a refused put, or a CacheError at open, never a crash.
+NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def is_no_space(exc: BaseException) -> bool:
+    """Whether ``exc`` says the file system (or the user's quota) is full."""
+    return isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS
 
 
 def check_key(key: bytes) -> bytes:
@@ -73,6 +94,10 @@ class Store(ABC):
     """
 
     name: str = "store"
+    #: Whether the store is also a :class:`BatchReader` (copies byte ranges of a batch of
+    #: entries straight into caller arrays, in the reading process). The loader gathers
+    #: cached batches from the cache's first tier only when it says so.
+    supports_gather: bool = False
 
     @abstractmethod
     def get(self, key: bytes) -> bytes | None:
@@ -160,3 +185,38 @@ class Store(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@runtime_checkable
+class BatchReader(Protocol):
+    """A tier the loader can gather whole batches from, in the training process.
+
+    What the loader needs of the cache's first tier (``Cache.reader``): copy the
+    same byte ranges of many entries into preallocated arrays under one read
+    lock (no per-sample Python, no pickling through worker pipes), ask which
+    keys are present, and count hits it decided to serve. Implementations are
+    thread- and process-safe. Stores that implement it set
+    ``Store.supports_gather = True``.
+    """
+
+    name: str
+
+    def gather_ranges(
+        self,
+        keys: Keys,
+        targets: Sequence[tuple[int, int, npt.NDArray[np.uint8]]],
+        *,
+        count: bool = True,
+    ) -> npt.NDArray[np.bool_]:
+        """Copy bytes ``[offset, offset+length)`` of each present entry into ``out[i]`` for
+        every ``(offset, length, out)`` of ``targets``; return the found mask.
+        ``count=False`` leaves the hit/miss counters to :meth:`count_reads`."""
+        ...
+
+    def contains_many(self, keys: Keys) -> npt.NDArray[np.bool_]:
+        """Presence of each of ``keys`` (no hit/miss counted)."""
+        ...
+
+    def count_reads(self, *, hits: int = 0, misses: int = 0) -> None:
+        """Add to the hit and miss counters (after ``gather_ranges(count=False)``)."""
+        ...

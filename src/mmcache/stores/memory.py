@@ -552,6 +552,7 @@ class MemoryStore(Store):
     """
 
     name = "memory"
+    supports_gather = True
 
     def __init__(
         self,

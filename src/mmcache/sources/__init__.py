@@ -1,0 +1,1 @@
+"""Sample sources: where samples come from (see :mod:`mmcache.sources.base`)."""
