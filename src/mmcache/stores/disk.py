@@ -405,6 +405,7 @@ class _EnvHandle:
                 return
             raise CacheError(f"cannot open the disk cache at {self.path}: {exc}") from exc
         try:
+            self._check_complete(env)
             if not self.lockless:
                 stale = env.reader_check()
                 if stale:
@@ -417,6 +418,26 @@ class _EnvHandle:
             raise
         self.env = env
         self.pid = os.getpid()
+
+    def _check_complete(self, env: lmdb.Environment) -> None:
+        """Refuse a ``data.mdb`` that ends before its last page (an interrupted copy).
+
+        LMDB maps the file and trusts its meta page, which names the last page in
+        use: reading a page past the end of a truncated file kills the process
+        with SIGBUS (no error to catch), in every reader and in ``verify`` alike.
+        A committed transaction has written all its pages before its meta page,
+        so a complete file always reaches the end of that page. Checked before
+        any page beyond the two meta pages is read.
+        """
+        need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+        path = os.path.join(self.path, "data.mdb")
+        size = os.stat(path).st_size
+        if size < need:
+            raise CacheError(
+                f"{path} is truncated: {size} bytes, but its last page ends at byte {need} "
+                "(an interrupted copy or restore?); copy the complete file again, or delete "
+                f"{self.path} to start an empty cache"
+            )
 
     def _reserve_files(self) -> None:
         """Allocate the disk blocks LMDB writes at open, so a full disk is a CacheError.
