@@ -430,7 +430,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("verify", help="check every entry's header and checksum")
     p.add_argument("--cache", required=True)
-    p.add_argument("--repair", action="store_true", help="remove bad entries")
+    p.add_argument(
+        "--repair",
+        action="store_true",
+        help="remove bad entries (a damaged totals record of the disk tier is recounted)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_verify)
 
