@@ -689,10 +689,10 @@ os.register_at_fork(
 # --------------------------------------------------------------------------- helpers
 
 
-MetaRecord = tuple[int, float, float, float, int, int]
+_MetaRecord = tuple[int, float, float, float, int, int]
 
 
-def _parse_meta(raw: bytes | memoryview | None) -> MetaRecord | None:
+def _parse_meta(raw: bytes | memoryview | None) -> _MetaRecord | None:
     """The fields of a meta record, or None when it is absent or damaged.
 
     Damaged: not 48 bytes, or a field no put writes (a negative size, hits or
@@ -701,7 +701,7 @@ def _parse_meta(raw: bytes | memoryview | None) -> MetaRecord | None:
     """
     if raw is None or len(raw) != _META.size:
         return None
-    record = cast(MetaRecord, _META.unpack(raw))
+    record = cast(_MetaRecord, _META.unpack(raw))
     size, cost, _ctime, _atime, hits, seq = record
     if min(size, hits, seq) < 0 or not (math.isfinite(cost) and cost >= 0):
         return None
