@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -118,6 +119,60 @@ def _memory_group(root: Path, mode: int) -> int | None:
         return os.stat(root).st_gid
     except OSError:
         return os.getegid()
+
+
+def _read_config(root: str | os.PathLike[str]) -> dict[str, Any]:
+    """The options recorded in ``root/cache.json``, validated: ``memory``, ``disk``,
+    ``policy`` and ``ttl``, as :class:`Cache` takes them.
+
+    Every command that reopens a root (``Cache.open_existing``: stats, verify, gc)
+    reads the file here, so a hand-edited value is refused the same way by all of
+    them, also where an override (``memory=0``) means it would not be used. An
+    unknown policy name reads as ``value`` (policies are plug-ins: the one that
+    wrote it may not be registered in this process). Raises CacheError when the
+    file is missing or unreadable, ConfigError naming the file, key and value
+    when a value is not valid.
+    """
+    path = Path(os.path.expanduser(os.fspath(root))) / CONFIG_FILE
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise CacheError(
+            f"{path} not found: {root} is not an mmcache cache root (no disk tier was made)"
+        ) from exc
+    except (OSError, ValueError) as exc:
+        raise CacheError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(config, dict) or config.get("format") != 1:
+        raise CacheError(f"{path}: unknown cache config format")
+
+    def finite_duration(value: Any) -> float:
+        seconds = parse_duration(value)
+        if not math.isfinite(seconds):
+            raise ConfigError(f"duration must be a finite number of seconds, got {value!r}")
+        return seconds
+
+    checks: dict[str, Callable[[Any], object]] = {
+        "memory": lambda v: v == "auto" or parse_size(v),
+        "disk": lambda v: v is None or parse_size(v),
+        "ttl": lambda v: v is None or finite_duration(v),
+    }
+    options = {
+        "memory": config.get("memory", 0),
+        "disk": config.get("disk"),
+        "ttl": config.get("ttl"),
+    }
+    for name, check in checks.items():
+        try:
+            check(options[name])
+        except ConfigError as exc:
+            raise ConfigError(
+                f"{path}: {name!r} is {options[name]!r}, which is not valid ({exc}); correct "
+                "it, or open the root once with Cache(root, memory=..., disk=...) to record "
+                "new budgets"
+            ) from exc
+    policy = config.get("policy", "value")
+    options["policy"] = policy if policy in policy_names() else "value"
+    return options
 
 
 def _verifies(buf: bytes) -> bool:
@@ -339,24 +394,9 @@ class Cache:
         shared memory), and nothing passed here is written to ``cache.json``:
         overrides apply to this object only.
         """
-        path = Path(os.path.expanduser(os.fspath(root))) / CONFIG_FILE
-        try:
-            config = json.loads(path.read_text())
-        except FileNotFoundError as exc:
-            raise CacheError(
-                f"{path} not found: {root} is not an mmcache cache root (no disk tier was made)"
-            ) from exc
-        except (OSError, ValueError) as exc:
-            raise CacheError(f"cannot read {path}: {exc}") from exc
-        if not isinstance(config, dict) or config.get("format") != 1:
-            raise CacheError(f"{path}: unknown cache config format")
-        policy = config.get("policy", "value")
-        options: dict[str, Any] = {
-            "memory": config.get("memory", 0) if memory is None else memory,
-            "disk": config.get("disk"),
-            "policy": policy if policy in policy_names() else "value",
-            "ttl": config.get("ttl"),
-        }
+        options = _read_config(root)
+        if memory is not None:
+            options["memory"] = memory
         options.update(kwargs)
         return cls(root, **options, _opened_as="inspect")
 

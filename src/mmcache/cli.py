@@ -451,7 +451,11 @@ def build_parser() -> argparse.ArgumentParser:
         "verify", help="check every entry's header and checksum, in every tier that exists"
     )
     p.add_argument("--cache", required=True)
-    p.add_argument("--repair", action="store_true", help="remove bad entries")
+    p.add_argument(
+        "--repair",
+        action="store_true",
+        help="remove bad entries (a damaged totals record of the disk tier is recounted)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_verify)
 

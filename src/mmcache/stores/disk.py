@@ -31,6 +31,14 @@ Layout
     to data, meta and the totals happens in one write transaction, so the budget
     ``bytes <= capacity`` holds at every commit. The store never deletes files.
 
+Damage
+    A ``data.mdb`` shorter than its last page (an interrupted copy) is refused
+    at open: reading past its end would kill the process with SIGBUS. Totals
+    that are missing or impossible (negative, another count than the meta db's,
+    more bytes than the data pages hold) are recounted by the next write and
+    refused by reads; a damaged meta record is never trusted (its entry counts
+    by its value's length, ``verify`` reports it, ``delete`` removes it).
+
 Map size
     LMDB reserves address space up front (``map_size``); the file grows as
     needed up to it, so it also bounds disk usage. The default is
@@ -405,6 +413,7 @@ class _EnvHandle:
                 return
             raise CacheError(f"cannot open the disk cache at {self.path}: {exc}") from exc
         try:
+            self._check_complete(env)
             if not self.lockless:
                 stale = env.reader_check()
                 if stale:
@@ -417,6 +426,26 @@ class _EnvHandle:
             raise
         self.env = env
         self.pid = os.getpid()
+
+    def _check_complete(self, env: lmdb.Environment) -> None:
+        """Refuse a ``data.mdb`` that ends before its last page (an interrupted copy).
+
+        LMDB maps the file and trusts its meta page, which names the last page in
+        use: reading a page past the end of a truncated file kills the process
+        with SIGBUS (no error to catch), in every reader and in ``verify`` alike.
+        A committed transaction has written all its pages before its meta page,
+        so a complete file always reaches the end of that page. Checked before
+        any page beyond the two meta pages is read.
+        """
+        need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+        path = os.path.join(self.path, "data.mdb")
+        size = os.stat(path).st_size
+        if size < need:
+            raise CacheError(
+                f"{path} is truncated: {size} bytes, but its last page ends at byte {need} "
+                "(an interrupted copy or restore?); copy the complete file again, or delete "
+                f"{self.path} to start an empty cache"
+            )
 
     def _reserve_files(self) -> None:
         """Allocate the disk blocks LMDB writes at open, so a full disk is a CacheError.
@@ -660,6 +689,39 @@ os.register_at_fork(
 # --------------------------------------------------------------------------- helpers
 
 
+_MetaRecord = tuple[int, float, float, float, int, int]
+
+
+def _parse_meta(raw: bytes | memoryview | None) -> _MetaRecord | None:
+    """The fields of a meta record, or None when it is absent or damaged.
+
+    Damaged: not 48 bytes, or a field no put writes (a negative size, hits or
+    seq; a negative or non-finite cost). Such a record is never trusted: its
+    entry counts by the length of its value and ``verify`` reports it.
+    """
+    if raw is None or len(raw) != _META.size:
+        return None
+    record = cast(_MetaRecord, _META.unpack(raw))
+    size, cost, _ctime, _atime, hits, seq = record
+    if min(size, hits, seq) < 0 or not (math.isfinite(cost) and cost >= 0):
+        return None
+    return record
+
+
+def _entry_size(txn: lmdb.Transaction[Any], h: _EnvHandle, key: bytes, raw: bytes) -> int:
+    """Bytes the totals count for an entry: its meta size, or its value's length if
+    the record is damaged (the size the put recorded, unless the value rotted too)."""
+    meta = _parse_meta(raw)
+    if meta is not None:
+        return meta[0]
+    value = txn.get(key, db=h.data)
+    return 0 if value is None else len(value)
+
+
+class _DamagedTotals(CacheError):
+    """The totals record is missing or impossible; a write transaction recounts it."""
+
+
 @dataclass
 class _Totals:
     bytes: int
@@ -668,11 +730,55 @@ class _Totals:
     gen: int
 
     @classmethod
-    def read(cls, txn: lmdb.Transaction[Any], db: Any) -> _Totals:
-        raw = txn.get(_K_TOTALS, db=db)
+    def read(cls, txn: lmdb.Transaction[Any], h: _EnvHandle) -> _Totals:
+        """The totals, checked against what the transaction sees.
+
+        The budget rests on them, so a record that is missing, negative, counts
+        other than the meta db's entries, or more bytes than the data db's pages
+        can hold is refused (``_DamagedTotals``) rather than believed; both checks
+        are O(1) (LMDB keeps the counts in the database record).
+        """
+        raw = txn.get(_K_TOTALS, db=h.info)
         if raw is None or len(raw) != _TOTALS.size:
-            raise CacheError("the disk cache's totals record is missing; run rebuild_totals()")
-        return cls(*_TOTALS.unpack(raw))
+            why = "missing" if raw is None else f"{len(raw)} bytes long, not {_TOTALS.size}"
+        else:
+            tot = cls(*_TOTALS.unpack(raw))
+            items = txn.stat(h.meta)["entries"]
+            data = txn.stat(h.data)
+            room = (data["leaf_pages"] + data["overflow_pages"]) * data["psize"]
+            if min(tot.bytes, tot.items, tot.next_seq, tot.gen) >= 0 and (
+                tot.items == items and tot.bytes <= room
+            ):
+                return tot
+            why = (
+                f"impossible (bytes={tot.bytes}, items={tot.items}, next_seq={tot.next_seq}, "
+                f"gen={tot.gen}; the cache holds {items} entries in {room} bytes of pages)"
+            )
+        raise _DamagedTotals(
+            f"the totals record of the disk cache at {h.path} is {why}: run "
+            "`mmcache verify --repair` on its cache root (any write through mmcache recounts it)"
+        )
+
+    @classmethod
+    def recount(cls, txn: lmdb.Transaction[Any], h: _EnvHandle) -> _Totals:
+        """Totals counted from the meta db (one O(n) scan of 48-byte records), written.
+
+        For a damaged record (see :meth:`read`); ``rebuild_totals`` is the full
+        repair that also removes inconsistent entries.
+        """
+        raw = txn.get(_K_TOTALS, db=h.info)
+        old = _TOTALS.unpack(raw) if raw is not None and len(raw) == _TOTALS.size else None
+        total = items = 0
+        next_seq = max(old[2], 0) if old is not None else 0
+        for key, rec in txn.cursor(db=h.meta):
+            total += _entry_size(txn, h, bytes(key), bytes(rec))
+            items += 1
+            meta = _parse_meta(rec)
+            if meta is not None:
+                next_seq = max(next_seq, meta[5] + 1)
+        tot = cls(total, items, next_seq, max(old[3], 0) + 1 if old is not None else 0)
+        tot.write(txn, h.info)
+        return tot
 
     def write(self, txn: lmdb.Transaction[Any], db: Any) -> None:
         txn.put(_K_TOTALS, _TOTALS.pack(self.bytes, self.items, self.next_seq, self.gen), db=db)
@@ -702,8 +808,13 @@ class _Snapshot:
             if len(raw) == _META.size:  # a damaged record is verify()'s business
                 keys.append(bytes(key))
                 records.append(bytes(raw))
-        cols = np.frombuffer(b"".join(records), dtype=_META_DTYPE).copy()
-        return cls(gen, keys, cols)
+        cols = np.frombuffer(b"".join(records), dtype=_META_DTYPE)
+        # The checks of _parse_meta, vectorised: policies must never see a damaged row.
+        good = (cols["size"] >= 0) & (cols["hits"] >= 0) & (cols["seq"] >= 0)
+        good &= np.isfinite(cols["cost"]) & (cols["cost"] >= 0)
+        if not good.all():
+            keys = [k for k, ok in zip(keys, good.tolist(), strict=True) if ok]
+        return cls(gen, keys, cols[good].copy())
 
     def age(self) -> float:
         return time.monotonic() - self.built
@@ -1054,6 +1165,19 @@ class DiskStore(Store):
         if full:
             self.flush()
 
+    def _totals_txn(self, txn: lmdb.Transaction[Any], h: _EnvHandle) -> _Totals:
+        """The totals in a write transaction: a damaged record is recounted, not refused.
+
+        Recounting there is safe (writers are serialised) and keeps the budget
+        exact; the read-only paths (``nbytes``, ``stats``) raise instead.
+        """
+        try:
+            return _Totals.read(txn, h)
+        except _DamagedTotals as exc:
+            logger.warning("%s; recounting it from the entries", exc)
+            self._snap = None
+            return _Totals.recount(txn, h)
+
     def _bump(self, tot: _Totals) -> None:
         """Count one committed change to meta; keep an in-sync snapshot in sync."""
         snap = self._snap
@@ -1069,10 +1193,10 @@ class DiskStore(Store):
             return
         snap = self._snap
         for key, (atime, hits) in pending.items():
-            raw = txn.get(key, db=h.meta)
-            if raw is None:
+            meta = _parse_meta(txn.get(key, db=h.meta))
+            if meta is None:  # gone, or damaged: verify's business
                 continue
-            size, cost, ctime, old_atime, old_hits, seq = _META.unpack(raw)
+            size, cost, ctime, old_atime, old_hits, seq = meta
             new_atime = max(old_atime, atime)
             record = _META.pack(size, cost, ctime, new_atime, old_hits + int(hits), seq)
             txn.put(key, record, db=h.meta)
@@ -1171,7 +1295,13 @@ class DiskStore(Store):
             raw: bytes | None = txn.get(key, db=h.meta)
         if raw is None:
             return None
-        size, cost, ctime, atime, hits, _seq = _META.unpack(raw)
+        meta = _parse_meta(raw)
+        if meta is None:
+            raise CacheError(
+                f"the meta record of entry {key.hex()} in the disk cache at {self._path} is "
+                f"damaged ({len(raw)} bytes): run `mmcache verify --repair` to remove the entry"
+            )
+        size, cost, ctime, atime, hits, _seq = meta
         with self._mu:
             rec = self._pending.get(key)
             if rec is not None:
@@ -1189,7 +1319,7 @@ class DiskStore(Store):
     def _totals(self) -> _Totals:
         h = self._env()
         with _Txn(h) as txn:
-            return _Totals.read(txn, h.info)
+            return _Totals.read(txn, h)
 
     def nbytes(self) -> int:
         """Payload bytes held now, by all processes. Thread/process-safe."""
@@ -1322,12 +1452,12 @@ class DiskStore(Store):
         cost: float,
         ctime: float,
     ) -> tuple[bool, int]:
-        tot = _Totals.read(txn, h.info)
+        tot = self._totals_txn(txn, h)
         gen0 = tot.gen
         self._flush_reads_txn(txn, h, tot)
         size = buf.nbytes
         old = txn.get(key, db=h.meta)
-        used = tot.bytes - (_META.unpack(old)[0] if old is not None else 0)
+        used = tot.bytes - (_entry_size(txn, h, key, old) if old is not None else 0)
         victims: list[bytes] | None = []
         if size > self._capacity:
             victims = None
@@ -1363,9 +1493,9 @@ class DiskStore(Store):
     def _delete_entry(
         self, txn: lmdb.Transaction[Any], h: _EnvHandle, tot: _Totals, key: bytes, raw: bytes
     ) -> None:
+        tot.bytes -= _entry_size(txn, h, key, raw)
         txn.delete(key, db=h.data)
         txn.delete(key, db=h.meta)
-        tot.bytes -= _META.unpack(raw)[0]
         tot.items -= 1
         if self._snap is not None:
             self._snap.remove(key)
@@ -1407,11 +1537,11 @@ class DiskStore(Store):
             for i in picked.tolist():
                 row = int(rows[i])
                 victim = snap.keys[row]
-                raw = txn.get(victim, db=h.meta) if victim is not None else None
-                if victim is None or raw is None or len(raw) != _META.size:
+                meta = _parse_meta(txn.get(victim, db=h.meta)) if victim is not None else None
+                if victim is None or meta is None:
                     valid = False
                     break
-                vsize, _cost, _ctime, _atime, _hits, vseq = _META.unpack(raw)
+                vsize, _cost, _ctime, _atime, _hits, vseq = meta
                 if vseq != int(snap.cols["seq"][row]):
                     valid = False
                     break
@@ -1456,8 +1586,9 @@ class DiskStore(Store):
             self._bump(tot)
             return evicted
 
-        if self._totals().bytes <= self._capacity:
-            return
+        with contextlib.suppress(_DamagedTotals):  # else the write below recounts them
+            if self._totals().bytes <= self._capacity:
+                return
         evicted = self._write(op)
         if evicted:
             logger.info(
@@ -1475,7 +1606,7 @@ class DiskStore(Store):
         h = self._env()
         try:
             with _Txn(h, write=True) as txn:
-                tot = _Totals.read(txn, h.info)
+                tot = self._totals_txn(txn, h)
                 gen0 = tot.gen
                 self._flush_reads_txn(txn, h, tot)
                 result = op(txn, h, tot)
@@ -1487,7 +1618,8 @@ class DiskStore(Store):
             raise
 
     def delete(self, key: bytes) -> bool:
-        """Remove ``key``; return whether it was present. Thread/process-safe.
+        """Remove ``key`` (also a value whose meta record is damaged or missing); return
+        whether it was present. Thread/process-safe.
 
         Raises CacheError on a read-only store.
         """
@@ -1495,8 +1627,8 @@ class DiskStore(Store):
 
         def op(txn: lmdb.Transaction[Any], h: _EnvHandle, tot: _Totals) -> int:
             raw = txn.get(key, db=h.meta)
-            if raw is None:
-                return 0
+            if raw is None:  # a value without its meta record (verify reports it) or nothing
+                return int(txn.delete(key, db=h.data))
             self._delete_entry(txn, h, tot, key, raw)
             self._bump(tot)
             return 1
@@ -1529,7 +1661,8 @@ class DiskStore(Store):
         def op(txn: lmdb.Transaction[Any], h: _EnvHandle, tot: _Totals) -> int:
             old: list[tuple[bytes, bytes]] = []
             for key, raw in txn.cursor(db=h.meta):
-                if len(raw) == _META.size and _META.unpack(raw)[2] < before:
+                meta = _parse_meta(raw)
+                if meta is not None and meta[2] < before:
                     old.append((bytes(key), bytes(raw)))
             for key, raw in old:
                 self._delete_entry(txn, h, tot, key, raw)
@@ -1569,11 +1702,8 @@ class DiskStore(Store):
                 with h.require().begin(buffers=True) as txn:
                     for raw_key, value in txn.cursor(db=h.data):
                         key = bytes(raw_key)
-                        meta = txn.get(key, db=h.meta)
-                        if meta is None or len(meta) != _META.size:
-                            bad.append(key)
-                            continue
-                        if _META.unpack(meta)[0] != len(value):
+                        meta = _parse_meta(txn.get(key, db=h.meta))
+                        if meta is None or meta[0] != len(value):
                             bad.append(key)
                             continue
                         try:
@@ -1605,10 +1735,11 @@ class DiskStore(Store):
             total = items = orphans = 0
             next_seq = tot.next_seq
             for key, raw in metas.items():
-                if len(raw) == _META.size and sizes.get(key) == _META.unpack(raw)[0]:
+                meta = _parse_meta(raw)
+                if meta is not None and sizes.get(key) == meta[0]:
                     total += sizes[key]
                     items += 1
-                    next_seq = max(next_seq, _META.unpack(raw)[5] + 1)
+                    next_seq = max(next_seq, meta[5] + 1)
                 else:
                     txn.delete(key, db=h.meta)
                     txn.delete(key, db=h.data)
