@@ -37,8 +37,8 @@ from mmcache.features import (
 from mmcache.keys import key_hex
 from mmcache.loader import DataLoader
 from mmcache.pipeline import ImageSpec, Pipeline, TextSpec, normalize, train_tokenizer
-from mmcache.stores import gpu
-from mmcache.stores.gpu import DeviceTier
+from mmcache.stores import device
+from mmcache.stores.device import DeviceTier
 from mmcache.synth import make_dataset, synth_captions
 
 SIZE = 32
@@ -618,7 +618,7 @@ def test_device_tier_policy_contract() -> None:
 
 
 def test_device_tier_docstring_examples() -> None:
-    result = doctest.testmod(gpu)
+    result = doctest.testmod(device)
     assert result.failed == 0 and result.attempted > 0
 
 
