@@ -802,7 +802,7 @@ class MmcacheHalf(Mmcache):
 
 
 class MmcacheFeatures(Mmcache):
-    """FeatureCache over the memory tier (only when src/mmcache/features.py exists)."""
+    """FeatureCache over the memory tier (only when mmcache.features exists)."""
 
     def setup(self) -> None:
         try:

@@ -37,8 +37,8 @@ from mmcache.features import (
 from mmcache.keys import key_hex
 from mmcache.loader import DataLoader
 from mmcache.pipeline import ImageSpec, Pipeline, TextSpec, normalize, train_tokenizer
-from mmcache.stores import gpu
-from mmcache.stores.gpu import DeviceTier
+from mmcache.stores import device
+from mmcache.stores.device import DeviceTier
 from mmcache.synth import make_dataset, synth_captions
 
 SIZE = 32
@@ -618,7 +618,7 @@ def test_device_tier_policy_contract() -> None:
 
 
 def test_device_tier_docstring_examples() -> None:
-    result = doctest.testmod(gpu)
+    result = doctest.testmod(device)
     assert result.failed == 0 and result.attempted > 0
 
 
@@ -685,7 +685,7 @@ def test_budget_warning_at_first_batch_without_sample_shape(cache: Cache) -> Non
 def test_deferred_writes_reach_the_cache_at_the_next_call_or_flush(cache: Cache) -> None:
     # The CUDA write path (copy now, put at the next call), exercised on the CPU.
     feats = feature_cache(make_vit(), cache, memory=0)
-    feats._defer_writes = True
+    feats._writes.defer = True
     a, b = random_batch(2, seed=20), random_batch(2, seed=21)
     feats(a)
     assert not any(cache.contains(feats.feature_key(k)) for k in a["key"])
@@ -710,7 +710,7 @@ def test_write_behind_thread_puts_everything_by_flush(tmp_path: Path) -> None:
         assert torch.equal(again.get(keys), torch.cat(outs)) and calls == []
         feats.close()
         feats.close()  # idempotent
-        assert feats._writer is None
+        assert feats._writes.writer is None
 
 
 def test_without_a_cache_only_the_device_tier_serves() -> None:
