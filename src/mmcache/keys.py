@@ -46,8 +46,6 @@ from collections.abc import Sequence
 
 import xxhash
 
-from mmcache.stores.base import KEY_SIZE
-
 __all__ = [
     "FORMAT_VERSION",
     "KEY_SIZE",
@@ -63,6 +61,9 @@ __all__ = [
     "stat_fields",
     "stat_stamp",
 ]
+
+#: Keys are 128-bit digests (xxh3_128 of the key material); every store is keyed by them.
+KEY_SIZE = 16
 
 #: Version of the cached bytes and of this key scheme. Part of every key: bump
 #: it whenever :mod:`mmcache.codec`'s format, a pipeline's output meaning or

@@ -27,6 +27,7 @@ from typing import Literal, Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
+from mmcache.keys import KEY_SIZE
 from mmcache.stats import TierStats
 
 __all__ = [
@@ -41,8 +42,6 @@ __all__ = [
     "is_no_space",
 ]
 
-#: Keys are 128-bit digests (xxh3_128 of the key material, see mmcache.keys).
-KEY_SIZE = 16
 
 #: Keys of a batched call: 16-byte ``bytes`` each, or one ``uint8 [n, 16]`` array.
 Keys = Sequence[bytes] | npt.NDArray[np.uint8]
