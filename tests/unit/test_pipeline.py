@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from PIL import Image, ImageOps, JpegImagePlugin
 from tokenizers import Tokenizer
 
-import mmcache.pipeline as pipeline_module
+import mmcache.transforms.text as text_module
 from mmcache.errors import ConfigError, SampleError
 from mmcache.pipeline import (
     CLIP_MEAN,
@@ -715,7 +715,7 @@ def test_property_prefix_encoding_is_identical(
     # that cuts routinely fall inside, just after and well after the kept tokens:
     # whatever the prefix, only a safe one may be used.
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(pipeline_module, "_PREFIX_CHARS_PER_TOKEN", chars_per_token)
+        mp.setattr(text_module, "_PREFIX_CHARS_PER_TOKEN", chars_per_token)
         assert_same_as_whole_text(zoo_specs[name, max_length], "".join(pieces))
 
 
