@@ -61,7 +61,7 @@ import re
 import stat
 import struct
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -576,3 +576,9 @@ def _to_rgb_or_l(im: Image.Image) -> Image.Image:
     if mode == "1":
         return im.convert("L")
     return im.convert("RGB")
+
+
+if TYPE_CHECKING:  # mypy checks that ImageSpec conforms to the protocol
+
+    def _conforms(spec: ImageSpec) -> Stage:
+        return spec

@@ -19,7 +19,7 @@ import json
 import os
 import string
 from collections.abc import Iterable, Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
@@ -343,3 +343,10 @@ def train_tokenizer(
         special_tokens=[("[CLS]", 2), ("[SEP]", 3)],
     )
     return tok
+
+
+if TYPE_CHECKING:  # mypy checks that TextSpec conforms to the protocol
+    from mmcache.transforms.stage import Stage
+
+    def _conforms(spec: TextSpec) -> Stage:
+        return spec
