@@ -4,18 +4,14 @@ A stage (:mod:`mmcache.transforms.stage`) is one step with a fingerprint;
 :class:`mmcache.Pipeline` runs an ordered list of them over a record. The
 built-in stages are :class:`ImageSpec` (:mod:`~mmcache.transforms.image`: the
 decode step and the crop/resize/colour stage) and :class:`TextSpec`
-(:mod:`~mmcache.transforms.text`: tokenization); :func:`normalize`
-(:mod:`~mmcache.transforms.normalize`) runs after the cache, on the device.
+(:mod:`~mmcache.transforms.text`: tokenization); the normalisation of
+:mod:`mmcache.transforms.normalize` runs after the cache, on the device (its
+function is not re-exported here, where it would hide the module of that name;
+``mmcache.normalize`` is the same function).
 """
 
 from mmcache.transforms.image import ALPHA_BACKGROUND, ImageSpec, Interpolation, decode_bytes
-from mmcache.transforms.normalize import (
-    CLIP_MEAN,
-    CLIP_STD,
-    IMAGENET_MEAN,
-    IMAGENET_STD,
-    normalize,
-)
+from mmcache.transforms.normalize import CLIP_MEAN, CLIP_STD, IMAGENET_MEAN, IMAGENET_STD
 from mmcache.transforms.stage import Stage, StageKind
 from mmcache.transforms.text import TextSpec, train_tokenizer
 
@@ -31,6 +27,5 @@ __all__ = [
     "StageKind",
     "TextSpec",
     "decode_bytes",
-    "normalize",
     "train_tokenizer",
 ]
