@@ -26,24 +26,48 @@ and :meth:`key` (in any order, with repeats, with or without ``stamps=``), and
 a changed input changes its sample's key and no other; ``produce`` gives a dict of
 numpy arrays, the same each time; a sample that cannot be produced raises
 :class:`~mmcache.errors.SampleError` naming it, which ``record_reject`` accepts; a
-pickled copy (what a spawn worker gets) answers everything the same.
+copy in a spawned worker process (:mod:`mmcache.testing.spawned`) answers
+everything the same.
 """
 
 from __future__ import annotations
 
-import pickle
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
 
 import numpy as np
 import pytest
 
 from mmcache.errors import SampleError
 from mmcache.sources.base import OnError, SampleSource, StampKind
+from mmcache.testing.spawned import spawned_worker
 
 __all__ = ["SourceContract"]
 
 #: Samples in the sources the suite makes (enough for order and repeats to matter).
 N = 6
+
+
+def _answers(source: SampleSource, indices: Sequence[int], bad: int) -> dict[str, Any]:
+    """What a worker computes with its copy of ``source`` (run in a spawned process)."""
+    out: dict[str, Any] = {
+        "len": len(source),
+        "ids": source.ids(indices),
+        "ids_digest": source.ids_digest(),
+        "fingerprint": source.fingerprint(),
+        "stamp_kind": source.stamp_kind,
+        "on_error": source.on_error,
+        "stamps": source.stamps(indices),
+        "keys": source.key_rows(indices),
+        "sample": source.produce(0),
+    }
+    try:
+        source.produce(bad)
+    except SampleError as err:
+        source.record_reject(err)  # a worker records into the parent's log
+        out["bad"] = err.sample_id
+    return out
 
 
 def _same_sample(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> bool:
@@ -73,6 +97,13 @@ class SourceContract:
         raise NotImplementedError
 
     # ------------------------------------------------------------------ plumbing
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def worker(cls) -> Iterator[ProcessPoolExecutor]:
+        """A spawn-started worker process (one per test class)."""
+        with spawned_worker() as pool:
+            yield pool
 
     def _source(self, *, on_error: OnError = "raise", bad: int | None = None) -> SampleSource:
         source = self.make_source(N, on_error=on_error, bad=bad)
@@ -202,19 +233,15 @@ class SourceContract:
 
     # ------------------------------------------------------------------ processes
 
-    def test_pickled_copy_answers_the_same(self) -> None:
+    def test_a_spawned_worker_answers_the_same(self, worker: ProcessPoolExecutor) -> None:
         source = self._source(on_error="skip", bad=3)
         everything = list(range(N))
-        keys = source.key_rows(everything)
-        clone = pickle.loads(pickle.dumps(source))  # noqa: S301 - our own bytes
-        assert isinstance(clone, SampleSource)
-        assert len(clone) == N and clone.ids(everything) == source.ids(everything)
-        assert clone.ids_digest() == source.ids_digest()
-        assert clone.fingerprint() == source.fingerprint()
-        assert clone.stamp_kind is source.stamp_kind and clone.on_error == source.on_error
-        np.testing.assert_array_equal(clone.stamps(everything), source.stamps(everything))
-        np.testing.assert_array_equal(clone.key_rows(everything), keys)
-        assert _same_sample(clone.produce(0), source.produce(0))
-        with pytest.raises(SampleError) as info:
-            clone.produce(3)
-        clone.record_reject(info.value)  # a worker records into the parent's log
+        got = worker.submit(_answers, source, everything, 3).result(timeout=300)
+        assert got["len"] == N and got["ids"] == source.ids(everything)
+        assert got["ids_digest"] == source.ids_digest()
+        assert got["fingerprint"] == source.fingerprint()
+        assert got["stamp_kind"] is source.stamp_kind and got["on_error"] == source.on_error
+        np.testing.assert_array_equal(got["stamps"], source.stamps(everything))
+        np.testing.assert_array_equal(got["keys"], source.key_rows(everything))
+        assert _same_sample(got["sample"], source.produce(0))
+        assert got["bad"] == source.sample_id(3)
