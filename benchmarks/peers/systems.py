@@ -24,7 +24,6 @@ from __future__ import annotations
 import collections
 import functools
 import importlib.machinery
-import io
 import json
 import multiprocessing
 import os
@@ -109,21 +108,12 @@ def du(path: str | os.PathLike[str]) -> int:
 
 
 def decode_jpeg_bytes(pipe: Any, data: bytes, sample_id: str) -> np.ndarray:
-    """The pipeline's image step on bytes already in memory (the MDS-of-JPEG row).
+    """The pipeline's image step on bytes already in memory (the MDS-of-JPEG row): the
+    same decode step and stage as a path, so the output is identical to every other row."""
+    from mmcache.transforms.image import decode_bytes
 
-    mmcache's public API decodes from a path; the bytes go through the same
-    internal function so that the output is identical to every other row.
-    """
-    from PIL import Image
-
-    from mmcache import pipeline as mp
-
-    public = getattr(mp, "load_image_bytes", None)
-    if public is not None:
-        return public(pipe.image, data, sample_id=sample_id)  # type: ignore[no-any-return]
-    im = Image.open(io.BytesIO(data))
-    with im:
-        return mp._decode(pipe.image, im, sample_id=sample_id, path="<bytes>")
+    out: np.ndarray = decode_bytes(pipe.image, data, sample_id=sample_id, path="<bytes>")
+    return out
 
 
 class Preprocess(torch.utils.data.Dataset[dict[str, Any]]):

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import mmcache.manifest as manifest_module
+import mmcache.sources.records as records_module
 from mmcache.errors import ConfigError, ManifestError
 from mmcache.manifest import IMAGE_TOKEN, Records, Reject, llava_text, read_manifest
 
@@ -273,7 +273,7 @@ class _ConstantHash:
 
 def test_index_of_survives_hash_collisions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Every id gets the same hash: lookups must still compare the ids themselves.
-    monkeypatch.setattr(manifest_module, "xxhash", _ConstantHash())
+    monkeypatch.setattr(records_module, "xxhash", _ConstantHash())
     ids = [f"id{i}" for i in range(20)]
     records = read_manifest(write_lines(tmp_path / "m.jsonl", [row(s) for s in ids]))
     assert [records.index_of(s) for s in ids] == list(range(20))
@@ -395,7 +395,7 @@ def test_bad_line_is_skipped_and_listed(
     fragment: str,
 ) -> None:
     path = write_lines(tmp_path / "m.jsonl", [row(0, "first"), "", bad, row(1, "猫")])
-    with caplog.at_level(logging.WARNING, logger="mmcache.manifest"):
+    with caplog.at_level(logging.WARNING, logger="mmcache.sources"):
         records = read_manifest(path, on_error="skip")
     assert all_rows(records) == [
         ("s0", str(tmp_path / "img" / "s0.jpg"), "first", 1),  # the first of a duplicate is kept
@@ -431,7 +431,7 @@ def test_skip_many_counts_once_and_keeps_order(
         if i % 3 == 0:
             lines.append(row(i, "duplicate"))
     lines.append(b"\xff\xfe")
-    with caplog.at_level(logging.WARNING, logger="mmcache.manifest"):
+    with caplog.at_level(logging.WARNING, logger="mmcache.sources"):
         records = read_manifest(write_lines(tmp_path / "m.jsonl", lines), on_error="skip")
     assert [records.id(i) for i in range(len(records))] == [f"s{i}" for i in range(30)]
     assert all(records.text(i) == "a caption" for i in range(30))
@@ -442,7 +442,7 @@ def test_skip_many_counts_once_and_keeps_order(
 
 
 def test_no_warning_without_rejects(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.DEBUG, logger="mmcache.manifest"):
+    with caplog.at_level(logging.DEBUG, logger="mmcache.sources"):
         read_manifest(write_lines(tmp_path / "m.jsonl", [row(0)]), on_error="skip")
     assert caplog.records == []
 

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from PIL import Image, ImageOps, JpegImagePlugin
 from tokenizers import Tokenizer
 
-import mmcache.pipeline as pipeline_module
+import mmcache.transforms.text as text_module
 from mmcache.errors import ConfigError, SampleError
 from mmcache.pipeline import (
     CLIP_MEAN,
@@ -715,7 +715,7 @@ def test_property_prefix_encoding_is_identical(
     # that cuts routinely fall inside, just after and well after the kept tokens:
     # whatever the prefix, only a safe one may be used.
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(pipeline_module, "_PREFIX_CHARS_PER_TOKEN", chars_per_token)
+        mp.setattr(text_module, "_PREFIX_CHARS_PER_TOKEN", chars_per_token)
         assert_same_as_whole_text(zoo_specs[name, max_length], "".join(pieces))
 
 
@@ -830,6 +830,76 @@ def test_fingerprint_is_identical_in_another_process(tokenizer_path: Path) -> No
         capture_output=True, text=True, env=env, check=True,
     )  # fmt: skip
     assert out.stdout == here
+
+
+# Values main gave before the stages moved to mmcache.transforms (Pillow 13): every cache
+# made since is keyed by them, so they must never change for the same specs.
+_PINNED_IMAGE_FINGERPRINTS = {
+    13: {
+        "default": "0e13a1235030fb4efcdb0f8aa072f81c",
+        "64-bilinear-exact": "1078ccc11f9ec81414ff6ed670120d4e",
+    }
+}
+_PINNED_TOKENIZER_DIGEST = "c964e4158652f87b173414dbf983c478"
+_PINNED_TEXT_FINGERPRINTS = {
+    "text": "af987fbe90ce5686ffa650b82525cf93",
+    "both": "e7448a3a3488341aa288cec2a201087c",
+}
+
+
+def _legacy_fingerprint(image: dict[str, object] | None, text: dict[str, object] | None) -> str:
+    """The fingerprint formula of every release so far, written out."""
+    import xxhash
+
+    payload = {"format": 1, "image": image, "text": text}
+    blob = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
+    return xxhash.xxh3_128_hexdigest(blob)
+
+
+def test_fingerprint_values_are_unchanged_for_existing_caches() -> None:
+    from PIL import __version__ as pillow_version
+
+    major = int(pillow_version.split(".")[0])
+
+    def image_fields(size: int, resize: int, interpolation: str, draft: bool) -> dict[str, object]:
+        return {
+            "size": size,
+            "resize": resize,
+            "interpolation": interpolation,
+            "crop": "center",
+            "geometry": "torchvision",
+            "draft": draft,
+            "alpha_background": [255, 255, 255],
+            "decoder": "pillow",
+            "decoder_major": major,
+        }
+
+    default = Pipeline(image=ImageSpec()).fingerprint()
+    exact = Pipeline(image=ImageSpec(size=64, resize=80, interpolation="bilinear", draft=False))
+    assert default == _legacy_fingerprint(image_fields(224, 256, "bicubic", True), None)
+    assert exact.fingerprint() == _legacy_fingerprint(image_fields(64, 80, "bilinear", False), None)
+    if major in _PINNED_IMAGE_FINGERPRINTS:
+        pinned = _PINNED_IMAGE_FINGERPRINTS[major]
+        assert (default, exact.fingerprint()) == (pinned["default"], pinned["64-bilinear-exact"])
+    tok = train_tokenizer(
+        ["a dog on a bench", "a cat on a mat", "two birds in a tree"], vocab_size=100
+    )
+    text = TextSpec(tok, max_length=16)
+    text_fields = {
+        "tokenizer": text.tokenizer_digest(),
+        "max_length": 16,
+        "pad_id": 0,
+        "padding": "right",
+    }
+    text_only = Pipeline(text=text).fingerprint()
+    both = Pipeline(image=ImageSpec(size=64), text=text).fingerprint()
+    assert text_only == _legacy_fingerprint(None, text_fields)
+    assert both == _legacy_fingerprint(image_fields(64, 73, "bicubic", True), text_fields)
+    if major == 13 and text.tokenizer_digest() == _PINNED_TOKENIZER_DIGEST:
+        assert (text_only, both) == (
+            _PINNED_TEXT_FINGERPRINTS["text"],
+            _PINNED_TEXT_FINGERPRINTS["both"],
+        )
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,2 +1,31 @@
-"""Processing stages: the deterministic steps a cache holds the result of (see
-:mod:`mmcache.transforms.stage`)."""
+"""Processing stages: the deterministic steps a cache holds the result of.
+
+A stage (:mod:`mmcache.transforms.stage`) is one step with a fingerprint;
+:class:`mmcache.Pipeline` runs an ordered list of them over a record. The
+built-in stages are :class:`ImageSpec` (:mod:`~mmcache.transforms.image`: the
+decode step and the crop/resize/colour stage) and :class:`TextSpec`
+(:mod:`~mmcache.transforms.text`: tokenization); the normalisation of
+:mod:`mmcache.transforms.normalize` runs after the cache, on the device (its
+function is not re-exported here, where it would hide the module of that name;
+``mmcache.normalize`` is the same function).
+"""
+
+from mmcache.transforms.image import ALPHA_BACKGROUND, ImageSpec, Interpolation, decode_bytes
+from mmcache.transforms.normalize import CLIP_MEAN, CLIP_STD, IMAGENET_MEAN, IMAGENET_STD
+from mmcache.transforms.stage import Stage, StageKind
+from mmcache.transforms.text import TextSpec, train_tokenizer
+
+__all__ = [
+    "ALPHA_BACKGROUND",
+    "CLIP_MEAN",
+    "CLIP_STD",
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "ImageSpec",
+    "Interpolation",
+    "Stage",
+    "StageKind",
+    "TextSpec",
+    "decode_bytes",
+    "train_tokenizer",
+]

@@ -13,10 +13,17 @@ and be safe to call from one thread per process.
 
 Two kinds, by what they consume:
 
-- an **image stage** maps a decoded ``PIL.Image`` (RGB or L, EXIF orientation
-  applied) to a ``uint8`` array ``[C, H, W]``: :class:`mmcache.ImageSpec`;
+- an **image stage** maps a decoded ``PIL.Image`` (as stored in the file: its
+  mode and frame, the EXIF orientation not yet applied) to a ``uint8`` array
+  ``[C, H, W]``: :class:`mmcache.ImageSpec` (which applies the orientation
+  itself, after cropping, and asks the decode step for a reduced-size JPEG
+  decode through :meth:`~mmcache.ImageSpec.draft_size`);
 - a **text stage** maps a string (or a record's text) to a dict of integer
   arrays: :class:`mmcache.TextSpec`.
+
+``kind`` is read-only and the input is positional-only, so that a frozen
+dataclass with a ``ClassVar`` kind (``ImageSpec``) or a class with any
+parameter name conforms.
 
 A stage is checked by :class:`mmcache.testing.stage_contract.StageContract`.
 """
@@ -35,14 +42,16 @@ StageKind = Literal["image", "text"]
 class Stage(Protocol):
     """One deterministic processing step with a fingerprint (see the module docstring)."""
 
-    #: ``"image"`` or ``"text"``: which input of a record the stage consumes.
-    kind: StageKind
+    @property
+    def kind(self) -> StageKind:
+        """``"image"`` or ``"text"``: which input of a record the stage consumes."""
+        ...
 
     def fingerprint(self) -> str:
         """A stable string that changes whenever this stage's output could change."""
         ...
 
-    def __call__(self, value: Any) -> Any:
+    def __call__(self, value: Any, /) -> Any:
         """Process one input (an image stage: ``PIL.Image`` -> ``uint8 [C,H,W]``;
         a text stage: ``str`` -> ``{name: int array}``)."""
         ...

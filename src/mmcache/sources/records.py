@@ -1,0 +1,395 @@
+"""Columnar records: the rows of a manifest held in numpy buffers (:class:`Records`).
+
+Every column is a pair of numpy arrays (UTF-8 bytes concatenated in a ``uint8``
+buffer plus ``int64`` offsets) instead of a list of dicts or a list of str.
+
+Why columns: DataLoader workers started with ``fork`` share the parent's pages
+copy-on-write, but merely *reading* a Python object writes its reference count,
+so touching every row of a list of dicts copies every page that holds one, in
+every worker (pytorch/pytorch#13246): memory grows with workers and with time.
+A numpy buffer is one object whose data pages are only ever read, so they stay
+shared. Strings are decoded on access, negligible next to an image decode.
+
+A reader (:mod:`mmcache.sources.readers`) fills a :class:`RecordsBuilder`, which
+validates ids, applies the ``on_error`` policy and builds the columns.
+"""
+
+from __future__ import annotations
+
+import array
+import itertools
+import logging
+import operator
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import xxhash
+
+from mmcache.errors import ManifestError
+
+__all__ = ["RecordReject", "Records", "RecordsBuilder"]
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RecordReject:
+    """A manifest record that ``on_error="skip"`` left out at read time, and why
+    (``mmcache.manifest.Reject`` is this class under its old name).
+
+    ``line`` is the 1-based line (JSONL) or 1-based record index (LLaVA array);
+    ``sample_id`` is ``None`` when the id could not be read.
+    """
+
+    path: str
+    line: int | None
+    sample_id: str | None
+    reason: str
+
+    def __str__(self) -> str:
+        where = self.path if self.line is None else f"{self.path}:{self.line}"
+        ident = "" if self.sample_id is None else f" (id {self.sample_id!r})"
+        return f"{where}{ident}: {self.reason}"
+
+
+_U8 = npt.NDArray[np.uint8]
+_I64 = npt.NDArray[np.int64]
+
+
+class Records:
+    """The records of one manifest, held in numpy buffers (no per-row Python objects).
+
+    Row ``i`` has an id (:meth:`id`), an image path (:meth:`image_path`, ``None``
+    for text-only LLaVA records), a text (:meth:`text`) and the place it came from
+    (:meth:`line`). Indices follow sequence rules: negative ones count from the end,
+    numpy integers are accepted, out-of-range ones raise :class:`IndexError`.
+
+    Thread and process safety: a ``Records`` is immutable once built, so any number
+    of threads and forked processes may read it at once; reads never write to the
+    shared buffers, so forked workers do not copy them. The lookup table behind
+    :meth:`index_of` is built on first use in each process (two threads racing on
+    the first call both build it; one copy wins; results are the same).
+
+    Pickling copies the column buffers (a few bytes per character plus 8 bytes
+    per row per column) and drops the :meth:`index_of` table, which a spawned
+    worker rebuilds only if it calls :meth:`index_of`.
+
+    Build one with :func:`~mmcache.sources.readers.read_manifest` (or a
+    :class:`RecordsBuilder`); the constructor is internal.
+    """
+
+    source: str
+    """The manifest path as given to :func:`~mmcache.sources.readers.read_manifest`."""
+    format: str
+    """The reader that parsed it: ``"jsonl"``, ``"llava"`` or a registered one."""
+    rejects: list[RecordReject]
+    """Records skipped under ``on_error="skip"`` (empty under ``"raise"``)."""
+
+    def __init__(
+        self,
+        *,
+        source: str,
+        format: str,
+        base_dir: str,
+        ids: tuple[_U8, _I64],
+        texts: tuple[_U8, _I64],
+        images: tuple[_U8, _I64],
+        has_image: npt.NDArray[np.bool_],
+        lines: _I64,
+        rejects: list[RecordReject],
+    ) -> None:
+        self.source = source
+        self.format = format
+        self.rejects = rejects
+        # Absolute folder of the manifest, fixed when it was read, so a worker
+        # with another working directory resolves relative image paths the same way.
+        self._base_dir = base_dir
+        self._id_buf, self._id_off = ids
+        self._text_buf, self._text_off = texts
+        self._image_buf, self._image_off = images
+        self._has_image = has_image
+        self._lines = lines
+        self._n = len(lines)
+        # (sorted xxh3_64 hashes of the ids, row of each); built by index_of.
+        self._index: tuple[npt.NDArray[np.uint64], _I64] | None = None
+
+    # -- rows ---------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self._n
+
+    def _row(self, i: int) -> int:
+        i = operator.index(i)
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError(f"record index {i} is out of range for {self._n} records")
+        return i
+
+    def id(self, i: int) -> str:
+        """Return the id of row ``i``."""
+        i = self._row(i)
+        return _field(self._id_buf, self._id_off, i)
+
+    def ids(self, rows: npt.NDArray[np.integer[Any]]) -> list[str]:
+        """Return the ids of ``rows`` (in range, not negative): what a batch's ``"id"`` holds.
+
+        Same as ``[self.id(i) for i in rows]`` with one vectorised offset lookup
+        and the bytes decoded straight from the buffer (the loader asks it for
+        every batch).
+        """
+        view = self._id_buf.data
+        starts = self._id_off[rows].tolist()
+        stops = self._id_off[rows + 1].tolist()
+        return [str(view[a:b], "utf-8") for a, b in zip(starts, stops, strict=True)]
+
+    def text(self, i: int) -> str:
+        """Return the text of row ``i``: the caption (JSONL) or
+        :func:`~mmcache.sources.readers.llava_text` (LLaVA)."""
+        i = self._row(i)
+        return _field(self._text_buf, self._text_off, i)
+
+    def has_image(self, i: int) -> bool:
+        """Return whether row ``i`` has an image (only LLaVA text-only rows have none)."""
+        return bool(self._has_image[self._row(i)])
+
+    def image_path(self, i: int) -> str | None:
+        """Return the image of row ``i`` as an absolute path, or ``None`` for a text-only row.
+
+        A relative reference is joined with the manifest's folder; the result goes
+        through :func:`os.path.normpath` (so ``"img/../x.jpg"`` becomes ``"x.jpg"``)
+        but symlinks are not resolved. References that climb out of the manifest's
+        folder (``"../images/x.jpg"``) are allowed: datasets often keep images next
+        to the folder of their manifest.
+        """
+        i = self._row(i)
+        if not self._has_image[i]:
+            return None
+        ref = _field(self._image_buf, self._image_off, i)
+        return os.path.normpath(os.path.join(self._base_dir, ref))
+
+    def line(self, i: int) -> int:
+        """Return where row ``i`` came from: its 1-based line (JSONL) or record index (LLaVA)."""
+        return int(self._lines[self._row(i)])
+
+    # -- ids ----------------------------------------------------------------
+
+    def index_of(self, sample_id: str) -> int:
+        """Return the row of ``sample_id``; raise :class:`KeyError` if it is not there.
+
+        The first call builds a table of sorted 64-bit hashes of the ids (16 bytes
+        per row, built once per process); each lookup is then a binary
+        search plus one comparison of the id itself, so hash collisions are harmless.
+        """
+        if not isinstance(sample_id, str):
+            raise TypeError(f"sample_id must be a str, got {type(sample_id).__name__}")
+        index = self._index
+        if index is None:
+            index = self._index = self._build_index()
+        hashes, rows = index
+        key = sample_id.encode("utf-8", "surrogatepass")
+        h = np.uint64(xxhash.xxh3_64_intdigest(key))
+        lo = int(np.searchsorted(hashes, h, side="left"))
+        hi = int(np.searchsorted(hashes, h, side="right"))
+        for row in rows[lo:hi].tolist():
+            a, b = int(self._id_off[row]), int(self._id_off[row + 1])
+            if self._id_buf[a:b].tobytes() == key:
+                return int(row)
+        raise KeyError(f"sample id {sample_id!r} is not in manifest {self.source}")
+
+    def _build_index(self) -> tuple[npt.NDArray[np.uint64], _I64]:
+        view = self._id_buf.data  # a memoryview: slicing it copies nothing
+        offsets = self._id_off.tolist()
+        hashes = np.fromiter(
+            (xxhash.xxh3_64_intdigest(view[a:b]) for a, b in itertools.pairwise(offsets)),
+            dtype=np.uint64,
+            count=self._n,
+        )
+        rows = np.argsort(hashes, kind="stable").astype(np.int64)
+        return hashes[rows], rows
+
+    def ids_digest(self) -> str:
+        """Return a digest of every id in row order (16 hex digits, xxh3_64): equal for
+        two manifests exactly when they list the same ids in the same order, but for
+        a 2**-64 chance. One pass over the id buffer and its offsets (no per-row
+        objects); a resumed loader compares it with the one it saved."""
+        start, stop = int(self._id_off[0]), int(self._id_off[-1])
+        hasher = xxhash.xxh3_64()
+        hasher.update(np.ascontiguousarray(self._id_buf[start:stop]).data)
+        hasher.update(np.ascontiguousarray(self._id_off - start, dtype="<i8").data)
+        return hasher.hexdigest()
+
+    def ids_array(self) -> npt.NDArray[np.object_]:
+        """Return every id as a numpy array of ``str`` objects (built on each call, not kept).
+
+        Meant for one-off work in the main process (joins, splits, reports): the
+        result is exactly the per-row Python objects that :class:`Records` avoids
+        holding, so do not keep it in a Dataset that forked workers will read.
+        """
+        data = self._id_buf.tobytes()
+        offsets = self._id_off.tolist()
+        out = np.empty(self._n, dtype=object)
+        out[:] = [data[a:b].decode("utf-8") for a, b in itertools.pairwise(offsets)]
+        return out
+
+    # -- misc ---------------------------------------------------------------
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the column buffers (the :meth:`index_of` table included once built)."""
+        arrays: list[npt.NDArray[Any]] = [
+            self._id_buf,
+            self._id_off,
+            self._text_buf,
+            self._text_off,
+            self._image_buf,
+            self._image_off,
+            self._has_image,
+            self._lines,
+        ]
+        if self._index is not None:
+            arrays.extend(self._index)
+        return sum(int(a.nbytes) for a in arrays)
+
+    def __repr__(self) -> str:
+        return (
+            f"Records(source={self.source!r}, format={self.format!r}, "
+            f"len={self._n}, rejects={len(self.rejects)})"
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_index"] = None  # cheap to rebuild, doubles the pickle otherwise
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+
+def _field(buf: _U8, offsets: _I64, i: int) -> str:
+    return buf[offsets[i] : offsets[i + 1]].tobytes().decode("utf-8")
+
+
+class _Column:
+    """A growing string column: UTF-8 bytes appended to one bytearray, plus end offsets.
+
+    Appending to a bytearray (amortised growth) instead of keeping a list of bytes
+    saves one Python object per field while parsing and the final join copy, which
+    keeps the transient peak near the size of the result.
+    """
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.ends = array.array("q")
+
+    def append(self, value: bytes) -> None:
+        self.data += value
+        self.ends.append(len(self.data))
+
+    def build(self) -> tuple[_U8, _I64]:
+        offsets = np.zeros(len(self.ends) + 1, dtype=np.int64)
+        offsets[1:] = np.frombuffer(self.ends, dtype=np.int64)
+        # frombuffer shares the bytearray (no copy); read-only suits an immutable table.
+        buf = np.frombuffer(self.data, dtype=np.uint8)
+        buf.flags.writeable = False
+        return buf, offsets
+
+
+class RecordsBuilder:
+    """Collects validated rows as UTF-8 bytes and applies the ``on_error`` policy.
+
+    A reader (:func:`~mmcache.sources.readers.register_reader`) calls :meth:`add`
+    for each record it parsed and :meth:`reject` for each bad one; ``source`` is the
+    manifest path, for whole-file errors the reader raises itself. ``unit`` names
+    what a reader's ``line`` numbers count (``"line"``, ``"record"``), for messages.
+
+    Duplicate ids are found with a dict from the id's UTF-8 bytes to the line of
+    its first occurrence: exact (no hash collisions to handle), O(1) per record,
+    and it lives only while parsing. One builder per read; not thread-safe.
+    """
+
+    def __init__(self, source: str, on_error: str, unit: str) -> None:
+        self.source = source
+        self.on_error = on_error
+        self.where = unit
+        self.ids = _Column()
+        self.texts = _Column()
+        self.images = _Column()
+        self.has_image = bytearray()
+        self.lines = array.array("q")
+        self.first_line: dict[bytes, int] = {}
+        self.count = 0
+        self.rejects: list[RecordReject] = []
+
+    def reject(
+        self,
+        reason: str,
+        line: int | None,
+        sample_id: str | None = None,
+        cause: BaseException | None = None,
+    ) -> None:
+        """Record that the record at ``line`` is bad: raises ManifestError under
+        ``on_error="raise"``, else lists it in :attr:`Records.rejects`."""
+        if self.on_error == "raise":
+            raise ManifestError(reason, path=self.source, line=line, sample_id=sample_id) from cause
+        self.rejects.append(RecordReject(self.source, line, sample_id, reason))
+
+    def add(self, line: int, sample_id: str, text: str, image: str | None) -> None:
+        """Append a parsed record (``image``: a path relative to the manifest's folder
+        or absolute, ``None`` for a text-only record); a duplicate id or a string that
+        is not valid Unicode is rejected (:meth:`reject`) instead."""
+        try:
+            id_bytes = sample_id.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            self.reject("'id' contains an unpaired surrogate (\\u escape)", line, None, exc)
+            return
+        try:
+            text_bytes = text.encode("utf-8")
+            image_bytes = b"" if image is None else image.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            self.reject("a field contains an unpaired surrogate (\\u escape)", line, sample_id, exc)
+            return
+        first = self.first_line.get(id_bytes)
+        if first is not None:
+            self.reject(f"duplicate id (first seen at {self.where} {first})", line, sample_id)
+            return
+        self.first_line[id_bytes] = line
+        self.ids.append(id_bytes)
+        self.texts.append(text_bytes)
+        self.images.append(image_bytes)
+        self.has_image.append(image is not None)
+        self.lines.append(line)
+        self.count += 1
+
+    def finish(self, format: str) -> Records:
+        """The :class:`Records` of everything added; ManifestError if there is none."""
+        if not self.count:
+            if not self.rejects:
+                raise ManifestError("the manifest has no records", path=self.source)
+            raise ManifestError(
+                f"no valid records: all {len(self.rejects)} were rejected "
+                f"(first: {self.rejects[0]})",
+                path=self.source,
+            )
+        if self.rejects:
+            _log.warning(
+                "%s: skipped %d of %d records (first: %s); see Records.rejects",
+                self.source,
+                len(self.rejects),
+                len(self.rejects) + self.count,
+                self.rejects[0],
+            )
+        return Records(
+            source=self.source,
+            format=format,
+            base_dir=os.path.dirname(os.path.abspath(self.source)),
+            ids=self.ids.build(),
+            texts=self.texts.build(),
+            images=self.images.build(),
+            has_image=np.frombuffer(self.has_image, dtype=np.bool_).copy(),
+            lines=np.frombuffer(self.lines, dtype=np.int64).copy(),
+            rejects=self.rejects,
+        )

@@ -1,0 +1,584 @@
+"""The image stage: an image file's bytes -> a uint8 ``[3, size, size]`` array (:class:`ImageSpec`).
+
+Two steps, so that a cache-aware pipeline can reuse either:
+
+* the **decode step** (:func:`read_file`, :func:`open_image`, :func:`decode_bytes`,
+  :func:`load_image`) reads the file whole, refuses what is not an image or is too big
+  (decompression bombs, files over ``max_bytes``) and decodes the pixels, at reduced size
+  for a JPEG when the stage allows it (:meth:`ImageSpec.draft_size`);
+* the **stage** itself (:meth:`ImageSpec.__call__`) maps the decoded image to the output
+  array: EXIF orientation, centre crop, resampling, colour.
+
+Geometry follows torchvision's ``Resize(resize)`` + ``CenterCrop(size)`` exactly
+(shorter side to ``resize``, longer side ``int(resize * long / short)``, crop offset
+``round((n - size) / 2)``), so with ``draft=False`` the image matches that pattern on
+the EXIF-upright, RGB-converted image (up to a level of 255 or two from the rounding of
+Pillow's fixed-point filter weights). Two things make it cheaper:
+
+* **crop before resampling**: Pillow's ``resize(box=...)`` computes only the output
+  pixels that survive the crop, with the same filter taps as a full resize;
+* **reduced-size JPEG decoding** (``draft=True``, the default): when the shorter side is
+  at least twice ``resize``, libjpeg decodes at 1/2, 1/4 or 1/8 scale (DCT scaling,
+  ``Image.draft``) while keeping the shorter side >= ``resize``, then the resampling
+  finishes the job. The DCT scaling filters a little less than a bicubic over the whole
+  ratio, so the result is slightly sharper (README, "Preprocessing", has the measured
+  difference and speed). ``draft=False`` gives the exact result.
+
+EXIF orientation is honoured like ``ImageOps.exif_transpose`` would, but the crop is
+computed in the upright frame, mapped back to the stored frame, resampled there and only
+the small output is transposed: it costs nothing and keeps the partial DCT block of a
+reduced decode on the side libjpeg puts it.
+
+Colour: every mode becomes RGB. Transparent pixels (RGBA, LA, PA, P/L/RGB with a
+``transparency`` key) are composited on **white** (:data:`ALPHA_BACKGROUND`), as most
+web-image pipelines do; dropping alpha instead exposes whatever colour the encoder left
+under transparent pixels, often black, sometimes garbage. 16-bit and 32-bit integer
+greyscale (``I;16*``, ``I``) is scaled from 0..65535 to 0..255 (a 16-bit PNG opens as one
+of these); ``F`` is clipped to 0..255 like Pillow's own conversion. Animated
+GIF/WebP/PNG: the first frame.
+
+Bad samples raise :class:`~mmcache.errors.SampleError` naming the sample id, the file and
+the reason. Truncated images are errors: Pillow's ``ImageFile.LOAD_TRUNCATED_IMAGES`` is
+never set here (if *you* set it, Pillow pads truncated images with grey and nobody can
+tell; a warning is logged once).
+
+Thread-safe: each call has its own image objects (Pillow releases the GIL while decoding).
+
+>>> spec = ImageSpec(size=224)
+>>> spec.resize
+256
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import io
+import json
+import logging
+import os
+import re
+import stat
+import struct
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
+
+import numpy as np
+import numpy.typing as npt
+import PIL
+import xxhash
+from PIL import Image, ImageFile, JpegImagePlugin, UnidentifiedImageError
+
+from mmcache.checks import check_int
+from mmcache.errors import ConfigError, SampleError
+from mmcache.transforms.stage import Stage, StageKind
+from mmcache.units import MiB
+
+__all__ = [
+    "ALPHA_BACKGROUND",
+    "ImageSpec",
+    "Interpolation",
+    "ReducedDecode",
+    "decode_bytes",
+    "load_image",
+    "open_image",
+    "read_file",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Colour that transparent pixels are composited on.
+ALPHA_BACKGROUND: tuple[int, int, int] = (255, 255, 255)
+
+Interpolation = Literal["bicubic", "bilinear", "lanczos", "nearest"]
+
+_RESAMPLE: dict[str, Image.Resampling] = {
+    "bicubic": Image.Resampling.BICUBIC,
+    "bilinear": Image.Resampling.BILINEAR,
+    "lanczos": Image.Resampling.LANCZOS,
+    "nearest": Image.Resampling.NEAREST,
+}
+
+# Pillow's limit when this module was imported: the default of ImageSpec.max_pixels.
+# Read once, so that later changes of the global by other code do not change
+# what a spec means.
+_PILLOW_MAX_PIXELS: int | None = Image.MAX_IMAGE_PIXELS
+
+_PILLOW_MAJOR = int(PIL.__version__.split(".")[0])
+
+# The default of ImageSpec.max_bytes. A large photo is tens of MiB (a 100 MP
+# 16-bit TIFF about 600 MiB is the rare exception, raise the limit for those);
+# a file far larger is a video or an archive listed by mistake, and reading it
+# whole would raise MemoryError, which no on_error policy catches.
+_DEFAULT_MAX_BYTES = 256 * MiB
+
+_EXIF_ORIENTATION_TAG = 0x0112
+# EXIF orientation -> the transpose that makes the image upright (as ImageOps.exif_transpose).
+_ORIENTATION_TRANSPOSE: dict[int, Image.Transpose] = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+
+# What Pillow raises on corrupt data, besides OSError (fuzzing finds all of these;
+# Pillow's own fuzz tests accept the same set). Anything else is a bug and propagates.
+_DECODE_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    SyntaxError,
+    ValueError,
+    EOFError,
+    struct.error,
+    IndexError,
+)
+
+_BOMB_PIXELS_RE = re.compile(r"\((\d+) pixels\)")
+
+_INT16_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N", "I"})
+
+
+@functools.cache
+def _warn_load_truncated_images() -> None:
+    """Log once per process that someone turned Pillow's truncation check off."""
+    logger.warning(
+        "PIL.ImageFile.LOAD_TRUNCATED_IMAGES is set: Pillow pads truncated images silently, "
+        "so they are not reported as SampleError"
+    )
+
+
+def _default_resize(size: int) -> int:
+    return round(size * 256 / 224)
+
+
+@dataclass(frozen=True)
+class ReducedDecode:
+    """How the decode step reduced an image: it holds the stored ``size`` (width, height)
+    at ``1 / scale`` (a JPEG draft decode; ``scale`` is 2, 4 or 8)."""
+
+    size: tuple[int, int]
+    scale: float
+
+
+@dataclass(frozen=True)
+class ImageSpec:
+    """How an image becomes a uint8 ``[3, size, size]`` array: the image :class:`Stage`.
+
+    Args:
+        size: side of the square output.
+        resize: the shorter side is resized to this before the centre crop; ``None``
+            means ``round(size * 256 / 224)`` (256 for 224, the ImageNet/CLIP ratio).
+            Must be >= ``size``.
+        interpolation: resampling filter (Pillow's, antialiased when downscaling).
+        draft: allow reduced-size JPEG decoding when the source's shorter side is at
+            least ``2 * resize`` (see the module docstring and :meth:`draft_size`).
+        max_pixels: refuse images with more pixels than this (decompression bombs),
+            read from the header before anything is decoded. ``None``: no limit of
+            ours (Pillow's global ``Image.MAX_IMAGE_PIXELS`` still applies when it
+            opens a file: raise it too to accept bigger images). The default is
+            Pillow's limit at import time, about 89 MP.
+        max_bytes: refuse image files larger than this many bytes (a video or a tar
+            shard listed by mistake), from the file's size before anything is read,
+            with a SampleError that ``on_error="skip"`` skips and counts. Default
+            256 MiB; ``None``: no limit. Like ``max_pixels`` it decides which samples
+            fail, never what a sample contains, so it is not in the fingerprint.
+
+    Raises ConfigError on invalid values. Immutable, picklable, thread-safe.
+
+    >>> ImageSpec(size=336).resize
+    384
+    """
+
+    kind: ClassVar[StageKind] = "image"
+
+    size: int = 224
+    resize: int | None = None
+    interpolation: Interpolation = "bicubic"
+    draft: bool = True
+    max_pixels: int | None = field(default=_PILLOW_MAX_PIXELS)
+    max_bytes: int | None = _DEFAULT_MAX_BYTES
+
+    def __post_init__(self) -> None:
+        check_int("ImageSpec.size", self.size, minimum=1)
+        if self.resize is None:
+            object.__setattr__(self, "resize", _default_resize(self.size))
+        resize = check_int("ImageSpec.resize", self.resize, minimum=1)
+        if resize < self.size:
+            raise ConfigError(
+                f"ImageSpec.resize ({resize}) must be >= size ({self.size}): the centre crop "
+                "is taken from the resized image"
+            )
+        if self.interpolation not in _RESAMPLE:
+            raise ConfigError(
+                f"ImageSpec.interpolation must be one of {sorted(_RESAMPLE)}, "
+                f"got {self.interpolation!r}"
+            )
+        if not isinstance(self.draft, bool):
+            raise ConfigError(f"ImageSpec.draft must be a bool, got {self.draft!r}")
+        if self.max_pixels is not None:
+            check_int("ImageSpec.max_pixels", self.max_pixels, minimum=1)
+        if self.max_bytes is not None:
+            check_int("ImageSpec.max_bytes", self.max_bytes, minimum=1)
+
+    @property
+    def resize_to(self) -> int:
+        """``resize`` as an int (it is never None after construction)."""
+        return cast(int, self.resize)
+
+    def fingerprint_fields(self) -> dict[str, Any]:
+        """Everything about this spec that changes its output (not ``max_pixels`` or
+        ``max_bytes``: they decide which samples fail, never what a successful sample
+        contains). :meth:`mmcache.Pipeline.fingerprint` is built from these fields."""
+        return {
+            "size": self.size,
+            "resize": self.resize_to,
+            "interpolation": self.interpolation,
+            "crop": "center",
+            "geometry": "torchvision",
+            "draft": self.draft,
+            "alpha_background": list(ALPHA_BACKGROUND),
+            "decoder": "pillow",
+            "decoder_major": _PILLOW_MAJOR,
+        }
+
+    def fingerprint(self) -> str:
+        """xxh3-128 hex digest of :meth:`fingerprint_fields` (the :class:`Stage` fingerprint)."""
+        blob = json.dumps(self.fingerprint_fields(), sort_keys=True, separators=(",", ":"))
+        return xxhash.xxh3_128_hexdigest(blob.encode())
+
+    def draft_size(self, width: int, height: int) -> tuple[int, int] | None:
+        """The size to ask a reduced-size JPEG decode of a ``width`` x ``height`` image
+        for (``Image.draft``), or ``None`` for a full decode.
+
+        The decode step asks this *before* decoding (libjpeg scales while it decodes);
+        it then passes what the decoder did as ``reduced`` to :meth:`__call__`. Pillow
+        picks the largest DCT scale (1/2, 1/4, 1/8) that keeps both sides >= the
+        requested size, so the shorter side stays >= ``resize``. ``None`` when
+        ``draft=False`` or the shorter side is under ``2 * resize`` (no scale would
+        apply).
+
+        >>> ImageSpec(size=224).draft_size(2000, 1500), ImageSpec(size=224).draft_size(640, 480)
+        ((256, 256), None)
+        """
+        resize = self.resize_to
+        if self.draft and min(width, height) >= 2 * resize:
+            return (resize, resize)
+        return None
+
+    def __call__(
+        self,
+        im: Image.Image,
+        /,
+        *,
+        reduced: ReducedDecode | None = None,
+        sample_id: str = "<image>",
+        path: str | None = None,
+    ) -> npt.NDArray[np.uint8]:
+        """A decoded image (its stored frame: EXIF orientation is read here and applied)
+        -> uint8 ``[3, size, size]``, C-contiguous.
+
+        ``reduced``: set when the decode step decoded ``im`` at reduced size after
+        :meth:`draft_size` (the crop is computed on the stored size, then scaled).
+        ``sample_id`` and ``path`` name the sample in a :class:`SampleError` (an image
+        mode that cannot become RGB). Thread-safe.
+        """
+        width, height = im.size if reduced is None else reduced.size
+        orientation = _orientation(im)
+        box = _crop_box(width, height, orientation, self.size, self.resize_to)
+        if reduced is not None:
+            scale = reduced.scale
+            box = (box[0] / scale, box[1] / scale, box[2] / scale, box[3] / scale)
+        try:
+            src = _to_rgb_or_l(im)
+        except (ValueError, OSError) as exc:
+            raise SampleError(
+                f"cannot convert image mode {im.mode} to RGB: {exc}", sample_id=sample_id, path=path
+            ) from exc
+        out = src.resize((self.size, self.size), _RESAMPLE[self.interpolation], box=box)
+        if orientation != 1:
+            out = out.transpose(_ORIENTATION_TRANSPOSE[orientation])
+        if out.mode != "RGB":
+            out = out.convert("RGB")
+        hwc = np.asarray(out)
+        return np.ascontiguousarray(hwc.transpose(2, 0, 1))
+
+
+# ----------------------------------------------------------------------------------------------
+# The decode step
+# ----------------------------------------------------------------------------------------------
+
+
+def read_file(path: str, sample_id: str, max_bytes: int | None) -> bytes:
+    """The whole file, or SampleError with a plain reason.
+
+    Reading it in one go (rather than letting Pillow read lazily from the path)
+    separates I/O errors from decode errors and catches empty files, directories and
+    special files before any decoder sees them. ``O_NONBLOCK`` keeps a FIFO from
+    blocking the reader forever; it has no effect on regular files. A file over
+    ``max_bytes`` is refused from its ``fstat`` size, and reads stop past the limit
+    should it grow meanwhile: nothing allocates more than ``max_bytes + 1``.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise SampleError("file not found", sample_id=sample_id, path=path) from None
+    except IsADirectoryError:
+        raise SampleError("is a directory", sample_id=sample_id, path=path) from None
+    except PermissionError:
+        raise SampleError("permission denied", sample_id=sample_id, path=path) from None
+    except ValueError as exc:
+        # os.open raises ValueError, not OSError, for a path no file can have: an
+        # embedded NUL, or (UnicodeEncodeError) a lone surrogate. The manifest readers
+        # reject both; this covers paths that reach the pipeline another way.
+        if "\x00" in path:
+            reason = "invalid path: it contains a NUL byte"
+        else:
+            reason = f"invalid path: {exc}"
+        raise SampleError(reason, sample_id=sample_id, path=path) from exc
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            reason = "symlink loop (too many levels of symbolic links)"
+        else:
+            reason = f"cannot open file: {exc.strerror or exc}"
+        raise SampleError(reason, sample_id=sample_id, path=path) from exc
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise SampleError("is a directory", sample_id=sample_id, path=path)
+        if not stat.S_ISREG(st.st_mode):
+            raise SampleError("not a regular file", sample_id=sample_id, path=path)
+        if st.st_size == 0:
+            raise SampleError("empty file", sample_id=sample_id, path=path)
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise SampleError(
+                f"file is {st.st_size} bytes, over the limit of {max_bytes} bytes "
+                "(ImageSpec.max_bytes)",
+                sample_id=sample_id,
+                path=path,
+            )
+        chunks = []
+        total = 0
+        budget = (max_bytes + 1) if max_bytes is not None else None
+        while True:  # one read for the whole file, one more to see the end
+            want = max(st.st_size, 1 << 16)
+            chunk = os.read(fd, want if budget is None else min(want, budget - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+            if max_bytes is not None and total > max_bytes:  # grew after fstat
+                raise SampleError(
+                    f"file is more than {max_bytes} bytes, over the limit "
+                    "(ImageSpec.max_bytes); it grew while being read",
+                    sample_id=sample_id,
+                    path=path,
+                )
+    except IsADirectoryError:
+        raise SampleError("is a directory", sample_id=sample_id, path=path) from None
+    except OSError as exc:
+        reason = f"cannot read file: {exc.strerror or exc}"
+        raise SampleError(reason, sample_id=sample_id, path=path) from exc
+    finally:
+        os.close(fd)
+    data = b"".join(chunks) if len(chunks) != 1 else chunks[0]
+    if not data:  # emptied between fstat and read
+        raise SampleError("empty file", sample_id=sample_id, path=path)
+    return data
+
+
+def _bomb_reason(message: str, max_pixels: int | None) -> str:
+    """Reason for Pillow's own decompression-bomb error/warning raised at open."""
+    match = _BOMB_PIXELS_RE.search(message)
+    pixels = match.group(1) if match else "too many"
+    if max_pixels is not None and match and int(match.group(1)) > max_pixels:
+        return f"image has {pixels} pixels, over the limit of {max_pixels} (ImageSpec.max_pixels)"
+    return (
+        f"image has {pixels} pixels, over Pillow's global limit "
+        f"(PIL.Image.MAX_IMAGE_PIXELS={Image.MAX_IMAGE_PIXELS}; raise it to accept such images)"
+    )
+
+
+def open_image(
+    data: bytes, *, max_pixels: int | None, sample_id: str, path: str | None
+) -> Image.Image:
+    """``Image.open`` on ``data`` (nothing decoded yet), refusing what is not an image
+    and images of more than ``max_pixels`` pixels (from the header). Raises SampleError."""
+    try:
+        im = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as exc:
+        reason = _bomb_reason(str(exc), max_pixels)
+        raise SampleError(reason, sample_id=sample_id, path=path) from exc
+    except Image.DecompressionBombWarning as exc:  # when warnings are turned into errors
+        reason = _bomb_reason(str(exc), max_pixels)
+        raise SampleError(reason, sample_id=sample_id, path=path) from exc
+    except UnidentifiedImageError as exc:
+        reason = "not an image (no image format Pillow knows matches its content)"
+        raise SampleError(reason, sample_id=sample_id, path=path) from exc
+    except _DECODE_ERRORS as exc:
+        reason = f"not an image or corrupt header: {exc}"
+        raise SampleError(reason, sample_id=sample_id, path=path) from exc
+    width, height = im.size
+    pixels = width * height
+    if max_pixels is not None and pixels > max_pixels:
+        im.close()
+        raise SampleError(
+            f"image has {pixels} pixels, over the limit of {max_pixels} (ImageSpec.max_pixels)",
+            sample_id=sample_id,
+            path=path,
+        )
+    if width < 1 or height < 1:
+        im.close()
+        raise SampleError(f"image has no pixels ({width}x{height})", sample_id=sample_id, path=path)
+    return im
+
+
+def _decode_pixels(
+    im: Image.Image, spec: ImageSpec | None, *, sample_id: str, path: str | None
+) -> ReducedDecode | None:
+    """Decode ``im``'s pixels, at the reduced size ``spec.draft_size`` asks for when it
+    is a JPEG; return how it was reduced (``None``: full size). Raises SampleError."""
+    if ImageFile.LOAD_TRUNCATED_IMAGES:
+        _warn_load_truncated_images()
+    reduced = None
+    try:
+        if isinstance(im, JpegImagePlugin.JpegImageFile):
+            # draft() must come before load(); a JPEG's getexif() (read by the stage)
+            # reads only the APP1 segment, never the pixels.
+            width, height = im.size
+            want = None if spec is None else spec.draft_size(width, height)
+            if want is not None:
+                drafted = im.draft("RGB", want)
+                if drafted is not None:
+                    # The box of the full image in reduced coordinates: the exact scale.
+                    reduced = ReducedDecode(size=(width, height), scale=width / drafted[1][2])
+        # Decode before anything reads EXIF: for PNG (and other formats whose EXIF may
+        # sit after the pixel data) getexif() loads the pixels itself and the stage
+        # must swallow EXIF errors, so a corrupt IDAT would vanish there and leave a
+        # half-decoded (black) image.
+        im.load()
+    except _DECODE_ERRORS as exc:
+        raise SampleError(
+            f"truncated or corrupt image: {exc}", sample_id=sample_id, path=path
+        ) from exc
+    return reduced
+
+
+def decode_bytes(
+    stage: ImageSpec | Stage, data: bytes, *, sample_id: str, path: str | None = None
+) -> Any:
+    """An image file's bytes through the decode step and the image ``stage``.
+
+    With an :class:`ImageSpec`, its limits apply and JPEGs are decoded at the size
+    it asks for (:meth:`ImageSpec.draft_size`); the result is uint8 ``[3, size, size]``.
+    Any other image :class:`Stage` gets the fully decoded image in its stored frame
+    (refused over Pillow's pixel limit at import, ImageSpec's default) and returns
+    what it returns. Raises SampleError. Thread-safe.
+    """
+    spec = stage if isinstance(stage, ImageSpec) else None
+    max_pixels = _PILLOW_MAX_PIXELS if spec is None else spec.max_pixels
+    with open_image(data, max_pixels=max_pixels, sample_id=sample_id, path=path) as im:
+        reduced = _decode_pixels(im, spec, sample_id=sample_id, path=path)
+        if spec is None:
+            return stage(im)
+        return spec(im, reduced=reduced, sample_id=sample_id, path=path)
+
+
+def load_image(stage: ImageSpec | Stage, path: str | os.PathLike[str], *, sample_id: str) -> Any:
+    """Read ``path`` (within ``stage.max_bytes`` for an ImageSpec, 256 MiB otherwise)
+    and :func:`decode_bytes` it. Raises SampleError for every bad-file case."""
+    path_str = os.fspath(path)
+    max_bytes = stage.max_bytes if isinstance(stage, ImageSpec) else _DEFAULT_MAX_BYTES
+    data = read_file(path_str, sample_id, max_bytes)
+    return decode_bytes(stage, data, sample_id=sample_id, path=path_str)
+
+
+# ----------------------------------------------------------------------------------------------
+# Geometry and colour (the stage's helpers)
+# ----------------------------------------------------------------------------------------------
+
+
+def _orientation(im: Image.Image) -> int:
+    """EXIF orientation 1..8 (1 when absent or unreadable).
+
+    Call it after ``im.load()``: a PNG's ``getexif()`` decodes the pixels to reach a
+    trailing ``eXIf`` chunk, and the errors swallowed here would then include a corrupt
+    image's (see :func:`_decode_pixels`).
+    """
+    try:
+        value = im.getexif().get(_EXIF_ORIENTATION_TAG, 1)
+    except _DECODE_ERRORS:
+        # Broken EXIF is common in the wild and does not make the pixels unusable.
+        return 1
+    return value if isinstance(value, int) and 1 <= value <= 8 else 1
+
+
+def _crop_box(
+    width: int, height: int, orientation: int, size: int, resize: int
+) -> tuple[float, float, float, float]:
+    """The source box (stored frame, float pixel edges) that becomes the output.
+
+    The geometry is torchvision's Resize(resize) + CenterCrop(size), evaluated in the
+    upright frame (after EXIF orientation), then mapped back to the stored frame.
+    """
+    swapped = orientation >= 5
+    uw, uh = (height, width) if swapped else (width, height)
+    # torchvision's _compute_resized_output_size: short side -> resize, long side truncated.
+    if uw <= uh:
+        nw, nh = resize, int(resize * uh / uw)
+    else:
+        nw, nh = int(resize * uw / uh), resize
+    left = round((nw - size) / 2.0)
+    top = round((nh - size) / 2.0)
+    sx, sy = uw / nw, uh / nh
+    x0, y0, x1, y1 = left * sx, top * sy, (left + size) * sx, (top + size) * sy
+    w, h = width, height  # stored frame
+    # Inverse of each transpose, on continuous coordinates (pixel edges).
+    if orientation == 2:
+        return (w - x1, y0, w - x0, y1)
+    if orientation == 3:
+        return (w - x1, h - y1, w - x0, h - y0)
+    if orientation == 4:
+        return (x0, h - y1, x1, h - y0)
+    if orientation == 5:
+        return (y0, x0, y1, x1)
+    if orientation == 6:
+        return (y0, h - x1, y1, h - x0)
+    if orientation == 7:
+        return (w - y1, h - x1, w - y0, h - x0)
+    if orientation == 8:
+        return (w - y1, x0, w - y0, x1)
+    return (x0, y0, x1, y1)
+
+
+def _to_rgb_or_l(im: Image.Image) -> Image.Image:
+    """Convert to RGB, or to L when that is exact (resampling 1 channel is 3x cheaper
+    and L -> RGB afterwards is a plain copy into three channels)."""
+    mode = im.mode
+    # (Image.has_transparency_data says the same, but only from Pillow 10.1.)
+    if mode in ("RGBA", "LA", "PA") or "transparency" in im.info:
+        rgba = im.convert("RGBA")
+        background = Image.new("RGB", rgba.size, ALPHA_BACKGROUND)
+        background.paste(rgba, mask=rgba.getchannel("A"))
+        return background
+    if mode in ("RGB", "L"):
+        return im
+    if mode in _INT16_MODES:
+        values = np.asarray(im, dtype=np.int64)
+        scaled = (np.clip(values, 0, 65535) + 128) // 257
+        return Image.fromarray(scaled.astype(np.uint8), mode="L")
+    if mode == "F":
+        values = np.asarray(im, dtype=np.float32)
+        clipped = np.clip(np.rint(np.nan_to_num(values, nan=0.0)), 0, 255)
+        return Image.fromarray(clipped.astype(np.uint8), mode="L")
+    if mode == "1":
+        return im.convert("L")
+    return im.convert("RGB")
+
+
+if TYPE_CHECKING:  # mypy checks that ImageSpec conforms to the protocol
+
+    def _conforms(spec: ImageSpec) -> Stage:
+        return spec
