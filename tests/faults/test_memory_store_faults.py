@@ -20,7 +20,7 @@ import pytest
 
 from mmcache.errors import CacheError
 from mmcache.stores import memory as memory_mod
-from mmcache.stores._shm import Segment
+from mmcache.stores.memory.shm import Segment
 from mmcache.stores.memory import (
     EntryState,
     MemoryStore,

@@ -24,7 +24,7 @@ import pytest
 from mmcache.errors import CacheError, ConfigError
 from mmcache.policies import Policy, Residents
 from mmcache.stores import memory as memory_mod
-from mmcache.stores._index import slot_sizes_upto
+from mmcache.stores.memory.table import slot_sizes_upto
 from mmcache.stores.memory import MemoryStore, reclaim_orphans, store_dir, unlink_store
 
 MiB = 1 << 20

@@ -126,8 +126,8 @@ import numpy.typing as npt
 from mmcache.errors import CacheError, ConfigError
 from mmcache.policies import KeepPolicy, Policy, Residents, get_policy
 from mmcache.stats import TierStats
-from mmcache.stores._access import Access, UntrustedFileError
-from mmcache.stores._index import (
+from mmcache.stores.memory.access import Access, UntrustedFileError
+from mmcache.stores.memory.table import (
     CELL_FREE,
     CELL_TOMBSTONE,
     home_cell,
@@ -135,7 +135,7 @@ from mmcache.stores._index import (
     rebuild_table,
     slot_sizes_upto,
 )
-from mmcache.stores._shm import (
+from mmcache.stores.memory.shm import (
     EXCLUSIVE,
     PAGE_SIZE,
     SHARED,

@@ -33,7 +33,7 @@ import weakref
 from collections.abc import Iterable, Iterator
 
 from mmcache.errors import CacheError, ConfigError
-from mmcache.stores._access import Access
+from mmcache.stores.memory.access import Access
 from mmcache.stores.base import NO_SPACE_ERRNOS, is_no_space
 
 __all__ = [
