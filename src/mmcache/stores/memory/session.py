@@ -7,7 +7,7 @@ Locking protocol (readers ``LOCK_SH``, writers ``LOCK_EX``; puts: see ``admissio
   critical section and rebuilds all derived state before going on. What that
   rebuild is, the session does not know: :meth:`Session.exclusive` and
   :meth:`Session.shared` call the ``repair`` callback the session was made with
-  (the store's, over ``repair.rebuild``), and so does an error inside a section.
+  (``repair.repair_locked``), and so does an error inside a section.
 * Reads run under ``LOCK_SH`` and update ``atime``/``hits`` in place (concurrent
   readers may lose an increment of an entry's ``hits``; it is a policy hint).
 * Creating a store runs under the exclusive lock (``StoreState``), so whoever
@@ -20,8 +20,7 @@ one warning naming it, then reads are misses and puts refused until it lets go.
 Processes are identified by ``(pid, start time)``, so every user of a store
 must share one pid namespace; opening a store created in another one (another
 container sharing ``/dev/shm``) raises ``CacheError``. Each attached process has a
-row in the process table with its own statistics counters; the rows of dead
-processes are folded into a retired row. A session survives ``fork``: the child
+row in the process table (``procs.py``). A session survives ``fork``: the child
 becomes a separate user (its own row, locks and thread locks) on first use.
 """
 
