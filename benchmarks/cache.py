@@ -450,17 +450,20 @@ def _slab_rows_copier(
 ) -> Callable[[int], None] | None:
     """The copies of ``gather`` alone: rows of the store's own mapping, no lock or lookup.
 
-    Diagnostic only: it reads private attributes of ``MemoryStore`` (looked up once,
-    here), and is left out (None) if they changed.
+    Diagnostic only: it reads the private session of ``MemoryStore`` (its entry table
+    and slabs, looked up once, here), and is left out (None) if they changed.
     """
     try:
+        from mmcache.stores.memory.table import keys_array
+
+        table, slabs = store._session.table, store._session.slabs
         plan = []
         for keys in batch_keys:
-            e = store._lookup_ready(store._keys_array(keys))
-            if (e < 0).any() or len(set(store._ecls[e].tolist())) != 1:
+            e = table.lookup_ready(keys_array(keys))
+            if (e < 0).any() or len(set(table.cls[e].tolist())) != 1:
                 return None
-            plan.append((store._slab(int(store._ecls[e[0]])).rows, store._eslot[e].tolist()))
-    except (AttributeError, TypeError):
+            plan.append((slabs.get(int(table.cls[e[0]])).rows, table.slot[e].tolist()))
+    except (AttributeError, TypeError, ImportError):
         return None
     stop = offset + length
 

@@ -439,7 +439,7 @@ def hold_cache(root: str, ready: Any, temporary: bool, in_lock: bool) -> None:
         cache.put(i.to_bytes(16, "big"), {"x": np.full(1000, i, dtype=np.int32)})
     if in_lock:
         store: Any = cache.memory
-        with store._exclusive():  # die inside a critical section, holding the node lock
+        with store._session.exclusive():  # die inside a critical section, holding the node lock
             ready.set()
             time.sleep(60)
     ready.set()

@@ -10,7 +10,7 @@ what it holds; nothing half-written is left behind.
 
 Small file systems are real tmpfs mounts made by the tests (skipped where mount is
 not permitted). The memory tier's directory is not injectable, so ``/dev/shm`` is
-replaced by patching ``mmcache.stores.memory.SHM_DIR``; scenarios that can kill the
+replaced by patching ``mmcache.stores.memory.shm.SHM_DIR``; scenarios that can kill the
 process (SIGBUS from a full tmpfs) run in a child process.
 """
 
@@ -36,7 +36,7 @@ from mmcache.dataset import MultimodalDataset
 from mmcache.errors import CacheError
 from mmcache.loader import DataLoader
 from mmcache.pipeline import ImageSpec, Pipeline, TextSpec
-from mmcache.stores import memory as memory_mod
+from mmcache.stores.memory import shm as shm_mod
 from mmcache.stores.memory import store_dir
 
 SAMPLE_96 = 3 * 96 * 96 + 2 * 4 * 16  # payload of one 96 px sample
@@ -248,7 +248,7 @@ def test_missing_and_impossible_cache_roots(
 @pytest.fixture
 def no_dev_shm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     missing = tmp_path / "no-dev-shm"
-    monkeypatch.setattr(memory_mod, "SHM_DIR", str(missing))
+    monkeypatch.setattr(shm_mod, "SHM_DIR", str(missing))
     return missing
 
 
@@ -285,9 +285,9 @@ TINY_SHM = textwrap.dedent(
     """
     import contextlib, json, logging, os, sys
     import torch
-    from mmcache.stores import memory
+    from mmcache.stores.memory import shm
     shm_dir, root, manifest, tokenizer, fill = sys.argv[1:6]
-    memory.SHM_DIR = shm_dir
+    shm.SHM_DIR = shm_dir
     if fill == "full":  # another program's files take every byte of /dev/shm
         with contextlib.suppress(OSError), open(os.path.join(shm_dir, "other"), "wb", 0) as f:
             while True:

@@ -19,8 +19,6 @@ import numpy as np
 import pytest
 
 from mmcache.errors import CacheError
-from mmcache.stores import memory as memory_mod
-from mmcache.stores._shm import Segment
 from mmcache.stores.memory import (
     EntryState,
     MemoryStore,
@@ -28,6 +26,11 @@ from mmcache.stores.memory import (
     store_dir,
     unlink_store,
 )
+from mmcache.stores.memory import session as session_mod
+from mmcache.stores.memory.layout import H_ITEMS, H_NBYTES
+from mmcache.stores.memory.session import Session
+from mmcache.stores.memory.shm import Segment
+from mmcache.stores.memory.table import EntryTable
 
 FORK = mp.get_context("fork")
 # 300 B and 20 KB are copied inside the exclusive section, 200 KB and 1 MB outside it.
@@ -66,7 +69,8 @@ def assert_whole_and_consistent(store: MemoryStore) -> None:
     for k in keys:
         assert store.get(k) == value_of(int.from_bytes(k, "big"))
     sizes = [len(value_of(int.from_bytes(k, "big"))) for k in keys]
-    held_writing = int(store._esize[store._state == EntryState.WRITING].sum())
+    table = store._session.table
+    held_writing = int(table.size[table.state == EntryState.WRITING].sum())
     assert store.nbytes() == sum(sizes) + held_writing <= store.capacity()
 
 
@@ -114,7 +118,7 @@ def test_writers_killed_at_random_moments_leave_a_whole_store(shm_name: str) -> 
     assert int(proc.stdout) > 0
     assert_whole_and_consistent(store)
     store.gc()
-    assert int((store._state == EntryState.WRITING).sum()) == 0
+    assert int((store._session.table.state == EntryState.WRITING).sum()) == 0
     assert_whole_and_consistent(store)
     assert store.put(key_of(1), value_of(1)) and store.get(key_of(1)) == value_of(1)
     store.close()
@@ -122,9 +126,9 @@ def test_writers_killed_at_random_moments_leave_a_whole_store(shm_name: str) -> 
 
 def hold_the_lock_and_corrupt(name: str, ready: Any) -> None:
     store = MemoryStore(name, capacity=CAPACITY, create=False)
-    with store._exclusive():
-        store._h[memory_mod._H_NBYTES] += 12_345  # half-done bookkeeping
-        store._h[memory_mod._H_ITEMS] += 7
+    with store._session.exclusive():
+        store._session.meta.header[H_NBYTES] += 12_345  # half-done bookkeeping
+        store._session.meta.header[H_ITEMS] += 7
         ready.set()
         time.sleep(600)
 
@@ -159,7 +163,7 @@ def test_a_live_lock_holder_makes_open_time_out(
     p.start()
     try:
         assert ready.wait(30)
-        monkeypatch.setattr(memory_mod, "OPEN_TIMEOUT", 0.3)
+        monkeypatch.setattr(session_mod, "OPEN_TIMEOUT", 0.3)
         with pytest.raises(CacheError, match="timed out"):
             MemoryStore(shm_name, capacity=CAPACITY, create=False)
     finally:
@@ -203,10 +207,10 @@ def test_an_error_inside_a_critical_section_is_repaired(
     store = MemoryStore(shm_name, capacity=CAPACITY)
     store.put(key_of(0), value_of(0))
 
-    def broken(self: MemoryStore, e: int, k0: int, k1: int) -> None:
+    def broken(self: EntryTable, e: int, k0: int, k1: int) -> None:
         raise MemoryError("simulated failure after the entry was written")
 
-    monkeypatch.setattr(MemoryStore, "_insert_locked", broken)
+    monkeypatch.setattr(EntryTable, "insert", broken)
     with pytest.raises(MemoryError):
         store.put(key_of(1), value_of(1))
     monkeypatch.undo()
@@ -217,14 +221,14 @@ def test_an_error_inside_a_critical_section_is_repaired(
 
 
 def die_while_creating(name: str, ready: Any) -> None:
-    original = memory_mod.MemoryStore._bind
+    original = Session._bind
 
-    def bind_then_die(self: MemoryStore, seg: Segment) -> None:
+    def bind_then_die(self: Session, seg: Segment) -> None:
         original(self, seg)
         ready.set()
         time.sleep(600)  # header still says INITIALISING
 
-    memory_mod.MemoryStore._bind = bind_then_die  # type: ignore[method-assign]
+    Session._bind = bind_then_die  # type: ignore[method-assign]
     MemoryStore(name, capacity=CAPACITY)
 
 
@@ -341,7 +345,7 @@ from mmcache.stores.memory import MemoryStore
 store = MemoryStore(sys.argv[1], capacity=1 << 22)
 store.put(bytes(16), b"v" * 100)
 if sys.argv[2] == "exclusive":
-    section = store._exclusive()  # a put's critical section
+    section = store._session.exclusive()  # a put's critical section
 else:
     section = store.view(bytes(16))  # a reader's (a gather's) section
 with section:
@@ -363,7 +367,7 @@ def wait_stopped(pid: int) -> None:
 def test_a_stopped_lock_holder_costs_a_bounded_wait_and_one_warning(
     shm_name: str, section: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(memory_mod, "DATA_LOCK_TIMEOUT", 0.5, raising=False)
+    monkeypatch.setattr(session_mod, "DATA_LOCK_TIMEOUT", 0.5, raising=False)
     store = MemoryStore(shm_name, capacity=1 << 22)
     child = subprocess.Popen(
         [sys.executable, "-c", STOP_INSIDE, shm_name, section], stdout=subprocess.PIPE, text=True

@@ -409,12 +409,12 @@ ATTACKER = 23402  # a numeric uid with no account; setpriv needs none
 def fake_shm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A world-writable sticky folder standing for /dev/shm (so planting in it cannot
     disturb other tests), patched in as the memory tier's SHM_DIR."""
-    from mmcache.stores import memory as memory_mod
+    from mmcache.stores.memory import shm as shm_mod
 
     base = Path(f"/dev/shm/mmcache-test-{os.urandom(6).hex()}")
     base.mkdir()
     os.chmod(base, 0o1777)
-    monkeypatch.setattr(memory_mod, "SHM_DIR", str(base))
+    monkeypatch.setattr(shm_mod, "SHM_DIR", str(base))
     yield base
     subprocess.run(["rm", "-rf", str(base)], check=False)
 

@@ -23,9 +23,9 @@ import pytest
 
 from mmcache.errors import CacheError, ConfigError
 from mmcache.policies import Policy, Residents
-from mmcache.stores import memory as memory_mod
-from mmcache.stores._index import slot_sizes_upto
-from mmcache.stores.memory import MemoryStore, reclaim_orphans, store_dir, unlink_store
+from mmcache.stores.memory import MemoryStore, layout, reclaim_orphans, store_dir, unlink_store
+from mmcache.stores.memory import shm as shm_mod
+from mmcache.stores.memory.slabs import slot_sizes_upto
 
 MiB = 1 << 20
 
@@ -284,12 +284,13 @@ def test_get_many(make: Callable[..., MemoryStore]) -> None:
 def test_view_is_zero_copy_read_only_and_scoped(make: Callable[..., MemoryStore]) -> None:
     s = make()
     s.put(key(1), value(1, 10_000))
-    e = s._find_ready(key(1))
-    slab = s._slab(int(s._ecls[e]))
+    t = s._session.table
+    e = t.find_ready(key(1))
+    slab = s._session.slabs.get(int(t.cls[e]))
     with s.view(key(1)) as v:
         assert v is not None and v.readonly and bytes(v) == value(1, 10_000)
         address = np.frombuffer(v, np.uint8).__array_interface__["data"][0]
-        assert address == slab.rows[int(s._eslot[e])].__array_interface__["data"][0]
+        assert address == slab.rows[int(t.slot[e])].__array_interface__["data"][0]
         with pytest.raises(RuntimeError, match="view"):
             s.put(key(2), b"no writes inside a view")
     with pytest.raises(ValueError):
@@ -452,7 +453,7 @@ def test_reclaim_orphans_removes_stores_of_deleted_roots(shm_name: str, tmp_path
         MemoryStore(names[w], capacity=MiB, owner_path=str(tmp_path / w)).close()
     live = MemoryStore(names["live"], capacity=MiB, owner_path=str(gone_root))
     temp = MemoryStore(names["temp"], capacity=MiB, temporary=True)
-    temp._procs[:] = 0  # as if its last user had died without closing
+    temp._session.meta.procs[:] = 0  # as if its last user had died without closing
     try:
         gone_root.rmdir()
         removed = reclaim_orphans(f"{shm_name}-*")
@@ -471,19 +472,19 @@ def test_reclaim_orphans_removes_stores_of_deleted_roots(shm_name: str, tmp_path
 def test_reclaim_orphans_removes_half_initialised_stores(shm_name: str) -> None:
     s = MemoryStore(shm_name, capacity=MiB)
     s.put(key(1), b"x")
-    s._h[2] = 1  # header state INITIALISING, as a creator that died would leave it
-    s._procs[:] = 0
-    s._closed = True  # drop it without touching the files
-    s._unmap()
-    s._lock.close()
+    s._session.meta.header[2] = 1  # header state INITIALISING, as a dead creator leaves it
+    s._session.meta.procs[:] = 0
+    s._session.closed = True  # drop it without touching the files
+    s._session.unmap()
+    s._session.lock.close()
     # An opener repairs it by re-creating it...
     t = MemoryStore(shm_name, capacity=MiB)
     assert t.get(key(1)) is None
-    t._h[2] = 1
-    t._procs[:] = 0
-    t._closed = True
-    t._unmap()
-    t._lock.close()
+    t._session.meta.header[2] = 1
+    t._session.meta.procs[:] = 0
+    t._session.closed = True
+    t._session.unmap()
+    t._session.lock.close()
     # ...and the node-wide scan removes it.
     removed = reclaim_orphans(shm_name)
     assert removed and shm_files(shm_name) == []
@@ -523,11 +524,33 @@ def test_small_slots_free_a_page_only_when_all_its_slots_are_free(
 
 def test_a_store_of_another_pid_namespace_is_refused(make: Callable[..., MemoryStore]) -> None:
     s = make()
-    s._h[memory_mod._H_PID_NAMESPACE] += 1  # as if created in another container
+    s._session.meta.header[layout.H_PID_NAMESPACE] += 1  # as if created in another container
     with pytest.raises(CacheError, match="pid namespace"):
         MemoryStore(s.shm_name, capacity=MiB)
     assert reclaim_orphans(s.shm_name) == []  # nor judged from here
-    s._h[memory_mod._H_PID_NAMESPACE] -= 1
+    s._session.meta.header[layout.H_PID_NAMESPACE] -= 1
+
+
+def test_repair_and_check_are_functions_of_the_arrays(make: Callable[..., MemoryStore]) -> None:
+    """check() and the crash repair take the entry table and the slabs, not the store."""
+    from mmcache.stores.memory import repair
+
+    s = make()
+    for i in range(5):
+        assert s.put(key(i), value(i, 300 + 1000 * i))
+    session = s._session
+    with session.exclusive():
+        t, slabs, cap = session.table, session.slabs, s.capacity()
+        assert repair.check(t, slabs, capacity=cap) == []
+        t.header[layout.H_NBYTES] += 7  # as a holder that died mid-update leaves it
+        t.cells[:] = 0  # and an index it had not filled yet
+        problems = repair.check(t, slabs, capacity=cap)
+        assert any(p.startswith("bytes:") for p in problems), problems
+        assert any("unreachable" in p for p in problems), problems
+        done = repair.rebuild(t, slabs, capacity=cap)
+        assert (done.corrupt, done.reclaimed, done.damaged) == (0, 0, None)
+        assert repair.check(t, slabs, capacity=cap) == []
+    assert [s.get(key(i)) for i in range(5)] == [value(i, 300 + 1000 * i) for i in range(5)]
 
 
 def test_gather_ranges_copies_several_ranges_under_one_lock(
@@ -555,7 +578,7 @@ def test_a_missing_shm_directory_is_named_in_the_error(
     tmp_path: Path, shm_name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     missing = tmp_path / "no-shm"
-    monkeypatch.setattr(memory_mod, "SHM_DIR", str(missing))
+    monkeypatch.setattr(shm_mod, "SHM_DIR", str(missing))
     with pytest.raises(CacheError) as info:
         MemoryStore(shm_name, capacity=MiB)
     message = str(info.value)
@@ -576,8 +599,9 @@ FULL_SHM = textwrap.dedent(
     import contextlib, json, logging, os, sys
     from mmcache.errors import CacheError
     from mmcache.stores import memory
+    from mmcache.stores.memory import shm as memory_shm
     shm, name = sys.argv[1:3]
-    memory.SHM_DIR = shm
+    memory_shm.SHM_DIR = shm
     warnings = []
     class Keep(logging.Handler):
         def emit(self, record):

@@ -1,5 +1,5 @@
-"""Low-level pieces of the node-shared memory tier: files in ``/dev/shm``, a
-crash-proof node-wide lock, and process liveness.
+"""The operating-system pieces of the memory tier: files in ``/dev/shm``, a crash-proof
+node-wide lock, and process liveness.
 
 Why plain files in ``/dev/shm`` and not :class:`multiprocessing.shared_memory.SharedMemory`:
 before Python 3.13 every process that attaches a ``SharedMemory`` registers it
@@ -16,7 +16,10 @@ dies, however it dies, so a ``kill -9`` can never leave the node locked
 (mosaicml/streaming issues 717 and 781 are the failure we avoid: a lock and
 segments left behind by a crashed run block the next one).
 
-Nothing here is specific to the cache's data layout; ``memory.py`` builds on it.
+Nothing here knows the cache's data layout (that is ``layout.py``).
+
+``SHM_DIR`` is read at call time (``shm.SHM_DIR``) by every module of the package, so a
+test can point the whole tier at another folder by patching this one name.
 """
 
 from __future__ import annotations
@@ -33,21 +36,23 @@ import weakref
 from collections.abc import Iterable, Iterator
 
 from mmcache.errors import CacheError, ConfigError
-from mmcache.stores._access import Access
-from mmcache.stores.base import NO_SPACE_ERRNOS, is_no_space
+from mmcache.stores.memory.access import Access
 
 __all__ = [
-    "NO_SPACE_ERRNOS",
+    "EXCLUSIVE",
     "PAGE_SIZE",
+    "SHARED",
     "SHM_DIR",
     "SHM_PREFIX",
     "LockTimeout",
     "NodeLock",
     "Segment",
     "check_store_name",
-    "is_no_space",
     "lock_holders",
+    "own_start_time",
+    "page_round",
     "pid_alive",
+    "pid_namespace",
     "proc_start_time",
 ]
 
@@ -56,6 +61,12 @@ SHM_DIR = "/dev/shm"
 #: Every file the memory tier creates starts with this (``reclaim_orphans`` scans it).
 SHM_PREFIX = "mmcache-"
 PAGE_SIZE = mmap.PAGESIZE
+
+
+def page_round(n: int) -> int:
+    """``n`` rounded up to whole pages."""
+    return -(-n // PAGE_SIZE) * PAGE_SIZE
+
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -107,6 +118,26 @@ def pid_alive(pid: int, start: int) -> bool:
     return now is not None and now == start
 
 
+_OWN_START: list[int] = [-1, 0]  # (pid, start time) of this process, cached
+
+
+def own_start_time() -> int:
+    """:func:`proc_start_time` of this process (cached per pid, so a fork child asks again)."""
+    pid = os.getpid()
+    if _OWN_START[0] != pid:
+        _OWN_START[0] = pid
+        _OWN_START[1] = proc_start_time(pid) or 0
+    return _OWN_START[1]
+
+
+def pid_namespace() -> int:
+    """Identity of this process's pid namespace (0 where /proc does not say)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
 # --------------------------------------------------------------------------- segments
 
 
@@ -143,7 +174,8 @@ class Segment:
 
         ``reserve``: ``(offset, length)`` ranges to allocate now (see
         :meth:`reserve`). If the file system has no room for them, the file is
-        removed and the ``OSError`` (``ENOSPC``, see :func:`is_no_space`) raised.
+        removed and the ``OSError`` (``ENOSPC``, see
+        :func:`~mmcache.stores.base.is_no_space`) raised.
         """
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(path, flags, 0o600)
@@ -170,7 +202,7 @@ class Segment:
         """Map an existing segment (its whole length when ``size`` is None).
 
         Raises ``CacheError`` if the file is not one ``access`` trusts (another
-        user's: see :mod:`._access`) or is shorter than ``size``.
+        user's: see :mod:`.access`) or is shorter than ``size``.
         """
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:

@@ -21,7 +21,8 @@ a :class:`CacheError` naming the file and its owner: never attached.
 
 What this cannot stop: a process of the *same* user (or root) can still
 truncate or overwrite the files; a segment truncated while mapped kills the
-process touching it with SIGBUS (see ``memory.py``).
+process touching it with SIGBUS (see ``slabs.py``: the tier then fails, it is not
+re-created under its users).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import os
 import stat
 from dataclasses import dataclass
 
+from mmcache.checks import check_int
 from mmcache.errors import CacheError, ConfigError
 
 __all__ = ["Access", "UntrustedFileError", "describe_owner"]
@@ -76,9 +78,9 @@ class Access:
                     f"mode {oct(self.mode)} shares the memory store, so say with which group:"
                     " pass group=<gid> (Cache uses the cache root's group)"
                 )
-        elif isinstance(self.group, bool) or not isinstance(self.group, int) or self.group < 0:
-            raise ConfigError(f"group must be a gid (int >= 0) or None, got {self.group!r}")
-        elif not self.mode & 0o060:
+            return
+        check_int("group (a gid, or None)", self.group, minimum=0)
+        if not self.mode & 0o060:
             raise ConfigError(
                 f"group={self.group} but mode {oct(self.mode)} gives the group no access:"
                 " use mode=0o660"

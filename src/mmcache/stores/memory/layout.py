@@ -1,0 +1,423 @@
+"""Where a memory store's data lives: its files, its header words, the arrays of its meta
+segment, and the states of entries and of whole stores.
+
+Files (all ``0600`` in this user's directory ``/dev/shm/mmcache-u<uid>/``, mode
+``0700``, or ``0660`` in a group's ``/dev/shm/mmcache-g<gid>/``, ``0770``; named
+``mmcache-<name>...``; every file and the directory are checked for owner and mode
+before use, see ``access.py``):
+
+``mmcache-<name>.lock``
+    Empty file. ``flock`` on it is the node-wide readers-writer lock; the kernel
+    drops it when a holder dies, so a crash can never leave the store locked.
+``mmcache-<name>-meta``
+    Fixed-dtype numpy arrays (:class:`Layout`): a header (configuration, state, byte
+    and item counts, the pid of the exclusive-lock holder), the table of attached
+    processes with one row of statistics counters each, the size-class table,
+    the entry table (per entry: :class:`EntryState`, key, size, slot, cost,
+    ctime, atime, hits, seq, writer pid) and the hash table (see ``table.py``).
+``mmcache-<name>-dNNN``
+    One per size class in use: a slot-usage bitmap, then the *slab* (see ``slabs.py``).
+
+The RAM a store really uses is the slots of held entries (payload plus the
+size-class rounding) plus metadata: 4 B per hash cell (2 cells per index entry,
+touched at random so all of them count), about 100 B per entry row ever used, about
+150 KiB of fixed tables, 1 B per slot of each size class in use.
+
+A full ``/dev/shm``: touching a page of a tmpfs file through a mapping (even
+reading it) allocates it, and fails with SIGBUS when the tmpfs is full. So
+nothing is touched through a mapping before it was allocated with
+``posix_fallocate``, which fails with ``ENOSPC`` instead (see
+:class:`~mmcache.stores.memory.shm.Segment`): the fixed tables and the hash table
+when the store is created (``CacheError`` if they do not fit), a size class's
+bitmap when the class is created and the entry rows in steps as the entries
+in use grow (``EntryTable.reserve_rows``; a refused put, with one warning, if they do
+not fit). Payloads are written with ``pwrite`` (``ENOSPC`` too: a refused put).
+Reserving when a row is first used, rather than the whole meta segment at creation,
+keeps the RAM cost proportional to the entries used: the rows are nearly all of the
+meta segment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+import numpy as np
+
+from mmcache.errors import CacheError
+from mmcache.stores.memory import shm
+from mmcache.stores.memory.access import Access
+from mmcache.stores.memory.shm import (
+    SHM_PREFIX,
+    Segment,
+    check_store_name,
+    page_round,
+    proc_start_time,
+)
+
+__all__ = [
+    "DEFAULT_INDEX_DIVISOR",
+    "ENTRY_COLUMNS",
+    "HEADER_WORDS",
+    "MAGIC",
+    "MAX_INDEX_CAPACITY",
+    "MAX_PROCS",
+    "MIN_INDEX_CAPACITY",
+    "OWNER_PATH_MAX",
+    "ROW_OVERFLOW",
+    "ROW_RESERVE_STEP",
+    "ROW_RETIRED",
+    "VERSION",
+    "Count",
+    "EntryState",
+    "Layout",
+    "Meta",
+    "StoreState",
+    "data_path",
+    "data_paths",
+    "default_index_capacity",
+    "initialise_meta",
+    "lock_path",
+    "meta_path",
+    "read_header",
+    "remove_file",
+    "store_dir",
+    "store_exists",
+    "table_shift",
+]
+
+#: Default index capacity: one entry per 4 KiB of budget, clamped to [1024, 2**24].
+DEFAULT_INDEX_DIVISOR = 4096
+MIN_INDEX_CAPACITY = 1024
+MAX_INDEX_CAPACITY = 1 << 24
+#: Attached-process rows (each with its own counters); more processes share one row.
+MAX_PROCS = 1024
+#: Bytes reserved for the owner path in the header.
+OWNER_PATH_MAX = 4096
+#: Entry rows are reserved (``posix_fallocate``) in steps of at least this many rows, and
+#: at least an eighth of those reserved so far: a few pages at first (a tiny /dev/shm holds
+#: a few entries), about 70 steps of 12 calls each up to 2**18 rows.
+ROW_RESERVE_STEP = 64
+
+MAGIC = int.from_bytes(b"MMCACHE1", "little")
+# 2: every page touched through a mapping is reserved first (the hash table and the slot
+# bitmaps whole, entry rows up to H_ROWS_RESERVED). A version-1 store has sparse tables
+# that would raise SIGBUS on a full /dev/shm; it is re-created.
+VERSION = 2
+
+
+def default_index_capacity(capacity: int) -> int:
+    """Entries the index holds by default for a byte ``capacity``."""
+    return min(max(capacity // DEFAULT_INDEX_DIVISOR, MIN_INDEX_CAPACITY), MAX_INDEX_CAPACITY)
+
+
+class EntryState(IntEnum):
+    """State of one row of the entry table.
+
+    Transitions, all under the exclusive lock:
+    ``EMPTY -> WRITING`` (reserve: slot chosen, bytes counted, writer pid set);
+    ``WRITING -> READY`` (publish, after the whole payload was copied);
+    ``WRITING -> EMPTY`` (abort by the writer, or reclaim once the writer is dead);
+    ``READY -> EMPTY`` (delete, evict, expire, replace).
+    Readers only ever serve ``READY``. The "tombstone" of a deleted key lives in
+    the hash table (``CELL_TOMBSTONE``), not here: entry rows never move, so a
+    writer copying without the lock can always find its row again.
+    """
+
+    EMPTY = 0
+    WRITING = 1
+    READY = 2
+
+
+class StoreState(IntEnum):
+    """State of a whole store (header field).
+
+    ``ABSENT`` (zero-filled file) ``-> INITIALISING -> READY -> UNLINKED``.
+    Creation runs under the exclusive lock, so whoever else takes the lock and
+    finds ``ABSENT``/``INITIALISING`` knows the creator died: it re-initialises.
+    ``UNLINKED``: removed; processes still attached get ``CacheError``.
+    """
+
+    ABSENT = 0
+    INITIALISING = 1
+    READY = 2
+    UNLINKED = 3
+
+
+class Count(IntEnum):
+    """Columns of the per-process statistics counters."""
+
+    HITS = 0
+    MISSES = 1
+    PUTS = 2
+    ADMITTED = 3
+    REFUSED = 4
+    EVICTIONS = 5
+    EXPIRED = 6
+    CORRUPT = 7
+    RECLAIMED = 8
+    REPAIRS = 9
+
+
+N_COUNTERS = 16
+ROW_RETIRED = MAX_PROCS  # counters of detached and dead processes are folded here
+ROW_OVERFLOW = MAX_PROCS + 1  # shared (racy) row when the process table is full
+
+# Header words (int64).
+(
+    H_MAGIC,
+    H_VERSION,
+    H_STATE,
+    H_CREATOR_PID,
+    H_CREATOR_START,
+    H_CAPACITY,
+    H_ENTRIES,
+    H_TABLE_SHIFT,
+    H_CLASSES,
+    H_PROCS,
+    H_FLAGS,
+    H_META_SIZE,
+    H_HOLDER_PID,
+    H_NBYTES,
+    H_ITEMS,
+    H_WRITING,
+    H_USED_CELLS,
+    H_TOMBSTONES,
+    H_SEQ,
+    H_ENTRY_HINT,
+    H_ENTRY_HW,
+    H_OWNER_LEN,
+    H_CREATED_AT,
+    H_PID_NAMESPACE,
+    H_ROWS_RESERVED,  # entry rows [0, n) have their pages allocated in every column
+) = range(25)
+HEADER_WORDS = 64
+FLAG_TEMPORARY = 1
+
+# Columns of the size-class table.
+C_CREATED, C_SLOTS, C_USED, C_HINT = range(4)
+
+#: The arrays of the meta segment with one row per entry (between "classes" and "table").
+ENTRY_COLUMNS = frozenset(
+    (
+        "state", "key", "size", "cls", "slot", "cost", "ctime", "atime", "hits", "seq", "pid",
+        "pstart",
+    )
+)  # fmt: skip
+
+
+# --------------------------------------------------------------------------- files
+
+
+def _path(directory: str, name: str, suffix: str) -> str:
+    return os.path.join(directory, f"{SHM_PREFIX}{name}{suffix}")
+
+
+def lock_path(directory: str, name: str) -> str:
+    return _path(directory, name, ".lock")
+
+
+def meta_path(directory: str, name: str) -> str:
+    return _path(directory, name, "-meta")
+
+
+def data_path(directory: str, name: str, cls: int) -> str:
+    return _path(directory, name, f"-d{cls:03d}")
+
+
+def data_paths(directory: str, name: str) -> list[str]:
+    pattern = glob.escape(os.path.join(directory, f"{SHM_PREFIX}{name}-d")) + "[0-9][0-9][0-9]"
+    return sorted(glob.glob(pattern))
+
+
+def remove_file(path: str, removed: list[str]) -> None:
+    """Unlink ``path`` if it exists, appending it to ``removed``."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+        removed.append(path)
+
+
+def store_dir(group: int | None = None) -> str:
+    """The directory holding this user's stores (or group ``group``'s): see ``access.py``."""
+    return Access(0o600 if group is None else 0o660, group).directory(shm.SHM_DIR)
+
+
+def store_exists(name: str, *, group: int | None = None) -> bool:
+    """Whether some process made the store ``name`` on this node (its files exist)."""
+    check_store_name(name)
+    directory = store_dir(group)
+    return os.path.exists(lock_path(directory, name)) or os.path.exists(meta_path(directory, name))
+
+
+# --------------------------------------------------------------------------- meta layout
+
+
+def table_shift(entries: int) -> int:
+    """The hash table's shift for ``entries``: ``2**(64 - shift)`` cells, at least 2 each."""
+    cells = 1 << max(2 * entries - 1, 1).bit_length()  # next power of two >= 2 * entries
+    return 64 - (cells.bit_length() - 1)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each array of the meta segment lives. A pure function of its four sizes."""
+
+    entries: int
+    table_shift: int
+    classes: int
+    procs: int
+    fields: tuple[tuple[str, int, str, tuple[int, ...]], ...]
+    size: int
+
+    @classmethod
+    def build(cls, *, entries: int, table_shift: int, classes: int, procs: int) -> Layout:
+        cells = 1 << (64 - table_shift)
+        spec: list[tuple[str, str, tuple[int, ...]]] = [
+            ("header", "i8", (HEADER_WORDS,)),
+            ("owner", "u1", (OWNER_PATH_MAX,)),
+            ("procs", "i8", (procs, 2)),
+            ("counters", "i8", (procs + 2, N_COUNTERS)),
+            ("classes", "i8", (classes, 4)),
+            ("state", "u1", (entries,)),
+            ("key", "u8", (entries, 2)),
+            ("size", "i8", (entries,)),
+            ("cls", "i4", (entries,)),
+            ("slot", "i8", (entries,)),
+            ("cost", "f8", (entries,)),
+            ("ctime", "f8", (entries,)),
+            ("atime", "f8", (entries,)),
+            ("hits", "i8", (entries,)),
+            ("seq", "i8", (entries,)),
+            ("pid", "i8", (entries,)),
+            ("pstart", "i8", (entries,)),
+            ("table", "i4", (cells,)),
+        ]
+        fields = []
+        offset = 0
+        for name, dtype, shape in spec:
+            offset = -(-offset // 64) * 64
+            fields.append((name, offset, dtype, shape))
+            offset += int(np.dtype(dtype).itemsize * np.prod(shape))
+        return cls(entries, table_shift, classes, procs, tuple(fields), page_round(offset))
+
+    @classmethod
+    def of_header(cls, header: np.ndarray[Any, Any]) -> Layout:
+        """The layout a valid header describes."""
+        return cls.build(
+            entries=int(header[H_ENTRIES]),
+            table_shift=int(header[H_TABLE_SHIFT]),
+            classes=int(header[H_CLASSES]),
+            procs=int(header[H_PROCS]),
+        )
+
+    def fixed_range(self) -> tuple[int, int]:
+        """``(offset, length)`` of the fixed tables (header to size classes)."""
+        return 0, next(offset for name, offset, _, _ in self.fields if name == "state")
+
+    def table_range(self) -> tuple[int, int]:
+        """``(offset, length)`` of the hash table (the last array)."""
+        _, offset, dtype, shape = self.fields[-1]
+        return offset, np.dtype(dtype).itemsize * int(np.prod(shape))
+
+    def row_ranges(self, start: int, stop: int) -> list[tuple[int, int]]:
+        """``(offset, length)`` of entry rows ``[start, stop)`` in every entry column."""
+        out = []
+        for name, offset, dtype, shape in self.fields:
+            if name in ENTRY_COLUMNS:
+                row = np.dtype(dtype).itemsize * int(np.prod(shape[1:]))
+                out.append((offset + start * row, (stop - start) * row))
+        return out
+
+    def arrays(self, buf: Any) -> dict[str, np.ndarray[Any, Any]]:
+        out = {}
+        for name, offset, dtype, shape in self.fields:
+            count = int(np.prod(shape))
+            out[name] = np.frombuffer(buf, dtype=dtype, count=count, offset=offset).reshape(shape)
+        return out
+
+
+def initialise_meta(
+    seg: Segment,
+    layout: Layout,
+    *,
+    capacity: int,
+    entries: int,
+    slot_sizes: np.ndarray[Any, Any],
+    temporary: bool,
+    owner: str | None,
+    created_at: int,
+    pid_namespace: int,
+) -> None:
+    """Write the header, owner path and size-class table of a new, zero-filled meta segment.
+
+    Leaves the store ``INITIALISING``: the caller sets ``READY`` once it is mapped.
+    """
+    arrays = layout.arrays(seg.buf)
+    h = arrays["header"]
+    h[H_STATE] = StoreState.INITIALISING
+    h[H_MAGIC] = MAGIC
+    h[H_VERSION] = VERSION
+    h[H_META_SIZE] = layout.size
+    h[H_CREATOR_PID] = os.getpid()
+    h[H_CREATOR_START] = proc_start_time(os.getpid()) or 0
+    h[H_CAPACITY] = capacity
+    h[H_ENTRIES] = entries
+    h[H_TABLE_SHIFT] = layout.table_shift
+    h[H_CLASSES] = len(slot_sizes)
+    h[H_PROCS] = layout.procs
+    h[H_FLAGS] = FLAG_TEMPORARY if temporary else 0
+    h[H_CREATED_AT] = created_at
+    h[H_PID_NAMESPACE] = pid_namespace
+    if owner is not None:
+        raw = owner.encode()
+        arrays["owner"][: len(raw)] = np.frombuffer(raw, np.uint8)
+        h[H_OWNER_LEN] = len(raw)
+    classes = arrays["classes"]
+    min_payload = np.concatenate(([1], slot_sizes[:-1] + 1))
+    classes[:, C_SLOTS] = np.minimum(entries, capacity // min_payload)
+    classes[0, C_SLOTS] = entries  # class 0 also holds empty values
+    del arrays, classes, h
+
+
+def read_header(seg: Segment) -> np.ndarray[Any, Any]:
+    """A view of the header words of a mapped meta segment (before its layout is known)."""
+    return np.frombuffer(seg.buf, np.int64, count=HEADER_WORDS)
+
+
+class Meta:
+    """One process's numpy views of a store's meta segment (see :class:`Layout`).
+
+    The views are only valid while the segment is mapped: :meth:`close` drops them
+    first, so the mapping can close. Every attribute is an array in shared memory,
+    read and written under the store's lock by its owner: the header words ``H_*``
+    belong to the session (state, holder, configuration) or to the entry table
+    (counts, hints, reserved rows), the size-class table to the slabs, the process
+    table and counters to the session.
+    """
+
+    def __init__(self, seg: Segment, name: str) -> None:
+        layout = Layout.of_header(read_header(seg))
+        if layout.size != seg.size:
+            raise CacheError(f"memory store {name!r}: meta segment size mismatch")
+        self.seg = seg
+        self.layout = layout
+        self.arrays = layout.arrays(seg.buf)
+        self.header = self.arrays["header"]
+        self.owner = self.arrays["owner"]
+        self.procs = self.arrays["procs"]
+        self.counters = self.arrays["counters"]
+        self.classes = self.arrays["classes"]
+
+    def owner_path(self, errors: str = "strict") -> str | None:
+        """The cache root recorded at creation, if any (``errors`` as in ``bytes.decode``)."""
+        n = int(self.header[H_OWNER_LEN])
+        return self.owner[:n].tobytes().decode(errors=errors) if n else None
+
+    def close(self) -> None:
+        """Drop every view, then unmap (views first, so the mmap can close)."""
+        del self.arrays, self.header, self.owner, self.procs, self.counters, self.classes
+        self.seg.close()
