@@ -1,17 +1,20 @@
 """``Cache``: the memory and disk tiers, a policy, budgets, TTL and stats, as one object.
 
-Data path of a read (:meth:`Cache.get`): the node-shared memory tier, then the
-persistent disk tier (checksum verified; a corrupt entry is dropped, counted
-and never returned), promoting a disk hit into memory when the memory tier's
-policy admits it. A write (:meth:`Cache.put`) encodes the sample once
-(:mod:`mmcache.codec`) and offers the same bytes to both tiers: memory for
-this run, disk for the next runs.
+Data path of a read (:meth:`Cache.get`): the tiers in order, fastest first
+(a :class:`~mmcache.stores.tiered.TieredStore`): the node-shared memory tier,
+then the persistent disk tier (checksum verified; a corrupt entry is dropped,
+counted and never returned), promoting a disk hit into memory when the memory
+tier's policy admits it. A write (:meth:`Cache.put`) encodes the sample once
+(:mod:`mmcache.codec`) and offers the same bytes to every tier: memory for
+this run, disk for the next runs; :func:`mmcache.writeback.write_behind` defers
+the disk half to a background thread.
 
 Verification: entries read from disk are checked against their xxhash
 checksum (disk bytes can rot, and LMDB does not checksum its pages); entries
 read from the memory tier are not, because they were verified or produced
-when they entered it, and checking every read costs about a third of the
-gather speed; :meth:`Cache.verify` (``mmcache verify``) checks both tiers.
+when they entered it, and checking every read would cost a large part of the
+gather speed; :meth:`Cache.verify` (``mmcache verify``) checks both tiers
+(:mod:`mmcache.maintenance`).
 
 TTL: every entry carries its creation time from ``clock`` (default
 ``time.time``: persisted entries outlive the process, so a monotonic clock,
@@ -26,26 +29,32 @@ environment; pickling carries only the configuration.
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-import xxhash
 
 from mmcache import codec, sizing
-from mmcache.errors import CacheError, ConfigError, CorruptEntryError
+from mmcache.cacheroot import memory_group, read_config, write_config
+from mmcache.cacheroot import memory_name as _memory_name
+from mmcache.errors import CacheError, ConfigError
 from mmcache.keys import as_key
-from mmcache.policies import Policy, get_policy, policy_names
+from mmcache.maintenance import GcReport, VerifyReport
+from mmcache.maintenance import gc as _gc
+from mmcache.maintenance import verify as _verify
+from mmcache.policies import Policy, get_policy
+from mmcache.readthrough import read_through
 from mmcache.registry import FingerprintRegistry
 from mmcache.stats import CacheStats
 from mmcache.stores.base import BatchReader, Store, dir_mode
+from mmcache.stores.disk import DiskStore
+from mmcache.stores.memory import MemoryStore, store_exists
+from mmcache.stores.tiered import Accepted, Tier, TieredStore
 from mmcache.units import parse_duration, parse_size
 
 __all__ = ["Cache", "GcReport", "VerifyReport"]
@@ -57,130 +66,28 @@ KeyLike = bytes | str
 Fallback = Literal["raise", "uncached"]
 OpenedAs = Literal["owner", "worker", "inspect"]
 
-#: Budgets of a cache root, written beside its disk tier (see Cache.open_existing).
-CONFIG_FILE = "cache.json"
-
-
-@dataclass(frozen=True)
-class GcReport:
-    """What :meth:`Cache.gc` removed."""
-
-    expired: int = 0
-    corrupt: int = 0
-    evicted: int = 0
-    freed_bytes: int = 0
-    orphan_segments: tuple[str, ...] = ()
-    dropped_fingerprints: tuple[str, ...] = ()
-    dropped_entries: int = 0
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class VerifyReport:
-    """What :meth:`Cache.verify` found: entries checked, bad keys (hex), removed count,
-    the tiers checked (fastest first) and, for each bad key, the tier holding it."""
-
-    checked: int
-    bad: tuple[str, ...]
-    removed: int
-    tiers: tuple[str, ...] = ()
-    bad_tiers: tuple[str, ...] = ()
-
-    @property
-    def ok(self) -> bool:
-        return not self.bad
-
-    def as_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["ok"] = self.ok
-        return out
-
 
 def _to_key(key: KeyLike) -> bytes:
     return as_key(key)  # 16 bytes and 32 hex as they are, any other str/bytes hashed
 
 
-def _memory_name(root: Path) -> str:
-    """Name of the memory tier of ``root``: a hash, never the path itself.
+@dataclass(frozen=True)
+class _TierSpec:
+    """One tier a cache wants: its name (the store class's ``name``), whether it has a
+    budget, how to open it (None: not there to attach), and how the list treats it."""
 
-    No uid in it: the store's directory says whose it is (``/dev/shm/mmcache-u<uid>/``,
-    or ``mmcache-g<gid>/`` shared by a group, where every member must find one name).
-    """
-    return xxhash.xxh3_64_hexdigest(str(root).encode())
-
-
-def _memory_group(root: Path, mode: int) -> int | None:
-    """The group sharing the memory tier: the root's, when ``mode`` opens it to a group."""
-    if not mode & 0o060:
-        return None
-    try:
-        return os.stat(root).st_gid
-    except OSError:
-        return os.getegid()
-
-
-def _read_config(root: str | os.PathLike[str]) -> dict[str, Any]:
-    """The options recorded in ``root/cache.json``, validated: ``memory``, ``disk``,
-    ``policy`` and ``ttl``, as :class:`Cache` takes them.
-
-    Every command that reopens a root (``Cache.open_existing``: stats, verify, gc)
-    reads the file here, so a hand-edited value is refused the same way by all of
-    them, also where an override (``memory=0``) means it would not be used. An
-    unknown policy name reads as ``value`` (policies are plug-ins: the one that
-    wrote it may not be registered in this process). Raises CacheError when the
-    file is missing or unreadable, ConfigError naming the file, key and value
-    when a value is not valid.
-    """
-    path = Path(os.path.expanduser(os.fspath(root))) / CONFIG_FILE
-    try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError as exc:
-        raise CacheError(
-            f"{path} not found: {root} is not an mmcache cache root (no disk tier was made)"
-        ) from exc
-    except (OSError, ValueError) as exc:
-        raise CacheError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(config, dict) or config.get("format") != 1:
-        raise CacheError(f"{path}: unknown cache config format")
-
-    def finite_duration(value: Any) -> float:
-        seconds = parse_duration(value)
-        if not math.isfinite(seconds):
-            raise ConfigError(f"duration must be a finite number of seconds, got {value!r}")
-        return seconds
-
-    checks: dict[str, Callable[[Any], object]] = {
-        "memory": lambda v: v == "auto" or parse_size(v),
-        "disk": lambda v: v is None or parse_size(v),
-        "ttl": lambda v: v is None or finite_duration(v),
-    }
-    options = {
-        "memory": config.get("memory", 0),
-        "disk": config.get("disk"),
-        "ttl": config.get("ttl"),
-    }
-    for name, check in checks.items():
-        try:
-            check(options[name])
-        except ConfigError as exc:
-            raise ConfigError(
-                f"{path}: {name!r} is {options[name]!r}, which is not valid ({exc}); correct "
-                "it, or open the root once with Cache(root, memory=..., disk=...) to record "
-                "new budgets"
-            ) from exc
-    policy = config.get("policy", "value")
-    options["policy"] = policy if policy in policy_names() else "value"
-    return options
-
-
-def _verifies(buf: bytes) -> bool:
-    return codec.verify(buf)
+    name: str
+    wanted: bool
+    open: Callable[[], Store | None]
+    verify: bool  # check the checksum of what it serves
+    deferred: bool  # the write-behind writes it from a background thread
 
 
 class Cache:
     """Node-shared memory tier + persistent disk tier under a byte budget each.
+
+    The tiers form a :class:`~mmcache.stores.tiered.TieredStore` (``store``),
+    fastest first; ``memory`` and ``disk`` name its tiers (None when absent).
 
     >>> cache = Cache("/tmp/mmcache-doc", memory="64MiB", disk="1GiB")  # doctest: +SKIP
     >>> cache.get_or_produce(key, lambda: {"x": np.zeros(3)})            # doctest: +SKIP
@@ -262,8 +169,6 @@ class Cache:
         # becomes the budget of later opens.
         self._opened_as: OpenedAs = _opened_as
         self._inspect = _opened_as == "inspect"
-        self._memory_arg = memory
-        self._disk_arg = disk
         if memory == "auto":
             self.memory_budget = sizing.auto_memory_budget()
         elif isinstance(memory, (int, str)):
@@ -271,11 +176,24 @@ class Cache:
         else:
             raise ConfigError(f"memory must be bytes, an IEC string, 'auto' or 0, got {memory!r}")
         self.disk_budget = None if disk is None else parse_size(disk)
-        self.memory: Store | None = None
-        self.disk: Store | None = None
+        self.registry: FingerprintRegistry | None = None
+        self._store = TieredStore([])
         self._open()
 
     # -- opening --------------------------------------------------------------------------
+    def _specs(self) -> list[_TierSpec]:
+        """The tiers this cache wants, fastest first."""
+        return [
+            _TierSpec(
+                MemoryStore.name,
+                self.memory_budget > 0,
+                self._open_memory,
+                verify=False,  # holds only bytes verified or produced on the way in
+                deferred=False,
+            ),
+            _TierSpec(DiskStore.name, self.disk_budget is not None, self._open_disk, True, True),
+        ]
+
     def _degrade(self, tier: str, exc: BaseException) -> None:
         msg = f"cannot open the {tier} tier of cache {self.root}: {exc}"
         if self.fallback == "raise":
@@ -284,9 +202,6 @@ class Cache:
         self.degraded[tier] = str(exc)
 
     def _open(self) -> None:
-        from mmcache.stores.disk import DiskStore
-        from mmcache.stores.memory import MemoryStore, store_exists
-
         folder_mode = dir_mode(self.mode)
         try:
             existed = self.root.is_dir()
@@ -295,43 +210,64 @@ class Cache:
                 os.chmod(self.root, folder_mode)  # mkdir's mode is masked by the umask
         except OSError as exc:
             if self.disk_budget is not None:
-                self._degrade("disk", exc)
+                self._degrade(DiskStore.name, exc)
                 self.disk_budget = None
-        if self.disk_budget is not None:
+        specs = self._specs()
+        opened: dict[str, Store] = {}
+        # Slowest first: the disk tier decides whether the root is usable (and records
+        # the budgets) before any shared memory is attached.
+        for spec in reversed(specs):
+            if not spec.wanted:
+                continue
             try:
-                self.disk = DiskStore(
-                    self.root / "disk",
-                    capacity=self.disk_budget,
-                    policy=self.policy,
-                    mode=self.mode,
-                )
-                if self._opened_as == "owner":
-                    self._write_config()
+                store = spec.open()
             except (OSError, CacheError) as exc:
-                self._degrade("disk", exc)
-        self.registry: FingerprintRegistry | None = None
-        if self.disk is not None:
-            try:
-                self.registry = FingerprintRegistry(self.root / "fingerprints", mode=self.mode)
-            except OSError as exc:
-                logger.debug("no fingerprint registry in %s: %s", self.root, exc)
-        group = _memory_group(self.root, self.mode)
-        attach = not self._inspect or store_exists(self.memory_name, group=group)
-        if self.memory_budget > 0 and attach:
-            try:
-                self.memory = MemoryStore(
-                    self.memory_name,
-                    capacity=self.memory_budget,
-                    policy=self.policy,
-                    create=not self._inspect,
-                    temporary=self.temporary,
-                    owner_path=str(self.root),
-                    index_capacity=self.memory_entries,
-                    mode=self.mode & 0o660 if group is not None else 0o600,
-                    group=group,
-                )
-            except (OSError, CacheError) as exc:
-                self._degrade("memory", exc)
+                self._degrade(spec.name, exc)
+                continue
+            if store is not None:
+                opened[spec.name] = store
+        self._store = TieredStore(
+            [Tier(opened[s.name], s.verify, s.deferred) for s in specs if s.name in opened]
+        )
+
+    def _open_disk(self) -> Store:
+        if self.disk_budget is None:  # pragma: no cover - only opened when wanted
+            raise CacheError("no disk budget")
+        disk = DiskStore(
+            self.root / "disk", capacity=self.disk_budget, policy=self.policy, mode=self.mode
+        )
+        if self._opened_as == "owner":
+            write_config(self.root, self._options(), mode=self.mode)
+        try:
+            self.registry = FingerprintRegistry(self.root / "fingerprints", mode=self.mode)
+        except OSError as exc:
+            logger.debug("no fingerprint registry in %s: %s", self.root, exc)
+        return disk
+
+    def _open_memory(self) -> Store | None:
+        group = memory_group(self.root, self.mode)
+        if self._inspect and not store_exists(self.memory_name, group=group):
+            return None  # inspecting a cache must not allocate shared memory
+        return MemoryStore(
+            self.memory_name,
+            capacity=self.memory_budget,
+            policy=self.policy,
+            create=not self._inspect,
+            temporary=self.temporary,
+            owner_path=str(self.root),
+            index_capacity=self.memory_entries,
+            mode=self.mode & 0o660 if group is not None else 0o600,
+            group=group,
+        )
+
+    def _options(self) -> dict[str, Any]:
+        """The options ``cache.json`` records (see :func:`mmcache.cacheroot.write_config`)."""
+        return {
+            "memory": self.memory_budget,
+            "disk": self.disk_budget,
+            "policy": self.policy.name,
+            "ttl": self.ttl,
+        }
 
     @property
     def memory_name(self) -> str:
@@ -342,45 +278,7 @@ class Cache:
     def absent_tiers(self) -> tuple[str, ...]:
         """Tiers with a budget that are not open: not created yet (``open_existing``
         attaches the memory tier only if some process made it) or failed to open."""
-        out = []
-        if self.memory is None and self.memory_budget > 0:
-            out.append("memory")
-        if self.disk is None and self.disk_budget is not None:
-            out.append("disk")
-        return tuple(out)
-
-    def _write_config(self, **changes: Any) -> None:
-        """Record the budgets in ``root/cache.json`` so the CLI can reopen this cache.
-
-        Without ``changes``: the budgets this object was created with (a caller
-        creating or configuring a cache). With ``changes`` (``gc(max_size=...)``):
-        only those fields change in the recorded file, so the overrides of an
-        :meth:`open_existing` (``memory=0``, a TTL) are never persisted.
-        Written atomically (temp file + rename); plain JSON, never executed.
-        """
-        path = self.root / CONFIG_FILE
-        config: dict[str, Any] = {
-            "format": 1,
-            "memory": self.memory_budget,
-            "disk": self.disk_budget,
-            "policy": self.policy.name,
-            "ttl": self.ttl,
-        }
-        if changes:
-            try:
-                recorded = json.loads(path.read_text())
-            except (OSError, ValueError):
-                recorded = None
-            if isinstance(recorded, dict) and recorded.get("format") == 1:
-                config = recorded
-            config.update(changes)
-        tmp = path.with_name(f".{CONFIG_FILE}.{os.getpid()}.tmp")
-        try:
-            tmp.write_text(json.dumps(config, indent=1))
-            os.chmod(tmp, self.mode)
-            os.replace(tmp, path)
-        except OSError as exc:  # read-only root: the config is a convenience
-            logger.debug("cannot write %s: %s", path, exc)
+        return tuple(s.name for s in self._specs() if s.wanted and self._store.tier(s.name) is None)
 
     @classmethod
     def open_existing(
@@ -394,7 +292,7 @@ class Cache:
         shared memory), and nothing passed here is written to ``cache.json``:
         overrides apply to this object only.
         """
-        options = _read_config(root)
+        options = read_config(root)
         if memory is not None:
             options["memory"] = memory
         options.update(kwargs)
@@ -430,15 +328,26 @@ class Cache:
             _opened_as=state.get("opened_as", "worker"),
         )
 
+    # -- the tiers ------------------------------------------------------------------------
+    @property
+    def store(self) -> TieredStore:
+        """The open tiers as one :class:`~mmcache.stores.tiered.TieredStore`, fastest first."""
+        return self._store
+
     @property
     def tiers(self) -> dict[str, Store]:
         """The open tiers by name, fastest first."""
-        out: dict[str, Store] = {}
-        if self.memory is not None:
-            out["memory"] = self.memory
-        if self.disk is not None:
-            out["disk"] = self.disk
-        return out
+        return self._store.by_name()
+
+    @property
+    def memory(self) -> Store | None:
+        """The node-shared memory tier, or None (no budget, not attached, or failed)."""
+        return self._store.tier(MemoryStore.name)
+
+    @property
+    def disk(self) -> Store | None:
+        """The persistent disk tier, or None (no budget, or failed)."""
+        return self._store.tier(DiskStore.name)
 
     @property
     def reader(self) -> BatchReader | None:
@@ -449,13 +358,28 @@ class Cache:
         promotion, writes) goes through the cache's own methods, so the loader
         never names a tier.
         """
-        for tier in self.tiers.values():
+        for tier in self._store.tiers:
             return tier if tier.supports_gather and isinstance(tier, BatchReader) else None
         return None
 
     # -- reads ----------------------------------------------------------------------------
     def _expired(self, ctime: float) -> bool:
         return self.ttl is not None and ctime < self.clock() - self.ttl
+
+    def _accept(self, raw: bytes, verify: bool) -> Accepted[Sample] | None:
+        """The read check of the tiers: decoded arrays, None if expired; raises
+        CorruptEntryError (the tiered store drops the entry and logs it)."""
+        if verify:
+            sample = codec.decode(raw, verify=True)
+            header = codec.read_header(raw)
+            if self._expired(header.ctime):
+                return None
+        else:
+            header = codec.read_header(raw)
+            if self._expired(header.ctime):
+                return None
+            sample = codec.decode(raw, verify=False)
+        return Accepted(sample, header.cost, header.ctime)
 
     def get(self, key: KeyLike) -> Sample | None:
         """The cached sample for ``key`` (arrays the caller owns, read-only), or None.
@@ -466,40 +390,12 @@ class Cache:
 
     def lookup(self, key: KeyLike) -> tuple[Sample | None, str | None]:
         """Like :meth:`get`, also naming the tier that served it (``"memory"``, ``"disk"``)."""
-        k = _to_key(key)
-        if self.memory is not None:
-            raw = self.memory.get(k)
-            if raw is not None:
-                try:
-                    header = codec.read_header(raw)
-                    if not self._expired(header.ctime):
-                        return codec.decode(raw, verify=False), "memory"
-                    self.memory.discard(k, why="expired")
-                except CorruptEntryError as exc:
-                    logger.error("corrupt memory-tier entry %s dropped: %s", k.hex(), exc)
-                    self.memory.discard(k, why="corrupt")
-        if self.disk is not None:
-            raw = self.disk.get(k)
-            if raw is not None:
-                try:
-                    sample = codec.decode(raw, verify=True)
-                    header = codec.read_header(raw)
-                except CorruptEntryError as exc:
-                    logger.error("corrupt disk-tier entry %s dropped: %s", k.hex(), exc)
-                    self.disk.discard(k, why="corrupt")
-                    return None, None
-                if self._expired(header.ctime):
-                    self.disk.discard(k, why="expired")
-                    return None, None
-                if self.memory is not None:
-                    self.memory.put(k, raw, cost=header.cost, ctime=header.ctime)
-                return sample, "disk"
-        return None, None
+        hit = self._store.lookup(_to_key(key), self._accept)
+        return (None, None) if hit is None else (hit.value, hit.tier.name)
 
     def contains(self, key: KeyLike) -> bool:
         """Whether any tier holds ``key`` (no hit/miss counted, TTL not checked)."""
-        k = _to_key(key)
-        return any(t.contains(k) for t in self.tiers.values())
+        return self._store.holder(_to_key(key)) is not None
 
     def __contains__(self, key: object) -> bool:
         return isinstance(key, (bytes, str)) and self.contains(key)
@@ -545,34 +441,15 @@ class Cache:
         self, entries: list[tuple[bytes, bytes, float]], *, memory: bool = True
     ) -> list[bool]:
         """Offer many encoded ``(key, raw, cost)`` entries; the disk tier commits them in
-        groups (fewer fsyncs). ``memory=False`` skips the memory tier (the caller put
-        them there already). Returns, per entry, whether any tier admitted it.
+        groups (fewer fsyncs). ``memory=False`` skips the front tiers, those the
+        write-behind writes at once (the memory tier: the caller put them there
+        already). Returns, per entry, whether any tier admitted it.
 
         A tier that fails (disk full and friends) is logged and skipped: a put never
         stops training.
         """
-        ctimes = [codec.read_header(raw).ctime for _, raw, _ in entries]
-        admitted = [False] * len(entries)
-        if memory and self.memory is not None:
-            for i, (k, raw, cost) in enumerate(entries):
-                try:
-                    admitted[i] = self.memory.put(k, raw, cost=cost, ctime=ctimes[i])
-                except OSError as exc:
-                    logger.warning("put to memory tier failed: %s", exc)
-        disk = self.disk
-        if disk is not None:
-            rows = [(k, raw, cost, t) for (k, raw, cost), t in zip(entries, ctimes, strict=True)]
-            try:
-                many = getattr(disk, "put_many", None)
-                if many is not None:
-                    results = list(many(rows))
-                else:
-                    results = [disk.put(k, v, cost=c, ctime=t) for k, v, c, t in rows]
-            except OSError as exc:
-                logger.warning("put to disk tier failed: %s", exc)
-                results = [False] * len(entries)
-            admitted = [a or b for a, b in zip(admitted, results, strict=True)]
-        return admitted
+        rows = [(k, raw, cost, codec.read_header(raw).ctime) for k, raw, cost in entries]
+        return self._store.put_many(rows, skip_front=not memory)
 
     def get_or_produce(
         self, key: KeyLike, produce: Callable[[], Mapping[str, np.ndarray]]
@@ -580,21 +457,18 @@ class Cache:
         """Read-through: the cached sample, or ``produce()``'s result, stored with its cost.
 
         The cost is the CPU time of ``produce`` in this thread (``time.thread_time``),
-        not wall time, which other processes on a busy node inflate.
+        not wall time, which other processes on a busy node inflate
+        (see :func:`mmcache.readthrough.read_through`).
         """
-        hit = self.get(key)
-        if hit is not None:
-            return hit
-        t0 = time.thread_time()
-        sample = dict(produce())
-        cost = time.thread_time() - t0
-        self.put(key, sample, cost=cost)
+        sample = read_through(self, _to_key(key), produce).sample
+        if sample is None:  # pragma: no cover - on_error="raise" never returns a reject
+            raise RuntimeError("read_through returned no sample")
         return sample
 
     def delete(self, key: KeyLike) -> bool:
         k = _to_key(key)
         removed = False
-        for tier in self.tiers.values():
+        for tier in self._store.tiers:
             removed = tier.delete(k) or removed
         return removed
 
@@ -611,39 +485,8 @@ class Cache:
 
     def verify(self, *, repair: bool = False) -> VerifyReport:
         """Check every entry's header and checksum in every open tier; with ``repair``
-        remove bad ones.
-
-        Each tier checks itself (``Store.verify``, which the memory and disk tiers
-        have): no hit or miss is counted and no access time changes, so verifying
-        leaves the statistics and the policy's order as they were. Bad entries are
-        counted as ``corrupt`` by the tier. Safe while other processes use the cache.
-        """
-        bad: list[tuple[str, bytes]] = []
-        checked = 0
-        for name, tier in self.tiers.items():
-            checked += len(tier)
-            check_tier = getattr(tier, "verify", None)
-            if check_tier is not None:  # counts what it finds as corrupt
-                found = list(check_tier(_verifies))
-            else:  # a tier without its own check: plain reads (they count as hits)
-                found = []
-                for k in list(tier.keys()):
-                    raw = tier.get(k)
-                    if raw is not None and not _verifies(raw):
-                        found.append(k)
-            for k in found:
-                bad.append((name, k))
-                if repair and check_tier is not None:
-                    tier.delete(k)
-                elif repair:
-                    tier.discard(k, why="corrupt")
-        return VerifyReport(
-            checked=checked,
-            bad=tuple(k.hex() for _, k in bad),
-            removed=len(bad) if repair else 0,
-            tiers=tuple(self.tiers),
-            bad_tiers=tuple(name for name, _ in bad),
-        )
+        remove bad ones (see :func:`mmcache.maintenance.verify`)."""
+        return _verify(self.tiers, repair=repair)
 
     def gc(
         self,
@@ -653,73 +496,40 @@ class Cache:
         unused_for: float | str | None = None,
         all_roots: bool = False,
     ) -> GcReport:
-        """Remove expired and corrupt entries and orphaned shared-memory segments.
-
-        ``older_than`` (seconds or ``"7d"``) also removes, this once, every entry
-        created longer ago than that (``ttl`` stays as it is).
-
-        Orphaned segments: this root's memory tier when it is damaged or unused
-        and temporary (see :func:`~mmcache.stores.memory.reclaim_orphans`);
-        ``all_roots`` also those of every other root of this user (or group).
-
-        ``max_size`` shrinks the disk tier's budget to that size (evicting by the
-        policy; ``keep``/``value`` fall back to least recently used) and records
-        the new budget for later opens. ``unused_for`` (seconds or ``"30d"``)
-        removes every entry of the pipeline fingerprints not used for that long.
-        """
-        from mmcache.stores.disk import DiskStore
-        from mmcache.stores.memory import reclaim_orphans
-
-        ages = [a for a in (self.ttl, older_than) if a is not None]
-        before = sum(t.nbytes() for t in self.tiers.values())
-        expired = 0
-        if ages:
-            cutoff = self.clock() - min(parse_duration(a) for a in ages)
-            for tier in self.tiers.values():
-                expired += tier.expire(cutoff)
-        dropped: list[str] = []
-        removed_by_fp = 0
-        if unused_for is not None and self.registry is not None:
-            cutoff = self.clock() - parse_duration(unused_for)
-            for info in self.registry.entries():
-                if info.last_used >= cutoff:
-                    continue
-                for k in self.registry.keys(info.fingerprint):
-                    for tier in self.tiers.values():
-                        removed_by_fp += int(tier.delete(k))
-                self.registry.remove(info.fingerprint)
-                dropped.append(info.fingerprint)
-        report = self.verify(repair=True)
-        evicted = 0
-        if max_size is not None and self.disk is not None:
-            limit = parse_size(max_size)
-            items = len(self.disk)
-            self.disk.close()
-            self.disk = DiskStore(
-                self.root / "disk", capacity=limit, policy=self.policy, mode=self.mode
-            )
-            self.disk_budget = limit
-            self._write_config(disk=limit)
-            evicted = items - len(self.disk)
-        pattern = "*" if all_roots else _memory_name(self.root)
-        orphans = tuple(reclaim_orphans(pattern, group=_memory_group(self.root, self.mode)))
-        after = sum(t.nbytes() for t in self.tiers.values())
-        return GcReport(
-            expired=expired,
-            corrupt=len(report.bad),
-            evicted=evicted,
-            freed_bytes=max(before - after, 0),
-            orphan_segments=orphans,
-            dropped_fingerprints=tuple(dropped),
-            dropped_entries=removed_by_fp,
+        """Remove expired and corrupt entries and orphaned shared-memory segments;
+        ``max_size`` shrinks the disk tier, ``unused_for`` drops the entries of unused
+        pipeline fingerprints (see :func:`mmcache.maintenance.gc`)."""
+        return _gc(
+            self,
+            older_than=older_than,
+            max_size=max_size,
+            unused_for=unused_for,
+            all_roots=all_roots,
         )
+
+    def resize_disk(self, capacity: int | str) -> int:
+        """Give the disk tier a new byte budget, for this object and for later opens.
+
+        A smaller budget evicts by the policy down to it (``keep``/``value`` fall
+        back to least recently used). The budget is recorded in ``cache.json``, the
+        only field changed there (``gc --max-size``, ``warm --disk``). Returns the
+        entries evicted; 0, changing nothing, without a disk tier.
+        """
+        disk = self.disk
+        if disk is None:
+            return 0
+        limit = parse_size(capacity)
+        items = len(disk)
+        disk.close()
+        fresh = DiskStore(self.root / "disk", capacity=limit, policy=self.policy, mode=self.mode)
+        self._store.replace(DiskStore.name, fresh)
+        self.disk_budget = limit
+        write_config(self.root, self._options(), mode=self.mode, changes={"disk": limit})
+        return items - len(fresh)
 
     def close(self) -> None:
         """Release every handle (idempotent); shared and persisted data stay."""
-        for tier in self.tiers.values():
-            tier.close()
-        self.memory = None
-        self.disk = None
+        self._store.close()
 
     def __enter__(self) -> Cache:
         return self

@@ -1,24 +1,23 @@
 """``CachedDataset``: the simple path, a Dataset that reads through a :class:`Cache`.
 
-Wrap a :class:`MultimodalDataset` and use it with a plain
+Wrap a sample source (a :class:`~mmcache.dataset.MultimodalDataset` or any
+:class:`~mmcache.sources.base.SampleSource`) and use it with a plain
 ``torch.utils.data.DataLoader`` and any number of workers: every worker reads
 the node-shared memory tier and the disk tier, and admits what it produces.
 (``mmcache.DataLoader`` goes further: hits skip the workers entirely.)
 
-Each item carries ``"key"``, the hex cache key, beside the dataset's fields.
+Each item carries ``"key"``, the hex cache key, beside the source's fields.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 
 from mmcache.cache import Cache
-from mmcache.dataset import MultimodalDataset
-from mmcache.errors import SampleError
 from mmcache.keys import key_hex
+from mmcache.readthrough import ReadThroughSource, describe, read_through
 
 __all__ = ["CachedDataset"]
 
@@ -32,29 +31,27 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any] | None]):
     the cache's configuration.
     """
 
-    def __init__(self, dataset: MultimodalDataset, cache: Cache) -> None:
+    def __init__(self, dataset: ReadThroughSource, cache: Cache) -> None:
         self.dataset = dataset
         self.cache = cache
-        cache.register(dataset.fingerprint(), repr(dataset.pipeline))
+        cache.register(dataset.fingerprint(), describe(dataset))
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, index: int) -> dict[str, Any] | None:
-        key = self.dataset.key(index)
-        sample = self.cache.get(key)
-        if sample is None:
-            t0 = time.thread_time()
-            try:
-                sample = self.dataset.produce(index)
-            except SampleError as err:
-                if self.dataset.on_error == "raise":
-                    raise
-                self.dataset.record_reject(err)
-                return None
-            self.cache.put(
-                key, sample, cost=time.thread_time() - t0, tag=self.dataset.fingerprint()
-            )
-        item = self.dataset.to_item(index, sample)
+        ds = self.dataset
+        key = ds.key(index)
+        got = read_through(
+            self.cache,
+            key,
+            lambda: ds.produce(index),
+            on_error=ds.on_error,
+            record_reject=ds.record_reject,
+            tag=ds.fingerprint(),
+        )
+        if got.sample is None:
+            return None
+        item = ds.to_item(index, got.sample)
         item["key"] = key_hex(key)
         return item

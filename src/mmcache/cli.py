@@ -147,7 +147,7 @@ def _cmd_warm(args: argparse.Namespace) -> int:
 
     pipe = default_pipeline(size=args.size, max_length=args.max_length, tokenizer=args.tokenizer)
     ds = mc.MultimodalDataset(args.manifest, pipeline=pipe, on_error=args.on_error)
-    cache = mc.Cache(args.cache, memory=0, disk=args.disk, policy=args.policy)
+    cache = _open_for_warm(args)
     try:
         if args.features:
             from mmcache.features import FeatureCache, load_factory, warm_features
@@ -177,6 +177,34 @@ def _cmd_warm(args: argparse.Namespace) -> int:
             )
         )
     return 0
+
+
+#: The disk budget ``warm`` gives a new root when ``--disk`` is not passed.
+WARM_DISK = "50GiB"
+
+
+def _open_for_warm(args: argparse.Namespace) -> Any:
+    """The cache ``warm`` fills, without its memory tier (no shared memory allocated).
+
+    A root that exists keeps what ``cache.json`` records (budgets, policy, TTL):
+    only an explicit ``--disk`` changes its disk budget, recorded alone, and an
+    explicit ``--policy`` applies to this run. A new root records ``--disk`` (default
+    ``50GiB``) and the policy, as any cache does when it is created.
+    """
+    import mmcache as mc
+    from mmcache.cacheroot import CONFIG_FILE
+
+    root = Path(os.path.expanduser(args.cache))
+    if not (root / CONFIG_FILE).is_file():
+        disk = WARM_DISK if args.disk is None else args.disk
+        return mc.Cache(root, memory=0, disk=disk, policy=args.policy or "value")
+    overrides: dict[str, Any] = {} if args.policy is None else {"policy": args.policy}
+    if args.disk is not None:
+        overrides["disk"] = args.disk
+    cache = mc.Cache.open_existing(root, memory=0, **overrides)
+    if args.disk is not None:
+        cache.resize_disk(args.disk)  # the user asked for it: later opens keep it
+    return cache
 
 
 # -- stats / verify / gc --------------------------------------------------------------------
@@ -413,13 +441,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("warm", help="fill a cache's disk tier ahead of training (resumable)")
     p.add_argument("manifest")
     p.add_argument("--cache", required=True, help="cache root")
-    p.add_argument("--disk", type=size, default="50GiB", help="disk budget (default 50GiB)")
+    p.add_argument(
+        "--disk",
+        type=size,
+        help=f"disk budget (default: the root's recorded one; {WARM_DISK} for a new root)",
+    )
     p.add_argument("--workers", type=int_at_least(0), default=os.cpu_count() or 1)
     p.add_argument("--features", help="module:factory returning a frozen encoder")
     p.add_argument("--size", type=int_at_least(1), default=224)
     p.add_argument("--max-length", type=int_at_least(1), default=32)
     p.add_argument("--tokenizer", help="tokenizer.json (default: the built-in offline one)")
-    p.add_argument("--policy", default="value")
+    p.add_argument(
+        "--policy", help="eviction policy (default: the root's recorded one; value for a new root)"
+    )
     p.add_argument("--on-error", choices=["raise", "skip"], default="skip")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_warm)

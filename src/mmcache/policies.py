@@ -22,6 +22,10 @@ causes churn. See ``research/anchors-papers.md`` sections 1 and 4.
 [0]
 >>> get_policy("keep").select_victims(r, size=100, cost=9.0, need=100) is None
 True
+
+A store never trusts the answer: :func:`validate_victims` is the one check of
+what a policy returned (every tier calls it, so a buggy plug-in is treated the
+same way by all of them).
 """
 
 from __future__ import annotations
@@ -44,9 +48,11 @@ __all__ = [
     "Policy",
     "Residents",
     "ValuePolicy",
+    "VictimCheck",
     "get_policy",
     "policy_names",
     "register_policy",
+    "validate_victims",
 ]
 
 IntArray = npt.NDArray[np.int64]
@@ -126,6 +132,78 @@ class Policy(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+@dataclass(frozen=True)
+class VictimCheck:
+    """What :func:`validate_victims` made of a policy's answer.
+
+    ``rows``: the victims, sorted rows of the residents without repeats, or None:
+    the newcomer is refused. ``freed``: the bytes those rows free. ``problem``:
+    why an answer was refused although the policy chose victims (they free too
+    little); the store logs it once (a policy bug, but the budget holds).
+    """
+
+    rows: IntArray | None
+    freed: int = 0
+    problem: str | None = None
+
+    @property
+    def admitted(self) -> bool:
+        return self.rows is not None
+
+
+def validate_victims(
+    policy: Policy,
+    residents: Residents,
+    answer: object,
+    *,
+    need: int,
+    entries: int = 0,
+) -> VictimCheck:
+    """Check what ``policy.select_victims(residents, ..., need=...)`` returned.
+
+    The rules, the same for every tier: None is a refusal. Anything else must
+    be row numbers of ``residents`` (integers in ``[0, len(residents))``, any
+    shape, a list or an array); else the policy is broken and this raises
+    :class:`~mmcache.errors.ConfigError` naming it and the answer (failing
+    loudly: a policy that points outside the residents would evict the wrong
+    entries). A row given twice counts once. Rows that free fewer than ``need``
+    bytes, or fewer than ``entries`` entries (a full index needs a free slot),
+    refuse the newcomer with a ``problem`` to log: the budget is never broken.
+
+    >>> r = Residents.from_columns(size=[100, 50, 70])
+    >>> validate_victims(LRUPolicy(), r, [2, 0, 2], need=150).rows.tolist()
+    [0, 2]
+    >>> validate_victims(LRUPolicy(), r, [1], need=150).problem
+    'policy LRUPolicy() chose victims freeing 50 of the 150 bytes needed'
+    """
+    if answer is None:
+        return VictimCheck(None)
+    rows = np.asarray(answer)
+    if rows.size == 0:
+        rows = rows.astype(np.int64)
+    if rows.dtype.kind not in "iu":
+        raise ConfigError(
+            f"policy {policy!r} returned {rows.dtype} victims, not row numbers: {answer!r:.200}"
+        )
+    rows = np.unique(rows.astype(np.int64, copy=False).reshape(-1))
+    n = len(residents)
+    if rows.size and (rows[0] < 0 or rows[-1] >= n):
+        raise ConfigError(
+            f"policy {policy!r} returned rows outside the {n} residents: {rows.tolist()!r:.200}"
+        )
+    freed = int(residents.size[rows].sum())
+    if freed < need:
+        problem = f"policy {policy!r} chose victims freeing {freed} of the {need} bytes needed"
+        return VictimCheck(None, freed, problem)
+    if rows.size < entries:
+        return VictimCheck(
+            None,
+            freed,
+            f"policy {policy!r} chose {rows.size} victims where {entries} entries must be freed",
+        )
+    return VictimCheck(rows, freed)
 
 
 def _take_until(order: IntArray, size: IntArray, need: int) -> IntArray | None:

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from mmcache.cache import Cache
-from mmcache.dataset import MultimodalDataset
+from mmcache.checks import check_int
 from mmcache.dist import rank_and_world
-from mmcache.errors import ConfigError, SampleError
+from mmcache.readthrough import ReadThroughSource, describe, read_through
 
 __all__ = ["WarmReport", "warm"]
 
@@ -45,7 +45,7 @@ class WarmReport:
 class _Produce(torch.utils.data.Dataset[tuple[str, str]]):
     """Worker-side: produce sample ``i`` and put it; return (status, reason)."""
 
-    def __init__(self, dataset: MultimodalDataset, cache: Cache, indices: list[int]) -> None:
+    def __init__(self, dataset: ReadThroughSource, cache: Cache, indices: list[int]) -> None:
         self.dataset = dataset
         self.cache = cache
         self.indices = indices
@@ -55,21 +55,22 @@ class _Produce(torch.utils.data.Dataset[tuple[str, str]]):
 
     def __getitem__(self, j: int) -> tuple[str, str]:
         i = self.indices[j]
-        key = self.dataset.key(i)
+        ds = self.dataset
+        key = ds.key(i)
         if self.cache.contains(key):
             return ("present", "")
-        t0 = time.thread_time()
-        try:
-            sample = self.dataset.produce(i)
-        except SampleError as err:
-            if self.dataset.on_error == "raise":
-                raise
-            self.dataset.record_reject(err)
-            return ("rejected", err.reason)
-        admitted = self.cache.put(
-            key, sample, cost=time.thread_time() - t0, tag=self.dataset.fingerprint()
+        got = read_through(
+            self.cache,
+            key,
+            lambda: ds.produce(i),
+            on_error=ds.on_error,
+            record_reject=ds.record_reject,
+            tag=ds.fingerprint(),
+            lookup=False,  # contains() just said it is a miss, and counted nothing
         )
-        return ("admitted" if admitted else "refused", "")
+        if got.error is not None:
+            return ("rejected", got.error.reason)
+        return ("admitted" if got.admitted else "refused", "")
 
 
 def _collate(batch: list[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -77,7 +78,7 @@ def _collate(batch: list[tuple[str, str]]) -> list[tuple[str, str]]:
 
 
 def warm(
-    dataset: MultimodalDataset,
+    dataset: ReadThroughSource,
     cache: Cache,
     *,
     workers: int = 0,
@@ -87,11 +88,10 @@ def warm(
     multiprocessing_context: Any = None,
 ) -> WarmReport:
     """Produce and store every sample of this rank's shard that the cache lacks."""
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
-        raise ConfigError(f"workers must be an int >= 0 (0: produce here), got {workers!r}")
+    check_int("workers", workers, minimum=0)  # 0: produce in this process
     rank, world_size = rank_and_world(rank, world_size)
     t0 = time.perf_counter()
-    cache.register(dataset.fingerprint(), repr(dataset.pipeline))
+    cache.register(dataset.fingerprint(), describe(dataset))
     shard = list(range(rank, len(dataset), world_size))
     todo = [i for i in shard if not cache.contains(dataset.key(i))]
     present = len(shard) - len(todo)

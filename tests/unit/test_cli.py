@@ -263,6 +263,44 @@ def test_gc_older_than_applies_once_and_nothing_is_persisted(
     assert _entries(cache_root) == {"memory": 0, "disk": 0}
 
 
+def test_warm_keeps_an_existing_roots_budgets_unless_disk_is_passed(
+    tmp_path: Path, cache_root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 12 item 2: warm (memory=0, a default disk budget) never rewrites cache.json;
+    an explicit --disk changes the recorded disk budget and nothing else."""
+    import glob
+
+    from mmcache.cache import Cache, _memory_name
+
+    assert main(["synth", str(tmp_path / "data"), "--n", "4"]) == 0
+    with Cache(cache_root, memory="1MiB", disk="4MiB", policy="lru", ttl="7d", temporary=True):
+        pass
+    config = (cache_root / "cache.json").read_bytes()
+    argv = ["warm", str(tmp_path / "data" / "manifest.jsonl"), "--cache", str(cache_root)]
+    argv += ["--workers", "0", "--size", "32", "--json"]
+    capsys.readouterr()
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["admitted"] == 4
+    assert (cache_root / "cache.json").read_bytes() == config
+    assert main([*argv, "--policy", "fifo"]) == 0  # for this run only
+    assert json.loads(capsys.readouterr().out)["present"] == 4
+    assert (cache_root / "cache.json").read_bytes() == config
+    name = _memory_name(cache_root.absolute())
+    assert glob.glob(f"{store_dir()}/mmcache-{name}*") == []  # warm made no memory tier
+    assert main(["stats", "--cache", str(cache_root), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["disk"]["budget"] == 4 * 2**20
+    assert main([*argv, "--disk", "8MiB"]) == 0
+    recorded = json.loads((cache_root / "cache.json").read_text())
+    assert recorded == {**json.loads(config), "disk": 8 * 2**20}
+    with Cache.open_existing(cache_root, memory=0) as cache:
+        assert cache.disk is not None and cache.disk.capacity() == 8 * 2**20
+        assert cache.policy.name == "lru" and cache.ttl == 7 * 86400
+    fresh = tmp_path / "fresh"  # a new root records what warm opened it with
+    assert main(["warm", *argv[1:3], str(fresh), *argv[4:]]) == 0
+    recorded = json.loads((fresh / "cache.json").read_text())
+    assert (recorded["memory"], recorded["disk"], recorded["policy"]) == (0, 50 * 2**30, "value")
+
+
 def test_verify_checks_the_memory_tier_and_repairs_it(
     cache_root: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

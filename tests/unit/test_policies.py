@@ -5,12 +5,14 @@ from hypothesis import strategies as st
 
 from mmcache.errors import ConfigError
 from mmcache.policies import (
+    LRUPolicy,
     Policy,
     Residents,
     ValuePolicy,
     get_policy,
     policy_names,
     register_policy,
+    validate_victims,
 )
 
 
@@ -102,10 +104,50 @@ def test_victims_free_enough_and_are_distinct(
     r = Residents.from_columns(
         size=sizes, cost=rng.random(n), atime=rng.random(n), hits=rng.integers(0, 5, n)
     )
-    victims = get_policy(name).select_victims(r, size=need, cost=1e9, need=need)
+    policy = get_policy(name)
+    victims = policy.select_victims(r, size=need, cost=1e9, need=need)
+    checked = validate_victims(policy, r, victims, need=need)  # every built-in answer passes
+    assert checked.problem is None and checked.admitted == (victims is not None)
     if victims is None:
         assert name == "value" or sum(sizes) < need
         return
     assert len(set(victims.tolist())) == len(victims)
     assert int(r.size[victims].sum()) >= need
     assert all(0 <= v < n for v in victims.tolist())
+
+
+# -- the one check of a policy's answer (every tier calls validate_victims) ---------------
+def test_validate_victims_accepts_rows_as_a_set() -> None:
+    r = Residents.from_columns(size=[100, 50, 70, 30])
+    lru = LRUPolicy()
+    got = validate_victims(lru, r, np.array([3, 0, 3], dtype=np.int32), need=120)
+    assert got.admitted and got.rows is not None and got.rows.tolist() == [0, 3]
+    assert got.rows.dtype == np.int64 and got.freed == 130 and got.problem is None
+    assert validate_victims(lru, r, [2], need=70).freed == 70  # a list, exactly enough
+    refused = validate_victims(lru, r, None, need=10)
+    assert not refused.admitted and refused.problem is None  # the policy said no: no bug
+    nothing = validate_victims(lru, r, np.zeros(0), need=0)  # nothing needed, nothing chosen
+    assert nothing.admitted and nothing.rows is not None and nothing.rows.size == 0
+
+
+def test_validate_victims_refuses_answers_that_free_too_little() -> None:
+    r = Residents.from_columns(size=[100, 50])
+    lru = LRUPolicy()
+    short = validate_victims(lru, r, [1], need=120)
+    assert not short.admitted and short.freed == 50
+    assert short.problem is not None and "50 of the 120 bytes" in short.problem
+    full = validate_victims(lru, r, [], need=0, entries=1)  # a full index needs a free slot
+    assert not full.admitted and full.problem is not None and "entries" in full.problem
+    assert validate_victims(lru, r, [0], need=0, entries=1).admitted
+
+
+@pytest.mark.parametrize(
+    ("answer", "match"),
+    [([2], "outside the 2 residents"), ([-1], "outside"), ([0.5], "float64"),
+     (np.array([True, False]), "bool"), (["0"], "not row numbers")],
+)  # fmt: skip
+def test_validate_victims_raises_for_a_broken_policy(answer: object, match: str) -> None:
+    r = Residents.from_columns(size=[100, 50])
+    with pytest.raises(ConfigError, match=match) as info:
+        validate_victims(LRUPolicy(), r, answer, need=10)
+    assert "LRUPolicy()" in str(info.value)

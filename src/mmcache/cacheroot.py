@@ -1,0 +1,136 @@
+"""What a cache root records about itself: ``cache.json`` and the name of its memory tier.
+
+A root is a folder: its disk tier (``disk/``), its fingerprint registry
+(``fingerprints/``) and ``cache.json``, the budgets, policy and TTL its owner
+gave, so that the CLI (``stats``, ``verify``, ``gc``, ``warm``) can reopen it
+without being told them again. Its memory tier lives in ``/dev/shm`` under a
+name derived from the root's path. The file is untrusted input like every cache
+file: plain JSON, validated here, never executed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from mmcache.errors import CacheError, ConfigError
+from mmcache.policies import policy_names
+from mmcache.units import parse_duration, parse_size
+
+__all__ = ["CONFIG_FILE", "memory_group", "memory_name", "read_config", "write_config"]
+
+logger = logging.getLogger(__name__)
+
+#: Budgets of a cache root, written beside its disk tier (see Cache.open_existing).
+CONFIG_FILE = "cache.json"
+
+
+def memory_name(root: Path) -> str:
+    """Name of the memory tier of ``root``: a hash, never the path itself.
+
+    No uid in it: the store's directory says whose it is (``/dev/shm/mmcache-u<uid>/``,
+    or ``mmcache-g<gid>/`` shared by a group, where every member must find one name).
+    """
+    return xxhash.xxh3_64_hexdigest(str(root).encode())
+
+
+def memory_group(root: Path, mode: int) -> int | None:
+    """The group sharing the memory tier: the root's, when ``mode`` opens it to a group."""
+    if not mode & 0o060:
+        return None
+    try:
+        return os.stat(root).st_gid
+    except OSError:
+        return os.getegid()
+
+
+def read_config(root: str | os.PathLike[str]) -> dict[str, Any]:
+    """The options recorded in ``root/cache.json``, validated: ``memory``, ``disk``,
+    ``policy`` and ``ttl``, as :class:`~mmcache.cache.Cache` takes them.
+
+    Every command that reopens a root (``Cache.open_existing``: stats, verify, gc,
+    warm) reads the file here, so a hand-edited value is refused the same way by
+    all of them, also where an override (``memory=0``) means it would not be used.
+    An unknown policy name reads as ``value`` (policies are plug-ins: the one that
+    wrote it may not be registered in this process). Raises CacheError when the
+    file is missing or unreadable, ConfigError naming the file, key and value
+    when a value is not valid.
+    """
+    path = Path(os.path.expanduser(os.fspath(root))) / CONFIG_FILE
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise CacheError(
+            f"{path} not found: {root} is not an mmcache cache root (no disk tier was made)"
+        ) from exc
+    except (OSError, ValueError) as exc:
+        raise CacheError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(config, dict) or config.get("format") != 1:
+        raise CacheError(f"{path}: unknown cache config format")
+
+    def finite_duration(value: Any) -> float:
+        seconds = parse_duration(value)
+        if not math.isfinite(seconds):
+            raise ConfigError(f"duration must be a finite number of seconds, got {value!r}")
+        return seconds
+
+    checks: dict[str, Callable[[Any], object]] = {
+        "memory": lambda v: v == "auto" or parse_size(v),
+        "disk": lambda v: v is None or parse_size(v),
+        "ttl": lambda v: v is None or finite_duration(v),
+    }
+    options = {
+        "memory": config.get("memory", 0),
+        "disk": config.get("disk"),
+        "ttl": config.get("ttl"),
+    }
+    for name, check in checks.items():
+        try:
+            check(options[name])
+        except ConfigError as exc:
+            raise ConfigError(
+                f"{path}: {name!r} is {options[name]!r}, which is not valid ({exc}); correct "
+                "it, or open the root once with Cache(root, memory=..., disk=...) to record "
+                "new budgets"
+            ) from exc
+    policy = config.get("policy", "value")
+    options["policy"] = policy if policy in policy_names() else "value"
+    return options
+
+
+def write_config(
+    root: Path, config: dict[str, Any], *, mode: int, changes: dict[str, Any] | None = None
+) -> None:
+    """Record the options in ``root/cache.json`` so the CLI can reopen the root.
+
+    Without ``changes``: ``config`` (``memory``, ``disk``, ``policy``, ``ttl``), the
+    options of a caller creating or configuring a cache. With ``changes``
+    (``gc(max_size=...)``, ``warm --disk``): only those fields change in the
+    recorded file (``config`` stands in for an unreadable one), so the overrides
+    of a reopening (``memory=0``, a TTL) are never persisted. Written atomically
+    (temp file + rename) with ``mode``; plain JSON, never executed.
+    """
+    path = root / CONFIG_FILE
+    out: dict[str, Any] = {"format": 1, **config}
+    if changes:
+        try:
+            recorded = json.loads(path.read_text())
+        except (OSError, ValueError):
+            recorded = None
+        if isinstance(recorded, dict) and recorded.get("format") == 1:
+            out = recorded
+        out.update(changes)
+    tmp = path.with_name(f".{CONFIG_FILE}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(out, indent=1))
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except OSError as exc:  # read-only root: the config is a convenience
+        logger.debug("cannot write %s: %s", path, exc)

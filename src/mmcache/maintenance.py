@@ -1,0 +1,180 @@
+"""Maintenance of a cache's tiers: ``verify`` (checksums) and ``gc`` (what to remove).
+
+These run from the CLI (``mmcache verify``, ``mmcache gc``) on a reopened root,
+or from ``Cache.verify``/``Cache.gc``, while other processes may be using the
+cache: every step goes through the tiers' own process-safe methods. They count
+no hits or misses and leave the policy's order alone, so maintenance never
+changes what training sees next except by removing entries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from mmcache import codec
+from mmcache.cacheroot import memory_group
+from mmcache.registry import FingerprintRegistry
+from mmcache.stores.base import Store
+from mmcache.units import parse_duration, parse_size
+
+__all__ = ["GcReport", "Maintained", "VerifyReport", "gc", "verify"]
+
+
+@dataclass(frozen=True)
+class GcReport:
+    """What :meth:`Cache.gc <mmcache.cache.Cache.gc>` removed."""
+
+    expired: int = 0
+    corrupt: int = 0
+    evicted: int = 0
+    freed_bytes: int = 0
+    orphan_segments: tuple[str, ...] = ()
+    dropped_fingerprints: tuple[str, ...] = ()
+    dropped_entries: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """What :meth:`Cache.verify <mmcache.cache.Cache.verify>` found: entries checked, bad
+    keys (hex), removed count, the tiers checked (fastest first) and, for each bad
+    key, the tier holding it."""
+
+    checked: int
+    bad: tuple[str, ...]
+    removed: int
+    tiers: tuple[str, ...] = ()
+    bad_tiers: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.bad
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["ok"] = self.ok
+        return out
+
+
+def _verifies(buf: bytes) -> bool:
+    return codec.verify(buf)
+
+
+def verify(tiers: Mapping[str, Store], *, repair: bool = False) -> VerifyReport:
+    """Check every entry's header and checksum in each of ``tiers`` (by name, fastest
+    first); with ``repair`` remove bad ones.
+
+    Each tier checks itself (``verify(check)``, which the memory and disk tiers
+    have): no hit or miss is counted and no access time changes, so verifying
+    leaves the statistics and the policy's order as they were. Bad entries are
+    counted as ``corrupt`` by the tier. Safe while other processes use the cache.
+    """
+    bad: list[tuple[str, bytes]] = []
+    checked = 0
+    for name, tier in tiers.items():
+        checked += len(tier)
+        check_tier = getattr(tier, "verify", None)
+        if check_tier is not None:  # counts what it finds as corrupt
+            found = list(check_tier(_verifies))
+        else:  # a tier without its own check: plain reads (they count as hits)
+            found = []
+            for k in list(tier.keys()):
+                raw = tier.get(k)
+                if raw is not None and not _verifies(raw):
+                    found.append(k)
+        for k in found:
+            bad.append((name, k))
+            if repair and check_tier is not None:
+                tier.delete(k)
+            elif repair:
+                tier.discard(k, why="corrupt")
+    return VerifyReport(
+        checked=checked,
+        bad=tuple(k.hex() for _, k in bad),
+        removed=len(bad) if repair else 0,
+        tiers=tuple(tiers),
+        bad_tiers=tuple(name for name, _ in bad),
+    )
+
+
+class Maintained(Protocol):
+    """What :func:`gc` needs of a cache (:class:`~mmcache.cache.Cache` has it)."""
+
+    root: Path
+    mode: int
+    ttl: float | None
+    clock: Callable[[], float]
+    registry: FingerprintRegistry | None
+
+    @property
+    def tiers(self) -> dict[str, Store]: ...
+
+    @property
+    def memory_name(self) -> str: ...
+
+    def resize_disk(self, capacity: int | str) -> int: ...
+
+
+def gc(
+    cache: Maintained,
+    *,
+    older_than: float | str | None = None,
+    max_size: int | str | None = None,
+    unused_for: float | str | None = None,
+    all_roots: bool = False,
+) -> GcReport:
+    """Remove expired and corrupt entries and orphaned shared-memory segments.
+
+    ``older_than`` (seconds or ``"7d"``) also removes, this once, every entry
+    created longer ago than that (the cache's ``ttl`` stays as it is).
+
+    Orphaned segments: this root's memory tier when it is damaged or unused
+    and temporary (see :func:`~mmcache.stores.memory.reclaim_orphans`);
+    ``all_roots`` also those of every other root of this user (or group).
+
+    ``max_size`` shrinks the disk tier's budget to that size (evicting by the
+    policy; ``keep``/``value`` fall back to least recently used) and records
+    the new budget for later opens. ``unused_for`` (seconds or ``"30d"``)
+    removes every entry of the pipeline fingerprints not used for that long.
+    """
+    from mmcache.stores.memory import reclaim_orphans
+
+    ages = [a for a in (cache.ttl, older_than) if a is not None]
+    before = sum(t.nbytes() for t in cache.tiers.values())
+    expired = 0
+    if ages:
+        cutoff = cache.clock() - min(parse_duration(a) for a in ages)
+        for tier in cache.tiers.values():
+            expired += tier.expire(cutoff)
+    dropped: list[str] = []
+    removed_by_fp = 0
+    registry = cache.registry
+    if unused_for is not None and registry is not None:
+        cutoff = cache.clock() - parse_duration(unused_for)
+        for info in registry.entries():
+            if info.last_used >= cutoff:
+                continue
+            for k in registry.keys(info.fingerprint):
+                for tier in cache.tiers.values():
+                    removed_by_fp += int(tier.delete(k))
+            registry.remove(info.fingerprint)
+            dropped.append(info.fingerprint)
+    report = verify(cache.tiers, repair=True)
+    evicted = cache.resize_disk(parse_size(max_size)) if max_size is not None else 0
+    pattern = "*" if all_roots else cache.memory_name
+    orphans = tuple(reclaim_orphans(pattern, group=memory_group(cache.root, cache.mode)))
+    after = sum(t.nbytes() for t in cache.tiers.values())
+    return GcReport(
+        expired=expired,
+        corrupt=len(report.bad),
+        evicted=evicted,
+        freed_bytes=max(before - after, 0),
+        orphan_segments=orphans,
+        dropped_fingerprints=tuple(dropped),
+        dropped_entries=removed_by_fp,
+    )

@@ -1,0 +1,367 @@
+"""``TieredStore``: an ordered list of tiers (fastest first) that is itself a :class:`Store`.
+
+One walk over the tiers serves every path of the cache: a read goes down the
+list until a tier holds the key, checks the bytes it found (``lookup``'s read
+check: a corrupt or expired entry is discarded from that tier and the walk goes
+on) and promotes them into every faster tier whose policy admits them; a write
+offers the same bytes to every tier (each tier's policy decides, a tier that
+fails is logged and skipped: a put never stops training). The write-behind
+(:mod:`mmcache.stores.writebehind`) is the same write split in two: the *front*
+tiers now, the *deferred* ones (the disk tier: an ``fsync`` per commit) in
+groups from a background thread. A new tier (a remote store, a peer exchange)
+is one more entry in the list; nothing else names the tiers.
+
+The Store face. The contract (:mod:`mmcache.testing.store_contract`) has one
+budget, and a union of tiers that evict on their own has none: a read served
+by the memory tier is not a read of the disk tier, so the disk tier's
+least-recently-used entry can be the one the memory tier just served, and the
+union would then hold more than either budget. So ``contains``, ``keys``,
+``info``, ``nbytes``, ``capacity``, ``len``, ``delete``'s and ``expire``'s
+answers and the byte counts of ``stats`` are those of the **last tier, the
+store of record**; the faster tiers are caches in front of it. ``get`` and
+``put`` serve the whole list: ``get`` may still find, in a faster tier, an
+entry the store of record has since evicted (always the value last put: a put
+goes to every tier, and a tier that refuses a new value drops its old one),
+and ``put`` returns whether *any* tier admitted the value. :meth:`holder` says
+which tier serves a key (what ``Cache.contains`` asks). Rejected: the union as
+the Store face (no budget holds, see above); the first tier as the record (it
+is the smallest, and a put it refuses is still cached below).
+
+Thread/process safety: as safe as the tiers (each locks itself); the
+TieredStore's own counters (hits, misses, puts of its Store face) are per
+object, and approximate when threads share it. Pickling is the tiers' business:
+a ``Cache`` rebuilds its TieredStore in each process instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Generic, Literal, TypeVar
+
+from mmcache.errors import CorruptEntryError
+from mmcache.stats import TierStats
+from mmcache.stores.base import EntryInfo, Store, check_key
+
+__all__ = ["Accepted", "Hit", "ReadCheck", "Row", "Tier", "TieredStore"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: One entry of a batched write: ``(key, value, cost, ctime)``.
+Row = tuple[bytes, bytes, float, float]
+
+
+@dataclass(frozen=True)
+class Tier:
+    """One tier of a :class:`TieredStore` and how the list treats it.
+
+    ``verify``: passed to the read check for the bytes this tier serves (the
+    cache trusts its memory tier, which holds only bytes verified or produced on
+    the way in, and checks every disk read). ``deferred``: the write-behind
+    writes this tier from a background thread instead of at once.
+    """
+
+    store: Store
+    verify: bool = True
+    deferred: bool = False
+
+
+# Accepted and Hit are made once per read: plain slotted records (a frozen dataclass's
+# __init__ costs about 1 us, a third of what the tier walk adds to a memory hit).
+@dataclass(slots=True)
+class Accepted(Generic[T]):
+    """A read check's answer for bytes it accepts: what to serve (``value``) and the
+    ``cost`` and ``ctime`` to promote them with."""
+
+    value: T
+    cost: float
+    ctime: float
+
+
+#: ``check(raw, verify)``: accept the bytes a tier served (:class:`Accepted`), return
+#: None for an expired entry, or raise :class:`~mmcache.errors.CorruptEntryError`.
+ReadCheck = Callable[[bytes, bool], "Accepted[T] | None"]
+
+
+@dataclass(slots=True)
+class Hit(Generic[T]):
+    """What :meth:`TieredStore.lookup` found: the checked value and the tier that held it."""
+
+    value: T
+    tier: Store
+
+
+class TieredStore(Store):
+    """Tiers fastest first; read-through with promotion, write to all, deferred writes.
+
+    >>> import tempfile
+    >>> from mmcache.stores.disk import DiskStore
+    >>> disk = DiskStore(tempfile.mkdtemp(), capacity=2**20)
+    >>> store = TieredStore([Tier(disk, deferred=True)])
+    >>> store.put(bytes(16), b"value")
+    True
+    >>> store.get(bytes(16)), store.holder(bytes(16)).name
+    (b'value', 'disk')
+    >>> store.close()
+
+    The cache's list is ``[Tier(memory, verify=False), Tier(disk, deferred=True)]``.
+    Bare stores are accepted in the list (``Tier(store)`` defaults). An empty
+    list is a store that holds nothing (a cache without tiers).
+    """
+
+    name = "tiered"
+
+    def __init__(self, tiers: Sequence[Store | Tier]) -> None:
+        self._set([t if isinstance(t, Tier) else Tier(t) for t in tiers])
+        self._hits = self._misses = self._puts = self._admitted = 0
+
+    def _set(self, tiers: list[Tier]) -> None:
+        # Replaced whole (never mutated), so a walk in another thread keeps a consistent list.
+        self._tiers: tuple[Tier, ...] = tuple(tiers)
+        self._front = tuple(t.store for t in tiers if not t.deferred)
+        self._deferred = tuple(t for t in tiers if t.deferred)
+        self._by_name = {t.store.name: t.store for t in tiers}
+        if len(self._by_name) != len(tiers):
+            raise ValueError(f"tier names must differ, got {[t.store.name for t in tiers]}")
+
+    # -- the list ---------------------------------------------------------------------------
+    @property
+    def tiers(self) -> tuple[Store, ...]:
+        """The tiers, fastest first."""
+        return tuple(t.store for t in self._tiers)
+
+    def tier(self, name: str) -> Store | None:
+        """The tier called ``name`` (its ``Store.name``), or None."""
+        return self._by_name.get(name)
+
+    def by_name(self) -> dict[str, Store]:
+        """The tiers by name, fastest first (a new dict)."""
+        return dict(self._by_name)
+
+    @property
+    def record(self) -> Store | None:
+        """The store of record (the last tier), or None without tiers."""
+        return self._tiers[-1].store if self._tiers else None
+
+    @property
+    def deferred(self) -> bool:
+        """Whether some tier is written later by the write-behind."""
+        return bool(self._deferred)
+
+    def replace(self, name: str, store: Store) -> Store:
+        """Put ``store`` in the place of the tier called ``name``; return the old tier
+        (left open: the caller closes it). ``store.name`` must be ``name``."""
+        if store.name != name or name not in self._by_name:
+            raise ValueError(f"no tier {name!r} to replace with a {store.name!r} store")
+        tiers = list(self._tiers)
+        i = next(j for j, t in enumerate(tiers) if t.store.name == name)
+        old = tiers[i]
+        tiers[i] = Tier(store, verify=old.verify, deferred=old.deferred)
+        self._set(tiers)
+        return old.store
+
+    def holder(self, key: bytes) -> Store | None:
+        """The first tier holding ``key`` (no hit or miss counted, no TTL or checksum
+        checked), or None: where a read would be served from."""
+        for t in self._tiers:
+            if t.store.contains(key):
+                return t.store
+        return None
+
+    # -- reads ------------------------------------------------------------------------------
+    def lookup(self, key: bytes, check: ReadCheck[T]) -> Hit[T] | None:
+        """The first tier's entry for ``key`` that ``check`` accepts, promoted into every
+        faster tier (whose policy may refuse it), or None.
+
+        ``check(raw, verify)`` sees the bytes with the tier's ``verify`` flag; an
+        entry it rejects is discarded from that tier (counted there as ``expired``
+        or ``corrupt``, a corrupt one logged as an error) and the walk goes on.
+        Counts a hit or a miss per tier it asks, and one for this store.
+        """
+        tiers = self._tiers
+        for i, t in enumerate(tiers):
+            raw = t.store.get(key)
+            if raw is None:
+                continue
+            try:
+                accepted = check(raw, t.verify)
+            except CorruptEntryError as exc:
+                logger.error("corrupt %s-tier entry %s dropped: %s", t.store.name, key.hex(), exc)
+                t.store.discard(key, why="corrupt")
+                continue
+            if accepted is None:
+                t.store.discard(key, why="expired")
+                continue
+            if i:
+                _promote(tiers[:i], key, raw, accepted.cost, accepted.ctime)
+            self._hits += 1
+            return Hit(accepted.value, t.store)
+        self._misses += 1
+        return None
+
+    def get(self, key: bytes) -> bytes | None:
+        """The value from the first tier holding ``key``, promoted into the faster tiers
+        (with the cost and creation time that tier recorded)."""
+        check_key(key)
+        tiers = self._tiers
+        for i, t in enumerate(tiers):
+            raw = t.store.get(key)
+            if raw is None:
+                continue
+            if i:
+                info = t.store.info(key)
+                if info is not None:
+                    _promote(tiers[:i], key, raw, info.cost, info.ctime)
+            self._hits += 1
+            return raw
+        self._misses += 1
+        return None
+
+    # -- writes -----------------------------------------------------------------------------
+    def put(
+        self, key: bytes, value: bytes | memoryview, *, cost: float = 0.0, ctime: float = 0.0
+    ) -> bool:
+        """Offer ``value`` to every tier; return whether any tier admitted it."""
+        check_key(key)
+        raw = value if isinstance(value, bytes) else bytes(value)
+        return self.put_many([(key, raw, cost, ctime)])[0]
+
+    def put_many(self, rows: Sequence[Row], *, skip_front: bool = False) -> list[bool]:
+        """Offer every ``(key, value, cost, ctime)`` row to every tier (``skip_front``: to
+        the deferred tiers only, the write-behind's second half); return, per row,
+        whether any tier admitted it.
+
+        A tier with its own ``put_many`` (the disk tier: one commit per group) gets
+        the rows in one call. A tier that raises ``OSError`` (a full disk, a
+        damaged segment) is logged and counts as refusing: a put never stops training.
+        """
+        admitted = [False] * len(rows)
+        for t in self._deferred if skip_front else self._tiers:
+            _put_rows(t.store, rows, admitted)
+        self._puts += len(rows)
+        self._admitted += sum(admitted)
+        return admitted
+
+    def put_front(self, key: bytes, value: bytes, *, cost: float, ctime: float) -> bool:
+        """Offer one entry to the front tiers only (the write-behind's first half);
+        return whether any of them admitted it."""
+        admitted = False
+        for store in self._front:
+            try:
+                admitted = store.put(key, value, cost=cost, ctime=ctime) or admitted
+            except OSError as exc:
+                logger.warning("put to %s tier failed: %s", store.name, exc)
+        return admitted
+
+    def delete(self, key: bytes) -> bool:
+        """Remove ``key`` from every tier; return whether the store of record held it."""
+        check_key(key)
+        held = False
+        for t in self._tiers:
+            held = t.store.delete(key)
+        return held
+
+    def discard(self, key: bytes, *, why: Literal["corrupt", "expired"]) -> bool:
+        """Remove ``key`` from every tier, counting it there as ``why``."""
+        held = False
+        for t in self._tiers:
+            held = t.store.discard(key, why=why)
+        return held
+
+    def expire(self, before: float) -> int:
+        """Expire every tier; return how many entries the store of record removed."""
+        removed = 0
+        for t in self._tiers:
+            removed = t.store.expire(before)
+        return removed
+
+    # -- the store of record's view --------------------------------------------------------
+    def contains(self, key: bytes) -> bool:
+        check_key(key)
+        record = self.record
+        return record is not None and record.contains(key)
+
+    def info(self, key: bytes) -> EntryInfo | None:
+        check_key(key)
+        record = self.record
+        return record.info(key) if record is not None else None
+
+    def keys(self) -> Iterator[bytes]:
+        record = self.record
+        return record.keys() if record is not None else iter(())
+
+    def __len__(self) -> int:
+        record = self.record
+        return len(record) if record is not None else 0
+
+    def nbytes(self) -> int:
+        record = self.record
+        return record.nbytes() if record is not None else 0
+
+    def capacity(self) -> int:
+        record = self.record
+        return record.capacity() if record is not None else 0
+
+    def stats(self) -> TierStats:
+        """Reads and puts of this store's face (per object), and the store of record's
+        evictions, expiries, corrupt drops and bytes."""
+        record = self.record
+        base = record.stats() if record is not None else TierStats(budget=0)
+        return TierStats(
+            hits=self._hits,
+            misses=self._misses,
+            puts=self._puts,
+            admitted=self._admitted,
+            refused=self._puts - self._admitted,
+            evictions=base.evictions,
+            expired=base.expired,
+            corrupt=base.corrupt,
+            bytes=base.bytes,
+            budget=base.budget,
+            items=base.items,
+        )
+
+    def close(self) -> None:
+        """Close every tier (idempotent); the list is empty afterwards, so a writer still
+        holding this store writes nothing."""
+        tiers = self._tiers
+        self._set([])
+        for t in tiers:
+            t.store.close()
+
+    def __repr__(self) -> str:
+        return f"TieredStore([{', '.join(t.store.name for t in self._tiers)}])"
+
+
+def _promote(faster: Sequence[Tier], key: bytes, raw: bytes, cost: float, ctime: float) -> None:
+    """Offer a hit to the tiers above the one that served it (their policies decide)."""
+    for t in faster:
+        try:
+            t.store.put(key, raw, cost=cost, ctime=ctime)
+        except OSError as exc:  # a failed promotion costs a hit later, nothing more
+            logger.warning("promotion to %s tier failed: %s", t.store.name, exc)
+
+
+def _put_rows(store: Store, rows: Sequence[Row], admitted: list[bool]) -> None:
+    """Offer ``rows`` to one tier (in one call if it batches: ``put_many``, else one by
+    one) and set ``admitted[i]`` for each row it admitted."""
+    many: Callable[[Sequence[Row]], Sequence[bool]] | None = getattr(store, "put_many", None)
+    if many is not None:
+        try:
+            got = many(rows)
+        except OSError as exc:
+            logger.warning("put to %s tier failed: %s", store.name, exc)
+            return
+        for i, ok in enumerate(got):
+            if ok:
+                admitted[i] = True
+        return
+    for i, (key, value, cost, ctime) in enumerate(rows):
+        try:
+            if store.put(key, value, cost=cost, ctime=ctime):
+                admitted[i] = True
+        except OSError as exc:
+            logger.warning("put to %s tier failed: %s", store.name, exc)

@@ -1,0 +1,163 @@
+"""Write-behind: admit produced entries to a :class:`TieredStore` without making anyone wait.
+
+A DataLoader worker that decoded a miss hands the encoded entry to the
+:class:`WriteBehind` of its process and returns the sample at once. The entry
+goes into the front tiers right away (the node-shared memory tier: a fast copy
+that every process sees at once, so the next epoch's planner finds it), and a
+background thread writes the queued entries to the deferred tiers (the disk
+tier), grouping them: one commit, so one ``fsync``, per about 1 MiB instead of
+per sample. It is the tiered store's own write split in two
+(:meth:`TieredStore.put_front`, then :meth:`TieredStore.put_many` with
+``skip_front``), not a second copy of the tier walk.
+
+A cache is allowed to lose a few pending writes: the entries are simply
+produced again next time. Nothing half-written is ever visible: each entry is
+committed whole or not at all by the tiers.
+
+Process lifetime: the queue is flushed when the process exits normally (a
+``multiprocessing`` finalizer, which runs before a DataLoader worker's
+``os._exit``, unlike ``atexit``) and when :func:`flush_all` is called; a killed
+process loses its queue, which the cache tolerates by design.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable
+from multiprocessing import util
+
+from mmcache.codec import read_header
+from mmcache.stores.tiered import Row, TieredStore
+
+__all__ = ["GROUP_BYTES", "MAX_PENDING", "WriteBehind", "flush_all", "writer_for"]
+
+logger = logging.getLogger(__name__)
+
+#: Entries waiting to be written, per process: bounds the memory they hold
+#: (64 x 150 KB samples = ~10 MiB); a full queue makes the producer write itself.
+MAX_PENDING = 64
+#: Write at most this many bytes per group (one deferred-tier commit per group).
+GROUP_BYTES = 1 << 20
+
+#: ``tag(fingerprint, keys)``: told the fingerprint of what is submitted (Cache.tag).
+TagFn = Callable[[str, list[bytes]], None]
+
+
+class WriteBehind:
+    """A background writer for one :class:`TieredStore` in one process. Thread-safe.
+
+    ``tag``, when given, is called with the ``tag`` of each submitted entry (the
+    cache logs which pipeline fingerprint wrote which key).
+    """
+
+    def __init__(
+        self, store: TieredStore, *, max_pending: int = MAX_PENDING, tag: TagFn | None = None
+    ) -> None:
+        self.store = store
+        self._tag = tag
+        self._queue: queue.Queue[Row | None] = queue.Queue(max_pending)
+        self._thread = threading.Thread(target=self._run, name="mmcache-write-behind", daemon=True)
+        self._pid = os.getpid()
+        self._closed = False
+        self._thread.start()
+
+    def submit(self, key: bytes, raw: bytes, cost: float, tag: str | None = None) -> bool:
+        """Admit a codec-encoded entry: to the front tiers now, to the deferred ones later.
+
+        The front put is quick (a copy into shared memory, ~0.1 ms for 150 KB);
+        the deferred commit is what waits. When the queue is full the deferred
+        write happens here, which bounds the memory pending entries hold.
+        Returns whether a front tier admitted the entry.
+        """
+        if tag is not None and self._tag is not None:
+            self._tag(tag, [key])
+        ctime = read_header(raw).ctime
+        store = self.store
+        admitted = store.put_front(key, raw, cost=cost, ctime=ctime)
+        if not store.deferred:
+            return admitted
+        row = (key, raw, cost, ctime)
+        if self._closed:
+            store.put_many([row], skip_front=True)
+            return admitted
+        try:
+            self._queue.put_nowait(row)
+        except queue.Full:
+            store.put_many([row], skip_front=True)
+        return admitted
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            group = [item]
+            size = len(item[1])
+            stop = False
+            while size < GROUP_BYTES:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    stop = True
+                    break
+                group.append(nxt)
+                size += len(nxt[1])
+            try:
+                self.store.put_many(group, skip_front=True)
+            except Exception:  # a cache write must never kill the worker
+                logger.exception("write-behind: %d cache puts failed", len(group))
+            if stop:
+                return
+
+    def flush(self, timeout: float | None = 30.0) -> None:
+        """Write everything queued and stop the thread (later submits write directly)."""
+        if self._closed or os.getpid() != self._pid:
+            return
+        self._closed = True
+        try:
+            self._queue.put(None, timeout=timeout)
+        except queue.Full:
+            logger.warning(
+                "write-behind: queue still full after %ss; pending puts dropped", timeout
+            )
+            return
+        self._thread.join(timeout)
+
+
+# One writer per owner (a Cache) per process; the owner is kept to tell a new object
+# reusing a freed id from the one the writer was made for.
+_WRITERS: dict[int, tuple[object, WriteBehind]] = {}
+_LOCK = threading.RLock()  # re-entrant: a GC finalizer may flush mid-call
+
+
+def writer_for(owner: object, make: Callable[[], WriteBehind]) -> WriteBehind:
+    """This process's writer for ``owner``, made by ``make()`` on first use (and again
+    in a forked child, whose inherited writer has no thread)."""
+    with _LOCK:
+        held = _WRITERS.get(id(owner))
+        fresh = held is None or held[0] is not owner or held[1]._pid != os.getpid()
+        if held is None or fresh:
+            writer = make()
+            _WRITERS[id(owner)] = (owner, writer)
+        else:
+            writer = held[1]
+    if fresh:
+        # Outside the lock: creating the finalizer can run the garbage collector,
+        # whose finalizers may call flush_all() (which takes the lock).
+        # It runs at a normal exit of this process, DataLoader workers included.
+        util.Finalize(writer, writer.flush, exitpriority=10)
+    return writer
+
+
+def flush_all() -> None:
+    """Flush every writer of this process (the loader calls it at the end of an epoch)."""
+    with _LOCK:
+        writers = [w for _, w in _WRITERS.values()]
+        _WRITERS.clear()
+    for w in writers:
+        w.flush()
