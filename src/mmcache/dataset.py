@@ -48,6 +48,7 @@ from mmcache import keys
 from mmcache.errors import ConfigError, SampleError
 from mmcache.manifest import Records, read_manifest
 from mmcache.pipeline import Pipeline
+from mmcache.sources.base import StampKind
 
 __all__ = ["MultimodalDataset", "Reject", "Sample", "collate"]
 
@@ -142,6 +143,8 @@ class MultimodalDataset(torch.utils.data.Dataset[dict[str, Any] | None]):
         self.pipeline = pipeline
         self.on_error: OnError = on_error
         self.content_stamp = content_stamp
+        #: What :meth:`stamps` are (SampleSource): file stats, or content digests.
+        self.stamp_kind = StampKind.CONTENT if content_stamp else StampKind.FILE
         self._fingerprint = pipeline.fingerprint()
         # Memo of keys by file stamp (see keys()); allocated on first use.
         self._memo_keys: np.ndarray | None = None
@@ -166,6 +169,23 @@ class MultimodalDataset(torch.utils.data.Dataset[dict[str, Any] | None]):
     def fingerprint(self) -> str:
         """The pipeline's fingerprint (part of every key)."""
         return self._fingerprint
+
+    # -- SampleSource members the loader uses (thin: the sources helper's version wins) --
+    def stamps(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        """:meth:`stat_stamps` (the protocol's name)."""
+        return self.stat_stamps(indices)
+
+    def ids(self, indices: Sequence[int] | np.ndarray) -> list[str]:
+        """The ids of ``indices``, in order."""
+        return self.records.ids(np.asarray(indices, dtype=np.int64))
+
+    def ids_digest(self) -> str:
+        """A digest of every id in index order (:meth:`Records.ids_digest`)."""
+        return self.records.ids_digest()
+
+    def describe(self) -> str:
+        """One line naming the processing: the pipeline's repr."""
+        return repr(self.pipeline)
 
     def key(self, index: int) -> bytes:
         """The 16-byte cache key of sample ``index``: changes when its image file,
@@ -291,8 +311,10 @@ class MultimodalDataset(torch.utils.data.Dataset[dict[str, Any] | None]):
         return self.to_item(index, sample)
 
     # -- rejects ------------------------------------------------------------------------
-    def record_reject(self, err: SampleError) -> None:
+    def record_reject(self, err: Exception) -> None:
         """Append a reject to the process-shared log (one atomic O_APPEND write)."""
+        if not isinstance(err, SampleError):  # the loader only skips SampleErrors
+            err = SampleError(f"{type(err).__name__}: {err}", sample_id="<unknown>")
         line = json.dumps({"id": err.sample_id, "path": err.path, "reason": err.reason}) + "\n"
         try:
             fd = os.open(self._reject_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)

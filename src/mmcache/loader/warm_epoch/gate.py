@@ -1,4 +1,4 @@
-"""A counter shared with worker processes that holds work back until it is opened.
+"""``EpochGate``: a counter shared with worker processes that holds next-epoch tasks back.
 
 The loader's workers may be handed the first batches of the next epoch while
 the current one ends (so they need no round trip when it starts), but they
@@ -29,14 +29,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["Gate"]
+__all__ = ["EpochGate"]
 
 _PARENT_CHECK_S = 1.0
 #: open_all's step: beyond any gate number handed out before it.
 _ALL = 1 << 32
 
 
-class Gate:
+class EpochGate:
     """A shared, monotonically opened counter (see the module docstring).
 
     Args:
