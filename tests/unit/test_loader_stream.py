@@ -255,3 +255,89 @@ def test_a_rank_sweeps_only_while_it_knows_the_keys_of_its_samples(
         assert len(seen) > len(ds) // 2  # it did meet samples it had not planned before
         assert loader._warm.learnt.count() == len(seen)
         loader.close()
+
+
+class _FakePlanner:
+    """Plans here: a row is "in memory" unless its index is in ``missing``."""
+
+    def __init__(self, missing: set[int]) -> None:
+        self.missing = missing
+        self.calls: list[tuple[str, int]] = []
+
+    def plan(self, indices: np.ndarray, *, produce: bool = True) -> Any:
+        from mmcache.loader.tasks import BatchPlan
+
+        self.calls.append(("plan" if not produce else "produced", int(indices[0])))
+        hit = np.array([int(i) not in self.missing for i in indices])
+        if not produce and not hit.all():
+            return None
+        keys = np.zeros((len(indices), 16), dtype=np.uint8)
+        return BatchPlan(indices, keys, np.ones(len(indices), dtype=bool), [])
+
+    def produced(self, indices: np.ndarray) -> Any:
+        return self.plan(indices)
+
+
+class _FakeWarm:
+    def __init__(self, guessed: set[int]) -> None:
+        self.guessed = guessed
+        self.learnt: list[int] = []
+
+    def is_guessed(self, epoch: int) -> bool:
+        return epoch in self.guessed
+
+    def guess(self, epoch: int, indices: np.ndarray) -> Any:
+        from mmcache.loader.tasks import BatchPlan
+
+        if int(indices[0]) == 4:  # a key never learnt: the epoch is guessed no more
+            self.guessed.discard(epoch)
+            return None
+        keys = np.zeros((len(indices), 16), dtype=np.uint8)
+        hit = np.ones(len(indices), dtype=bool)
+        return BatchPlan(indices, keys, hit, [], guessed=True)
+
+    def learn(self, plan: Any) -> None:
+        self.learnt.append(int(plan.indices[0]))
+
+    def restart_prefetcher(self) -> None:
+        pass
+
+
+class _FakeWorkers:
+    """Non-persistent workers: their stream plans batches 2 and 3 of epoch 0."""
+
+    gate = None
+    persistent = False
+
+    def torch_loader(self) -> Any:
+        from mmcache.loader.tasks import PackedPlan
+
+        hit = np.ones(2, dtype=bool).tobytes()
+        return [[PackedPlan(bytes(32), hit, [])], [PackedPlan(bytes(32), hit, [])]]
+
+
+def test_plan_modes_follow_their_documented_transitions() -> None:
+    from mmcache.loader.stream import BatchPlanStream, EpochOrder, PlanMode, StreamState
+    from mmcache.sampler import EpochSampler
+
+    order = EpochOrder(EpochSampler(8, shuffle=False), batch_size=2, drop_last=False)
+    planner, warm = _FakePlanner(missing={4}), _FakeWarm(guessed=set())
+    kwargs: dict[str, Any] = {"order": order, "state": StreamState(), "planner": planner}
+    # LOCAL (non-persistent workers): planned here until the first miss, then WORKERS.
+    stream = BatchPlanStream(0, 0, workers=_FakeWorkers(), warm=warm, **kwargs)  # type: ignore[arg-type]
+    assert stream.mode(0) is PlanMode.LOCAL
+    plans = [stream.fetch(0, j) for j in range(4)]
+    assert stream.mode(0) is PlanMode.WORKERS
+    assert planner.calls == [("plan", 0), ("plan", 2), ("plan", 4)]  # then the workers'
+    assert [int(p.indices[0]) for p in plans] == [0, 2, 4, 6] and not any(p.guessed for p in plans)
+    assert warm.learnt == [0, 2, 4, 6] and stream.cursor == (1, 0)
+    # GUESS: from learnt keys until a key is unknown; then the base mode (PRODUCE here).
+    planner.calls.clear()
+    warm = _FakeWarm(guessed={0})
+    stream = BatchPlanStream(0, 0, workers=None, warm=warm, **kwargs)  # type: ignore[arg-type]
+    assert stream.mode(0) is PlanMode.GUESS
+    plans = [stream.fetch(0, j) for j in range(4)]
+    assert [p.guessed for p in plans] == [True, True, False, False]
+    assert stream.mode(0) is PlanMode.PRODUCE
+    assert planner.calls == [("produced", 4), ("produced", 6)]
+    assert warm.learnt == [4, 6]  # guesses teach nothing

@@ -81,7 +81,7 @@ class InOrderBuilder(Generic[P, T]):
         self._stop = False
         # One lock, two conditions: the consumer (and close) wait for items on _ready,
         # the helper waits for work on _work, so each wake-up goes where it is needed
-        # (a wake-up costs a GIL hand-off, ~tens of microseconds, every batch).
+        # (a wake-up costs a GIL hand-off, every batch).
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
         self._work = threading.Condition(self._lock)
@@ -90,7 +90,7 @@ class InOrderBuilder(Generic[P, T]):
         self._shared = helper
         self._started = False
         # Started by the first take(), after the consumer claimed its first item:
-        # starting a thread and handing it the GIL costs the first item ~1 ms. Not
+        # starting a thread and handing it the GIL would delay the first item. Not
         # made at all with a shared helper (an unstarted thread keeps its target, and
         # so this builder and all it refers to, in a reference cycle).
         self._thread: threading.Thread | None = None

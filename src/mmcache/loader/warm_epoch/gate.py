@@ -12,8 +12,8 @@ A gate is one shared 64-bit integer that only the training process writes
 the opener posts when the gate moves while that worker sleeps: no polling,
 whatever the training loop does between epochs, and opening never blocks (a
 ``multiprocessing.Condition`` would: its ``notify_all`` waits until every
-sleeper has woken up, which took 3 ms at the start of each epoch on a busy
-2-core machine; and one semaphore shared by all sleepers would let a worker
+sleeper has woken up, milliseconds at the start of each epoch on a busy
+machine; and one semaphore shared by all sleepers would let a worker
 woken too early take the wake-up meant for another). A waiting worker also
 checks once a second that its parent is alive.
 
