@@ -317,10 +317,16 @@ class _FakeWorkers:
 
 
 def test_plan_modes_follow_their_documented_transitions() -> None:
-    from mmcache.loader.stream import BatchPlanStream, EpochOrder, PlanMode, StreamState
+    from mmcache.loader.stream import (
+        BatchOrder,
+        BatchPlanStream,
+        EpochOrder,
+        PlanMode,
+        StreamState,
+    )
     from mmcache.sampler import EpochSampler
 
-    order = EpochOrder(EpochSampler(8, shuffle=False), batch_size=2, drop_last=False)
+    order = EpochOrder(BatchOrder(EpochSampler(8, shuffle=False), batch_size=2, drop_last=False))
     planner, warm = _FakePlanner(missing={4}), _FakeWarm(guessed=set())
     kwargs: dict[str, Any] = {"order": order, "state": StreamState(), "planner": planner}
     # LOCAL (non-persistent workers): planned here until the first miss, then WORKERS.

@@ -51,6 +51,7 @@ from mmcache.loader.assemble import BatchAssembler
 from mmcache.loader.counters import EpochCounter, HitRateWatch, epoch_scalars
 from mmcache.loader.hooks import BatchContext, EpochContext, Hooks, LoaderHook
 from mmcache.loader.stream import (
+    BatchOrder,
     BatchPlanStream,
     EpochOrder,
     MissWorkers,
@@ -207,7 +208,7 @@ class DataLoader:
         self.num_workers = num_workers
         self.on_epoch_end = on_epoch_end
         self._hooks = Hooks(hooks)
-        self._order = EpochOrder(self.sampler, batch_size, drop_last)
+        self._order = EpochOrder(BatchOrder(self.sampler, batch_size, drop_last))
         persistent = persistent_workers and num_workers > 0
         # Holds back workers' tasks of epochs not begun yet (only persistent workers get
         # such tasks). Opened whenever the loader goes, before torch stops the workers.
@@ -218,7 +219,7 @@ class DataLoader:
         self._assembler = BatchAssembler(dataset, cache, self._planner, pin_memory=self.pin_memory)
         self._warm = WarmEpochs(
             dataset,
-            self._order,
+            self._order.order,  # lock-free: the prefetcher process is forked at any time
             cache=cache,
             num_workers=num_workers,
             num_samples=self.sampler.num_samples(),

@@ -44,6 +44,7 @@ from mmcache.loader.warm_epoch.gate import EpochGate
 from mmcache.sampler import EpochSampler
 
 __all__ = [
+    "BatchOrder",
     "BatchPlanStream",
     "EpochOrder",
     "MissWorkers",
@@ -62,36 +63,39 @@ _WARM_GROUP = 8
 _MEMO_EPOCHS = 3
 
 
-class EpochOrder:
-    """The batches (index arrays) of each epoch, remembered for the last few epochs.
+@dataclass(frozen=True)
+class BatchOrder:
+    """The batches (index arrays) of each epoch: a pure function of the sampler.
 
-    What the loader, its workers' task sampler and the stat prefetcher all
-    compute from the sampler. Thread-safe; pickles without its memo.
+    Immutable and lock-free, so it is safe in a process forked at any moment
+    (the stat prefetcher computes the epochs it is asked for with it).
     """
 
-    def __init__(self, sampler: EpochSampler, batch_size: int, drop_last: bool) -> None:
-        self.sampler = sampler
-        self.batch_size = batch_size
-        self.drop_last = drop_last
+    sampler: EpochSampler
+    batch_size: int
+    drop_last: bool
+
+    def batches(self, epoch: int) -> list[np.ndarray]:
+        order = self.sampler.indices(epoch)
+        bs = self.batch_size
+        stop = len(order) - len(order) % bs if self.drop_last else len(order)
+        return [order[i : i + bs] for i in range(0, stop, bs)]
+
+
+class EpochOrder:
+    """:class:`BatchOrder`'s batches, remembered for the last few epochs: what the
+    loader, its workers' task sampler and its plan stream ask for. Thread-safe."""
+
+    def __init__(self, order: BatchOrder) -> None:
+        self.order = order
         self._memo: dict[int, list[np.ndarray]] = {}
-        self._lock = threading.Lock()
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"sampler": self.sampler, "batch_size": self.batch_size, "drop_last": self.drop_last}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._memo = {}
         self._lock = threading.Lock()
 
     def batches(self, epoch: int) -> list[np.ndarray]:
         with self._lock:
             batches = self._memo.get(epoch)
             if batches is None:
-                order = self.sampler.indices(epoch)
-                bs = self.batch_size
-                stop = len(order) - len(order) % bs if self.drop_last else len(order)
-                batches = [order[i : i + bs] for i in range(0, stop, bs)]
+                batches = self.order.batches(epoch)
                 if len(self._memo) >= _MEMO_EPOCHS:
                     del self._memo[next(iter(self._memo))]
                 self._memo[epoch] = batches

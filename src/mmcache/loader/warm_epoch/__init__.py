@@ -88,7 +88,8 @@ class WarmEpochs:
 
     Args:
         source: the samples (its ``stamps`` re-check a guess).
-        order: ``batches(epoch)``, for the prefetcher.
+        order: ``batches(epoch)``, for the prefetcher: lock-free (its process may be
+            forked while another thread of the training process holds a lock).
         cache: the cache (None: nothing is guessed).
         num_workers: with none, nothing is guessed (no process is started).
         num_samples: this rank's samples per epoch (all their keys must be known).

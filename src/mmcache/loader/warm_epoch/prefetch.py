@@ -73,7 +73,8 @@ class StatPrefetcher:
     Args:
         board: where the results go.
         source: has ``stamps(indices)`` (a ``StampKind.FILE`` source: file stats).
-        order: has ``batches(epoch)``: the epoch's batches, in order.
+        order: has ``batches(epoch)``: the epoch's batches, in order (holding no
+            lock: the process may be forked while another thread holds one).
         context: the multiprocessing context (or its name) to start it with.
     """
 
