@@ -248,8 +248,8 @@ def throughput(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     header = codec.read_header(raws[0])
     img = header.field("image")
     entry = len(raws[0])
-    # The fixed header + field table, what the loader copies per entry (loader._SIG_PREFIX).
-    table_end = codec.HEADER_SIZE + len(header.layout_key) - 6
+    # The fixed header + field table, what the loader copies per entry.
+    table_end = header.table_end
     nb = n // bsz
     # One shuffled epoch, the same for every system.
     perm = rng.permutation(n)[: nb * bsz].reshape(nb, bsz)

@@ -1,4 +1,4 @@
-"""StampBoard (shared stat results) and Sweeper (the low-priority process that fills it)."""
+"""FileCheckBoard (shared stat results) and StatPrefetcher (the process that fills it)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mmcache.board import StampBoard, seal
-from mmcache.sweeper import Sweeper
+from mmcache.loader.warm_epoch.board import FileCheckBoard, seal
+from mmcache.loader.warm_epoch.prefetch import StatPrefetcher
 
 _INT64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
 
@@ -35,7 +35,7 @@ def test_seal_tells_stamps_and_rounds_apart(size: int, mtime: int, round_: int) 
 
 
 def test_board_verifies_only_what_was_published_in_that_round() -> None:
-    board = StampBoard(10)
+    board = FileCheckBoard(10)
     idx = np.array([1, 3, 5], dtype=np.int64)
     stamps = np.array([[10, 100], [20, 200], [30, 300]], dtype=np.int64)
     assert not board.verified(idx, stamps, 1).any()  # nothing published yet
@@ -47,7 +47,7 @@ def test_board_verifies_only_what_was_published_in_that_round() -> None:
     assert board.verified(idx, other, 1).tolist() == [True, False, False]
 
 
-def _publish_in_child(board: StampBoard, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+def _publish_in_child(board: FileCheckBoard, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
     board.publish(np.array([0, 2]), np.array([[1, 2], [3, 4]], dtype=np.int64), 7)
     out.put("published")
 
@@ -55,7 +55,7 @@ def _publish_in_child(board: StampBoard, out: multiprocessing.Queue) -> None:  #
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_board_is_shared_with_processes(method: str) -> None:
     ctx = multiprocessing.get_context(method)
-    board = StampBoard(3, ctx)
+    board = FileCheckBoard(3, ctx)
     out = ctx.Queue()
     proc = ctx.Process(target=_publish_in_child, args=(board, out))
     proc.start()
@@ -73,7 +73,7 @@ class _Files:
     def __init__(self, paths: list[Path]) -> None:
         self.paths = [str(p) for p in paths]
 
-    def stat_stamps(self, indices: np.ndarray) -> np.ndarray:
+    def stamps(self, indices: np.ndarray) -> np.ndarray:
         out = np.full((len(indices), 2), -2, dtype=np.int64)
         for j, i in enumerate(indices.tolist()):
             st = os.stat(self.paths[i])
@@ -90,11 +90,11 @@ class _Order:
         return [order[i : i + self.batch] for i in range(0, self.n, self.batch)]
 
 
-def _wait_verified(board: StampBoard, files: _Files, round_: int, timeout: float = 30) -> bool:
+def _wait_verified(board: FileCheckBoard, files: _Files, round_: int, timeout: float = 30) -> bool:
     idx = np.arange(len(files.paths))
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if board.verified(idx, files.stat_stamps(idx), round_).all():
+        if board.verified(idx, files.stamps(idx), round_).all():
             return True
         time.sleep(0.01)
     return False
@@ -110,8 +110,8 @@ def test_sweeper_publishes_every_file_of_an_epoch_at_the_lowest_priority(
         p.write_bytes(b"x" * (i + 1))
         paths.append(p)
     files = _Files(paths)
-    board = StampBoard(len(paths), method)
-    sweeper = Sweeper(board, files, _Order(len(paths), 5), method)
+    board = FileCheckBoard(len(paths), method)
+    sweeper = StatPrefetcher(board, files, _Order(len(paths), 5), method)
     try:
         sweeper.request(1, epoch=0)
         assert _wait_verified(board, files, 1)
@@ -139,18 +139,18 @@ def test_a_sweeper_left_by_a_killed_parent_exits(tmp_path: Path) -> None:
         """
         import os, sys, time
         import numpy as np
-        from mmcache.board import StampBoard
-        from mmcache.sweeper import Sweeper
+        from mmcache.loader.warm_epoch.board import FileCheckBoard
+        from mmcache.loader.warm_epoch.prefetch import StatPrefetcher
 
         class Files:
-            def stat_stamps(self, idx):
+            def stamps(self, idx):
                 return np.zeros((len(idx), 2), dtype=np.int64)
 
         class Order:
             def batches(self, epoch):
                 return [np.arange(4)]
 
-        s = Sweeper(StampBoard(4), Files(), Order())
+        s = StatPrefetcher(FileCheckBoard(4), Files(), Order())
         s.start()
         print(s.pid, flush=True)
         time.sleep(60)
@@ -202,7 +202,7 @@ def test_the_board_compares_every_field_the_dataset_stamps(tmp_path: Path) -> No
     before = os.stat(path)
     stamps = np.array([stat_fields(before)], dtype=np.int64)
     assert stamps.shape[1] == len(STAT_FIELDS)
-    board = StampBoard(1)
+    board = FileCheckBoard(1)
     board.publish(np.arange(1), stamps, 3)
     path.write_bytes(b"b" * 100)  # same size, mtime restored: only the ctime differs
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))

@@ -6,6 +6,7 @@ import ast
 import contextlib
 import doctest
 import pickle
+import re
 import struct
 from multiprocessing import shared_memory
 from pathlib import Path
@@ -482,9 +483,11 @@ def test_planted_pickle_is_never_executed(tmp_path: Path) -> None:
 
 
 def test_codec_source_has_no_pickle_marshal_or_eval() -> None:
-    tree = ast.parse(Path(codec.__file__).read_text(encoding="utf-8"))
+    sources = sorted(Path(codec.__file__).parent.glob("*.py"))  # the codec package
+    assert len(sources) >= 2
+    trees = [ast.parse(p.read_text(encoding="utf-8")) for p in sources]
     banned_modules = {"pickle", "marshal", "shelve", "dill", "cloudpickle"}
-    for node in ast.walk(tree):
+    for node in (n for tree in trees for n in ast.walk(tree)):
         if isinstance(node, ast.Import):
             assert not {a.name.split(".")[0] for a in node.names} & banned_modules
         if isinstance(node, ast.ImportFrom):
@@ -499,3 +502,31 @@ def test_docstring_examples_run() -> None:
     result = doctest.testmod(codec)
     assert result.attempted > 0
     assert result.failed == 0
+
+
+def test_header_fields_say_where_each_value_lies() -> None:
+    """codec.HEADER is what the loader reads header bytes by: it must match the struct
+    the codec packs, and two entries of one layout differ only in its per-entry fields."""
+    from mmcache.codec.layout import HEADER, HEADER_STRUCT
+
+    codes = re.findall(r"\d*[a-zA-Z?]", HEADER_STRUCT.format.lstrip("<"))  # "4s", "H", ...
+    sizes = [struct.calcsize("<" + code) for code in codes]
+    offset = 0
+    for f, size in zip(HEADER.values(), sizes, strict=True):
+        assert (f.offset, f.stop) == (offset, offset + size)
+        assert np.dtype(f.dtype).itemsize == size
+        offset += size
+    assert offset == HEADER_SIZE
+    a = encode({"x": np.zeros((3, 5), np.uint8), "y": np.arange(4)}, ctime=1.5e9, cost=0.25)
+    b = encode({"x": np.ones((3, 5), np.uint8), "y": np.arange(4) + 1}, ctime=1.7e9, cost=3.0)
+    header = read_header(a)
+    raw = np.frombuffer(a, dtype=np.uint8)
+    got = {name: raw[f.offset : f.stop].view(f.dtype)[0] for name, f in HEADER.items()}
+    assert got["magic"] == codec.MAGIC and got["version"] == codec.VERSION
+    assert (got["flags"], got["checksum"], got["length"]) == (0, header.checksum, len(a))
+    assert (got["ctime"], got["cost"], got["nfields"]) == (1.5e9, 0.25, 2)
+    assert HEADER_SIZE + got["table_size"] == header.table_end
+    end = header.table_end
+    differ = np.flatnonzero(raw[:end] != np.frombuffer(b, dtype=np.uint8)[:end])
+    per_entry = {i for f in HEADER.values() if f.per_entry for i in range(f.offset, f.stop)}
+    assert len(differ) and set(differ.tolist()) <= per_entry

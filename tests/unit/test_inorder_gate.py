@@ -1,4 +1,4 @@
-"""InOrderBuilder (in-order assembly on two threads) and Gate (holds worker tasks back)."""
+"""InOrderBuilder (in-order assembly on two threads) and EpochGate (holds worker tasks back)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from mmcache.gate import Gate
-from mmcache.inorder import InOrderBuilder
+from mmcache.loader.warm_epoch.assembler import InOrderBuilder
+from mmcache.loader.warm_epoch.gate import EpochGate
 
 
 def test_items_come_in_order_and_both_threads_build() -> None:
@@ -84,7 +84,7 @@ def test_ahead_bounds_what_is_built_before_it_is_taken() -> None:
         InOrderBuilder(0, 1, fetch=lambda j: j, build=lambda j, p: p, ahead=0)
 
 
-def _wait_and_report(gate: Gate, number: int, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+def _wait_and_report(gate: EpochGate, number: int, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
     out.put("ready")
     t0 = time.monotonic()
     gate.wait(number)
@@ -94,7 +94,7 @@ def _wait_and_report(gate: Gate, number: int, out: multiprocessing.Queue) -> Non
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_gate_holds_a_worker_until_opened(method: str) -> None:
     ctx = multiprocessing.get_context(method)
-    gate = Gate(method)
+    gate = EpochGate(method)
     out = ctx.Queue()
     proc = ctx.Process(target=_wait_and_report, args=(gate, 2, out))
     proc.start()
@@ -119,9 +119,9 @@ def test_gate_holds_a_worker_until_opened(method: str) -> None:
 
 
 def test_a_shared_helper_serves_builders_one_after_another() -> None:
-    from mmcache.inorder import Helper
+    from mmcache.loader.warm_epoch.assembler import AssemblerThread
 
-    helper = Helper(name="shared-helper")
+    helper = AssemblerThread(name="shared-helper")
     builders: set[str] = set()
 
     def build(j: int, plan: int) -> int:
@@ -149,7 +149,7 @@ def test_a_shared_helper_serves_builders_one_after_another() -> None:
     helper.close(timeout=5)
 
 
-def _wait_slot(gate: Gate, number: int, slot: int, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+def _wait_slot(gate: EpochGate, number: int, slot: int, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
     out.put(("ready", slot))
     gate.wait(number, slot=slot)
     out.put(("passed", slot))
@@ -159,7 +159,7 @@ def test_gate_wakes_each_sleeper_when_its_number_is_reached() -> None:
     """Two workers held at different numbers: opening the lower one releases only its
     waiter, and the other is still woken later (one wake-up cannot be taken by both)."""
     ctx = multiprocessing.get_context("fork")
-    gate = Gate(ctx, slots=2)
+    gate = EpochGate(ctx, slots=2)
     out = ctx.Queue()
     procs = [ctx.Process(target=_wait_slot, args=(gate, 1 + k, k, out)) for k in range(2)]
     for p in procs:

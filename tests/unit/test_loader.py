@@ -103,16 +103,16 @@ def test_hits_do_not_travel_through_workers(
         return original(index)
 
     monkeypatch.setattr(ds, "produce", counting)
-    from mmcache import loader as loader_mod
+    from mmcache.loader.tasks import WorkerPlanner
 
     ran: list[int] = []
-    real_run = loader_mod._BatchTasks.run
+    real_run = WorkerPlanner.run
 
     def spy(self: Any, index: int, key: bytes) -> Any:
         ran.append(index)
         return real_run(self, index, key)
 
-    monkeypatch.setattr(loader_mod._BatchTasks, "run", spy)
+    monkeypatch.setattr(WorkerPlanner, "run", spy)
     _epoch(loader, 1)
     assert calls == [] and ran == []
     cache.close()

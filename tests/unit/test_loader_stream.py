@@ -11,10 +11,11 @@ import pytest
 import torch
 from PIL import Image
 
-from mmcache import loader as loader_mod
 from mmcache.cache import Cache
 from mmcache.dataset import MultimodalDataset
 from mmcache.loader import DataLoader
+from mmcache.loader.stream import MissWorkers
+from mmcache.loader.tasks import WorkerPlanner
 from mmcache.pipeline import Pipeline
 from mmcache.synth import make_dataset
 
@@ -72,13 +73,13 @@ def test_warm_epochs_are_planned_by_the_workers_not_here(
         _epoch(loader, 0)
         _epoch(loader, 1)
         here: list[int] = []
-        real = loader_mod._BatchTasks.plan
+        real = WorkerPlanner.plan
 
         def spy(self: Any, indices: np.ndarray, **kw: Any) -> Any:
             here.append(len(indices))  # only this process: the workers forked before
             return real(self, indices, **kw)
 
-        monkeypatch.setattr(loader_mod._BatchTasks, "plan", spy)
+        monkeypatch.setattr(WorkerPlanner, "plan", spy)
         for e in (2, 3, 4):
             _epoch(loader, e)
         # Early plans of each next epoch were checked with a stat and kept.
@@ -143,9 +144,9 @@ def test_dropping_a_loader_stops_its_processes_at_once(
         loader = DataLoader(ds, cache=cache, batch_size=8, num_workers=2, persistent_workers=True)
         for e in range(3):
             _epoch(loader, e)
-        swept = bool(loader._swept)
+        swept = bool(loader._warm.guessed)
         assert swept == (memory == "16MiB")
-        assert (loader._stream_stop is None) == (memory != "16MiB")  # tasks held at the gate
+        assert (loader._state.stop is None) == (memory != "16MiB")  # tasks held at the gate
         children = [p for p in psutil.Process().children() if p.pid not in before]
         assert len(children) == 3  # two workers and the sweeper
         t0 = time.monotonic()
@@ -168,13 +169,13 @@ def test_non_persistent_workers_are_not_started_for_a_warm_epoch(
         loader = DataLoader(ds, cache=cache, batch_size=8, seed=4, num_workers=2)
         _same(_epoch(loader, 0), _epoch(ref, 0))
         started: list[int] = []
-        real = DataLoader._inner_loader
+        real = MissWorkers.torch_loader
 
-        def spy(self: DataLoader) -> Any:
+        def spy(self: MissWorkers) -> Any:
             started.append(1)
             return real(self)
 
-        monkeypatch.setattr(DataLoader, "_inner_loader", spy)
+        monkeypatch.setattr(MissWorkers, "torch_loader", spy)
         _same(_epoch(loader, 1), _epoch(ref, 1))
         assert started == [] and loader.stats().epochs[1].hit_rate == 1.0
         # a miss in the middle of a warm epoch: produced here, no worker started for it
@@ -206,10 +207,10 @@ def test_a_swept_epoch_checks_every_file_with_or_without_the_sweeper(
     known unchanged this epoch, from the sweeper's results or (when it has not got
     there: here, never) from a stat in the training process. A file rewritten between
     two swept epochs is read again either way."""
-    from mmcache.sweeper import Sweeper
+    from mmcache.loader.warm_epoch.prefetch import StatPrefetcher
 
     if not sweeper_works:
-        monkeypatch.setattr(Sweeper, "request", lambda self, *a, **k: None)
+        monkeypatch.setattr(StatPrefetcher, "request", lambda self, *a, **k: None)
     ds = MultimodalDataset(own_data, pipeline=small_pipeline)
     ref = DataLoader(ds, cache=None, batch_size=6, seed=1)
     with Cache(cache_root, memory="16MiB", temporary=True) as cache:
@@ -218,7 +219,7 @@ def test_a_swept_epoch_checks_every_file_with_or_without_the_sweeper(
         )
         for e in range(3):
             _same(_epoch(loader, e), _epoch(ref, e))
-        assert 2 in loader._swept  # epoch 0 cold, 1 planned by the workers, 2 swept
+        assert 2 in loader._warm.guessed  # epoch 0 cold, 1 planned by the workers, 2 swept
         index = 7
         path = Path(ds.records.image_path(index) or "")
         Image.new("RGB", (80, 60), (0, 0, 255)).save(path, quality=95)
@@ -252,5 +253,97 @@ def test_a_rank_sweeps_only_while_it_knows_the_keys_of_its_samples(
             _same(_epoch(loader, e), _epoch(ref, e))
         seen = {int(i) for e in range(5) for b in loader._epoch_batches(e) for i in b}
         assert len(seen) > len(ds) // 2  # it did meet samples it had not planned before
-        assert loader._known.count() == len(seen)
+        assert loader._warm.learnt.count() == len(seen)
         loader.close()
+
+
+class _FakePlanner:
+    """Plans here: a row is "in memory" unless its index is in ``missing``."""
+
+    def __init__(self, missing: set[int]) -> None:
+        self.missing = missing
+        self.calls: list[tuple[str, int]] = []
+
+    def plan(self, indices: np.ndarray, *, produce: bool = True) -> Any:
+        from mmcache.loader.tasks import BatchPlan
+
+        self.calls.append(("plan" if not produce else "produced", int(indices[0])))
+        hit = np.array([int(i) not in self.missing for i in indices])
+        if not produce and not hit.all():
+            return None
+        keys = np.zeros((len(indices), 16), dtype=np.uint8)
+        return BatchPlan(indices, keys, np.ones(len(indices), dtype=bool), [])
+
+    def produced(self, indices: np.ndarray) -> Any:
+        return self.plan(indices)
+
+
+class _FakeWarm:
+    def __init__(self, guessed: set[int]) -> None:
+        self.guessed = guessed
+        self.learnt: list[int] = []
+
+    def is_guessed(self, epoch: int) -> bool:
+        return epoch in self.guessed
+
+    def guess(self, epoch: int, indices: np.ndarray) -> Any:
+        from mmcache.loader.tasks import BatchPlan
+
+        if int(indices[0]) == 4:  # a key never learnt: the epoch is guessed no more
+            self.guessed.discard(epoch)
+            return None
+        keys = np.zeros((len(indices), 16), dtype=np.uint8)
+        hit = np.ones(len(indices), dtype=bool)
+        return BatchPlan(indices, keys, hit, [], guessed=True)
+
+    def learn(self, plan: Any) -> None:
+        self.learnt.append(int(plan.indices[0]))
+
+    def restart_prefetcher(self) -> None:
+        pass
+
+
+class _FakeWorkers:
+    """Non-persistent workers: their stream plans batches 2 and 3 of epoch 0."""
+
+    gate = None
+    persistent = False
+
+    def torch_loader(self) -> Any:
+        from mmcache.loader.tasks import PackedPlan
+
+        hit = np.ones(2, dtype=bool).tobytes()
+        return [[PackedPlan(bytes(32), hit, [])], [PackedPlan(bytes(32), hit, [])]]
+
+
+def test_plan_modes_follow_their_documented_transitions() -> None:
+    from mmcache.loader.stream import (
+        BatchOrder,
+        BatchPlanStream,
+        EpochOrder,
+        PlanMode,
+        StreamState,
+    )
+    from mmcache.sampler import EpochSampler
+
+    order = EpochOrder(BatchOrder(EpochSampler(8, shuffle=False), batch_size=2, drop_last=False))
+    planner, warm = _FakePlanner(missing={4}), _FakeWarm(guessed=set())
+    kwargs: dict[str, Any] = {"order": order, "state": StreamState(), "planner": planner}
+    # LOCAL (non-persistent workers): planned here until the first miss, then WORKERS.
+    stream = BatchPlanStream(0, 0, workers=_FakeWorkers(), warm=warm, **kwargs)  # type: ignore[arg-type]
+    assert stream.mode(0) is PlanMode.LOCAL
+    plans = [stream.fetch(0, j) for j in range(4)]
+    assert stream.mode(0) is PlanMode.WORKERS
+    assert planner.calls == [("plan", 0), ("plan", 2), ("plan", 4)]  # then the workers'
+    assert [int(p.indices[0]) for p in plans] == [0, 2, 4, 6] and not any(p.guessed for p in plans)
+    assert warm.learnt == [0, 2, 4, 6] and stream.cursor == (1, 0)
+    # GUESS: from learnt keys until a key is unknown; then the base mode (PRODUCE here).
+    planner.calls.clear()
+    warm = _FakeWarm(guessed={0})
+    stream = BatchPlanStream(0, 0, workers=None, warm=warm, **kwargs)  # type: ignore[arg-type]
+    assert stream.mode(0) is PlanMode.GUESS
+    plans = [stream.fetch(0, j) for j in range(4)]
+    assert [p.guessed for p in plans] == [True, True, False, False]
+    assert stream.mode(0) is PlanMode.PRODUCE
+    assert planner.calls == [("produced", 4), ("produced", 6)]
+    assert warm.learnt == [4, 6]  # guesses teach nothing

@@ -1,4 +1,4 @@
-"""Build numbered items in order with a helper thread, the consumer helping when it would wait.
+"""Build numbered items in order on a helper thread, the consumer helping when it would wait.
 
 The loader makes batch ``j`` of an epoch in two steps: *fetch* its plan, which
 must happen in order (plans arrive from one ordered source: the workers'
@@ -23,9 +23,9 @@ Thread safety: :meth:`take` is called by one consumer thread; ``fetch`` runs
 under a lock (never two at once, always in order); ``build`` may run on both
 threads at once for different items and must be thread-safe.
 
-A :class:`Helper` is one such helper thread kept for many builders, one after
-another (the loader's epochs): starting a thread for each costs the first
-item of an epoch ~0.1-2 ms on a busy machine, and joining it ~0.1-0.3 ms.
+An :class:`AssemblerThread` is one such helper thread kept for many builders,
+one after another (the loader's epochs): starting and joining a thread for
+each would cost the first item of every epoch a thread start.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-__all__ = ["Helper", "InOrderBuilder"]
+__all__ = ["AssemblerThread", "InOrderBuilder"]
 
 P = TypeVar("P")
 T = TypeVar("T")
@@ -54,7 +54,7 @@ class InOrderBuilder(Generic[P, T]):
         ahead: the most items claimed beyond the next one to take (bounds the
             memory of finished items: their buffers).
         name: the helper thread's name.
-        helper: a :class:`Helper` to serve this builder (else it starts its own thread).
+        helper: a :class:`AssemblerThread` to serve this builder (else it starts its own thread).
     """
 
     def __init__(
@@ -66,7 +66,7 @@ class InOrderBuilder(Generic[P, T]):
         build: Callable[[int, P], T],
         ahead: int,
         name: str = "mmcache-assembler",
-        helper: Helper | None = None,
+        helper: AssemblerThread | None = None,
     ) -> None:
         if ahead < 1:
             raise ValueError(f"ahead must be >= 1, got {ahead}")
@@ -81,7 +81,7 @@ class InOrderBuilder(Generic[P, T]):
         self._stop = False
         # One lock, two conditions: the consumer (and close) wait for items on _ready,
         # the helper waits for work on _work, so each wake-up goes where it is needed
-        # (a wake-up costs a GIL hand-off, ~tens of microseconds, every batch).
+        # (a wake-up costs a GIL hand-off, every batch).
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
         self._work = threading.Condition(self._lock)
@@ -90,12 +90,12 @@ class InOrderBuilder(Generic[P, T]):
         self._shared = helper
         self._started = False
         # Started by the first take(), after the consumer claimed its first item:
-        # starting a thread and handing it the GIL costs the first item ~1 ms. Not
+        # starting a thread and handing it the GIL would delay the first item. Not
         # made at all with a shared helper (an unstarted thread keeps its target, and
         # so this builder and all it refers to, in a reference cycle).
         self._thread: threading.Thread | None = None
         if helper is None:
-            self._thread = threading.Thread(target=self._helper, name=name, daemon=True)
+            self._thread = threading.Thread(target=self.helper_loop, name=name, daemon=True)
 
     # -- both threads --------------------------------------------------------------------
     def _can_claim(self) -> bool:  # under self._lock
@@ -131,7 +131,7 @@ class InOrderBuilder(Generic[P, T]):
             if helper:
                 self._ready.notify_all()
 
-    def _helper(self) -> None:
+    def helper_loop(self) -> None:
         """The helper thread's loop for this builder; returns once it is closed."""
         while True:
             with self._lock:
@@ -183,7 +183,7 @@ class InOrderBuilder(Generic[P, T]):
         """Stop the helper after the item it is building; True if it has stopped.
 
         Finished items not taken are dropped. Idempotent. With a shared
-        :class:`Helper`, waits only for an item it is building (its thread goes
+        :class:`AssemblerThread`, waits only for an item it is building (its thread goes
         on to the next builder); otherwise joins the thread.
         """
         with self._lock:
@@ -205,7 +205,7 @@ class InOrderBuilder(Generic[P, T]):
         return not self._thread.is_alive()
 
 
-class Helper:
+class AssemblerThread:
     """One daemon thread that serves :class:`InOrderBuilder` s one after another.
 
     :meth:`serve` hands it a builder (the previous one must be closed); it
@@ -241,7 +241,7 @@ class Helper:
                 if self._generation != generation:
                     return
                 builder = self._current = self._queue.pop(0)
-            builder._helper()
+            builder.helper_loop()
             with self._cond:
                 self._current = None
             del builder

@@ -1,4 +1,4 @@
-"""A counter shared with worker processes that holds work back until it is opened.
+"""``EpochGate``: a counter shared with worker processes that holds next-epoch tasks back.
 
 The loader's workers may be handed the first batches of the next epoch while
 the current one ends (so they need no round trip when it starts), but they
@@ -12,8 +12,8 @@ A gate is one shared 64-bit integer that only the training process writes
 the opener posts when the gate moves while that worker sleeps: no polling,
 whatever the training loop does between epochs, and opening never blocks (a
 ``multiprocessing.Condition`` would: its ``notify_all`` waits until every
-sleeper has woken up, which took 3 ms at the start of each epoch on a busy
-2-core machine; and one semaphore shared by all sleepers would let a worker
+sleeper has woken up, milliseconds at the start of each epoch on a busy
+machine; and one semaphore shared by all sleepers would let a worker
 woken too early take the wake-up meant for another). A waiting worker also
 checks once a second that its parent is alive.
 
@@ -29,14 +29,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["Gate"]
+__all__ = ["EpochGate"]
 
 _PARENT_CHECK_S = 1.0
 #: open_all's step: beyond any gate number handed out before it.
 _ALL = 1 << 32
 
 
-class Gate:
+class EpochGate:
     """A shared, monotonically opened counter (see the module docstring).
 
     Args:

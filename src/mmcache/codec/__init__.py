@@ -13,35 +13,6 @@ inconsistency raises :class:`~mmcache.errors.CorruptEntryError` and nothing
 else, whatever the bytes. Pickle was rejected on purpose: unpickling runs code
 chosen by whoever wrote the bytes, and it copies every array.
 
-Format (version 1, little-endian everywhere)::
-
-    offset size  field
-    0      4     magic        b"MMC1"
-    4      2     version      uint16, 1
-    6      2     flags        uint16, reserved: must be 0
-    8      8     checksum     uint64, xxh3_64 of bytes [0, 8) + [16, length)
-    16     8     length       uint64, total bytes of the entry
-    24     8     ctime        float64, wall-clock creation time (s since the epoch)
-    32     8     cost         float64, seconds it took to produce the sample (>= 0)
-    40     4     nfields      uint32, <= 256
-    44     4     table_size   uint32, bytes of the field table that follows
-    48     ...   field table: per field, in order
-                   uint16 name_len, uint8 dtype code, uint8 ndim (<= 8),
-                   ndim x uint64 shape, uint64 offset, uint64 nbytes,
-                   name_len bytes of UTF-8 name (<= 1024 bytes)
-    ...    ...   the raw C-order buffers, each starting at the next multiple of 64
-                 (relative to the start of the entry); zero padding between them;
-                 the entry ends right after the last buffer.
-
-The checksum covers every byte of the entry except its own 8 bytes, so a flip
-of any single byte is detected by ``verify=True`` (a flip inside the checksum
-field makes it disagree with the rest). The layout is *canonical*: a field's
-offset must be exactly the next 64-byte boundary after the previous field (or
-the table), so offsets can neither overlap nor leave gaps, and two samples with
-the same names, dtypes and shapes have byte-identical field tables (see
-:func:`layout_signature`). Without the checksum (``verify=False``) all of this
-structure is still checked; only bit flips inside array data go unnoticed.
-
 Dtypes come from a fixed whitelist, stored as one-byte codes: bool, uint8, int8,
 uint16, int16, uint32, int32, uint64, int64, float16, float32, float64 and
 bfloat16. Numpy has no bfloat16, so a bfloat16 field is *stored* as its uint16
@@ -53,19 +24,11 @@ uint16 view; :attr:`Field.logical_dtype` says ``"bfloat16"`` and
 Bool bytes are stored as they are (a bool array holding bytes other than 0/1
 round-trips bit for bit).
 
-Speed, per sample of 150,976 bytes (image uint8 [3,224,224] + input_ids and
-attention_mask int32 [32]); Python 3.11, numpy 2.4, xxhash 4.1, 2-core AMD EPYC
-VM; ``python -m timeit -s SETUP STMT``, best of 5, where SETUP builds that
-sample ``s`` with numpy, ``b = codec.encode(s)`` and ``o = bytearray(len(b))``::
-
-    encode                 10 us   (plan ~5 us of Python, copy + xxh3_64 ~5 us)
-    encoded_size            5 us
-    encode_into            10.5 us
-    decode(verify=True)     6 us   (checksum ~2 us, header ~1.6 us, 3 views ~2 us)
-    decode(verify=False)    3.8 us
-    features fp16 [576,1024] (1.18 MB): encode 42 us, decode 16 us
-
-against ~7 ms to decode and resize the JPEG: the codec costs well under 1% of a miss.
+The byte layout (header, field table, aligned buffers, dtype codes) is defined
+in :mod:`mmcache.codec.layout`, which also says where each fixed header field
+lies for code that reads header bytes of many entries at once (the loader's
+byte-range gather). Encoding or decoding a sample costs microseconds, well under
+1% of a miss (milliseconds to decode and resize its JPEG).
 
 Thread and process safety: every function here is pure (no shared state except
 a bounded, thread-safe memo of parsed field tables), so all are safe from
@@ -97,10 +60,31 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
+from mmcache.codec.layout import (
+    ALIGN,
+    BFLOAT16_CODE,
+    DTYPE_CODES,
+    HEADER,
+    HEADER_SIZE,
+    HEADER_STRUCT,
+    KIND_TO_CODE,
+    LAYOUT_PREFIX,
+    MAGIC,
+    MAX_FIELDS,
+    MAX_NAME_BYTES,
+    MAX_NDIM,
+    SUPPORTED_DTYPES,
+    VERSION,
+    Field,
+    Header,
+    HeaderField,
+    layout_signature,
+)
 from mmcache.errors import ConfigError, CorruptEntryError
 
 __all__ = [
     "ALIGN",
+    "HEADER",
     "HEADER_SIZE",
     "MAGIC",
     "MAX_FIELDS",
@@ -111,6 +95,7 @@ __all__ = [
     "DecodedSample",
     "Field",
     "Header",
+    "HeaderField",
     "Sample",
     "decode",
     "encode",
@@ -126,107 +111,13 @@ Sample: TypeAlias = Mapping[str, npt.NDArray[Any]]
 #: What :func:`decode` returns: read-only zero-copy views, in stored field order.
 DecodedSample: TypeAlias = dict[str, npt.NDArray[Any]]
 
-MAGIC = b"MMC1"
-#: Format version written in every header; decode refuses any other.
-VERSION = 1
-#: Every array buffer starts at a multiple of this (cache line; AVX-512 width).
-ALIGN = 64
-MAX_FIELDS = 256
-MAX_NDIM = 8
-MAX_NAME_BYTES = 1024
-
-# magic, version, flags, checksum, length, ctime, cost, nfields, table_size
-_HEADER = struct.Struct("<4sHHQQddII")
-HEADER_SIZE = _HEADER.size  # 48
-_CHECKSUM_START, _CHECKSUM_END = 8, 16
+_CHECKSUM_START, _CHECKSUM_END = HEADER["checksum"].offset, HEADER["checksum"].stop
 _ENTRY_HEAD = struct.Struct("<HBB")  # name_len, dtype code, ndim
 # shape (ndim x uint64), offset, nbytes; one precompiled Struct per ndim.
 _ENTRY_TAIL = tuple(struct.Struct(f"<{n}QQQ") for n in range(MAX_NDIM + 1))
 # numpy refuses arrays whose element count (zeros aside) overflows intp.
 _MAX_EXTENT = np.iinfo(np.intp).max
 _ZEROS = memoryview(bytes(ALIGN))
-
-_BFLOAT16 = "bfloat16"
-_BFLOAT16_CODE = 13
-# code -> (storage dtype, logical dtype name). Codes are part of the format:
-# never renumber, only append (and bump VERSION if old readers must refuse).
-_CODES: dict[int, tuple[np.dtype[Any], str]] = {
-    1: (np.dtype("|b1"), "bool"),
-    2: (np.dtype("|u1"), "uint8"),
-    3: (np.dtype("|i1"), "int8"),
-    4: (np.dtype("<u2"), "uint16"),
-    5: (np.dtype("<i2"), "int16"),
-    6: (np.dtype("<u4"), "uint32"),
-    7: (np.dtype("<i4"), "int32"),
-    8: (np.dtype("<u8"), "uint64"),
-    9: (np.dtype("<i8"), "int64"),
-    10: (np.dtype("<f2"), "float16"),
-    11: (np.dtype("<f4"), "float32"),
-    12: (np.dtype("<f8"), "float64"),
-    _BFLOAT16_CODE: (np.dtype("<u2"), _BFLOAT16),
-}
-# (kind, itemsize) -> code, for encoding plain numpy dtypes.
-_KIND_TO_CODE = {
-    (dt.kind, dt.itemsize): code for code, (dt, name) in _CODES.items() if name != _BFLOAT16
-}
-#: Logical dtype names the codec accepts.
-SUPPORTED_DTYPES: tuple[str, ...] = tuple(name for _, name in _CODES.values())
-
-
-@dataclass(frozen=True, slots=True)
-class Field:
-    """One array of an entry: where it lies in the buffer and how to view it.
-
-    ``dtype`` is the numpy storage dtype of the view :func:`decode` returns;
-    ``logical_dtype`` is the dtype it stands for (equal to ``dtype.name`` except
-    for ``"bfloat16"``, stored as uint16). ``offset`` is relative to the start of
-    the entry and a multiple of :data:`ALIGN`.
-    """
-
-    name: str
-    dtype: np.dtype[Any]
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-    logical_dtype: str
-
-
-@dataclass(frozen=True, slots=True)
-class Header:
-    """The parsed header of an entry (see the module docstring for the format).
-
-    ``layout_key`` identifies the field names, dtypes, shapes and offsets: equal
-    for every entry of the same layout, so a loader can gather one field of many
-    entries at the same offset. ``checksum`` is as stored, not verified.
-    """
-
-    version: int
-    flags: int
-    ctime: float
-    cost: float
-    length: int
-    checksum: int
-    fields: tuple[Field, ...]
-    layout_key: bytes
-
-    def field(self, name: str) -> Field:
-        """Return the field called ``name``; ``KeyError`` if there is none."""
-        for f in self.fields:
-            if f.name == name:
-                return f
-        raise KeyError(f"no field {name!r} in entry; fields: {[f.name for f in self.fields]}")
-
-
-def layout_signature(header: Header) -> bytes:
-    """Bytes identifying an entry's layout (names, dtypes, shapes, offsets).
-
-    Identical for all samples with the same field names, dtypes and shapes in
-    the same order, whatever their values, ctime or cost; different otherwise.
-    It is the format version followed by the raw field table, so it is exact
-    (no hash collisions) and costs nothing to compute. Use it as a dict key.
-    """
-    return header.layout_key
-
 
 # ---------------------------------------------------------------------------
 # encoding
@@ -258,14 +149,14 @@ def _normalise(name: str, value: object, as_bfloat16: bool) -> tuple[int, npt.ND
     dt = arr.dtype
     # Structured, string, object, datetime and complex dtypes have kinds (or
     # sizes) absent from the table, so one dict lookup settles the common case.
-    found = _KIND_TO_CODE.get((dt.kind, dt.itemsize))
+    found = KIND_TO_CODE.get((dt.kind, dt.itemsize))
     if as_bfloat16:
         if dt.kind != "u" or dt.itemsize != 2:
             raise TypeError(
                 f"field {name!r}: bfloat16 fields must hold the uint16 bit pattern, got {dt}; "
                 "from torch: tensor.view(torch.uint16).numpy()"
             )
-        code = _BFLOAT16_CODE
+        code = BFLOAT16_CODE
     elif found is not None:
         code = found
     else:
@@ -274,7 +165,7 @@ def _normalise(name: str, value: object, as_bfloat16: bool) -> tuple[int, npt.ND
             f"structured and datetime arrays are refused); supported: {SUPPORTED_DTYPES}; "
             f"for bfloat16 pass the uint16 bits and bfloat16={{{name!r}}}"
         )
-    storage = _CODES[code][0]
+    storage = DTYPE_CODES[code][0]
     if arr.dtype != storage:  # byte order differs: convert
         arr = arr.astype(storage)
     if not arr.flags.c_contiguous:
@@ -342,7 +233,7 @@ def _pieces(plan: _Plan, ctime: float, cost: float) -> tuple[bytes, list[memoryv
     both :func:`encode` and :func:`encode_into` read each array once to hash
     it and once to copy it, and never re-read the destination.
     """
-    head = _HEADER.pack(
+    head = HEADER_STRUCT.pack(
         MAGIC, VERSION, 0, 0, plan.length, ctime, cost, plan.nfields, len(plan.table)
     )
     pieces: list[memoryview] = [memoryview(plan.table)]
@@ -467,7 +358,7 @@ def _parse_table(table: bytes, nfields: int) -> tuple[tuple[Field, ...], int]:
         pos += _ENTRY_HEAD.size
         if ndim > MAX_NDIM:
             _corrupt(f"field {i} has ndim {ndim}, at most {MAX_NDIM}")
-        if code not in _CODES:
+        if code not in DTYPE_CODES:
             _corrupt(f"field {i} has unknown dtype code {code}")
         if name_len > MAX_NAME_BYTES:
             _corrupt(f"field {i} has a {name_len}-byte name, at most {MAX_NAME_BYTES}")
@@ -484,7 +375,7 @@ def _parse_table(table: bytes, nfields: int) -> tuple[tuple[Field, ...], int]:
         if name in names:
             _corrupt(f"duplicate field name {name!r}")
         names.add(name)
-        storage, logical = _CODES[code]
+        storage, logical = DTYPE_CODES[code]
         if math.prod(max(d, 1) for d in shape) * storage.itemsize > _MAX_EXTENT:
             _corrupt(f"field {name!r} has an impossible shape {tuple(shape)}")
         expected = math.prod(shape) * storage.itemsize
@@ -517,9 +408,8 @@ def _read_header(view: memoryview) -> Header:
     n = len(view)
     if n < HEADER_SIZE:
         _corrupt(f"truncated: {n} bytes, the header alone needs {HEADER_SIZE}")
-    magic, version, flags, checksum, length, ctime, cost, nfields, table_size = _HEADER.unpack_from(
-        view
-    )
+    unpacked = HEADER_STRUCT.unpack_from(view)
+    magic, version, flags, checksum, length, ctime, cost, nfields, table_size = unpacked
     if magic != MAGIC:
         _corrupt(f"bad magic {magic!r}, expected {MAGIC!r} (not an mmcache entry)")
     if version != VERSION:
@@ -543,7 +433,7 @@ def _read_header(view: memoryview) -> Header:
         fields, end = _parse_table(table, nfields)
     if end != length:
         _corrupt(f"buffers end at byte {end}, the entry has {length} bytes")
-    layout_key = struct.pack("<HI", version, nfields) + table
+    layout_key = LAYOUT_PREFIX.pack(version, nfields) + table
     return Header(version, flags, ctime, cost, length, checksum, fields, layout_key)
 
 

@@ -1,26 +1,26 @@
-"""Per-sample ``stat`` results that the sweeper process publishes for the training process.
+"""``FileCheckBoard``: per-sample ``stat`` results the stat prefetcher publishes for the loader.
 
-In a warm epoch every sample's cache key is already known in the training
-process; what each epoch must still establish is that no image file changed
-since that key was made (a ``stat`` per file, after the epoch began). The
-loader's :class:`~mmcache.sweeper.Sweeper` does those ``stat`` calls in the
-background, in the epoch's order, and publishes each result here, in shared
-memory: the training process reads them with one vectorised comparison per
-batch, with no message to wait for (a result sent through torch's worker
-queues arrives a few hundred microseconds to milliseconds after it is ready,
-which at the start of every epoch cost more than the whole check).
+In a guessed epoch (see :mod:`mmcache.loader.warm_epoch`) every sample's cache
+key is already known in the training process; what each epoch must still
+establish is that no image file changed since that key was made (a ``stat``
+per file, after the epoch began). The loader's
+:class:`~mmcache.loader.warm_epoch.prefetch.StatPrefetcher` does those
+``stat`` calls in the background, in the epoch's order, and publishes each
+result here, in shared memory: the training process reads them with one
+vectorised comparison per batch, with no message to wait for (a result sent
+through torch's worker queues arrives later than the whole check takes).
 
 One ``uint64`` per sample: a 64-bit mix of the file's stamp (every field of
-:data:`mmcache.keys.STAT_FIELDS`: size, mtime, ctime, inode, the same fields the
-keys are made of) and the *round* of the ``stat`` (:func:`seal`): a number the training process
-gives each sweep, never reused (an epoch number would be: an epoch run again
-after going back must not pass on the old run's results). A single aligned
-64-bit store is atomic, so a reader sees a whole old value or a whole new
-one, and a value only matches what the reader expects when the file was
-``stat``-ed in that round and had the expected stamp. Zero means "never
-published".
+:data:`mmcache.keys.STAT_FIELDS`: size, mtime, ctime, inode, the same fields
+the keys are made of) and the *check round* of the ``stat`` (:func:`seal`): a
+number the training process gives each guessed epoch, never reused (an epoch
+number would be: an epoch run again after going back must not pass on the old
+run's results). A single aligned 64-bit store is atomic, so a reader sees a
+whole old value or a whole new one, and a value only matches what the reader
+expects when the file was ``stat``-ed in that round and had the expected
+stamp. Zero means "never published".
 
-Thread/process safety: :meth:`publish` from any process (the sweeper),
+Thread/process safety: :meth:`publish` from any process (the prefetcher),
 :meth:`verified` from the training process; created before the workers
 start (fork) or sent to them at start (spawn), like the other
 ``multiprocessing`` shared objects.
@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["StampBoard", "seal"]
+__all__ = ["FileCheckBoard", "seal"]
 
 # Odd 64-bit multipliers (from splitmix64, murmur3 and the golden ratio). Each
 # step of the mix, z = (z ^ word) * K, then z ^= z >> 31, is a bijection of the
@@ -55,7 +55,8 @@ _MASK = (1 << 64) - 1
 
 def seal(stamps: npt.NDArray[np.int64], round_: int) -> npt.NDArray[np.uint64]:
     """One non-zero 64-bit value per row of ``stamps`` (``int64 [n, k]``, k <= 4: the
-    :meth:`~mmcache.MultimodalDataset.stat_stamps` rows) for sweep round ``round_``;
+    :meth:`~mmcache.sources.base.SampleSource.stamps` rows of a ``StampKind.FILE`` source)
+    for check round ``round_``;
     equal values mean equal stamps in the same round, but for a 2**-63 chance. A
     few numpy operations per field: the training process checks every batch with it."""
     arr = np.ascontiguousarray(stamps, dtype=np.int64)
@@ -75,7 +76,7 @@ def seal(stamps: npt.NDArray[np.int64], round_: int) -> npt.NDArray[np.uint64]:
     return out
 
 
-class StampBoard:
+class FileCheckBoard:
     """The shared ``stat`` results of ``n`` samples (see the module docstring).
 
     Args:

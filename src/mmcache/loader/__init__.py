@@ -1,0 +1,550 @@
+"""``mmcache.DataLoader``: hits gathered in the training process, misses made by workers.
+
+How a batch is made (every epoch's order is known in advance, see
+:mod:`mmcache.sampler`):
+
+1. *Planning* (:mod:`~mmcache.loader.tasks`): the batch's keys, which of them
+   the cache's first tier holds, and the misses produced, by the worker
+   processes of a plain torch DataLoader (:mod:`~mmcache.loader.stream`), in
+   exactly the order the training loop takes the batches; with persistent
+   workers across epochs, the next epoch's tasks held at a gate until the
+   training loop begins it.
+2. *Assembly* in the training process (:mod:`~mmcache.loader.assemble`, on a
+   helper thread one batch ahead, or by the training loop itself when it asks
+   first): the hits are gathered straight from shared memory into the batch
+   tensors (:mod:`~mmcache.loader.gather`), then the rows a worker sent are
+   filled in. Hits never travel through a worker.
+3. *Guessed epochs* (:mod:`~mmcache.loader.warm_epoch`): an epoch that begins
+   warm is not planned by the workers; the training process gathers each
+   batch at once from the keys it learnt, and serves it once every file of it
+   is known unchanged this epoch.
+4. *Hooks* (:mod:`~mmcache.loader.hooks`): after each batch is assembled, and
+   before each epoch begins.
+
+This module is the configuration and public face: epochs, resumption
+(``state_dict``), iteration, statistics.
+
+Thread/process safety: one loader is driven by one thread (like torch's);
+internally a helper thread assembles batches too. Its worker processes share
+the cache through the node-shared tiers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import operator
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from mmcache.cache import Cache
+from mmcache.checks import check_int
+from mmcache.dist import rank_and_world
+from mmcache.errors import ConfigError
+from mmcache.loader.assemble import BatchAssembler
+from mmcache.loader.counters import EpochCounter, HitRateWatch, epoch_scalars
+from mmcache.loader.hooks import BatchContext, EpochContext, Hooks, LoaderHook
+from mmcache.loader.stream import (
+    BatchOrder,
+    BatchPlanStream,
+    EpochOrder,
+    MissWorkers,
+    StreamState,
+    WorkerTaskSampler,
+)
+from mmcache.loader.tasks import BatchPlan, WorkerPlanner
+from mmcache.loader.warm_epoch import WarmEpochs
+from mmcache.loader.warm_epoch.assembler import AssemblerThread, InOrderBuilder
+from mmcache.loader.warm_epoch.gate import EpochGate
+from mmcache.sampler import EpochSampler
+from mmcache.sources.base import SampleSource
+from mmcache.stats import EpochStats, LoaderStats
+from mmcache.writeback import flush_all
+
+__all__ = ["BatchContext", "DataLoader", "EpochContext", "LoaderHook"]
+
+logger = logging.getLogger(__name__)
+
+_STATE_VERSION = 2  # 2: the ids digest, distributed_drop_last
+#: What fixes the order of the batches: a state to resume must match the loader in each.
+_STATE_ORDER = (
+    "seed",
+    "shuffle",
+    "size",
+    "ids",
+    "rank",
+    "world_size",
+    "batch_size",
+    "drop_last",
+    "distributed_drop_last",
+)
+
+#: Batches assembled ahead on the helper thread: the next one, while the training
+#: step runs. More would keep more batch buffers in flight (colder caches) and,
+#: when loading is the bottleneck, two threads copying at once share the memory
+#: bandwidth without gaining anything.
+_BUILD_AHEAD = 1
+
+
+@dataclass
+class _EpochRun:
+    """The batches of one epoch and the batch to start from (a resumed position)."""
+
+    epoch: int
+    batches: list[np.ndarray]
+    start: int
+
+
+class DataLoader:
+    """Batches of a :class:`~mmcache.sources.base.SampleSource` (a
+    :class:`~mmcache.MultimodalDataset`) through a :class:`Cache`.
+
+    >>> loader = DataLoader(ds, cache=cache, batch_size=64, num_workers=4)  # doctest: +SKIP
+    >>> for epoch in range(3):                                              # doctest: +SKIP
+    ...     loader.set_epoch(epoch)
+    ...     for batch in loader: ...
+
+    Args:
+        dataset: the samples (any :class:`~mmcache.sources.base.SampleSource`).
+        cache: a :class:`Cache`, or None for no caching (same batches, slower).
+        batch_size: samples per batch.
+        shuffle: a fresh permutation each epoch (a pure function of seed and epoch).
+        seed: the order's seed.
+        num_workers: processes that produce misses (0: in the training process).
+            With workers, a cache and a source of file stamps the loader also
+            starts one low-priority process that ``stat``-s the files of warm
+            epochs ahead of use (see :mod:`mmcache.loader.warm_epoch`).
+        drop_last: drop each rank's last incomplete batch, as torch's DataLoader
+            does (every epoch has ``len(loader)`` full batches).
+        distributed_drop_last: how ranks get equal parts when the dataset does not
+            divide by ``world_size``, as ``DistributedSampler``'s ``drop_last``:
+            ``False`` (default) pads by repeating the epoch's first samples (every
+            sample is seen, a few twice), ``True`` drops the last few samples of
+            the epoch's order (see :mod:`mmcache.sampler`). A torch
+            ``DataLoader(sampler=DistributedSampler(ds, drop_last=a), drop_last=b)``
+            has the batch counts of ``distributed_drop_last=a, drop_last=b``.
+        pin_memory: allocate batch tensors in pinned memory (when CUDA is present).
+        rank, world_size: this process's part; default to torch.distributed's
+            when it is initialised, else a single process; one without the other
+            is refused unless torch.distributed is initialised. A loader with no
+            batches (``len(loader) == 0``) logs a warning.
+        prefetch: worker tasks (batches to plan and produce) in flight per worker
+            (torch's ``prefetch_factor``).
+        persistent_workers, worker_init_fn, multiprocessing_context, generator,
+            timeout: as in ``torch.utils.data.DataLoader``, for the miss workers.
+        on_epoch_end: called after each complete epoch with a dict of scalars
+            (``epoch``, ``samples_per_s``, ``hit_rate``, ``hit_rate/<tier>`` for
+            each tier of the cache (``hit_rate/memory``, ``hit_rate/disk``),
+            ``stall_s``, ...), ready for TensorBoard or W&B.
+        hooks: objects with an ``after_assemble(batch, ctx)`` and/or a
+            ``before_epoch(ctx)`` method, run in order (see :mod:`mmcache.loader.hooks`).
+    """
+
+    def __init__(
+        self,
+        dataset: SampleSource,
+        *,
+        cache: Cache | None,
+        batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_workers: int = 0,
+        drop_last: bool = False,
+        distributed_drop_last: bool = False,
+        pin_memory: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+        prefetch: int = 2,
+        persistent_workers: bool = False,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        generator: torch.Generator | None = None,
+        timeout: float = 0,
+        on_epoch_end: Callable[[dict[str, float]], None] | None = None,
+        hooks: Sequence[LoaderHook] = (),
+    ) -> None:
+        if not isinstance(dataset, SampleSource):
+            raise ConfigError(
+                "dataset must be a mmcache SampleSource (a MultimodalDataset, or any source "
+                f"with the members of mmcache.sources.base.SampleSource), got "
+                f"{type(dataset).__name__}"
+            )
+        check_int("batch_size", batch_size, minimum=1)
+        check_int("num_workers", num_workers, minimum=0)
+        check_int("prefetch", prefetch, minimum=1)
+        rank, world_size = rank_and_world(rank, world_size)
+        self.dataset = dataset
+        self.cache = cache
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.pin_memory = pin_memory and torch.cuda.is_available()
+        if pin_memory and not self.pin_memory:
+            logger.info("pin_memory=True ignored: CUDA is not available")
+        self.sampler = EpochSampler(
+            len(dataset),
+            seed=seed,
+            shuffle=shuffle,
+            rank=rank,
+            world_size=world_size,
+            drop_last=distributed_drop_last,
+        )
+        if len(self) == 0:
+            logger.warning(
+                "this DataLoader has no batches: every epoch is empty (%d samples, "
+                "world_size=%d: %d per rank, batch_size=%d, drop_last=%s); use a "
+                "smaller batch_size or drop_last=False",
+                len(dataset),
+                world_size,
+                self.sampler.num_samples(),
+                batch_size,
+                drop_last,
+            )
+        self.num_workers = num_workers
+        self.on_epoch_end = on_epoch_end
+        self._hooks = Hooks(hooks)
+        self._order = EpochOrder(BatchOrder(self.sampler, batch_size, drop_last))
+        persistent = persistent_workers and num_workers > 0
+        # Holds back workers' tasks of epochs not begun yet (only persistent workers get
+        # such tasks). Opened whenever the loader goes, before torch stops the workers.
+        gate = EpochGate(multiprocessing_context, num_workers) if persistent else None
+        if gate is not None:
+            weakref.finalize(self, gate.open_all)
+        self._planner = WorkerPlanner(dataset, cache, gate)
+        self._assembler = BatchAssembler(dataset, cache, self._planner, pin_memory=self.pin_memory)
+        self._warm = WarmEpochs(
+            dataset,
+            self._order.order,  # lock-free: the prefetcher process is forked at any time
+            cache=cache,
+            num_workers=num_workers,
+            num_samples=self.sampler.num_samples(),
+            entry_bytes=self._assembler.entry_bytes,
+            context=multiprocessing_context,
+        )
+        weakref.finalize(self, self._warm.close)
+        self._state = StreamState()  # where the workers' stream is (shared explicitly)
+        self._workers: MissWorkers | None = None
+        if num_workers > 0:
+            warm = self._warm
+            state = self._state
+            sampler = WorkerTaskSampler(
+                state,
+                self._order,
+                persistent=persistent,
+                guess_next=lambda: warm.should_guess(state.warm),
+            )
+            kwargs: dict[str, Any] = {
+                "num_workers": num_workers,
+                "worker_init_fn": worker_init_fn,
+                "multiprocessing_context": multiprocessing_context,
+                "generator": generator,
+                "timeout": timeout,
+                "prefetch_factor": prefetch,
+            }
+            self._workers = MissWorkers(
+                self._planner, sampler, gate=gate, persistent=persistent, kwargs=kwargs
+            )
+        self._stream: BatchPlanStream | None = None  # plans of the batches to come
+        self._live: EpochCounter | None = None  # the epoch being iterated
+        self._epoch = 0
+        self._position = 0  # batches of the current epoch already yielded
+        self._chosen = False  # set_epoch called since the last iteration began
+        self._resumed = False  # the position came from load_state_dict
+        self._ids: str | None = None  # the dataset's ids digest (state_dict)
+        self._history: dict[int, EpochStats] = {}
+        self._hit_rate = HitRateWatch(cache)
+        # The thread that assembles batches ahead, kept from epoch to epoch.
+        self._helper = AssemblerThread()
+        weakref.finalize(self, self._helper.close, 5.0)
+
+    # -- public API -------------------------------------------------------------------------
+    def __len__(self) -> int:
+        n = self.sampler.num_samples()
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch the next iteration yields: all of epoch ``epoch``, whatever
+        was iterated before (its order is a pure function of seed and epoch), or,
+        right after :meth:`load_state_dict` of that epoch, what remains of it (maybe
+        nothing). An iteration without a ``set_epoch`` since the last one finished
+        its epoch goes on with the next epoch."""
+        try:
+            epoch = operator.index(epoch)  # an int or a numpy integer
+        except TypeError:
+            raise ConfigError(f"epoch must be an int >= 0, got {epoch!r}") from None
+        check_int("epoch", epoch, minimum=0)
+        if not (self._resumed and epoch == self._epoch):
+            self._position = 0
+            self._resumed = False
+        self._epoch = epoch
+        self._chosen = True
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the loader is: resuming from it yields exactly the remaining batches.
+
+        Independent of ``num_workers`` (the order never depends on it). ``ids`` is
+        a digest of the dataset's ids in order (the source's ``ids_digest``), so a
+        reordered manifest of the same length is refused on resume.
+        """
+        if self._ids is None:
+            self._ids = self.dataset.ids_digest()
+        return {
+            "version": _STATE_VERSION,
+            "epoch": self._epoch,
+            "position": self._position,
+            "seed": self.sampler.seed,
+            "shuffle": self.sampler.shuffle,
+            "size": self.sampler.size,
+            "ids": self._ids,
+            "rank": self.sampler.rank,
+            "world_size": self.sampler.world_size,
+            "batch_size": self.batch_size,
+            "drop_last": self.drop_last,
+            "distributed_drop_last": self.sampler.drop_last,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; the configuration that fixes the order must match.
+
+        Raises :class:`ConfigError` naming the key for a missing, mistyped or
+        out-of-range value, or one that differs from this loader's (another seed,
+        dataset order, batch size, rank...); nothing is restored then.
+        """
+        if not isinstance(state, dict):
+            raise ConfigError(
+                f"a loader state is a dict (from state_dict()), got {type(state).__name__}"
+            )
+        mine = self.state_dict()
+        if state.get("version") == 1:  # saved before the ids digest: order not checkable
+            logger.warning(
+                "loader state version 1 has no digest of the dataset's ids: resuming "
+                "without checking that the manifest lists the same ids in the same order"
+            )
+            state = {**state, "version": _STATE_VERSION, "ids": mine["ids"]}
+            # Its drop_last also trimmed across ranks (distributed_drop_last), which
+            # changes nothing in a single process.
+            alone = state.get("world_size") == 1
+            state["distributed_drop_last"] = (
+                mine["distributed_drop_last"] if alone else state.get("drop_last")
+            )
+        if state.get("version") != _STATE_VERSION:
+            raise ConfigError(
+                f"unsupported loader state version {state.get('version')!r} (this mmcache "
+                f"reads 1 and {_STATE_VERSION}): it was saved by another mmcache version"
+            )
+        for name in _STATE_ORDER:
+            if name not in state:
+                raise ConfigError(f"cannot resume: the loader state has no {name!r}")
+            if state[name] != mine[name]:
+                what = "the dataset's ids in order" if name == "ids" else name
+                raise ConfigError(
+                    f"cannot resume: state has {name}={state[name]!r} but this loader has "
+                    f"{mine[name]!r} ({what} differs); the order (and so the remaining "
+                    "batches) would differ"
+                )
+        epoch = _state_int(state, "epoch", 0, None)
+        position = _state_int(state, "position", 0, len(self._epoch_batches(epoch)))
+        self._epoch, self._position = epoch, position
+        self._resumed = True  # set_epoch(epoch) keeps the position
+        self._chosen = False
+
+    def close(self) -> None:
+        """Stop the worker processes (persistent ones included) and the stat prefetcher
+        now. Idempotent.
+
+        Dropping the loader does the same; ``close`` makes it deterministic. A
+        later iteration starts new workers.
+        """
+        flush_all()
+        self._stop_workers()
+        self._helper.close()
+        self._warm.close()
+
+    def _stop_workers(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.close()
+        if self._workers is not None:
+            self._workers.stop()
+
+    def __enter__(self) -> DataLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # Only stop the workers: flushing takes locks, and __del__ may run inside
+        # the garbage collector while this thread holds one of them.
+        with contextlib.suppress(Exception):
+            self._stop_workers()
+
+    def stats(self) -> LoaderStats:
+        """Hits, misses, stall time and throughput, per epoch and overall."""
+        history = dict(self._history)
+        live = self._live
+        if live is not None:
+            history[live.epoch] = live.snapshot()
+        return LoaderStats(tuple(history[e] for e in sorted(history)))
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        epoch = self._epoch
+        batches = self._epoch_batches(epoch)
+        if self._position >= len(batches) and not self._chosen:
+            # A finished epoch and no set_epoch since: go on with the next one.
+            epoch = self._epoch = epoch + 1
+            self._position = 0
+            batches = self._epoch_batches(epoch)
+        self._chosen = self._resumed = False
+        if self.cache is not None:
+            self.cache.register(self.dataset.fingerprint(), self.dataset.describe())
+        run = _EpochRun(epoch=epoch, batches=batches, start=self._position)
+        return self._iterate(run)
+
+    # -- per epoch -----------------------------------------------------------------------
+    def _epoch_batches(self, epoch: int) -> list[np.ndarray]:
+        """The batches (index arrays) of ``epoch`` (remembered for the last few epochs)."""
+        return self._order.batches(epoch)
+
+    def _epoch_done(self, stats: EpochStats) -> None:
+        """Per-epoch checks: the user's callback, and the low-hit-rate warning."""
+        if self.on_epoch_end is not None:
+            tiers = list(self.cache.tiers) if self.cache is not None else []
+            self.on_epoch_end(epoch_scalars(stats, tiers))
+        if stats.epoch - 1 in self._history:
+            self._hit_rate.check(
+                stats,
+                entry_bytes=self._assembler.entry_bytes(),
+                samples=self.sampler.num_samples() * self.sampler.world_size,
+            )
+
+    # -- consuming (training process) ------------------------------------------------------
+    def _iterate(self, run: _EpochRun) -> Iterator[dict[str, Any]]:
+        """Yield the batches of ``run`` in order, assembled ahead while the training step runs.
+
+        An :class:`~mmcache.loader.warm_epoch.assembler.InOrderBuilder` assembles
+        the next batch (``_BUILD_AHEAD``) on a helper thread while the training
+        loop holds this one (numpy copies and torch's IPC release the GIL); when
+        the loop asks for a batch nobody has started, it assembles it itself
+        instead of waiting. ``stall_s`` is the time the training loop spends in
+        ``next()``, waiting or assembling.
+        """
+        if self._hooks:
+            self._hooks.before_epoch(
+                EpochContext(run.epoch, run.start, len(run.batches), self._order.batches)
+            )
+        stats = EpochCounter(run.epoch, self._history.get(run.epoch))
+        self._live = stats
+        source = self._stream
+        workers = self._workers
+        if (
+            source is None
+            or source.cursor != (run.epoch, run.start)
+            or workers is None
+            or not workers.started
+        ):
+            if source is not None:
+                source.close()
+            source = self._stream = BatchPlanStream(
+                run.epoch,
+                run.start,
+                order=self._order,
+                state=self._state,
+                planner=self._planner,
+                workers=workers,
+                warm=self._warm,
+            )
+        streams = source.streams(run.epoch)
+        self._warm.begin(run.epoch, run.start, warm=self._state.warm, streams=streams)
+        source.begin_epoch(run.epoch)
+        builder: InOrderBuilder[BatchPlan, dict[str, Any] | None] = InOrderBuilder(
+            run.start,
+            len(run.batches),
+            fetch=lambda j: source.fetch(run.epoch, j),
+            build=lambda j, plan: self._build(run.epoch, j, plan, stats),
+            ahead=_BUILD_AHEAD,
+            helper=self._helper,
+        )
+        persistent = workers is not None and workers.persistent
+        try:
+            t0 = time.perf_counter()
+            stats.begin(t0)
+            for j in range(run.start, len(run.batches)):
+                batch = builder.take()
+                self._position = j + 1
+                if batch is None:  # every sample of it was rejected
+                    continue
+                t1 = time.perf_counter()
+                stats.stall(t1 - t0)
+                stats.end(t1)
+                yield batch
+                t0 = time.perf_counter()
+            flush_all()  # this process's pending puts (num_workers=0, late misses)
+            stats.end(time.perf_counter())
+            self._history[run.epoch] = stats.snapshot()
+            self._live = None
+            self._epoch_done(self._history[run.epoch])
+        finally:
+            builder.close()
+            if source.cursor != (run.epoch + 1, 0) or not persistent:
+                # Left early (or workers end with the epoch): nobody continues this stream.
+                source.close()
+                self._stream = None
+            if self._live is stats:
+                self._history[run.epoch] = stats.snapshot()
+                self._live = None
+            if workers is not None and not persistent:
+                workers.release()  # non-persistent workers exit with their iterator
+
+    def _build(
+        self, epoch: int, j: int, plan: BatchPlan, stats: EpochCounter
+    ) -> dict[str, Any] | None:
+        """Batch ``j`` of ``epoch``. A guessed plan is gathered at once and served when
+        every key was in memory and every file is unchanged this epoch; otherwise (a file
+        changed, an entry went) the batch is planned and its misses produced here."""
+        assembler = self._assembler
+        if plan.guessed:
+            batch = assembler.gather_guess(plan)
+            if batch is not None and self._warm.verified(plan):
+                assembler.count_guess(len(plan.indices), stats)
+                if self._hooks.after:
+                    batch = self._after_assemble(batch, epoch, j, plan.indices, guessed=True)
+                return batch
+            # A file changed or an entry went: this batch is planned and its misses are
+            # produced here; the next ones are planned as in an epoch that is not guessed.
+            self._warm.stop_guessing(epoch)
+            plan = self._planner.produced(plan.indices)
+            self._warm.learn(plan)
+            self._state.warm = self._state.warm and bool(plan.planned_hit.all())
+        made = assembler.assemble(plan, stats)
+        if made is None:
+            return None
+        batch, indices = made
+        if self._hooks.after:
+            batch = self._after_assemble(batch, epoch, j, indices, guessed=False)
+        return batch
+
+    def _after_assemble(
+        self, batch: dict[str, Any], epoch: int, j: int, indices: np.ndarray, *, guessed: bool
+    ) -> dict[str, Any]:
+        sampler = self.sampler
+        ctx = BatchContext(
+            epoch, j, indices, sampler.seed, sampler.rank, sampler.world_size, guessed
+        )
+        return self._hooks.after_assemble(batch, ctx)
+
+
+def _state_int(state: dict[str, Any], name: str, low: int, high: int | None) -> int:
+    """``state[name]`` checked to be an int in ``[low, high]`` (ConfigError otherwise)."""
+    if name not in state:
+        raise ConfigError(f"cannot resume: the loader state has no {name!r}")
+    return check_int(f"cannot resume: state {name}", state[name], minimum=low, maximum=high)

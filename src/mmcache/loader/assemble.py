@@ -1,0 +1,333 @@
+"""Batch assembly in the training process: gather the hits, fill in the rows workers sent.
+
+Given a :class:`~mmcache.loader.tasks.BatchPlan`, the planned hits (and the
+rows a worker put in the first tier instead of sending them) are gathered
+straight from shared memory into the batch tensors
+(:func:`~mmcache.loader.gather.gather_hits`), then the rows a worker sent are
+copied in. A row that cannot be served as planned is made again here by one
+fallback (:meth:`BatchAssembler._redo`): a planned hit evicted or expired in
+the meantime (a *late miss*, counted), a cached entry of another layout under
+its key (dropped from every tier as damaged), or, before the batch layout is
+known, a batch whose cached entries all fail their checksum.
+
+The batch is what torch's default collate would make of the source's items,
+plus the cache keys: ``{"id": list[str], "key": list[str], "image": uint8
+[B,3,H,W], "input_ids": [B,L], "attention_mask": [B,L]}``. Nothing about it
+depends on the cache: the same seed gives bitwise the same batches with the
+cache on, off, cold or warm.
+
+Thread safety: :meth:`BatchAssembler.assemble` and :meth:`~BatchAssembler.gather_guess`
+run on two threads at once (the loader's helper thread and the training
+loop); the layout learnt from the first batch and the buffer pool are locked.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from mmcache import codec
+from mmcache.cache import Cache
+from mmcache.errors import ConfigError, SampleError
+from mmcache.loader.counters import EpochCounter
+from mmcache.loader.gather import BufferPool, gather_hits
+from mmcache.loader.tasks import BatchPlan, SampleOrigin, WorkerPlanner
+from mmcache.sources.base import SampleSource
+from mmcache.stores.base import BatchReader, Store
+
+__all__ = ["BatchAssembler"]
+
+_MEMORY, _PRODUCED, _REJECTED = (
+    SampleOrigin.MEMORY_HIT,
+    SampleOrigin.PRODUCED,
+    SampleOrigin.REJECTED,
+)
+
+
+@dataclass
+class _Rows:
+    """What assembly knows of the rows of one batch: the samples to copy in (by row),
+    each row's origin, and for a hit the name of the tier that served it."""
+
+    samples: dict[int, dict[str, np.ndarray]]
+    origins: list[SampleOrigin | None]
+    tiers: list[str]
+
+
+class BatchAssembler:
+    """Makes batches from plans: owns the batch layout (learnt from the first sample)
+    and the buffer pool.
+
+    Args:
+        source: the samples (ids, rejects).
+        cache: the cache (None: every row was produced).
+        planner: makes a row again when it cannot be served as planned.
+        pin_memory: allocate batch tensors in pinned memory (never recycled:
+            an asynchronous host-to-device copy may still read one).
+    """
+
+    def __init__(
+        self,
+        source: SampleSource,
+        cache: Cache | None,
+        planner: WorkerPlanner,
+        *,
+        pin_memory: bool,
+    ) -> None:
+        self._source = source
+        self._cache = cache
+        self._planner = planner
+        self.pin_memory = pin_memory
+        #: The first tier, when it gathers whole batches (else every row comes from workers).
+        self.reader: BatchReader | None = cache.reader if cache is not None else None
+        # The same tier as a Store: its get (a verified read) and discard.
+        self._first: Store | None = None
+        if cache is not None and self.reader is not None:
+            self._first = cache.tiers[self.reader.name]
+        # Guards the layout and the buffer pool: batches are assembled on two threads.
+        self._lock = threading.Lock()
+        self._layout: codec.Header | None = None
+        self._pool = BufferPool(enabled=not pin_memory)
+
+    @property
+    def layout(self) -> codec.Header | None:
+        """The batch layout (field names, dtypes, shapes), once a sample was seen."""
+        return self._layout
+
+    def entry_bytes(self) -> int | None:
+        """The size of one cache entry of the batch layout, once it is known."""
+        layout = self._layout
+        return layout.length if layout is not None else None
+
+    # -- a guessed plan ------------------------------------------------------------------
+    def gather_guess(self, plan: BatchPlan) -> dict[str, Any] | None:
+        """The batch of a guessed plan, gathered from shared memory; None unless every
+        key is there (nothing is produced for it, nothing counted)."""
+        reader, layout = self.reader, self._layout
+        if reader is None or layout is None:
+            return None
+        n = len(plan.indices)
+        out = self._allocate(layout, n)
+        rows = np.arange(n, dtype=np.int64)
+        found = self._gather(reader, layout, plan.keys, rows, out, count=False)
+        if not found.all():
+            return None
+        batch: dict[str, Any] = {
+            "id": self._source.ids(plan.indices),
+            "key": _hex_rows(plan.keys),
+        }
+        batch.update(out)
+        return batch
+
+    def count_guess(self, n: int, counter: EpochCounter) -> None:
+        """Count a served guessed batch of ``n`` rows: all hits in the first tier."""
+        if self.reader is not None:
+            self.reader.count_reads(hits=n)  # gathered with count=False
+            counter.count_hits(self.reader.name, n)
+
+    # -- a planned batch -----------------------------------------------------------------
+    def assemble(
+        self, plan: BatchPlan, counter: EpochCounter
+    ) -> tuple[dict[str, Any], np.ndarray] | None:
+        """The batch of ``plan`` and the dataset index of each of its rows; None when
+        every sample of it was rejected."""
+        n = len(plan.indices)
+        rows = _Rows({}, [None] * n, [""] * n)
+        origins, tiers, samples = rows.origins, rows.tiers, rows.samples
+        in_memory: list[int] = []
+        miss_rows = np.flatnonzero(~plan.planned_hit).tolist()
+        if len(miss_rows) != len(plan.results):  # pragma: no cover - plan() makes one per row
+            raise RuntimeError("a batch plan has not one result per missing row")
+        for r, res in zip(miss_rows, plan.results, strict=True):
+            if res.error is not None:
+                self._reject(res.error)
+                origins[r] = _REJECTED
+                continue
+            origins[r], tiers[r] = res.origin, res.tier
+            if res.in_memory:
+                in_memory.append(r)
+            elif res.sample is not None:
+                samples[r] = res.sample
+        planned = np.flatnonzero(plan.planned_hit)
+        hit_rows = planned
+        if in_memory:
+            hit_rows = np.union1d(planned, np.asarray(in_memory, dtype=np.int64)).astype(np.int64)
+        # Learn the layout (field names, dtypes, shapes) from the first sample we see.
+        if self._layout is None:
+            with self._lock:  # the other assembling thread may be learning it too
+                if self._layout is None:
+                    self._layout = self._find_layout(plan, rows, hit_rows)
+                    if self._layout is None and len(hit_rows):
+                        # No trustworthy sample to learn the layout from (the cached ones
+                        # fail their checksum): decode this batch's hits here instead.
+                        for rr in hit_rows:
+                            self._redo(plan, int(rr), rows, counter, late=True)
+                        planned = hit_rows = np.zeros(0, dtype=np.int64)
+                        self._layout = self._find_layout(plan, rows, hit_rows)
+        layout = self._layout
+        if layout is None:  # every sample of the batch was rejected
+            counter.count(origins, tiers)
+            return None
+        out = self._allocate(layout, n)
+        found = np.zeros(n, dtype=bool)
+        if len(hit_rows) and self.reader is not None:
+            found[hit_rows] = self._gather(self.reader, layout, plan.keys[hit_rows], hit_rows, out)
+        for rr in hit_rows[~found[hit_rows]]:
+            # Planned hit evicted (or expired) since planning: produce it here. A sample
+            # a worker produced this epoch stays a miss, even when it is fetched again
+            # (from disk) because it was evicted before the gather.
+            self._redo(plan, int(rr), rows, counter, cached=True, late=True)
+        first = self.reader.name if self.reader is not None else ""
+        for rr in planned[found[planned]]:
+            origins[int(rr)], tiers[int(rr)] = _MEMORY, first
+        for r in list(samples):
+            if origins[r] is not _PRODUCED and not _shapes_match(layout, samples[r]):
+                # A cached entry of another layout under this key: damaged. Drop it
+                # from every tier and decode the sample instead.
+                if self._cache is not None:
+                    for tier in self._cache.tiers.values():
+                        tier.discard(plan.keys[r].tobytes(), why="corrupt")
+                self._redo(plan, r, rows, counter)
+        for r, sample in samples.items():
+            self._check_shapes(layout, sample, int(plan.indices[r]))
+            for f in layout.fields:
+                out[f.name].numpy()[r] = sample[f.name]
+        counter.count(origins, tiers)
+        keep = [r for r in range(n) if origins[r] is not _REJECTED]
+        if not keep:
+            return None
+        kept = plan.indices[keep]
+        batch: dict[str, Any] = {"id": self._source.ids(kept), "key": _hex_rows(plan.keys[keep])}
+        if len(keep) < n:
+            for name, tensor in out.items():
+                part = torch.from_numpy(tensor.numpy()[keep])
+                batch[name] = part.pin_memory() if self.pin_memory else part
+        else:
+            batch.update(out)
+        return batch, kept
+
+    def _redo(
+        self,
+        plan: BatchPlan,
+        r: int,
+        rows: _Rows,
+        counter: EpochCounter,
+        *,
+        cached: bool = False,
+        late: bool = False,
+    ) -> None:
+        """Make row ``r`` here, as it cannot be served as planned: from the cache's other
+        tiers (``cached``) or the source. ``late``: a planned hit, counted as a late miss.
+        A row a worker produced this epoch stays counted as produced."""
+        res = self._planner.run(int(plan.indices[r]), plan.keys[r].tobytes(), cached=cached)
+        if late:
+            counter.late_miss()
+        if res.error is not None:
+            self._reject(res.error)
+            rows.origins[r] = _REJECTED
+            rows.samples.pop(r, None)
+            return
+        if res.sample is None:  # pragma: no cover - run() here returns one or the other
+            raise RuntimeError("a miss task returned neither a sample nor an error")
+        rows.samples[r] = res.sample
+        if rows.origins[r] is not _PRODUCED:
+            rows.origins[r], rows.tiers[r] = res.origin, res.tier
+
+    def _reject(self, err: SampleError) -> None:
+        if self._source.on_error == "raise":
+            raise err
+        self._source.record_reject(err)
+
+    def _find_layout(
+        self, plan: BatchPlan, rows: _Rows, hit_rows: np.ndarray
+    ) -> codec.Header | None:
+        """The batch layout, from a freshly produced sample if there is one, else from a
+        cached entry whose checksum verifies (first-tier reads are not verified)."""
+        for r, sample in rows.samples.items():
+            if rows.origins[r] is _PRODUCED:
+                return codec.read_header(codec.encode(sample))
+        first = self._first
+        if first is not None:
+            for r in hit_rows:
+                raw = first.get(plan.keys[r].tobytes())
+                if raw is None:
+                    continue
+                if codec.verify(raw):
+                    return codec.read_header(raw)
+                first.discard(plan.keys[r].tobytes(), why="corrupt")  # never served, and dropped
+        for sample in rows.samples.values():  # from a lower tier (verified) via a worker
+            return codec.read_header(codec.encode(sample))
+        return None
+
+    def _allocate(self, layout: codec.Header, n: int) -> dict[str, torch.Tensor]:
+        with self._lock:
+            reused = self._pool.acquire(layout.layout_key, n)
+            if reused is not None:
+                return reused
+            out: dict[str, torch.Tensor] = {}
+            for f in layout.fields:
+                dtype = torch.from_numpy(np.empty(0, dtype=f.dtype)).dtype
+                out[f.name] = torch.empty((n, *f.shape), dtype=dtype, pin_memory=self.pin_memory)
+            self._pool.add(layout.layout_key, n, out)
+            return out
+
+    def _gather(
+        self,
+        reader: BatchReader,
+        layout: codec.Header,
+        keys: np.ndarray,
+        rows: np.ndarray,
+        out: dict[str, torch.Tensor],
+        *,
+        count: bool = True,
+    ) -> np.ndarray:
+        """Copy the hits' fields from the first tier into ``out``; the found mask. An
+        entry of another layout, or expired, is dropped so nobody else serves it."""
+        got = gather_hits(
+            reader, layout, keys, rows, out, ttl_cutoff=self._ttl_cutoff(), count=count
+        )
+        if self._first is not None and (got.corrupt.any() or got.expired.any()):
+            for i in np.flatnonzero(got.corrupt).tolist():
+                self._first.discard(keys[i].tobytes(), why="corrupt")
+            for i in np.flatnonzero(got.expired).tolist():
+                self._first.discard(keys[i].tobytes(), why="expired")
+        return got.ok
+
+    def _ttl_cutoff(self) -> float | None:
+        if self._cache is None or self._cache.ttl is None:
+            return None
+        return self._cache.clock() - self._cache.ttl
+
+    @staticmethod
+    def _check_shapes(layout: codec.Header, sample: dict[str, np.ndarray], index: int) -> None:
+        for f in layout.fields:
+            arr = sample.get(f.name)
+            if not _fits(f, arr):
+                got = None if arr is None else (tuple(arr.shape), str(arr.dtype))
+                raise ConfigError(
+                    f"sample {index} has field {f.name!r} of shape/dtype {got}, but the batch "
+                    f"expects {(tuple(f.shape), str(f.dtype))}: every sample of a batch must have "
+                    "the same shapes (fixed image size and max_length)"
+                )
+
+
+def _hex_rows(keys: np.ndarray) -> list[str]:
+    """The hex form of each row of ``uint8 [n, 16]`` keys (== :func:`mmcache.keys.key_hex`)."""
+    text = keys.tobytes().hex()
+    width = 2 * keys.shape[1]
+    return [text[i : i + width] for i in range(0, len(text), width)]
+
+
+def _fits(f: codec.Field, arr: np.ndarray | None) -> bool:
+    return arr is not None and tuple(arr.shape) == tuple(f.shape) and arr.dtype == f.dtype
+
+
+def _shapes_match(layout: codec.Header, sample: dict[str, np.ndarray]) -> bool:
+    """Whether ``sample`` has exactly the fields of ``layout``, with their shapes and dtypes."""
+    return len(sample) == len(layout.fields) and all(
+        _fits(f, sample.get(f.name)) for f in layout.fields
+    )

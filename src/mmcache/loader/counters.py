@@ -1,0 +1,165 @@
+"""The loader's epoch statistics: counted as batches are assembled, checked after each epoch.
+
+:class:`EpochCounter` accumulates one epoch's :class:`~mmcache.stats.EpochStats`
+(hits per tier by the tiers' own names, misses, rejects, late misses, time);
+:class:`HitRateWatch` warns once when an epoch's hit rate stays far below what
+the cache's budgets should give, with the likeliest reason.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+
+from mmcache.cache import Cache
+from mmcache.loader.tasks import SampleOrigin
+from mmcache.stats import EpochStats
+from mmcache.units import format_size
+
+__all__ = ["EpochCounter", "HitRateWatch", "epoch_scalars"]
+
+logger = logging.getLogger(__name__)
+
+
+class EpochCounter:
+    """Accumulates one epoch's :class:`EpochStats` in the training process. Thread-safe."""
+
+    def __init__(self, epoch: int, previous: EpochStats | None) -> None:
+        p = previous if previous is not None else EpochStats(epoch=epoch)
+        self.epoch = epoch
+        self.samples, self.batches = p.samples, p.batches
+        self.hits, self.misses, self.rejects = p.hits, p.misses, p.rejects
+        self.late = p.late_misses
+        self.seconds, self.stall_s = p.seconds, p.stall_s
+        self.tier_hits = dict(p.tier_hits)
+        self._t_begin: float | None = None
+        self._seconds_before = p.seconds
+        # count() and late_miss() run on both assembling threads.
+        self._lock = threading.Lock()
+
+    def begin(self, t: float) -> None:
+        if self._t_begin is None:
+            self._t_begin = t
+
+    def end(self, t: float) -> None:
+        if self._t_begin is not None:
+            self.seconds = self._seconds_before + (t - self._t_begin)
+
+    def stall(self, dt: float) -> None:
+        self.stall_s += dt
+
+    def late_miss(self) -> None:
+        with self._lock:
+            self.late += 1
+
+    def count(self, origins: list[SampleOrigin | None], tiers: list[str]) -> None:
+        """One batch: each row's origin, and for a hit the name of the tier it came from."""
+        with self._lock:
+            self.batches += 1
+            for (origin, tier), k in collections.Counter(zip(origins, tiers, strict=True)).items():
+                if origin is SampleOrigin.REJECTED:
+                    self.rejects += k
+                elif origin is SampleOrigin.PRODUCED:
+                    self.misses += k
+                    self.samples += k
+                elif origin is not None:
+                    self.hits += k
+                    self.samples += k
+                    self.tier_hits[tier] = self.tier_hits.get(tier, 0) + k
+
+    def count_hits(self, tier: str, n: int) -> None:
+        """A batch of ``n`` hits in ``tier``: ``count`` of as many hits, cheaper."""
+        with self._lock:
+            self.batches += 1
+            self.hits += n
+            self.samples += n
+            self.tier_hits[tier] = self.tier_hits.get(tier, 0) + n
+
+    def snapshot(self) -> EpochStats:
+        with self._lock:
+            return EpochStats(
+                epoch=self.epoch,
+                samples=self.samples,
+                batches=self.batches,
+                hits=self.hits,
+                misses=self.misses,
+                rejects=self.rejects,
+                late_misses=self.late,
+                seconds=self.seconds,
+                stall_s=self.stall_s,
+                tier_hits=dict(self.tier_hits),
+            )
+
+
+def epoch_scalars(stats: EpochStats, tiers: list[str]) -> dict[str, float]:
+    """What ``on_epoch_end`` receives: scalars ready for TensorBoard or W&B, with a
+    ``hit_rate/<tier>`` for each of ``tiers`` and each tier that served a hit."""
+    scalars: dict[str, float] = {
+        "epoch": float(stats.epoch),
+        "samples": float(stats.samples),
+        "samples_per_s": stats.samples_per_s,
+        "hit_rate": stats.hit_rate,
+        "stall_s": stats.stall_s,
+        "misses": float(stats.misses),
+        "rejects": float(stats.rejects),
+    }
+    total = max(stats.hits + stats.misses, 1)
+    for tier in dict.fromkeys([*tiers, *stats.tier_hits]):
+        scalars[f"hit_rate/{tier}"] = stats.tier_hits.get(tier, 0) / total
+    return scalars
+
+
+class HitRateWatch:
+    """Warns once when the hit rate stays far below what the budgets should give.
+
+    After the first epoch every sample was offered to the cache, so from the
+    second epoch on a tier whose budget holds the data should hit nearly
+    always, and one that holds a fraction c of it about c of the time
+    (``keep``/``value``). Far below that there is a reason worth telling.
+    """
+
+    def __init__(self, cache: Cache | None) -> None:
+        self._cache = cache
+        self._warned = False
+
+    def check(self, stats: EpochStats, *, entry_bytes: int | None, samples: int) -> None:
+        """``stats``: an epoch after an epoch seen; ``samples``: all ranks' per epoch."""
+        cache = self._cache
+        if self._warned or cache is None or stats.epoch < 1 or entry_bytes is None:
+            return
+        data = entry_bytes * max(samples, 1)
+        budget = sum(tier.capacity() for tier in cache.tiers.values())
+        # What the tiers really hold bounds it too: a full file system or /dev/shm
+        # holds less than the budget (and its store already warned about that).
+        held = sum(tier.nbytes() for tier in cache.tiers.values())
+        expected = min(1.0, min(budget, held) / data)
+        if expected < 0.05 or stats.hit_rate >= 0.5 * expected:
+            return
+        if cache.policy.name == "lru":
+            reason = (
+                "policy 'lru' thrashes under per-epoch shuffling (each epoch evicts entries "
+                "just before their reuse); use policy='value' (default) or 'keep'"
+            )
+        elif stats.late_misses > stats.misses // 2:
+            reason = (
+                "planned hits were evicted before use: another process is churning the "
+                "memory tier (another job with another pipeline on the same root?)"
+            )
+        else:
+            reason = (
+                "the entries written last epoch are not found again: is the pipeline "
+                "fingerprint changing between runs (a tokenizer or transform built "
+                "differently each time), or are image files rewritten?"
+            )
+        logger.warning(
+            "epoch %d hit rate %.2f is far below the %.2f the cache budgets should give "
+            "(%s of budget for %s of data): %s",
+            stats.epoch,
+            stats.hit_rate,
+            expected,
+            format_size(budget),
+            format_size(data),
+            reason,
+        )
+        self._warned = True

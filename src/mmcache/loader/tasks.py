@@ -1,0 +1,260 @@
+"""Worker tasks: plan one batch (its keys, what the first tier holds) and produce its misses.
+
+A *batch plan* (:class:`BatchPlan`) is the one meaning of "plan" in the
+loader: a batch's dataset indices, cache keys, which rows the cache's first
+tier (the :class:`~mmcache.stores.base.BatchReader`, the node-shared memory
+tier) held when planned, and a result for every other row.
+
+Plans are made by the worker processes of a plain ``torch.utils.data.DataLoader``
+over a :class:`WorkerPlanner` (fork or spawn, persistent or not, with the
+user's ``worker_init_fn``). For a ``StampKind.FILE`` source the worker
+``stat``-s the files (so a changed file gets a new key every epoch), computes
+the keys, asks the first tier which it holds, and for every other sample
+looks in the other tiers (``cache.lookup`` promotes a hit) or produces it,
+admitting the result (write-behind: nobody waits on a disk put). What comes
+back (:class:`PackedPlan`) is the keys and a hit mask; a sample the worker
+put in shared memory is not sent either. With ``num_workers=0`` the training
+process runs the same tasks.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from mmcache import codec
+from mmcache.cache import Cache
+from mmcache.errors import SampleError
+from mmcache.keys import STAT_FIELDS
+from mmcache.sources.base import SampleSource, StampKind
+from mmcache.stores.base import BatchReader
+from mmcache.writeback import write_behind
+
+__all__ = [
+    "STAMP_WORDS",
+    "BatchPlan",
+    "PackedPlan",
+    "SampleOrigin",
+    "TaskResult",
+    "WorkerPlanner",
+    "WorkerTask",
+]
+
+#: int64 words of a file's stat stamp (:func:`mmcache.keys.stat_fields`).
+STAMP_WORDS = len(STAT_FIELDS)
+
+
+class SampleOrigin(Enum):
+    """Where a sample of a batch came from: what the epoch counters count.
+
+    ``MEMORY_HIT``: the cache's first tier (gathered in the training process).
+    ``DISK_HIT``: a lower tier, through ``cache.lookup`` (which promotes it).
+    ``PRODUCED``: made by the source (a miss). ``REJECTED``: the source could
+    not make it (``on_error="skip"``); not in the batch.
+    """
+
+    MEMORY_HIT = "memory_hit"
+    DISK_HIT = "disk_hit"
+    PRODUCED = "produced"
+    REJECTED = "rejected"
+
+
+@dataclass
+class TaskResult:
+    """A missing row's outcome, sent from a worker to the consumer (pickled by torch)."""
+
+    index: int
+    origin: SampleOrigin
+    tier: str = ""  # the name of the tier that served a hit (the per-tier counts)
+    sample: dict[str, np.ndarray] | None = None
+    error: SampleError | None = None
+    in_memory: bool = False  # the sample is in the first tier: gather it, nothing sent
+
+
+@dataclass
+class BatchPlan:
+    """One batch, planned: indices, keys (``uint8 [n, 16]``), planned hits, misses' results."""
+
+    indices: np.ndarray
+    keys: np.ndarray
+    planned_hit: np.ndarray  # bool per row: the first tier held it when planned
+    results: list[TaskResult]  # one per row that was not a planned hit, in row order
+    stamps: np.ndarray | None = None  # int64 [n, STAMP_WORDS]: the files' stamps keyed on
+    # Made in the training process from the keys learnt in an earlier epoch, all
+    # assumed in memory: gathered at once, served only once the file-check board (or
+    # a stat here) shows every file unchanged this epoch. ``round``: the check round.
+    guessed: bool = False
+    round: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerTask:
+    """Plan (and produce the misses of) one batch; ``gate``: wait for it first (0: none)."""
+
+    gate: int
+    indices: np.ndarray
+
+
+@dataclass
+class PackedPlan:
+    """A batch plan as a worker sends it: raw keys, hit mask and the files' stamps
+    (cheap to pickle), and the misses' results."""
+
+    keys: bytes
+    planned_hit: bytes
+    results: list[TaskResult]
+    stamps: bytes | None = None
+
+    def unpack(self, indices: np.ndarray) -> BatchPlan:
+        keys = np.frombuffer(self.keys, dtype=np.uint8).reshape(len(indices), -1)
+        hit = np.frombuffer(self.planned_hit, dtype=bool)
+        stamps = None
+        if self.stamps is not None:
+            stamps = np.frombuffer(self.stamps, dtype=np.int64).reshape(len(indices), STAMP_WORDS)
+        return BatchPlan(indices, keys, hit, self.results, stamps)
+
+
+class _Gate(Protocol):
+    """What a worker needs of the :class:`~mmcache.loader.warm_epoch.gate.EpochGate`."""
+
+    def wait(self, number: int) -> None: ...
+
+
+class WorkerPlanner(torch.utils.data.Dataset[PackedPlan]):
+    """The dataset the internal torch DataLoader's workers run: one task per batch.
+
+    A task is the batch's dataset indices (:meth:`plan`): the worker computes
+    the keys (a ``stat`` per file for a ``StampKind.FILE`` source, so
+    staleness is checked every epoch), asks the first tier which it holds, and
+    for each missing sample asks the cache (another process may have produced
+    it, or a lower tier holds it), else produces it and admits it, measuring
+    the CPU time it took as the entry's miss cost. With ``num_workers=0`` the
+    training process runs the same tasks itself.
+    """
+
+    def __init__(
+        self, source: SampleSource, cache: Cache | None, gate: _Gate | None = None
+    ) -> None:
+        self.source = source
+        self.cache = cache
+        self.gate = gate
+        # The training process plans on both of its assembling threads; the source's
+        # key memo takes one at a time (the stat calls before it run unlocked).
+        self._keys_lock = threading.Lock()
+        self._reader: BatchReader | None = None
+        self._reader_known = False  # resolved once per process (see _first_tier)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        del state["_keys_lock"]  # sent to spawned workers: a lock does not pickle
+        state["_reader"], state["_reader_known"] = None, False  # that process's own
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._keys_lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def _first_tier(self) -> BatchReader | None:
+        """The cache's first tier when it gathers batches (``cache.reader``), else None."""
+        if not self._reader_known:
+            self._reader = self.cache.reader if self.cache is not None else None
+            self._reader_known = True
+        return self._reader
+
+    def run(self, index: int, key: bytes, *, cached: bool = True) -> TaskResult:
+        """Look ``key`` up, else produce and admit it.
+
+        In a worker process, a sample that is (or has just been put) in the
+        node-shared first tier is not sent back: the training process gathers
+        it from shared memory like a hit, which saves pickling 150 KB through a
+        pipe per sample (torch's own workers avoid that copy with shared-memory
+        tensors). Everything else travels as arrays.
+        """
+        cache = self.cache
+        in_worker = torch.utils.data.get_worker_info() is not None
+        reader = self._first_tier()
+        if cache is not None and cached:
+            if in_worker and reader is not None and reader.contains_many([key])[0]:
+                return TaskResult(index, SampleOrigin.MEMORY_HIT, reader.name, in_memory=True)
+            sample, tier = cache.lookup(key)
+            if sample is not None:
+                first = reader is not None and tier == reader.name
+                origin = SampleOrigin.MEMORY_HIT if first else SampleOrigin.DISK_HIT
+                if (
+                    in_worker
+                    and not first
+                    and reader is not None
+                    and reader.contains_many([key])[0]  # promoted by lookup
+                ):
+                    return TaskResult(index, origin, tier or "", in_memory=True)
+                copied = {k: np.array(v) for k, v in sample.items()}
+                return TaskResult(index, origin, tier or "", copied)
+        t0 = time.thread_time()
+        try:
+            produced = self.source.produce(index)
+        except SampleError as err:
+            return TaskResult(index, SampleOrigin.REJECTED, error=err)
+        cost = time.thread_time() - t0
+        if cache is not None:
+            # Write-behind: the first tier now, the others from a background thread.
+            raw = codec.encode(produced, ctime=cache.clock(), cost=cost)
+            if write_behind(cache)(key, raw, cost, self.source.fingerprint()) and in_worker:
+                return TaskResult(index, SampleOrigin.PRODUCED, in_memory=True)
+        return TaskResult(index, SampleOrigin.PRODUCED, sample=produced)
+
+    def plan(self, indices: np.ndarray, *, produce: bool = True) -> BatchPlan | None:
+        """Plan one batch: its keys, which rows the first tier holds, and the misses made.
+
+        The rows the first tier holds are only named (their bytes are gathered
+        by the training process); every other row is :meth:`run`, in order.
+        ``produce=False``: return None instead when a row is missing.
+        """
+        source = self.source
+        stamps = source.stamps(indices) if source.stamp_kind is StampKind.FILE else None
+        with self._keys_lock:
+            keys = source.key_rows(indices, stamps=stamps)
+        reader = self._first_tier()
+        if reader is not None:
+            planned = reader.contains_many(keys)
+        else:
+            planned = np.zeros(len(indices), dtype=bool)
+        if not produce and not planned.all():
+            return None
+        results = [
+            self.run(int(indices[r]), keys[r].tobytes()) for r in np.flatnonzero(~planned).tolist()
+        ]
+        return BatchPlan(indices, keys, planned, results, stamps)
+
+    def produced(self, indices: np.ndarray) -> BatchPlan:
+        """:meth:`plan` with every missing row produced."""
+        plan = self.plan(indices)
+        if plan is None:  # pragma: no cover - plan() returns None only with produce=False
+            raise RuntimeError("a produced plan is missing")
+        return plan
+
+    def __getitem__(self, task: Any) -> PackedPlan:
+        return self.__getitems__([task])[0]
+
+    def __getitems__(self, tasks: Sequence[Any]) -> list[PackedPlan]:
+        """Plan the batches of one task (one or, in warm stretches, several batches)
+        in a worker, in the compact form sent back to the training process."""
+        out = []
+        for task in tasks:
+            if task.gate and self.gate is not None:
+                self.gate.wait(task.gate)  # a batch of an epoch the training loop has not begun
+            plan = self.produced(np.asarray(task.indices, dtype=np.int64))
+            stamps = plan.stamps.tobytes() if plan.stamps is not None else None
+            out.append(
+                PackedPlan(plan.keys.tobytes(), plan.planned_hit.tobytes(), plan.results, stamps)
+            )
+        return out

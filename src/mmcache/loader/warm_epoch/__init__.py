@@ -1,0 +1,209 @@
+"""Guessed epochs: an epoch that begins warm is served from the keys learnt, not planned.
+
+When an epoch begins warm (the last batches planned had no misses, or the
+first tier's budget holds every sample and this rank knows every key), the
+workers are not asked to plan it. The training process *guesses* each
+batch's plan from the keys and file stamps it learnt (:class:`LearntKeys`),
+gathers the batch at once, and serves it once every file of it is known
+unchanged this epoch: a low-priority
+:class:`~mmcache.loader.warm_epoch.prefetch.StatPrefetcher` process
+``stat``-s the epoch's files in order and publishes the results on a
+:class:`~mmcache.loader.warm_epoch.board.FileCheckBoard`; files it has not
+reached are ``stat``-ed here. A batch whose guess fails (a file changed, an
+entry went, a key never learnt on this rank) is planned and produced here,
+and the rest of the epoch is planned as usual.
+
+Guessing runs only for ``StampKind.FILE`` sources (a ``stat`` re-checks a
+key), with workers (``num_workers=0`` starts no process) and a cache.
+
+The sub-package also holds the other machinery that keeps epoch starts
+cheap: :mod:`~mmcache.loader.warm_epoch.gate` (persistent workers may hold
+the next epoch's tasks, run only once the training loop begins it) and
+:mod:`~mmcache.loader.warm_epoch.assembler` (batches assembled one ahead on a
+thread kept from epoch to epoch).
+
+Thread safety: :class:`WarmEpochs` is driven by the training process's plan
+fetch and its assembling threads; a row of :class:`LearntKeys` read while
+another thread writes it at most makes a guess fail.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from mmcache.cache import Cache
+from mmcache.loader.tasks import STAMP_WORDS, BatchPlan
+from mmcache.loader.warm_epoch.board import FileCheckBoard
+from mmcache.loader.warm_epoch.prefetch import StatPrefetcher
+from mmcache.sources.base import SampleSource, StampKind
+
+__all__ = ["LearntKeys", "WarmEpochs"]
+
+#: Guessed epochs remembered (with their check rounds).
+_KEEP_GUESSED = 4
+
+
+class LearntKeys:
+    """Each sample's cache key and the file stamps it was made from, as last planned.
+
+    49 bytes per sample of the dataset, in the training process: what a
+    guessed plan is made of, never trusted on its own. Rows are written whole
+    by the thread that fetches plans.
+    """
+
+    def __init__(self, n: int) -> None:
+        self._n = n
+        self._rows: np.ndarray | None = None  # uint8 [n, 48]: key, then the int64 stamp
+        self._have: np.ndarray | None = None
+
+    def learn(self, plan: BatchPlan) -> None:
+        if plan.stamps is None:
+            return  # keys of file contents (StampKind.CONTENT): nothing a stat can verify
+        if self._rows is None or self._have is None:
+            self._rows = np.zeros((self._n, 16 + 8 * STAMP_WORDS), dtype=np.uint8)
+            self._have = np.zeros(self._n, dtype=bool)
+        self._rows[plan.indices, :16] = plan.keys
+        self._rows[plan.indices, 16:] = np.ascontiguousarray(plan.stamps).view(np.uint8)
+        self._have[plan.indices] = True
+
+    def count(self) -> int:
+        """Samples whose key is known."""
+        return int(self._have.sum()) if self._have is not None else 0
+
+    def guess(self, indices: np.ndarray, round_: int) -> BatchPlan | None:
+        """A plan of ``indices`` from their learnt keys, all in memory; None if one is unknown."""
+        if self._rows is None or self._have is None or not self._have[indices].all():
+            return None
+        rows = self._rows[indices]
+        keys, stamps = rows[:, :16], rows[:, 16:].view(np.int64)
+        hit = np.ones(len(indices), dtype=bool)
+        return BatchPlan(indices, keys, hit, [], stamps, guessed=True, round=round_)
+
+
+class WarmEpochs:
+    """Which epochs are guessed, and what a guess is made of and checked with.
+
+    Args:
+        source: the samples (its ``stamps`` re-check a guess).
+        order: ``batches(epoch)``, for the prefetcher: lock-free (its process may be
+            forked while another thread of the training process holds a lock).
+        cache: the cache (None: nothing is guessed).
+        num_workers: with none, nothing is guessed (no process is started).
+        num_samples: this rank's samples per epoch (all their keys must be known).
+        entry_bytes: the size of one cache entry, once the loader knows it.
+        context: the multiprocessing context of the workers.
+    """
+
+    def __init__(
+        self,
+        source: SampleSource,
+        order: Any,
+        *,
+        cache: Cache | None,
+        num_workers: int,
+        num_samples: int,
+        entry_bytes: Callable[[], int | None],
+        context: Any = None,
+    ) -> None:
+        self._source = source
+        self._cache = cache
+        self._n = len(source)
+        self._num_samples = num_samples
+        self._entry_bytes = entry_bytes
+        self.learnt = LearntKeys(self._n)  # keys the plans brought (guesses)
+        #: Guessed epochs (the last few) and their check rounds.
+        self.guessed: dict[int, int] = {}
+        self._rounds = 0  # check rounds handed out
+        self._board: FileCheckBoard | None = None
+        self._prefetcher: StatPrefetcher | None = None
+        if num_workers > 0 and cache is not None and source.stamp_kind is StampKind.FILE:
+            self._board = FileCheckBoard(self._n, context)
+            self._prefetcher = StatPrefetcher(self._board, source, order, context)
+            # Started now (a fork: milliseconds, plus a copy of each page the training
+            # process writes afterwards): not in the first epoch's time, and before any
+            # batch buffer exists (started later, those pages are copied each epoch).
+            self._prefetcher.start()
+
+    def should_guess(self, warm: bool, *, beginning: bool = False) -> bool:
+        """Whether the next epoch is to be guessed: with a prefetcher, when ``warm`` (the
+        last batch planned had no misses), or when the first tier's budget holds every
+        sample (after a cold epoch: its last batches had misses, but all are in now).
+
+        ``beginning``: asked as the epoch begins, when the keys of all this rank's
+        samples must be known too (the workers' stream asks earlier, while the last
+        plans of the epoch before are still coming).
+        """
+        if self._prefetcher is None:
+            return False
+        if warm:
+            return True
+        entry = self._entry_bytes()
+        reader = self._cache.reader if self._cache is not None else None
+        if entry is None or self._cache is None or reader is None:
+            return False
+        if self._cache.tiers[reader.name].capacity() < entry * self._n:
+            return False
+        return not beginning or self.learnt.count() >= self._num_samples
+
+    def begin(self, epoch: int, start: int, *, warm: bool, streams: bool) -> None:
+        """The training loop begins ``epoch`` at batch ``start``: guess it if it begins
+        warm and the workers hold no plans of it (``streams``)."""
+        self.guessed.pop(epoch, None)
+        if self.should_guess(warm, beginning=True) and not streams:
+            self._rounds += 1
+            self.guessed[epoch] = self._rounds
+            while len(self.guessed) > _KEEP_GUESSED:
+                del self.guessed[next(iter(self.guessed))]
+            if self._prefetcher is not None:
+                self._prefetcher.request(self._rounds, epoch, start)
+
+    def is_guessed(self, epoch: int) -> bool:
+        return epoch in self.guessed
+
+    def guess(self, epoch: int, indices: np.ndarray) -> BatchPlan | None:
+        """The guessed plan of a batch of ``epoch``, or None: the epoch is not guessed,
+        or a sample's key was never learnt here (another rank had it before), and the
+        rest of the epoch is planned as in one not guessed."""
+        round_ = self.guessed.get(epoch)
+        if round_ is None:
+            return None
+        plan = self.learnt.guess(indices, round_)
+        if plan is None:
+            self.stop_guessing(epoch)
+        return plan
+
+    def stop_guessing(self, epoch: int) -> None:
+        """A guess of ``epoch`` failed: its other batches are planned as usual."""
+        self.guessed.pop(epoch, None)
+
+    def learn(self, plan: BatchPlan) -> None:
+        """Remember the keys of a plan that was not a guess."""
+        self.learnt.learn(plan)
+
+    def verified(self, guess: BatchPlan) -> bool:
+        """Whether every file of a guessed plan is unchanged this epoch. Thread-safe.
+
+        The board says so for the files the prefetcher has ``stat``-ed already in
+        this round; the others are ``stat``-ed here.
+        """
+        board = self._board
+        if board is None or guess.stamps is None:  # pragma: no cover - guess() needs both
+            return False
+        ok = board.verified(guess.indices, guess.stamps, guess.round)
+        if ok.all():
+            return True
+        late = np.flatnonzero(~ok)
+        return np.array_equal(self._source.stamps(guess.indices[late]), guess.stamps[late])
+
+    def restart_prefetcher(self) -> None:
+        """Start the prefetcher again if it was closed (with the workers)."""
+        if self._prefetcher is not None and self._prefetcher.pid is None:
+            self._prefetcher.start()
+
+    def close(self) -> None:
+        """Stop the prefetcher. Idempotent."""
+        if self._prefetcher is not None:
+            self._prefetcher.close()
