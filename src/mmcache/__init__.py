@@ -21,7 +21,6 @@ from mmcache.errors import (
     CacheError,
     ConfigError,
     CorruptEntryError,
-    EntryTooLargeError,
     ManifestError,
     MmcacheError,
     SampleError,
@@ -31,10 +30,11 @@ from mmcache.features import (
     FeatureCache,
     FeatureLoader,
     FeatureStats,
+    FeatureWarmReport,
     load_factory,
     warm_features,
 )
-from mmcache.loader import DataLoader
+from mmcache.loader import BatchContext, DataLoader, EpochContext, LoaderHook
 from mmcache.manifest import Records, read_manifest
 from mmcache.pipeline import (
     CLIP_MEAN,
@@ -50,10 +50,15 @@ from mmcache.pipeline import (
 from mmcache.plot import plot
 from mmcache.policies import Policy, Residents, get_policy, policy_names, register_policy
 from mmcache.sampler import EpochSampler
+from mmcache.sources.base import SampleSource, StampKind
+from mmcache.sources.files import FileSource
 from mmcache.stats import CacheStats, EpochStats, LoaderStats, TierStats
-from mmcache.stores.base import Store
+from mmcache.stores.base import BatchReader, Store
 from mmcache.stores.disk import DiskStore
 from mmcache.stores.memory import MemoryStore, reclaim_orphans
+from mmcache.stores.tiered import TieredStore
+from mmcache.transforms.fingerprint import callable_fingerprint
+from mmcache.transforms.stage import Stage
 from mmcache.units import format_size, parse_duration, parse_size
 from mmcache.warm import WarmReport, warm
 
@@ -64,6 +69,8 @@ __all__ = [
     "CLIP_STD",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
+    "BatchContext",
+    "BatchReader",
     "Cache",
     "CacheError",
     "CacheStats",
@@ -72,15 +79,18 @@ __all__ = [
     "CorruptEntryError",
     "DataLoader",
     "DiskStore",
-    "EntryTooLargeError",
+    "EpochContext",
     "EpochSampler",
     "EpochStats",
     "FeatureBudgetWarning",
     "FeatureCache",
     "FeatureLoader",
     "FeatureStats",
+    "FeatureWarmReport",
+    "FileSource",
     "GcReport",
     "ImageSpec",
+    "LoaderHook",
     "LoaderStats",
     "ManifestError",
     "MemoryStore",
@@ -93,12 +103,17 @@ __all__ = [
     "Residents",
     "Sample",
     "SampleError",
+    "SampleSource",
+    "Stage",
+    "StampKind",
     "Store",
     "TextSpec",
     "TierStats",
+    "TieredStore",
     "VerifyReport",
     "WarmReport",
     "__version__",
+    "callable_fingerprint",
     "codec",
     "collate",
     "format_size",

@@ -13,7 +13,6 @@ __all__ = [
     "CacheError",
     "ConfigError",
     "CorruptEntryError",
-    "EntryTooLargeError",
     "ManifestError",
     "MmcacheError",
     "SampleError",
@@ -91,7 +90,3 @@ class CacheError(MmcacheError, OSError):
 
 class CorruptEntryError(CacheError):
     """A stored entry failed its header or checksum verification; it is never served."""
-
-
-class EntryTooLargeError(CacheError, ValueError):
-    """An entry is larger than the whole budget of a tier, so it can never be admitted."""

@@ -6,7 +6,6 @@ from mmcache.errors import (
     CacheError,
     ConfigError,
     CorruptEntryError,
-    EntryTooLargeError,
     ManifestError,
     MmcacheError,
     SampleError,
@@ -67,7 +66,6 @@ def test_errors_subclass_builtins_callers_catch() -> None:
     assert issubclass(SampleError, ValueError)
     assert issubclass(CacheError, OSError)
     assert issubclass(CorruptEntryError, CacheError)
-    assert issubclass(EntryTooLargeError, ValueError)
     assert issubclass(ConfigError, ValueError)
     for cls in (ManifestError, SampleError, CacheError, ConfigError):
         assert issubclass(cls, MmcacheError)
