@@ -14,7 +14,14 @@ from mmcache.cache import Cache
 from mmcache.stores import writebehind as _wb
 from mmcache.stores.writebehind import GROUP_BYTES, MAX_PENDING, flush_all
 
-__all__ = ["GROUP_BYTES", "MAX_PENDING", "WriteBehind", "flush_all", "write_behind"]
+__all__ = [
+    "GROUP_BYTES",
+    "MAX_PENDING",
+    "WriteBehind",
+    "flush_all",
+    "pending_write",
+    "write_behind",
+]
 
 
 class WriteBehind(_wb.WriteBehind):
@@ -30,3 +37,10 @@ def write_behind(cache: Cache) -> Callable[..., bool]:
     """The ``submit(key, raw, cost, tag=None)`` of this process's writer for ``cache``
     (created on first use)."""
     return _wb.writer_for(cache, lambda: WriteBehind(cache)).submit
+
+
+def pending_write(cache: Cache, key: bytes) -> bytes | None:
+    """The encoded entry of ``key`` if this process's writer for ``cache`` still holds it
+    uncommitted (see :meth:`mmcache.stores.writebehind.WriteBehind.pending`), else None."""
+    writer = _wb.writer_if_any(cache)
+    return None if writer is None else writer.pending(key)

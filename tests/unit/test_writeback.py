@@ -56,3 +56,31 @@ def test_a_worker_exit_flushes_its_queue(cache_root: Path) -> None:
     assert p.exitcode == 0
     with Cache(cache_root, memory=0, disk="64MiB") as cache:
         assert cache.disk is not None and len(cache.disk) == 25
+
+
+def test_this_process_reads_its_pending_writes(cache_root: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """An entry queued for the disk tier is served from the queue until it is committed
+    (a worker asked again for a sample it produced a moment ago), then from the disk."""
+    import threading
+
+    from mmcache.writeback import pending_write
+
+    with Cache(cache_root, memory=0, disk="64MiB") as cache:
+        store = cache.store
+        release = threading.Event()
+        put_many = store.put_many
+
+        def slow_put_many(rows, **kw):  # type: ignore[no-untyped-def]
+            release.wait(10)  # the deferred commit is late (a loaded machine)
+            return put_many(rows, **kw)
+
+        monkeypatch.setattr(store, "put_many", slow_put_many)
+        k, raw, cost = _entry(3)
+        assert pending_write(cache, k) is None  # no writer yet: nothing made
+        write_behind(cache)(k, raw, cost)
+        assert cache.get(k) is None  # not committed yet
+        assert pending_write(cache, k) == raw
+        release.set()
+        flush_all()
+        assert pending_write(cache, k) is None
+        assert cache.disk is not None and cache.disk.get(k) == raw

@@ -35,7 +35,7 @@ from mmcache.errors import SampleError
 from mmcache.keys import STAT_FIELDS
 from mmcache.sources.base import SampleSource, StampKind
 from mmcache.stores.base import BatchReader
-from mmcache.writeback import write_behind
+from mmcache.writeback import pending_write, write_behind
 
 __all__ = [
     "STAMP_WORDS",
@@ -199,6 +199,11 @@ class WorkerPlanner(torch.utils.data.Dataset[PackedPlan]):
                     return TaskResult(index, origin, tier or "", in_memory=True)
                 copied = {k: np.array(v) for k, v in sample.items()}
                 return TaskResult(index, origin, tier or "", copied)
+            raw = pending_write(cache, key)  # produced here a moment ago, not yet committed
+            if raw is not None:
+                queued = {k: np.array(v) for k, v in codec.decode(raw, verify=False).items()}
+                deferred = list(cache.tiers)[-1]  # the tier it is on its way to
+                return TaskResult(index, SampleOrigin.DISK_HIT, deferred, queued)
         t0 = time.thread_time()
         try:
             produced = self.source.produce(index)

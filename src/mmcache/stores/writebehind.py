@@ -10,6 +10,11 @@ per sample. It is the tiered store's own write split in two
 (:meth:`TieredStore.put_front`, then :meth:`TieredStore.put_many` with
 ``skip_front``), not a second copy of the tier walk.
 
+Reads see this process's pending writes (:meth:`WriteBehind.pending`): a worker
+asked for a sample it produced a moment ago, whose deferred commit has not
+happened yet (a loaded machine, the next epoch starting at once), serves it from
+the queue instead of producing it again.
+
 A cache is allowed to lose a few pending writes: the entries are simply
 produced again next time. Nothing half-written is ever visible: each entry is
 committed whole or not at all by the tiers.
@@ -32,7 +37,14 @@ from multiprocessing import util
 from mmcache.codec import read_header
 from mmcache.stores.tiered import Row, TieredStore
 
-__all__ = ["GROUP_BYTES", "MAX_PENDING", "WriteBehind", "flush_all", "writer_for"]
+__all__ = [
+    "GROUP_BYTES",
+    "MAX_PENDING",
+    "WriteBehind",
+    "flush_all",
+    "writer_for",
+    "writer_if_any",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +71,9 @@ class WriteBehind:
         self.store = store
         self._tag = tag
         self._queue: queue.Queue[Row | None] = queue.Queue(max_pending)
+        # Entries queued and not yet committed, by key (the rows the queue holds: no copy).
+        self._pending: dict[bytes, Row] = {}
+        self._pending_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="mmcache-write-behind", daemon=True)
         self._pid = os.getpid()
         self._closed = False
@@ -83,11 +98,26 @@ class WriteBehind:
         if self._closed:
             store.put_many([row], skip_front=True)
             return admitted
+        with self._pending_lock:
+            self._pending[key] = row
         try:
             self._queue.put_nowait(row)
         except queue.Full:
+            self._done([row])
             store.put_many([row], skip_front=True)
         return admitted
+
+    def pending(self, key: bytes) -> bytes | None:
+        """The encoded entry of ``key`` if it is queued here and not yet committed, else None."""
+        with self._pending_lock:
+            row = self._pending.get(key)
+        return None if row is None else row[1]
+
+    def _done(self, rows: list[Row]) -> None:
+        with self._pending_lock:
+            for row in rows:
+                if self._pending.get(row[0]) is row:
+                    del self._pending[row[0]]
 
     def _run(self) -> None:
         while True:
@@ -111,6 +141,8 @@ class WriteBehind:
                 self.store.put_many(group, skip_front=True)
             except Exception:  # a cache write must never kill the worker
                 logger.exception("write-behind: %d cache puts failed", len(group))
+            finally:
+                self._done(group)
             if stop:
                 return
 
@@ -152,6 +184,15 @@ def writer_for(owner: object, make: Callable[[], WriteBehind]) -> WriteBehind:
         # It runs at a normal exit of this process, DataLoader workers included.
         util.Finalize(writer, writer.flush, exitpriority=10)
     return writer
+
+
+def writer_if_any(owner: object) -> WriteBehind | None:
+    """This process's writer for ``owner`` if one was made (never makes one)."""
+    with _LOCK:
+        held = _WRITERS.get(id(owner))
+    if held is None or held[0] is not owner or held[1]._pid != os.getpid():
+        return None
+    return held[1]
 
 
 def flush_all() -> None:
