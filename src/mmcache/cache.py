@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import xxhash
@@ -47,6 +47,9 @@ from mmcache.registry import FingerprintRegistry
 from mmcache.stats import CacheStats
 from mmcache.stores.base import BatchReader, Store, dir_mode
 from mmcache.units import parse_duration, parse_size
+
+if TYPE_CHECKING:
+    from mmcache.stores.disk import CompactReport
 
 __all__ = ["Cache", "GcReport", "VerifyReport"]
 
@@ -713,6 +716,15 @@ class Cache:
             dropped_fingerprints=tuple(dropped),
             dropped_entries=removed_by_fp,
         )
+
+    def compact(self) -> CompactReport:
+        """Swap in a compacted copy of the disk tier (``mmcache gc --compact``); a
+        CacheError, with nothing changed, while another process has it open."""
+        from mmcache.stores.disk import DiskStore
+
+        if not isinstance(self.disk, DiskStore):
+            raise CacheError(f"cache {self.root} has no disk tier to compact")
+        return self.disk.compact()
 
     def close(self) -> None:
         """Release every handle (idempotent); shared and persisted data stay."""
