@@ -160,11 +160,11 @@ def test_a_process_opening_during_the_swap_waits_and_sees_the_new_file(
     assert opener.stdout.readline().strip() == "ready"
     swap = maintenance._swap_compacted
 
-    def slow_swap(path: str, **kw: int) -> maintenance.CompactReport:
+    def slow_swap(path: str, lock_fd: int, **kw: int) -> maintenance.CompactReport:
         opener.stdin.write("go\n")  # type: ignore[union-attr]
         opener.stdin.flush()  # type: ignore[union-attr]
         time.sleep(1.0)  # it is waiting in its open now
-        return swap(path, **kw)
+        return swap(path, lock_fd, **kw)
 
     monkeypatch.setattr(maintenance, "_swap_compacted", slow_swap)
     with DiskStore(root / "disk", capacity="64MiB") as store:

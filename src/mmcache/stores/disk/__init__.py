@@ -102,7 +102,7 @@ class DiskStore(Store):
     ``x`` bits: 0600 -> 0700). ``readonly=True`` opens an existing cache
     without changing it: ``put`` returns False, ``delete`` and ``expire`` raise.
 
-    Every method is thread-safe and process-safe (see the module docstring for
+    Every method is thread-safe and process-safe (see :mod:`.env` for
     fork). Failures of the storage raise :class:`~mmcache.errors.CacheError`,
     except a full map or disk, which makes ``put`` return False.
 

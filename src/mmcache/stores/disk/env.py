@@ -20,7 +20,9 @@ Processes, fork and pickling
     ``os.fork()`` (after the operations in flight on other threads finish) and
     reopens it in the parent right after; the child opens its own on first use.
     A fork from inside a ``view()`` block cannot close it: the child then
-    refuses to use the store (CacheError) and the parent is unaffected.
+    refuses to use the store (CacheError) and the parent is unaffected. A
+    pickled store carries only its configuration: unpickling (spawn workers)
+    opens the directory again, through this registry.
 
     When another process with a larger ``map_size`` grew the file beyond this
     process's map, the next transaction waits for this process's others to end

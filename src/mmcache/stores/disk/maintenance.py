@@ -34,6 +34,7 @@ from mmcache.stores.disk.env import (
     no_handle_here,
     open_env,
 )
+from mmcache.stores.disk.reserve import reserve_lock_file
 from mmcache.stores.disk.snapshot import Totals, parse_meta
 
 __all__ = [
@@ -151,8 +152,14 @@ def compact_in_place(path: str, *, mode: int, map_size: int) -> CompactReport:
     that takes no locks (MDB_NOLOCK; nobody else can write), written and
     fsynced in a ``.compact-*`` folder inside ``path`` and renamed over
     ``data.mdb``: a crash leaves the old file or the new one, both complete.
-    Before the lock is released, :func:`_reset_lock_file` makes ``lock.mdb``
-    describe the new file, not the old one, for whoever waited.
+
+    ``lock.mdb`` keeps the last transaction id of the file it was made for; a
+    process that waited at its open (not the first opener, so it does not
+    rebuild it) would read the new file by the old id, which can name its
+    empty meta page, and then write over the cache. So the lock file is
+    emptied just before the rename (a waiting open then fails: an error,
+    never the old state, even if this process dies here) and rebuilt for the
+    new file before the lock is released (:func:`_reset_lock_file`).
     """
     with no_handle_here(path):
         try:
@@ -171,15 +178,15 @@ def compact_in_place(path: str, *, mode: int, map_size: int) -> CompactReport:
                     "compacting replaces its file, so stop them and run it again"
                 ) from exc
             try:
-                return _swap_compacted(path, mode=mode, map_size=map_size)
+                return _swap_compacted(path, fd, mode=mode, map_size=map_size)
             finally:
                 _reset_lock_file(path, fd, mode=mode, map_size=map_size)
         finally:
             os.close(fd)
 
 
-def _swap_compacted(path: str, *, mode: int, map_size: int) -> CompactReport:
-    """Copy, fsync, rename. The caller holds the exclusive lock."""
+def _swap_compacted(path: str, lock_fd: int, *, mode: int, map_size: int) -> CompactReport:
+    """Copy, fsync, empty the lock file, rename. The caller holds the exclusive lock."""
     data = os.path.join(path, "data.mdb")
     old = os.stat(data)
     for stale in glob.glob(os.path.join(glob.escape(path), ".compact-*")):
@@ -207,6 +214,7 @@ def _swap_compacted(path: str, *, mode: int, map_size: int) -> CompactReport:
                 f"cannot write a compacted copy of the disk cache at {path} ({exc}); the "
                 "cache is unchanged (the copy needs about as much free space as it holds)"
             ) from exc
+        os.ftruncate(lock_fd, 0)
         os.replace(new, data)
         dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
@@ -221,18 +229,17 @@ def _swap_compacted(path: str, *, mode: int, map_size: int) -> CompactReport:
 def _reset_lock_file(path: str, fd: int, *, mode: int, map_size: int) -> None:
     """Make ``lock.mdb`` describe the current ``data.mdb`` before the lock ``fd`` goes.
 
-    The lock file keeps the last transaction id of the file it was made for; a
-    process that waited at its open would take it as it is (it is not the first
-    opener) and read the wrong meta page of the new file. Opening the
-    environment here makes this process the first opener (its lock does not
-    conflict with our own), which rebuilds the lock file from the new file;
-    closing it drops this process's locks on the file, ours included. If that
-    open fails, the lock file is emptied instead, which any later open rebuilds
-    and a waiting one refuses (an error, never the old file's state).
+    Opening the environment here makes this process the first opener (its
+    lock does not conflict with our own), which rebuilds the lock file from
+    the data file; closing it drops this process's locks on the file, ours
+    included. The file's blocks are allocated first (LMDB writes it through a
+    mapping: see :mod:`.reserve`). If either fails, the lock file is left
+    empty, which any later open rebuilds and a waiting one refuses.
     """
     try:
+        reserve_lock_file(fd)
         env = open_env(path, map_size=map_size, readonly=False, mode=mode, lock=True)
-    except lmdb.Error as exc:
+    except (OSError, lmdb.Error) as exc:
         logger.warning("%s: cannot rebuild lock.mdb after compacting (%s); emptied it", path, exc)
         with contextlib.suppress(OSError):
             os.ftruncate(fd, 0)

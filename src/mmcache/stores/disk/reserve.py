@@ -19,7 +19,7 @@ from typing import cast
 from mmcache.errors import CacheError
 from mmcache.stores.base import is_no_space
 
-__all__ = ["MAX_READERS", "reserve_files"]
+__all__ = ["MAX_READERS", "reserve_files", "reserve_lock_file"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def reserve_files(path: str, *, mode: int, readonly: bool) -> None:
     try:
         fd = os.open(os.path.join(path, "lock.mdb"), flags, mode)
         try:
-            os.posix_fallocate(fd, 0, os.fstat(fd).st_size or _LOCK_FILE_SIZE)
+            reserve_lock_file(fd)
         finally:
             os.close(fd)
         if not readonly:  # a read-only open never creates data.mdb
@@ -79,6 +79,14 @@ def reserve_files(path: str, *, mode: int, readonly: bool) -> None:
                 f" ({exc.strerror}): free some space, or pass disk=None"
             ) from exc
         logger.debug("cannot preallocate the LMDB files in %s: %s", path, exc)
+
+
+def reserve_lock_file(fd: int) -> None:
+    """Allocate the blocks of the open ``lock.mdb`` (LMDB's size for it if it is empty).
+
+    Raises OSError (ENOSPC) when the file system has no room for them.
+    """
+    os.posix_fallocate(fd, 0, os.fstat(fd).st_size or _LOCK_FILE_SIZE)
 
 
 def _load_fallocate() -> Callable[[int, int, int, int], int] | None:
