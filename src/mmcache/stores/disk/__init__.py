@@ -136,9 +136,9 @@ class DiskStore(Store):
         self._mode = int(mode)
         if map_size is not None:
             try:
-                check_int("map_size", map_size, minimum=1)
+                check_int("map_size (bytes)", map_size, minimum=1)
             except ConfigError as exc:  # a CacheError, as it always was
-                raise CacheError(f"{exc} (bytes)") from exc
+                raise CacheError(str(exc)) from exc
         self._map_size = map_size if map_size is not None else 2 * self._capacity + MAP_OVERHEAD
         # Only policies that look at reads pay for recording them.
         self._track = not self._readonly and not isinstance(
