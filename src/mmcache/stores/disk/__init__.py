@@ -39,8 +39,9 @@ its files, :mod:`.counters` the node-wide stats file, :mod:`.snapshot` the
 totals and meta records and the victims chosen from them, :mod:`.writes` what a
 write transaction changes (and the buffered reads it records),
 :mod:`.maintenance` verify, repair and compaction. The store never deletes
-files. Every method is thread-safe and process-safe, except that the buffer
-lent by :meth:`DiskStore.view` is valid only inside its ``with`` block.
+files (:meth:`DiskStore.compact` renames a copy over ``data.mdb``). Every
+method is thread-safe and process-safe, except that the buffer lent by
+:meth:`DiskStore.view` is valid only inside its ``with`` block.
 """
 
 from __future__ import annotations
