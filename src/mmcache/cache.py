@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -56,6 +56,9 @@ from mmcache.stores.disk import DiskStore
 from mmcache.stores.memory import MemoryStore, store_exists
 from mmcache.stores.tiered import Accepted, Tier, TieredStore
 from mmcache.units import parse_duration, parse_size
+
+if TYPE_CHECKING:
+    from mmcache.stores.disk import CompactReport
 
 __all__ = ["Cache", "GcReport", "VerifyReport"]
 
@@ -526,6 +529,13 @@ class Cache:
         self.disk_budget = limit
         write_config(self.root, self._options(), mode=self.mode, changes={"disk": limit})
         return items - len(fresh)
+
+    def compact(self) -> CompactReport:
+        """Swap in a compacted copy of the disk tier (``mmcache gc --compact``); a
+        CacheError, with nothing changed, while another process has it open."""
+        if not isinstance(self.disk, DiskStore):
+            raise CacheError(f"cache {self.root} has no disk tier to compact")
+        return self.disk.compact()
 
     def close(self) -> None:
         """Release every handle (idempotent); shared and persisted data stay."""

@@ -288,10 +288,12 @@ def _cmd_gc(args: argparse.Namespace) -> int:
             unused_for=args.unused_for,
             all_roots=args.all,
         )
+        compacted = cache.compact() if args.compact else None
     finally:
         cache.close()
     if args.json:
-        _print_json(report.as_dict())
+        extra = {"compact": compacted.as_dict()} if compacted is not None else {}
+        _print_json({**report.as_dict(), **extra})
     else:
         print(
             f"freed {format_size(report.freed_bytes)}: {report.expired} expired, "
@@ -300,6 +302,9 @@ def _cmd_gc(args: argparse.Namespace) -> int:
             f"{report.dropped_entries} entries of {len(report.dropped_fingerprints)} "
             "unused pipeline fingerprints"
         )
+        if compacted is not None:
+            before, after = format_size(compacted.before), format_size(compacted.after)
+            print(f"disk tier compacted: {before} -> {after}")
     return 0
 
 
@@ -506,6 +511,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--all",
         action="store_true",
         help="also remove orphaned shared-memory stores of this user's other cache roots",
+    )
+    p.add_argument(
+        "--compact",
+        action="store_true",
+        help="then give the disk tier's free pages back (only while no other process uses it)",
     )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_gc)

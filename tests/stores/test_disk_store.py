@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -23,8 +24,8 @@ import lmdb
 import pytest
 
 from mmcache.errors import CacheError, ConfigError
-from mmcache.stores import disk as disk_mod
 from mmcache.stores.disk import DiskStore
+from mmcache.stores.disk import reserve as disk_reserve
 from mmcache.testing.store_contract import key
 
 
@@ -216,11 +217,13 @@ def test_get_many_reads_in_one_call(tmp_path: Path) -> None:
             store.get_many([key(1), b"short"])
 
 
-def test_view_many_lends_buffers_of_a_batch(tmp_path: Path) -> None:
+def test_views_lend_buffers_of_a_batch(tmp_path: Path) -> None:
+    # view_many is gone (only a benchmark used it): a batch is one view per key
     with DiskStore(tmp_path / "c", capacity=1000) as store:
         store.put(key(1), b"one")
         store.put(key(2), b"two")
-        with store.view_many([key(2), key(3), key(1)]) as views:
+        with contextlib.ExitStack() as stack:
+            views = [stack.enter_context(store.view(k)) for k in (key(2), key(3), key(1))]
             assert [None if v is None else bytes(v) for v in views] == [b"two", None, b"one"]
         stats = store.stats()
         assert (stats.hits, stats.misses) == (2, 1)
@@ -515,7 +518,7 @@ def test_verify_finds_a_corrupted_value(tmp_path: Path) -> None:
         assert sorted(store.verify(_check)) == [key(3), key(4)]
         assert store.stats().corrupt == 2
         assert store.rebuild_totals() == (4 * 208, 4)  # key 4 (size mismatch) removed
-        assert store.discard_corrupt(key(3))
+        assert store.discard(key(3), why="corrupt")
         assert store.stats().corrupt == 3
         assert store.verify(_check) == []
 
@@ -528,9 +531,9 @@ def test_the_lock_file_has_the_size_lmdb_gives_it(tmp_path: Path) -> None:
     LMDB neither grows it (a sparse tail) nor reads a larger reader table from it."""
     with DiskStore(tmp_path / "c", capacity=10_000) as store:
         assert store.put(key(1), b"x")
-        assert (tmp_path / "c" / "lock.mdb").stat().st_size == disk_mod._LOCK_FILE_SIZE
+        assert (tmp_path / "c" / "lock.mdb").stat().st_size == disk_reserve._LOCK_FILE_SIZE
     with lmdb.open(str(tmp_path / "c"), max_dbs=3) as env:  # what LMDB reads back from it
-        assert env.info()["max_readers"] == disk_mod._MAX_READERS
+        assert env.info()["max_readers"] == disk_reserve.MAX_READERS
 
 
 # A child process: a regression (SIGBUS from LMDB's mapped lock file) must fail the test.
@@ -539,10 +542,11 @@ _FULL_AT_OPEN = textwrap.dedent(
     import contextlib, json, mmap, os, sys
     from mmcache.errors import CacheError
     from mmcache.stores import disk
+    from mmcache.stores.disk import reserve
     mnt = sys.argv[1]
     path = os.path.join(mnt, "cache")
     spare = os.path.join(mnt, "spare")
-    lock_pages = -(-disk._LOCK_FILE_SIZE // mmap.PAGESIZE)
+    lock_pages = -(-reserve._LOCK_FILE_SIZE // mmap.PAGESIZE)
     with open(spare, "wb") as f:  # room for lock.mdb and one page: half of data.mdb's metas
         f.write(bytes((lock_pages + 1) * mmap.PAGESIZE))
     with contextlib.suppress(OSError), open(os.path.join(mnt, "filler"), "wb", 0) as f:
@@ -587,4 +591,4 @@ def test_a_full_file_system_at_open_is_a_cache_error(
     # meta pages were half written would be refused forever as "not an LMDB file")
     assert out["space freed"] == "opened: b'value'"
     size, allocated = out["lock"]
-    assert size == disk_mod._LOCK_FILE_SIZE and allocated >= size  # no hole left to fault
+    assert size == disk_reserve._LOCK_FILE_SIZE and allocated >= size  # no hole left to fault
