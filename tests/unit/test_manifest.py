@@ -626,3 +626,28 @@ def test_llava_whole_file_errors(
         read_manifest(path, on_error=on_error, format="llava")
     assert info.value.line is None
     assert str(path) in str(info.value)
+
+
+def test_stat_paths_are_the_image_paths_encoded(tmp_path: Path) -> None:
+    """The file check stats exactly the files the decoder opens, text-only rows included."""
+    import os
+
+    import numpy as np
+
+    (tmp_path / "img").mkdir()
+    conv = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]
+    data = [
+        {"id": "a", "image": "img/../img/a.jpg", "conversations": conv},
+        {"id": "b", "conversations": conv},
+        {"id": "c", "image": "ü/c.jpg", "conversations": conv},
+    ]
+    path = tmp_path / "llava.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    records = read_manifest(path, on_error="skip")
+    rows = np.array([2, 0, 1, 0])
+    expected = [
+        None if records.image_path(i) is None else os.fsencode(records.image_path(i))
+        for i in rows.tolist()
+    ]
+    assert records.stat_paths(rows) == expected
+    assert expected[1] == os.fsencode(str(tmp_path / "img" / "a.jpg")) and expected[2] is None

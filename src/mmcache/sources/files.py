@@ -175,9 +175,8 @@ class FileSource:
         """
         idx = self._checked(indices)
         stamps = np.full((idx.shape[0], len(keys.STAT_FIELDS)), -2, dtype=np.int64)
-        image_path, stat, fields = self.records.image_path, os.stat, keys.stat_fields
-        for j, i in enumerate(idx.tolist()):
-            path = image_path(i)
+        stat, fields = os.stat, keys.stat_fields
+        for j, path in enumerate(self.records.stat_paths(idx)):
             if path is None:
                 continue
             try:

@@ -115,6 +115,9 @@ class Records:
         self._n = len(lines)
         # (sorted xxh3_64 hashes of the ids, row of each); built by index_of.
         self._index: tuple[npt.NDArray[np.uint64], _I64] | None = None
+        # The absolute paths of image_path, encoded, as one buffer + offsets; built by
+        # stat_paths (the per-epoch file check) on first use, in each process.
+        self._paths: tuple[_U8, _I64] | None = None
 
     # -- rows ---------------------------------------------------------------
 
@@ -170,6 +173,29 @@ class Records:
             return None
         ref = _field(self._image_buf, self._image_off, i)
         return os.path.normpath(os.path.join(self._base_dir, ref))
+
+    def stat_paths(self, rows: npt.NDArray[np.integer[Any]]) -> list[bytes | None]:
+        """:meth:`image_path` of ``rows`` (in range, not negative) as encoded bytes, for
+        ``os.stat``: what the loader's file check asks for every sample of every epoch.
+
+        The joined, normalised paths are built once (one buffer and its offsets, no
+        per-row Python objects) and sliced afterwards: joining and normalising a
+        path costs more than the ``stat`` itself (measured ~5 us against ~3 us).
+        """
+        if self._paths is None:
+            col = _Column()
+            for i in range(self._n):
+                path = self.image_path(i)
+                col.append(b"" if path is None else os.fsencode(path))
+            self._paths = col.build()
+        buf, off = self._paths
+        view, has = buf.data, self._has_image
+        starts = off[rows].tolist()
+        stops = off[rows + 1].tolist()
+        return [
+            bytes(view[a:b]) if has[r] else None
+            for r, a, b in zip(np.asarray(rows).tolist(), starts, stops, strict=True)
+        ]
 
     def line(self, i: int) -> int:
         """Return where row ``i`` came from: its 1-based line (JSONL) or record index (LLaVA)."""
@@ -263,6 +289,7 @@ class Records:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_index"] = None  # cheap to rebuild, doubles the pickle otherwise
+        state["_paths"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
