@@ -42,8 +42,7 @@ import numpy.typing as npt
 import torch
 
 from mmcache.checks import check_int
-from mmcache.errors import ConfigError
-from mmcache.policies import Policy, Residents, get_policy
+from mmcache.policies import Policy, Residents, get_policy, validate_victims
 from mmcache.stats import TierStats
 from mmcache.stores.base import check_key
 from mmcache.units import format_size
@@ -245,16 +244,12 @@ class DeviceTier:
         if len(residents) == 0:
             return None
         rows = self.policy.select_victims(residents, size=size, cost=cost, need=need)
-        if rows is None:
+        check = validate_victims(self.policy, residents, rows, need=need)
+        if check.rows is None:
+            if check.problem is not None:  # must not break the budget: refuse instead
+                log.error("%s for a %d-byte entry; refused", check.problem, size)
             return None
-        rows = np.unique(np.asarray(rows, dtype=np.int64))
-        if rows.size and (rows.min() < 0 or rows.max() >= len(residents)):
-            raise ConfigError(f"policy {self.policy!r} returned rows outside the residents")
-        if int(residents.size[rows].sum()) < need:
-            # A policy that frees too little must not break the budget: refuse instead.
-            log.error("policy %r freed too little for a %d-byte entry; refused", self.policy, size)
-            return None
-        return slots[rows]
+        return slots[check.rows]
 
     def _grow_locked(self) -> None:
         n = max(_MIN_SLOTS, 2 * len(self._tensors))

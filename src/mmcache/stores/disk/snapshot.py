@@ -42,7 +42,15 @@ import numpy as np
 import numpy.typing as npt
 
 from mmcache.errors import CacheError
-from mmcache.policies import IntArray, KeepPolicy, LRUPolicy, Policy, Residents, ValuePolicy
+from mmcache.policies import (
+    IntArray,
+    KeepPolicy,
+    LRUPolicy,
+    Policy,
+    Residents,
+    ValuePolicy,
+    validate_victims,
+)
 from mmcache.stores.disk.env import TOTALS_KEY, TOTALS_RECORD, EnvHandle
 
 __all__ = [
@@ -338,11 +346,13 @@ class Evictor:
                 )
             if picked is None:
                 picked = self._policy.select_victims(residents, size=size, cost=cost, need=need)
-            if picked is None:
+            check = validate_victims(self._policy, residents, picked, need=need)
+            if check.rows is None:
+                if check.problem is not None and not self._warned:
+                    self._warned = True
+                    logger.error("%s; refusing (logged once)", check.problem)
                 return None
-            picked = np.unique(np.asarray(picked, dtype=np.int64))
-            if picked.size and (picked[0] < 0 or picked[-1] >= len(residents)):
-                raise CacheError(f"policy {self._policy!r} returned rows out of range")
+            picked = check.rows
             victims: list[bytes] = []
             freed = 0
             valid = True
@@ -391,10 +401,11 @@ class Evictor:
         picked = self._policy.select_victims(residents, size=0, cost=0.0, need=excess)
         if picked is None:
             picked = LRUPolicy().select_victims(residents, size=0, cost=0.0, need=excess)
-        if picked is None:
+        rows_ok = validate_victims(self._policy, residents, picked, need=0).rows
+        if rows_ok is None:
             return None
         victims: list[tuple[bytes, bytes]] = []
-        for i in np.unique(np.asarray(picked, dtype=np.int64)).tolist():
+        for i in rows_ok.tolist():
             victim = snap.keys[int(rows[i])]
             raw = txn.get(victim, db=h.meta) if victim is not None else None
             if victim is not None and raw is not None:

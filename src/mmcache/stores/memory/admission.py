@@ -28,7 +28,7 @@ from enum import IntEnum
 import numpy as np
 import numpy.typing as npt
 
-from mmcache.policies import KeepPolicy, Policy, Residents
+from mmcache.policies import KeepPolicy, Policy, Residents, validate_victims
 from mmcache.stores.base import is_no_space
 from mmcache.stores.memory import shm
 from mmcache.stores.memory.layout import MAX_INDEX_CAPACITY, Count, EntryState
@@ -348,25 +348,13 @@ class Writer:
         chosen = self._policy.select_victims(
             residents, size=size, cost=cost, need=max(need, 1 if full else 0)
         )
-        if chosen is None:
-            return None
-        chosen = np.asarray(chosen, dtype=np.int64).reshape(-1)
-        valid = (
-            chosen.shape[0] > 0
-            and bool(((chosen >= 0) & (chosen < rows.shape[0])).all())
-            and np.unique(chosen).shape[0] == chosen.shape[0]
-            and int(residents.size[chosen].sum()) >= need
-        )
-        if not valid:
+        check = validate_victims(self._policy, residents, chosen, need=need, entries=int(full))
+        if check.rows is None:
             s = self._session
-            if s.warn_once("policy"):
-                log.warning(
-                    "memory store %s: policy %r returned victims that do not free %d B;"
-                    " refusing the entry",
-                    s.name, self._policy, need,
-                )  # fmt: skip
+            if check.problem is not None and s.warn_once("policy"):
+                log.warning("memory store %s: %s; refusing the entry", s.name, check.problem)
             return None
-        return rows[chosen]
+        return rows[check.rows]
 
     def _propose(self, k0: int, k1: int, size: int, cost: float) -> tuple[Proposal | None, bool]:
         """Ask the policy for victims from a snapshot taken under the shared lock.
