@@ -561,14 +561,18 @@ def decode_bytes(
     it asks for (:meth:`ImageSpec.draft_size`); the result is uint8 ``[3, H, W]``.
     Any other image :class:`Stage` gets the fully decoded image in its stored frame
     (refused over Pillow's pixel limit at import, ImageSpec's default) and returns
-    what it returns. Raises SampleError. Thread-safe.
+    what it returns; a SampleError it raises is re-raised naming this sample.
+    Raises SampleError. Thread-safe.
     """
     spec = stage if isinstance(stage, ImageSpec) else None
     max_pixels = _PILLOW_MAX_PIXELS if spec is None else spec.max_pixels
     with open_image(data, max_pixels=max_pixels, sample_id=sample_id, path=path) as im:
         reduced = _decode_pixels(im, spec, sample_id=sample_id, path=path)
         if spec is None:
-            return stage(im)
+            try:
+                return stage(im)
+            except SampleError as err:  # a user stage names no sample: this one
+                raise SampleError(err.reason, sample_id=sample_id, path=path) from err
         return spec(im, reduced=reduced, sample_id=sample_id, path=path)
 
 
