@@ -38,7 +38,6 @@ with it into spawn-started workers. Processors keep no state between calls.
 
 from __future__ import annotations
 
-import importlib
 import importlib.metadata
 import json
 import os
@@ -66,12 +65,13 @@ _PROVENANCE_KEYS = frozenset({"processor_class", "auto_map", "_processor_class"}
 def _transformers() -> Any:
     """``transformers``, imported now, or ConfigError naming the extra."""
     try:
-        return importlib.import_module("transformers")
+        import transformers
     except ImportError as exc:
         raise ConfigError(
             f"mmcache.hf_image_processor needs the transformers package ({exc}): "
             "pip install 'mmcache[hf]'"
         ) from exc
+    return transformers
 
 
 def _transformers_major() -> int:
