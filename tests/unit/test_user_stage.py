@@ -264,3 +264,14 @@ def test_a_user_stage_runs_once_per_sample_then_never_on_warm_epochs(
         del repinned
     finally:
         cache.close()
+
+
+@pytest.mark.parametrize(
+    "module", ["mmcache.transforms.user", "mmcache.transforms.pixels", "mmcache.transforms.hf"]
+)
+def test_docstring_examples_run(module: str) -> None:
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0
