@@ -58,7 +58,9 @@ from mmcache.stores.disk import DiskStore
 from mmcache.stores.memory import MemoryStore, reclaim_orphans
 from mmcache.stores.tiered import TieredStore
 from mmcache.transforms.fingerprint import callable_fingerprint
+from mmcache.transforms.hf import hf_image_processor
 from mmcache.transforms.stage import Stage
+from mmcache.transforms.user import stage
 from mmcache.units import format_size, parse_duration, parse_size
 from mmcache.warm import WarmReport, warm
 
@@ -118,6 +120,7 @@ __all__ = [
     "collate",
     "format_size",
     "get_policy",
+    "hf_image_processor",
     "keys",
     "load_factory",
     "normalize",
@@ -129,6 +132,7 @@ __all__ = [
     "reclaim_orphans",
     "register_policy",
     "sizing",
+    "stage",
     "synth",
     "train_tokenizer",
     "warm",

@@ -142,10 +142,17 @@ def _cmd_synth(args: argparse.Namespace) -> int:
 # -- warm ---------------------------------------------------------------------------------
 def _cmd_warm(args: argparse.Namespace) -> int:
     import mmcache as mc
-    from mmcache.defaults import default_pipeline
+    from mmcache.defaults import DEFAULT_MAX_LENGTH, DEFAULT_SIZE, default_pipeline
     from mmcache.warm import warm
 
-    pipe = default_pipeline(size=args.size, max_length=args.max_length, tokenizer=args.tokenizer)
+    if args.pipeline is not None:
+        pipe = _user_pipeline(args)
+    else:
+        pipe = default_pipeline(
+            size=DEFAULT_SIZE if args.size is None else args.size,
+            max_length=DEFAULT_MAX_LENGTH if args.max_length is None else args.max_length,
+            tokenizer=args.tokenizer,
+        )
     ds = mc.MultimodalDataset(args.manifest, pipeline=pipe, on_error=args.on_error)
     cache = _open_for_warm(args)
     try:
@@ -177,6 +184,36 @@ def _cmd_warm(args: argparse.Namespace) -> int:
             )
         )
     return 0
+
+
+def _user_pipeline(args: argparse.Namespace) -> Any:
+    """The ``Pipeline`` that ``--pipeline module:function`` returns (the training
+    script's own, so that warm fills the keys it reads)."""
+    from mmcache.errors import ConfigError
+    from mmcache.features.factory import load_callable
+    from mmcache.pipeline import Pipeline
+
+    given = [
+        flag
+        for flag, value in (
+            ("--size", args.size),
+            ("--max-length", args.max_length),
+            ("--tokenizer", args.tokenizer),
+        )
+        if value is not None
+    ]
+    if given:
+        raise ConfigError(
+            f"{', '.join(given)} describe the default pipeline; with --pipeline the function "
+            "returns the whole pipeline: drop them"
+        )
+    pipe = load_callable(args.pipeline, what="pipeline")()
+    if not isinstance(pipe, Pipeline):
+        raise ConfigError(
+            f"--pipeline {args.pipeline} returned a {type(pipe).__name__}; it must return the "
+            "mmcache.Pipeline the training script uses"
+        )
+    return pipe
 
 
 #: The disk budget ``warm`` gives a new root when ``--disk`` is not passed.
@@ -453,8 +490,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--workers", type=int_at_least(0), default=os.cpu_count() or 1)
     p.add_argument("--features", help="module:factory returning a frozen encoder")
-    p.add_argument("--size", type=int_at_least(1), default=224)
-    p.add_argument("--max-length", type=int_at_least(1), default=32)
+    p.add_argument(
+        "--pipeline",
+        help="module:function (or file.py:function) returning the training script's "
+        "mmcache.Pipeline, instead of the default one (--size, --max-length, --tokenizer)",
+    )
+    p.add_argument("--size", type=int_at_least(1), help="image side in px (default 224)")
+    p.add_argument("--max-length", type=int_at_least(1), help="tokens (default 32)")
     p.add_argument("--tokenizer", help="tokenizer.json (default: the built-in offline one)")
     p.add_argument(
         "--policy", help="eviction policy (default: the root's recorded one; value for a new root)"

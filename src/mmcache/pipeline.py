@@ -3,7 +3,8 @@ fingerprint that names that processing in every cache key.
 
 A :class:`Pipeline` turns one record (an image path and a caption) into the arrays that
 mmcache caches: ``image`` (uint8 ``[3, size, size]``, C-contiguous, from
-:class:`~mmcache.transforms.image.ImageSpec`) and ``input_ids`` / ``attention_mask``
+:class:`~mmcache.transforms.image.ImageSpec`; ``[3, H, W]`` of varied shapes with
+``crop=None``; ``[C, H, W]`` from a user stage) and ``input_ids`` / ``attention_mask``
 (int32 ``[max_length]``, from :class:`~mmcache.transforms.text.TextSpec`). Float
 conversion and normalisation are left to the training device (:func:`normalize`): a
 uint8 sample is 4x smaller in every cache tier and on every copy than the float32
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -39,6 +41,7 @@ from mmcache.transforms.normalize import (
 )
 from mmcache.transforms.stage import Stage, StageKind
 from mmcache.transforms.text import TextSpec, train_tokenizer
+from mmcache.transforms.user import UserStage
 
 __all__ = [
     "ALPHA_BACKGROUND",
@@ -60,17 +63,23 @@ __all__ = [
 PIPELINE_FORMAT_VERSION = 1
 
 
-def _checked(stage: object, kind: StageKind) -> Stage | None:
-    """``stage`` if it is ``None`` or a :class:`Stage` of ``kind``, else ConfigError."""
-    if stage is None:
+def _checked(value: object, kind: StageKind) -> Stage | None:
+    """``value`` as a :class:`Stage` of ``kind``: ``None``, a Stage of that kind, or a
+    plain callable (wrapped by :func:`mmcache.stage`); ConfigError otherwise."""
+    if value is None:
         return None
-    if not isinstance(stage, Stage) or stage.kind != kind:
+    if isinstance(value, UserStage):
+        value = value.for_kind(kind)
+    elif not isinstance(value, Stage) and callable(value):
+        value = UserStage(value, kind=kind)
+    if not isinstance(value, Stage) or value.kind != kind:
         builtin = "an ImageSpec" if kind == "image" else "a TextSpec"
         raise ConfigError(
-            f"Pipeline.{kind} must be {builtin} (or a Stage whose kind is {kind!r}), "
-            f"got {type(stage).__name__}"
+            f"Pipeline.{kind} must be {builtin}, a Stage whose kind is {kind!r} or a callable "
+            f"(wrapped by mmcache.stage), got {type(value).__name__}"
+            + (f" of kind {value.kind!r}" if isinstance(value, Stage) else "")
         )
-    return stage
+    return value
 
 
 def _stage_payload(stage: Stage | None) -> dict[str, Any] | None:
@@ -92,11 +101,12 @@ class Pipeline:
     """Record -> arrays: ``{"image": uint8 [3,H,W]}`` and/or ``{"input_ids", "attention_mask"}``.
 
     Args:
-        image: the image stage (an :class:`ImageSpec`, or any
-            :class:`~mmcache.transforms.stage.Stage` of kind ``"image"``); ``None``
-            for a text-only pipeline.
-        text: the text stage (a :class:`TextSpec` or a Stage of kind ``"text"``);
-            ``None`` for an image-only pipeline.
+        image: the image stage (an :class:`ImageSpec`, any
+            :class:`~mmcache.transforms.stage.Stage` of kind ``"image"``, or a plain
+            callable ``PIL.Image -> uint8 [C,H,W]``, wrapped by :func:`mmcache.stage`);
+            ``None`` for a text-only pipeline.
+        text: the text stage (a :class:`TextSpec`, a Stage of kind ``"text"``, or a
+            callable ``str -> {name: int array}``); ``None`` for an image-only pipeline.
 
     At least one is required. :attr:`stages` lists them in the order they run (image,
     then text); a record has one image and one text, so there is at most one stage of
@@ -114,7 +124,11 @@ class Pipeline:
     text: Stage | None
     stages: tuple[Stage, ...]
 
-    def __init__(self, image: Stage | None = None, text: Stage | None = None) -> None:
+    def __init__(
+        self,
+        image: Stage | Callable[[Any], Any] | None = None,
+        text: Stage | Callable[[Any], Any] | None = None,
+    ) -> None:
         if image is None and text is None:
             raise ConfigError("Pipeline needs an image spec, a text spec or both")
         self._set(_checked(image, "image"), _checked(text, "text"))
@@ -214,7 +228,10 @@ class Pipeline:
                         sample_id=sample_id,
                         path=None if image_path is None else os.fspath(image_path),
                     )
-                out.update(stage(text))
+                try:
+                    out.update(stage(text))
+                except SampleError as err:  # a user stage names no sample: this one
+                    raise SampleError(err.reason, sample_id=sample_id) from err
         if image is not None:
             out["image"] = image
         return out

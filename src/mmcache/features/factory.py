@@ -2,7 +2,8 @@
 
 What ``mmcache warm --features module:factory`` and
 :meth:`FeatureCache.from_factory` use to get an encoder (and its
-preprocessing, pinned name/version, output selection) from user code.
+preprocessing, pinned name/version, output selection) from user code;
+:func:`load_callable`, the import itself, also loads ``warm --pipeline``'s function.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import xxhash
@@ -22,7 +23,7 @@ import xxhash
 from mmcache.errors import ConfigError
 from mmcache.features.encoder import Output
 
-__all__ = ["LoadedEncoder", "load_factory"]
+__all__ = ["LoadedEncoder", "load_callable", "load_factory"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,33 @@ def _import_target(module_part: str) -> types.ModuleType:
     return importlib.import_module(module_part)
 
 
+def load_callable(spec: str, *, what: str = "factory") -> Callable[[], Any]:
+    """The callable ``"module:function"`` (or ``"path/to/file.py:function"``) names.
+
+    A ``.py`` path is imported as a module of its own (its folder need not be on
+    ``sys.path``); a dotted ``function`` is followed attribute by attribute. ``what``
+    names the spec in errors (``"factory"``, ``"pipeline"``). Importing runs the
+    module's code: pass only specs you trust. Raises ConfigError.
+    """
+    if not isinstance(spec, str) or spec.count(":") < 1:
+        raise ConfigError(f"a {what} spec is 'module:function' or 'file.py:function', got {spec!r}")
+    module_part, _, attr = spec.rpartition(":")
+    if not module_part or not attr:
+        raise ConfigError(f"a {what} spec is 'module:function' or 'file.py:function', got {spec!r}")
+    try:
+        module = _import_target(module_part)
+    except ImportError as exc:
+        raise ConfigError(f"cannot import {module_part!r} for {what} {spec!r}: {exc}") from exc
+    target: Any = module
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            raise ConfigError(f"{module_part!r} has no attribute {attr!r} ({what} {spec!r})")
+        target = getattr(target, part)
+    if not callable(target):
+        raise ConfigError(f"{what} {spec!r} is a {type(target).__name__}, not callable")
+    return cast(Callable[[], Any], target)
+
+
 def load_factory(spec: str) -> LoadedEncoder:
     """Import ``"module:factory"`` (or ``"path/to/file.py:factory"``) and call ``factory()``.
 
@@ -63,26 +91,7 @@ def load_factory(spec: str) -> LoadedEncoder:
     ``"name"``, ``"version"``, ``"output"``. This runs the factory's code: pass
     only specs you trust (it is what ``mmcache warm --features`` does).
     """
-    if not isinstance(spec, str) or spec.count(":") < 1:
-        raise ConfigError(
-            f"a factory spec is 'module:function' or 'file.py:function', got {spec!r}"
-        )
-    module_part, _, attr = spec.rpartition(":")
-    if not module_part or not attr:
-        raise ConfigError(
-            f"a factory spec is 'module:function' or 'file.py:function', got {spec!r}"
-        )
-    try:
-        module = _import_target(module_part)
-    except ImportError as exc:
-        raise ConfigError(f"cannot import {module_part!r} for factory {spec!r}: {exc}") from exc
-    target: Any = module
-    for part in attr.split("."):
-        if not hasattr(target, part):
-            raise ConfigError(f"{module_part!r} has no attribute {attr!r} (factory {spec!r})")
-        target = getattr(target, part)
-    if not callable(target):
-        raise ConfigError(f"factory {spec!r} is a {type(target).__name__}, not callable")
+    target = load_callable(spec, what="factory")
     result = target()
     if isinstance(result, Mapping):
         unknown = set(result) - _FACTORY_KEYS

@@ -4,16 +4,20 @@ A stage (:mod:`mmcache.transforms.stage`) is one step with a fingerprint;
 :class:`mmcache.Pipeline` runs an ordered list of them over a record. The
 built-in stages are :class:`ImageSpec` (:mod:`~mmcache.transforms.image`: the
 decode step and the crop/resize/colour stage) and :class:`TextSpec`
-(:mod:`~mmcache.transforms.text`: tokenization); the normalisation of
-:mod:`mmcache.transforms.normalize` runs after the cache, on the device (its
-function is not re-exported here, where it would hide the module of that name;
-``mmcache.normalize`` is the same function).
+(:mod:`~mmcache.transforms.text`: tokenization); user callables become
+stages through ``mmcache.stage`` (:class:`UserStage`, :mod:`~mmcache.transforms.user`)
+and HF image processors through ``mmcache.hf_image_processor``
+(:mod:`~mmcache.transforms.hf`); the normalisation of
+:mod:`mmcache.transforms.normalize` runs after the cache, on the device. Neither
+``stage`` nor ``normalize`` is re-exported here, where each would hide the module of
+that name; ``mmcache.stage`` and ``mmcache.normalize`` are those functions.
 """
 
 from mmcache.transforms.image import ALPHA_BACKGROUND, ImageSpec, Interpolation, decode_bytes
 from mmcache.transforms.normalize import CLIP_MEAN, CLIP_STD, IMAGENET_MEAN, IMAGENET_STD
 from mmcache.transforms.stage import Stage, StageKind
 from mmcache.transforms.text import TextSpec, train_tokenizer
+from mmcache.transforms.user import UserStage
 
 __all__ = [
     "ALPHA_BACKGROUND",
@@ -26,6 +30,7 @@ __all__ = [
     "Stage",
     "StageKind",
     "TextSpec",
+    "UserStage",
     "decode_bytes",
     "train_tokenizer",
 ]

@@ -1,4 +1,4 @@
-"""The image stage: an image file's bytes -> a uint8 ``[3, size, size]`` array (:class:`ImageSpec`).
+"""The image stage: an image file's bytes -> a uint8 ``[3, H, W]`` array (:class:`ImageSpec`).
 
 Two steps, so that a cache-aware pipeline can reuse either:
 
@@ -7,7 +7,9 @@ Two steps, so that a cache-aware pipeline can reuse either:
   (decompression bombs, files over ``max_bytes``) and decodes the pixels, at reduced size
   for a JPEG when the stage allows it (:meth:`ImageSpec.draft_size`);
 * the **stage** itself (:meth:`ImageSpec.__call__`) maps the decoded image to the output
-  array: EXIF orientation, centre crop, resampling, colour.
+  array: EXIF orientation, centre crop (or none: ``crop=None`` keeps the aspect ratio),
+  padding to a square (``pad_to_square``), resampling, colour. The orientation, colour
+  and geometry helpers live in :mod:`mmcache.transforms.pixels`.
 
 Geometry follows torchvision's ``Resize(resize)`` + ``CenterCrop(size)`` exactly
 (shorter side to ``resize``, longer side ``int(resize * long / short)``, crop offset
@@ -59,7 +61,6 @@ import logging
 import os
 import re
 import stat
-import struct
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 
@@ -71,11 +72,25 @@ from PIL import Image, ImageFile, JpegImagePlugin, UnidentifiedImageError
 
 from mmcache.checks import check_int
 from mmcache.errors import ConfigError, SampleError
+from mmcache.transforms.normalize import CLIP_MEAN
+from mmcache.transforms.pixels import (
+    ALPHA_BACKGROUND,
+    DECODE_ERRORS,
+    ORIENTATION_TRANSPOSE,
+    crop_box,
+    expand_to_square,
+    orientation,
+    resized_size,
+    to_rgb_or_l,
+    upright_rgb,
+)
 from mmcache.transforms.stage import Stage, StageKind
 from mmcache.units import MiB
 
 __all__ = [
     "ALPHA_BACKGROUND",
+    "PAD_FILL",
+    "Crop",
     "ImageSpec",
     "Interpolation",
     "ReducedDecode",
@@ -86,9 +101,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: Colour that transparent pixels are composited on.
-ALPHA_BACKGROUND: tuple[int, int, int] = (255, 255, 255)
 
 Interpolation = Literal["bicubic", "bilinear", "lanczos", "nearest"]
 
@@ -112,32 +124,17 @@ _PILLOW_MAJOR = int(PIL.__version__.split(".")[0])
 # whole would raise MemoryError, which no on_error policy catches.
 _DEFAULT_MAX_BYTES = 256 * MiB
 
-_EXIF_ORIENTATION_TAG = 0x0112
-# EXIF orientation -> the transpose that makes the image upright (as ImageOps.exif_transpose).
-_ORIENTATION_TRANSPOSE: dict[int, Image.Transpose] = {
-    2: Image.Transpose.FLIP_LEFT_RIGHT,
-    3: Image.Transpose.ROTATE_180,
-    4: Image.Transpose.FLIP_TOP_BOTTOM,
-    5: Image.Transpose.TRANSPOSE,
-    6: Image.Transpose.ROTATE_270,
-    7: Image.Transpose.TRANSVERSE,
-    8: Image.Transpose.ROTATE_90,
-}
-
-# What Pillow raises on corrupt data, besides OSError (fuzzing finds all of these;
-# Pillow's own fuzz tests accept the same set). Anything else is a bug and propagates.
-_DECODE_ERRORS: tuple[type[BaseException], ...] = (
-    OSError,
-    SyntaxError,
-    ValueError,
-    EOFError,
-    struct.error,
-    IndexError,
-)
-
 _BOMB_PIXELS_RE = re.compile(r"\((\d+) pixels\)")
 
-_INT16_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N", "I"})
+#: The default ``ImageSpec.fill`` of ``pad_to_square``: the CLIP mean as uint8, which
+#: LLaVA's ``expand2square`` pads with (``int(x * 255)``, so it normalises to ~0).
+PAD_FILL: tuple[int, int, int] = (
+    int(CLIP_MEAN[0] * 255),
+    int(CLIP_MEAN[1] * 255),
+    int(CLIP_MEAN[2] * 255),
+)
+
+Crop = Literal["center"]
 
 
 @functools.cache
@@ -164,13 +161,14 @@ class ReducedDecode:
 
 @dataclass(frozen=True)
 class ImageSpec:
-    """How an image becomes a uint8 ``[3, size, size]`` array: the image :class:`Stage`.
+    """How an image becomes a uint8 ``[3, H, W]`` array: the image :class:`Stage`.
 
     Args:
-        size: side of the square output.
-        resize: the shorter side is resized to this before the centre crop; ``None``
-            means ``round(size * 256 / 224)`` (256 for 224, the ImageNet/CLIP ratio).
-            Must be >= ``size``.
+        size: side of the square output (``crop="center"``). With ``crop=None`` it is
+            only the default of ``resize``.
+        resize: the shorter side is resized to this; ``None`` means ``round(size * 256
+            / 224)`` (256 for 224, the ImageNet/CLIP ratio) before a centre crop, and
+            ``size`` with ``crop=None``. Must be >= ``size`` with a crop.
         interpolation: resampling filter (Pillow's, antialiased when downscaling).
         draft: allow reduced-size JPEG decoding when the source's shorter side is at
             least ``2 * resize`` (see the module docstring and :meth:`draft_size`).
@@ -184,11 +182,28 @@ class ImageSpec:
             with a SampleError that ``on_error="skip"`` skips and counts. Default
             256 MiB; ``None``: no limit. Like ``max_pixels`` it decides which samples
             fail, never what a sample contains, so it is not in the fingerprint.
+        crop: ``"center"`` (default): torchvision's ``Resize(resize)`` +
+            ``CenterCrop(size)``, a ``[3, size, size]`` output. ``None``: no crop, the
+            aspect ratio is kept (torchvision's ``Resize(resize, max_size=max_size)``):
+            the shorter side becomes ``resize`` and entries have varied shapes
+            ``[3, H, W]``; random crops after the cache (``mmcache.augment``) then see
+            the whole image.
+        max_size: with ``crop=None``, cap the longer side at this (the shorter side then
+            shrinks below ``resize``, as torchvision does), so that a panorama does not
+            make a huge entry. ``None``: no cap. Must be > ``resize``.
+        pad_to_square: pad the upright RGB image to a square of ``fill`` colour before
+            resizing (LLaVA's ``expand2square``), so nothing is cropped away.
+        fill: the padding colour, RGB 0..255; default :data:`PAD_FILL` (the CLIP mean as
+            uint8, as LLaVA pads). Only with ``pad_to_square=True``.
 
+    ``crop``, ``max_size``, ``pad_to_square`` and ``fill`` enter the fingerprint only
+    when they differ from their defaults, so the keys of existing caches are unchanged.
     Raises ConfigError on invalid values. Immutable, picklable, thread-safe.
 
     >>> ImageSpec(size=336).resize
     384
+    >>> ImageSpec(size=256, crop=None, max_size=512).resize
+    256
     """
 
     kind: ClassVar[StageKind] = "image"
@@ -199,17 +214,39 @@ class ImageSpec:
     draft: bool = True
     max_pixels: int | None = field(default=_PILLOW_MAX_PIXELS)
     max_bytes: int | None = _DEFAULT_MAX_BYTES
+    crop: Crop | None = "center"
+    max_size: int | None = None
+    pad_to_square: bool = False
+    fill: tuple[int, int, int] | None = None
 
     def __post_init__(self) -> None:
         check_int("ImageSpec.size", self.size, minimum=1)
+        if self.crop not in ("center", None):
+            raise ConfigError(
+                f"ImageSpec.crop must be 'center' or None (keep the aspect ratio), "
+                f"got {self.crop!r}"
+            )
         if self.resize is None:
-            object.__setattr__(self, "resize", _default_resize(self.size))
+            default = _default_resize(self.size) if self.crop == "center" else self.size
+            object.__setattr__(self, "resize", default)
         resize = check_int("ImageSpec.resize", self.resize, minimum=1)
-        if resize < self.size:
+        if self.crop == "center" and resize < self.size:
             raise ConfigError(
                 f"ImageSpec.resize ({resize}) must be >= size ({self.size}): the centre crop "
                 "is taken from the resized image"
             )
+        if self.max_size is not None:
+            check_int("ImageSpec.max_size", self.max_size, minimum=1)
+            if self.crop is not None:
+                raise ConfigError(
+                    f"ImageSpec.max_size ({self.max_size}) applies only with crop=None "
+                    "(a centre crop is square): pass crop=None or drop max_size"
+                )
+            if self.max_size <= resize:
+                raise ConfigError(
+                    f"ImageSpec.max_size ({self.max_size}) must be > resize ({resize}), "
+                    "as torchvision's Resize requires"
+                )
         if self.interpolation not in _RESAMPLE:
             raise ConfigError(
                 f"ImageSpec.interpolation must be one of {sorted(_RESAMPLE)}, "
@@ -221,6 +258,15 @@ class ImageSpec:
             check_int("ImageSpec.max_pixels", self.max_pixels, minimum=1)
         if self.max_bytes is not None:
             check_int("ImageSpec.max_bytes", self.max_bytes, minimum=1)
+        if not isinstance(self.pad_to_square, bool):
+            raise ConfigError(f"ImageSpec.pad_to_square must be a bool, got {self.pad_to_square!r}")
+        if self.fill is not None and not self.pad_to_square:
+            raise ConfigError(
+                f"ImageSpec.fill ({self.fill!r}) is the colour of pad_to_square: "
+                "pass pad_to_square=True or drop fill"
+            )
+        if self.pad_to_square:
+            object.__setattr__(self, "fill", _checked_fill(self.fill))
 
     @property
     def resize_to(self) -> int:
@@ -230,8 +276,10 @@ class ImageSpec:
     def fingerprint_fields(self) -> dict[str, Any]:
         """Everything about this spec that changes its output (not ``max_pixels`` or
         ``max_bytes``: they decide which samples fail, never what a successful sample
-        contains). :meth:`mmcache.Pipeline.fingerprint` is built from these fields."""
-        return {
+        contains). :meth:`mmcache.Pipeline.fingerprint` is built from these fields;
+        ``crop``, ``max_size`` and the padding appear only when not at their defaults,
+        so the fingerprints of earlier specs are unchanged."""
+        fields: dict[str, Any] = {
             "size": self.size,
             "resize": self.resize_to,
             "interpolation": self.interpolation,
@@ -242,6 +290,13 @@ class ImageSpec:
             "decoder": "pillow",
             "decoder_major": _PILLOW_MAJOR,
         }
+        if self.crop is None:
+            fields["crop"] = None
+            fields["max_size"] = self.max_size
+        if self.pad_to_square:
+            fields["pad_to_square"] = "expand2square"
+            fields["fill"] = list(cast(tuple[int, int, int], self.fill))
+        return fields
 
     def fingerprint(self) -> str:
         """xxh3-128 hex digest of :meth:`fingerprint_fields` (the :class:`Stage` fingerprint)."""
@@ -277,32 +332,63 @@ class ImageSpec:
         path: str | None = None,
     ) -> npt.NDArray[np.uint8]:
         """A decoded image (its stored frame: EXIF orientation is read here and applied)
-        -> uint8 ``[3, size, size]``, C-contiguous.
+        -> uint8 ``[3, size, size]`` (``[3, H, W]`` with ``crop=None``), C-contiguous.
 
         ``reduced``: set when the decode step decoded ``im`` at reduced size after
         :meth:`draft_size` (the crop is computed on the stored size, then scaled).
         ``sample_id`` and ``path`` name the sample in a :class:`SampleError` (an image
         mode that cannot become RGB). Thread-safe.
         """
-        width, height = im.size if reduced is None else reduced.size
-        orientation = _orientation(im)
-        box = _crop_box(width, height, orientation, self.size, self.resize_to)
-        if reduced is not None:
-            scale = reduced.scale
-            box = (box[0] / scale, box[1] / scale, box[2] / scale, box[3] / scale)
         try:
-            src = _to_rgb_or_l(im)
+            if self.pad_to_square:
+                # Pad in the upright RGB frame (the fill is an RGB colour, and LLaVA pads
+                # the upright image); a reduced decode is then just a smaller image.
+                fill = cast(tuple[int, int, int], self.fill)
+                src = expand_to_square(upright_rgb(im), fill)
+                turn, width, height = 1, src.width, src.height
+                reduced = None
+            else:
+                turn = orientation(im)
+                width, height = im.size if reduced is None else reduced.size
+                src = to_rgb_or_l(im)
         except (ValueError, OSError) as exc:
             raise SampleError(
                 f"cannot convert image mode {im.mode} to RGB: {exc}", sample_id=sample_id, path=path
             ) from exc
-        out = src.resize((self.size, self.size), _RESAMPLE[self.interpolation], box=box)
-        if orientation != 1:
-            out = out.transpose(_ORIENTATION_TRANSPOSE[orientation])
+        if self.crop == "center":
+            box = crop_box(width, height, turn, self.size, self.resize_to)
+            stored_out = (self.size, self.size)
+        else:
+            box = (0.0, 0.0, float(width), float(height))
+            swapped = turn >= 5
+            uw, uh = resized_size(
+                *((height, width) if swapped else (width, height)), self.resize_to, self.max_size
+            )
+            stored_out = (uh, uw) if swapped else (uw, uh)
+        if reduced is not None:
+            scale = reduced.scale
+            box = (box[0] / scale, box[1] / scale, box[2] / scale, box[3] / scale)
+        out = src.resize(stored_out, _RESAMPLE[self.interpolation], box=box)
+        if turn != 1:
+            out = out.transpose(ORIENTATION_TRANSPOSE[turn])
         if out.mode != "RGB":
             out = out.convert("RGB")
         hwc = np.asarray(out)
         return np.ascontiguousarray(hwc.transpose(2, 0, 1))
+
+
+def _checked_fill(fill: object) -> tuple[int, int, int]:
+    """``fill`` as an RGB tuple of ints 0..255 (``None``: :data:`PAD_FILL`), or ConfigError."""
+    if fill is None:
+        return PAD_FILL
+    values = tuple(fill) if isinstance(fill, (tuple, list)) else ()
+    if len(values) != 3 or not all(
+        isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 255 for v in values
+    ):
+        raise ConfigError(
+            f"ImageSpec.fill must be 3 ints 0..255 (an RGB colour, e.g. {PAD_FILL}), got {fill!r}"
+        )
+    return (values[0], values[1], values[2])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -417,7 +503,7 @@ def open_image(
     except UnidentifiedImageError as exc:
         reason = "not an image (no image format Pillow knows matches its content)"
         raise SampleError(reason, sample_id=sample_id, path=path) from exc
-    except _DECODE_ERRORS as exc:
+    except DECODE_ERRORS as exc:
         reason = f"not an image or corrupt header: {exc}"
         raise SampleError(reason, sample_id=sample_id, path=path) from exc
     width, height = im.size
@@ -459,7 +545,7 @@ def _decode_pixels(
         # must swallow EXIF errors, so a corrupt IDAT would vanish there and leave a
         # half-decoded (black) image.
         im.load()
-    except _DECODE_ERRORS as exc:
+    except DECODE_ERRORS as exc:
         raise SampleError(
             f"truncated or corrupt image: {exc}", sample_id=sample_id, path=path
         ) from exc
@@ -472,17 +558,21 @@ def decode_bytes(
     """An image file's bytes through the decode step and the image ``stage``.
 
     With an :class:`ImageSpec`, its limits apply and JPEGs are decoded at the size
-    it asks for (:meth:`ImageSpec.draft_size`); the result is uint8 ``[3, size, size]``.
+    it asks for (:meth:`ImageSpec.draft_size`); the result is uint8 ``[3, H, W]``.
     Any other image :class:`Stage` gets the fully decoded image in its stored frame
     (refused over Pillow's pixel limit at import, ImageSpec's default) and returns
-    what it returns. Raises SampleError. Thread-safe.
+    what it returns; a SampleError it raises is re-raised naming this sample.
+    Raises SampleError. Thread-safe.
     """
     spec = stage if isinstance(stage, ImageSpec) else None
     max_pixels = _PILLOW_MAX_PIXELS if spec is None else spec.max_pixels
     with open_image(data, max_pixels=max_pixels, sample_id=sample_id, path=path) as im:
         reduced = _decode_pixels(im, spec, sample_id=sample_id, path=path)
         if spec is None:
-            return stage(im)
+            try:
+                return stage(im)
+            except SampleError as err:  # a user stage names no sample: this one
+                raise SampleError(err.reason, sample_id=sample_id, path=path) from err
         return spec(im, reduced=reduced, sample_id=sample_id, path=path)
 
 
@@ -493,89 +583,6 @@ def load_image(stage: ImageSpec | Stage, path: str | os.PathLike[str], *, sample
     max_bytes = stage.max_bytes if isinstance(stage, ImageSpec) else _DEFAULT_MAX_BYTES
     data = read_file(path_str, sample_id, max_bytes)
     return decode_bytes(stage, data, sample_id=sample_id, path=path_str)
-
-
-# ----------------------------------------------------------------------------------------------
-# Geometry and colour (the stage's helpers)
-# ----------------------------------------------------------------------------------------------
-
-
-def _orientation(im: Image.Image) -> int:
-    """EXIF orientation 1..8 (1 when absent or unreadable).
-
-    Call it after ``im.load()``: a PNG's ``getexif()`` decodes the pixels to reach a
-    trailing ``eXIf`` chunk, and the errors swallowed here would then include a corrupt
-    image's (see :func:`_decode_pixels`).
-    """
-    try:
-        value = im.getexif().get(_EXIF_ORIENTATION_TAG, 1)
-    except _DECODE_ERRORS:
-        # Broken EXIF is common in the wild and does not make the pixels unusable.
-        return 1
-    return value if isinstance(value, int) and 1 <= value <= 8 else 1
-
-
-def _crop_box(
-    width: int, height: int, orientation: int, size: int, resize: int
-) -> tuple[float, float, float, float]:
-    """The source box (stored frame, float pixel edges) that becomes the output.
-
-    The geometry is torchvision's Resize(resize) + CenterCrop(size), evaluated in the
-    upright frame (after EXIF orientation), then mapped back to the stored frame.
-    """
-    swapped = orientation >= 5
-    uw, uh = (height, width) if swapped else (width, height)
-    # torchvision's _compute_resized_output_size: short side -> resize, long side truncated.
-    if uw <= uh:
-        nw, nh = resize, int(resize * uh / uw)
-    else:
-        nw, nh = int(resize * uw / uh), resize
-    left = round((nw - size) / 2.0)
-    top = round((nh - size) / 2.0)
-    sx, sy = uw / nw, uh / nh
-    x0, y0, x1, y1 = left * sx, top * sy, (left + size) * sx, (top + size) * sy
-    w, h = width, height  # stored frame
-    # Inverse of each transpose, on continuous coordinates (pixel edges).
-    if orientation == 2:
-        return (w - x1, y0, w - x0, y1)
-    if orientation == 3:
-        return (w - x1, h - y1, w - x0, h - y0)
-    if orientation == 4:
-        return (x0, h - y1, x1, h - y0)
-    if orientation == 5:
-        return (y0, x0, y1, x1)
-    if orientation == 6:
-        return (y0, h - x1, y1, h - x0)
-    if orientation == 7:
-        return (w - y1, h - x1, w - y0, h - x0)
-    if orientation == 8:
-        return (w - y1, x0, w - y0, x1)
-    return (x0, y0, x1, y1)
-
-
-def _to_rgb_or_l(im: Image.Image) -> Image.Image:
-    """Convert to RGB, or to L when that is exact (resampling 1 channel is 3x cheaper
-    and L -> RGB afterwards is a plain copy into three channels)."""
-    mode = im.mode
-    # (Image.has_transparency_data says the same, but only from Pillow 10.1.)
-    if mode in ("RGBA", "LA", "PA") or "transparency" in im.info:
-        rgba = im.convert("RGBA")
-        background = Image.new("RGB", rgba.size, ALPHA_BACKGROUND)
-        background.paste(rgba, mask=rgba.getchannel("A"))
-        return background
-    if mode in ("RGB", "L"):
-        return im
-    if mode in _INT16_MODES:
-        values = np.asarray(im, dtype=np.int64)
-        scaled = (np.clip(values, 0, 65535) + 128) // 257
-        return Image.fromarray(scaled.astype(np.uint8), mode="L")
-    if mode == "F":
-        values = np.asarray(im, dtype=np.float32)
-        clipped = np.clip(np.rint(np.nan_to_num(values, nan=0.0)), 0, 255)
-        return Image.fromarray(clipped.astype(np.uint8), mode="L")
-    if mode == "1":
-        return im.convert("L")
-    return im.convert("RGB")
 
 
 if TYPE_CHECKING:  # mypy checks that ImageSpec conforms to the protocol

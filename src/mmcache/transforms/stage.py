@@ -21,6 +21,11 @@ Two kinds, by what they consume:
 - a **text stage** maps a string (or a record's text) to a dict of integer
   arrays: :class:`mmcache.TextSpec`.
 
+A plain function becomes a stage through ``mmcache.stage(fn, version=None)``
+(:mod:`mmcache.transforms.user`), which hands it the image upright and in RGB
+and checks what it returns; an HF image processor through
+``mmcache.hf_image_processor`` (:mod:`mmcache.transforms.hf`).
+
 ``kind`` is read-only and the input is positional-only, so that a frozen
 dataclass with a ``ClassVar`` kind (``ImageSpec``) or a class with any
 parameter name conforms.
