@@ -79,6 +79,7 @@ def test_batches_of_varied_shapes_are_lists_with_image_sizes_cached_or_not(
             _same_lists(_epoch(loader, e), ref[e])
         assert loader.stats().epochs[-1].hits == 30
         assert 2 in loader._warm.guessed  # epoch 2 gathered from learnt keys
+        assert loader.stats().epochs[1].late_misses == 0  # other shapes read as hits
         assert cache.stats()["memory"].corrupt == 0  # other shapes are not damage
         loader.close()
         fresh = DataLoader(ds, cache=cache, batch_size=7, seed=1)  # learns a layout anew

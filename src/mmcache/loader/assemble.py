@@ -318,8 +318,10 @@ class BatchAssembler:
         )
         ok, corrupt = got.ok, got.corrupt
         own: dict[int, dict[str, np.ndarray]] = {}
-        if self.varying and self._first is not None and corrupt.any():
-            at = np.flatnonzero(corrupt)
+        # An entry of another shape fails the layout check, or, when it is shorter than
+        # the layout's ranges, is not found at all: both are read on their own.
+        if self.varying and self._first is not None and not (ok | got.expired).all():
+            at = np.flatnonzero(~(ok | got.expired))
             good, bad = read_other_shapes(self._first, layout, keys[at], self.varying)
             ok, corrupt = ok.copy(), np.zeros_like(corrupt)
             for i, sample in good.items():

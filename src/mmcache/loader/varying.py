@@ -12,7 +12,10 @@ first sample, and every cached entry of that layout is copied straight into
 the batch tensors. An entry of another layout is, for a fixed-shape source,
 damaged (dropped and produced again); for a source with varying fields it is
 read on its own (:func:`read_other_shapes`) and served when its checksum
-verifies and it differs from the layout only in the shapes of those fields.
+verifies and it differs from the layout only in the shapes of those fields (so
+is an entry shorter than the layout's byte ranges, which the gather does not
+find at all). Such rows cost a read and a copy each: a batch of varied shapes
+is slower to assemble than one of a single shape, which keeps its fast path.
 
 Thread safety: pure functions (the store reads are thread- and process-safe).
 """
@@ -63,23 +66,23 @@ def read_other_shapes(
 ) -> tuple[dict[int, dict[str, np.ndarray]], list[int]]:
     """Read the entries of ``keys`` (``uint8 [n,16]``) one by one from ``first``: the
     samples (copies) of those that verify and are :func:`compatible`, by position in
-    ``keys``, and the positions of the others (gone, damaged or incompatible)."""
+    ``keys``, and the positions of the damaged or incompatible ones (a key that is
+    not there is in neither)."""
     good: dict[int, dict[str, np.ndarray]] = {}
     bad: list[int] = []
     for i in range(len(keys)):
         raw = first.get(keys[i].tobytes())
-        sample: dict[str, np.ndarray] | None = None
-        if raw is not None:
-            try:
-                decoded = codec.decode(raw, verify=True)
-            except CorruptEntryError:
-                decoded = None
-            if decoded is not None and compatible(layout, decoded, varying):
-                sample = {k: np.array(v) for k, v in decoded.items()}
-        if sample is None:
+        if raw is None:
+            continue  # gone (or never there): the caller produces it
+        try:
+            decoded = codec.decode(raw, verify=True)
+        except CorruptEntryError:
             bad.append(i)
+            continue
+        if compatible(layout, decoded, varying):
+            good[i] = {k: np.array(v) for k, v in decoded.items()}
         else:
-            good[i] = sample
+            bad.append(i)
     return good, bad
 
 
