@@ -93,7 +93,9 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
     return _seed_of(_SAMPLE_TAG, seed, epoch, index)
 
 
-def sample_generators(seed: int, epoch: int, indices: Sequence[int]) -> list[torch.Generator]:
+def sample_generators(
+    seed: int, epoch: int, indices: Sequence[int] | np.ndarray
+) -> list[torch.Generator]:
     """One CPU ``torch.Generator`` per dataset index, seeded by :func:`sample_seed`."""
     out = []
     for i in indices:
@@ -195,8 +197,8 @@ class RandomResizedCrop:
         for _ in range(10):
             target_area = area * torch.empty(1).uniform_(*self.scale, generator=g).item()
             aspect = math.exp(torch.empty(1).uniform_(lo, hi, generator=g).item())
-            w = int(round(math.sqrt(target_area * aspect)))
-            h = int(round(math.sqrt(target_area / aspect)))
+            w = round(math.sqrt(target_area * aspect))
+            h = round(math.sqrt(target_area / aspect))
             if 0 < w <= width and 0 < h <= height:
                 top = int(torch.randint(0, height - h + 1, size=(1,), generator=g).item())
                 left = int(torch.randint(0, width - w + 1, size=(1,), generator=g).item())
@@ -205,10 +207,10 @@ class RandomResizedCrop:
         in_ratio = width / height
         if in_ratio < min(self.ratio):
             w = width
-            h = int(round(w / min(self.ratio)))
+            h = round(w / min(self.ratio))
         elif in_ratio > max(self.ratio):
             h = height
-            w = int(round(h * max(self.ratio)))
+            w = round(h * max(self.ratio))
         else:
             w, h = width, height
         return (height - h) // 2, (width - w) // 2, h, w
@@ -219,7 +221,10 @@ class RandomResizedCrop:
         channels = seq[0].shape[0] if n else 3
         device = seq[0].device if n else torch.device("cpu")
         s = self.size
-        boxes = [self.params(int(im.shape[1]), int(im.shape[2]), g) for im, g in zip(seq, generators)]
+        boxes = [
+            self.params(int(im.shape[1]), int(im.shape[2]), g)
+            for im, g in zip(seq, generators, strict=True)
+        ]
         if device.type != "cpu":
             # CUDA resamples floats only: each crop resized, the batch rounded back once.
             fout = torch.empty((n, channels, s, s), dtype=torch.float32, device=device)
@@ -233,7 +238,9 @@ class RandomResizedCrop:
         out = torch.empty((n, channels, s, s), dtype=torch.uint8)
         dst = out.numpy()
         for i, (im, (top, left, h, w)) in enumerate(zip(seq, boxes, strict=True)):
-            hwc = np.ascontiguousarray(im[:, top : top + h, left : left + w].numpy().transpose(1, 2, 0))
+            hwc = np.ascontiguousarray(
+                im[:, top : top + h, left : left + w].numpy().transpose(1, 2, 0)
+            )
             crop = torch.from_numpy(hwc).permute(2, 0, 1).unsqueeze(0)
             dst[i] = self._resize(crop)[0].numpy()
         return out

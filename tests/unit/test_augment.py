@@ -70,7 +70,9 @@ def test_flip_with_p_one_equals_torch_flip_and_p_zero_is_identity() -> None:
     images = torch.randint(0, 256, (4, 3, 9, 13), dtype=torch.uint8)
     gens = sample_generators(0, 0, range(4))
     assert torch.equal(RandomHorizontalFlip(p=1.0)(images, gens), torch.flip(images, [-1]))
-    assert torch.equal(RandomHorizontalFlip(p=0.0)(images, sample_generators(0, 0, range(4))), images)
+    assert torch.equal(
+        RandomHorizontalFlip(p=0.0)(images, sample_generators(0, 0, range(4))), images
+    )
     listed = RandomHorizontalFlip(p=1.0)(list(images), sample_generators(0, 0, range(4)))
     assert all(torch.equal(a, torch.flip(b, [-1])) for a, b in zip(listed, images, strict=True))
 
@@ -84,7 +86,7 @@ def test_crop_boxes_lie_inside_small_and_odd_images_and_outputs_have_the_size() 
         for h, w in shapes:
             g = sample_generators(seed, 0, [0])[0]
             top, left, ch, cw = crop.params(h, w, g)
-            assert 0 <= top and 0 <= left and 0 < ch <= h and 0 < cw <= w
+            assert top >= 0 and left >= 0 and 0 < ch <= h and 0 < cw <= w
             assert top + ch <= h and left + cw <= w
     images = [torch.randint(0, 256, (3, h, w), dtype=torch.uint8) for h, w in shapes]
     out = crop(images, sample_generators(0, 0, range(len(shapes))))
@@ -263,10 +265,15 @@ def test_feature_cache_refuses_a_loader_with_augment(
 ) -> None:
     with Cache(cache_root, memory="16MiB", temporary=True) as cache:
         feats = FeatureCache(
-            nn.Flatten(), cache=cache, preprocess=lambda x: x.float(), memory="1MiB", name="flat", version="1"
+            nn.Flatten(),
+            cache=cache,
+            preprocess=lambda x: x.float(),
+            memory="1MiB",
+            name="flat",
+            version="1",
         )
         loader = DataLoader(ds, cache=cache, batch_size=8, augment=AUG)
-        with pytest.raises(ConfigError, match="augment.*differ every epoch"):
+        with pytest.raises(ConfigError, match=r"augment.*differ every epoch"):
             feats.wrap(loader)
         feats.wrap(DataLoader(ds, cache=cache, batch_size=8))  # without augment: fine
 
@@ -284,9 +291,11 @@ def test_cuda_augment_is_deterministic_and_on_the_device(
         _epoch(loader, 0)
         got = _epoch(loader, 1)
         loader.close()
-    _same([{**b, "image": b["image"].cpu()} for b in got], [{**b, "image": b["image"].cpu()} for b in ref])
+    _same(
+        [{**b, "image": b["image"].cpu()} for b in got],
+        [{**b, "image": b["image"].cpu()} for b in ref],
+    )
     cpu = _epoch(DataLoader(ds, cache=None, batch_size=8, seed=5, augment=AUG), 1)
     for a, b in zip(ref, cpu, strict=True):  # the same crops; resampling differs by rounding
         diff = (a["image"].cpu().int() - b["image"].int()).abs().float().mean()
         assert diff < 2.0
-

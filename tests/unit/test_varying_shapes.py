@@ -92,7 +92,9 @@ def test_an_augment_of_fixed_size_makes_varied_shapes_one_tensor(
 ) -> None:
     aug = Compose([RandomResizedCrop(32, scale=(0.5, 1.0)), RandomHorizontalFlip()])
     ref = _epoch(DataLoader(ds, cache=None, batch_size=7, seed=1, augment=aug), 1)
-    flips = _epoch(DataLoader(ds, cache=None, batch_size=7, seed=1, augment=RandomHorizontalFlip(1.0)), 1)
+    flips = _epoch(
+        DataLoader(ds, cache=None, batch_size=7, seed=1, augment=RandomHorizontalFlip(1.0)), 1
+    )
     plain = _epoch(DataLoader(ds, cache=None, batch_size=7, seed=1), 1)
     for f, p in zip(flips, plain, strict=True):  # a list stays a list, with its sizes
         assert all(torch.equal(a, b.flip(-1)) for a, b in zip(f["image"], p["image"], strict=True))
@@ -103,6 +105,11 @@ def test_an_augment_of_fixed_size_makes_varied_shapes_one_tensor(
         got = _epoch(loader, 1)
         loader.close()
     for x, y in zip(got, ref, strict=True):
-        assert isinstance(x["image"], torch.Tensor) and x["image"].shape == (len(x["id"]), 3, 32, 32)
+        assert isinstance(x["image"], torch.Tensor) and x["image"].shape == (
+            len(x["id"]),
+            3,
+            32,
+            32,
+        )
         assert "image_sizes" not in x
         assert x["id"] == y["id"] and torch.equal(x["image"], y["image"])

@@ -226,7 +226,10 @@ class BatchAssembler:
         return _shapes_match(layout, sample)
 
     def _fill(
-        self, layout: codec.Header, out: dict[str, torch.Tensor], own: dict[int, dict[str, np.ndarray]]
+        self,
+        layout: codec.Header,
+        out: dict[str, torch.Tensor],
+        own: dict[int, dict[str, np.ndarray]],
     ) -> None:
         """Copy the rows in ``own`` into ``out`` (a varying field stays in its sample)."""
         for r, sample in own.items():

@@ -41,7 +41,9 @@ def varying_fields(source: object) -> frozenset[str]:
     return frozenset(str(n) for n in names) if names else frozenset()
 
 
-def compatible(layout: codec.Header, sample: dict[str, np.ndarray], varying: Collection[str]) -> bool:
+def compatible(
+    layout: codec.Header, sample: dict[str, np.ndarray], varying: Collection[str]
+) -> bool:
     """Whether ``sample`` has the fields and dtypes of ``layout``, with its shapes except
     the number of dimensions of a field in ``varying``."""
     if len(sample) != len(layout.fields):
