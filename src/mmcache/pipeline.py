@@ -159,6 +159,15 @@ class Pipeline:
     def __hash__(self) -> int:
         return hash(self.fingerprint())
 
+    @property
+    def varying_fields(self) -> frozenset[str]:
+        """``{"image"}`` when the image stage's output shape varies between samples (its
+        ``fixed_shape`` is False: an aspect-preserving resize), else empty. The loader
+        then gives batches a list of images and their ``image_sizes``."""
+        if self.image is not None and getattr(self.image, "fixed_shape", True) is False:
+            return frozenset({"image"})
+        return frozenset()
+
     def fingerprint(self) -> str:
         """Hex digest (xxh3-128) of everything that changes this pipeline's output.
 

@@ -572,6 +572,14 @@ class FeatureCache:
         >>> for batch in feats.wrap(loader):       # doctest: +SKIP
         ...     loss = model(batch["features"], batch["input_ids"])
         """
+        augment = getattr(loader, "augment", None)
+        if augment is not None:
+            raise ConfigError(
+                f"FeatureCache.wrap: the loader has augment={augment!r}; features of "
+                "augmented pixels differ every epoch, so caching them would serve stale "
+                "ones. Wrap a loader without augment (features of the cached images), or "
+                "run the encoder on the augmented batches yourself without a FeatureCache"
+            )
         return FeatureLoader(loader, self, keep_images=keep_images)
 
     # -- reporting -------------------------------------------------------------------------

@@ -48,6 +48,7 @@ from mmcache.checks import check_int
 from mmcache.dist import rank_and_world
 from mmcache.errors import ConfigError
 from mmcache.loader.assemble import BatchAssembler
+from mmcache.loader.augmenting import AugmentHook
 from mmcache.loader.counters import EpochCounter, HitRateWatch, epoch_scalars
 from mmcache.loader.hooks import BatchContext, EpochContext, Hooks, LoaderHook
 from mmcache.loader.stream import (
@@ -144,6 +145,14 @@ class DataLoader:
             ``stall_s``, ...), ready for TensorBoard or W&B.
         hooks: objects with an ``after_assemble(batch, ctx)`` and/or a
             ``before_epoch(ctx)`` method, run in order (see :mod:`mmcache.loader.hooks`).
+        augment: a random transform of each batch's images after the cache, seeded
+            by ``(seed, epoch, sample index)`` only: an :mod:`mmcache.augment`
+            transform (``Compose([RandomResizedCrop(224), RandomHorizontalFlip()])``)
+            or any callable ``(images, generator) -> images`` (see
+            :mod:`mmcache.loader.augmenting`). Runs in the training process before
+            ``hooks``.
+        device: where ``augment`` runs (``"cuda"``): the batch's ``"image"`` is moved
+            there first; None: the CPU.
     """
 
     def __init__(
@@ -168,6 +177,8 @@ class DataLoader:
         timeout: float = 0,
         on_epoch_end: Callable[[dict[str, float]], None] | None = None,
         hooks: Sequence[LoaderHook] = (),
+        augment: Callable[..., Any] | None = None,
+        device: str | torch.device | None = None,
     ) -> None:
         if not isinstance(dataset, SampleSource):
             raise ConfigError(
@@ -207,7 +218,17 @@ class DataLoader:
             )
         self.num_workers = num_workers
         self.on_epoch_end = on_epoch_end
-        self._hooks = Hooks(hooks)
+        if device is not None and augment is None:
+            raise ConfigError(
+                f"device={device!r} is where augment runs, but augment is None: pass "
+                "augment= (or move the batches yourself)"
+            )
+        #: The random transform after the cache (None: none); FeatureCache.wrap refuses it.
+        self.augment = augment
+        if isinstance(hooks, (str, bytes)) or not isinstance(hooks, Sequence):
+            raise ConfigError(f"hooks must be a list of hook objects, got {type(hooks).__name__}")
+        first = [AugmentHook(augment, device)] if augment is not None else []
+        self._hooks = Hooks([*first, *hooks])
         self._order = EpochOrder(BatchOrder(self.sampler, batch_size, drop_last))
         persistent = persistent_workers and num_workers > 0
         # Holds back workers' tasks of epochs not begun yet (only persistent workers get

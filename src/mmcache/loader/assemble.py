@@ -36,6 +36,7 @@ from mmcache.errors import ConfigError, SampleError
 from mmcache.loader.counters import EpochCounter
 from mmcache.loader.gather import BufferPool, gather_hits
 from mmcache.loader.tasks import BatchPlan, SampleOrigin, WorkerPlanner
+from mmcache.loader.varying import compatible, finish_rows, read_other_shapes, varying_fields
 from mmcache.sources.base import SampleSource
 from mmcache.stores.base import BatchReader, Store
 
@@ -92,6 +93,8 @@ class BatchAssembler:
         self._lock = threading.Lock()
         self._layout: codec.Header | None = None
         self._pool = BufferPool(enabled=not pin_memory)
+        #: Fields whose shapes vary between samples (batches hold them as lists).
+        self.varying = varying_fields(source)
 
     @property
     def layout(self) -> codec.Header | None:
@@ -113,7 +116,7 @@ class BatchAssembler:
         n = len(plan.indices)
         out = self._allocate(layout, n)
         rows = np.arange(n, dtype=np.int64)
-        found = self._gather(reader, layout, plan.keys, rows, out, count=False)
+        found, own = self._gather(reader, layout, plan.keys, rows, out, count=False)
         if not found.all():
             return None
         batch: dict[str, Any] = {
@@ -121,6 +124,9 @@ class BatchAssembler:
             "key": _hex_rows(plan.keys),
         }
         batch.update(out)
+        if self.varying:
+            self._fill(layout, out, own)
+            finish_rows(batch, out, own, self.varying, list(range(n)))
         return batch
 
     def count_guess(self, n: int, counter: EpochCounter) -> None:
@@ -175,7 +181,10 @@ class BatchAssembler:
         out = self._allocate(layout, n)
         found = np.zeros(n, dtype=bool)
         if len(hit_rows) and self.reader is not None:
-            found[hit_rows] = self._gather(self.reader, layout, plan.keys[hit_rows], hit_rows, out)
+            ok, own = self._gather(self.reader, layout, plan.keys[hit_rows], hit_rows, out)
+            found[hit_rows] = ok
+            for i, sample in own.items():  # entries of other shapes (varying fields)
+                samples[int(hit_rows[i])] = sample
         for rr in hit_rows[~found[hit_rows]]:
             # Planned hit evicted (or expired) since planning: produce it here. A sample
             # a worker produced this epoch stays a miss, even when it is fetched again
@@ -185,7 +194,7 @@ class BatchAssembler:
         for rr in planned[found[planned]]:
             origins[int(rr)], tiers[int(rr)] = _MEMORY, first
         for r in list(samples):
-            if origins[r] is not _PRODUCED and not _shapes_match(layout, samples[r]):
+            if origins[r] is not _PRODUCED and not self._matches(layout, samples[r]):
                 # A cached entry of another layout under this key: damaged. Drop it
                 # from every tier and decode the sample instead.
                 if self._cache is not None:
@@ -194,8 +203,7 @@ class BatchAssembler:
                 self._redo(plan, r, rows, counter)
         for r, sample in samples.items():
             self._check_shapes(layout, sample, int(plan.indices[r]))
-            for f in layout.fields:
-                out[f.name].numpy()[r] = sample[f.name]
+        self._fill(layout, out, samples)
         counter.count(origins, tiers)
         keep = [r for r in range(n) if origins[r] is not _REJECTED]
         if not keep:
@@ -208,7 +216,26 @@ class BatchAssembler:
                 batch[name] = part.pin_memory() if self.pin_memory else part
         else:
             batch.update(out)
+        if self.varying:
+            finish_rows(batch, out, samples, self.varying, keep)
         return batch, kept
+
+    def _matches(self, layout: codec.Header, sample: dict[str, np.ndarray]) -> bool:
+        if self.varying:
+            return compatible(layout, sample, self.varying)
+        return _shapes_match(layout, sample)
+
+    def _fill(
+        self,
+        layout: codec.Header,
+        out: dict[str, torch.Tensor],
+        own: dict[int, dict[str, np.ndarray]],
+    ) -> None:
+        """Copy the rows in ``own`` into ``out`` (a varying field stays in its sample)."""
+        for r, sample in own.items():
+            for f in layout.fields:
+                if f.name not in self.varying:
+                    out[f.name].numpy()[r] = sample[f.name]
 
     def _redo(
         self,
@@ -284,26 +311,43 @@ class BatchAssembler:
         out: dict[str, torch.Tensor],
         *,
         count: bool = True,
-    ) -> np.ndarray:
-        """Copy the hits' fields from the first tier into ``out``; the found mask. An
-        entry of another layout, or expired, is dropped so nobody else serves it."""
+    ) -> tuple[np.ndarray, dict[int, dict[str, np.ndarray]]]:
+        """Copy the hits' fields from the first tier into ``out``: the found mask, and
+        the samples (by position in ``keys``) of entries of other shapes in varying
+        fields, read on their own (see :mod:`~mmcache.loader.varying`). Any other entry
+        of another layout, or expired, is dropped so nobody else serves it."""
         got = gather_hits(
             reader, layout, keys, rows, out, ttl_cutoff=self._ttl_cutoff(), count=count
         )
-        if self._first is not None and (got.corrupt.any() or got.expired.any()):
-            for i in np.flatnonzero(got.corrupt).tolist():
+        ok, corrupt = got.ok, got.corrupt
+        own: dict[int, dict[str, np.ndarray]] = {}
+        # An entry of another shape fails the layout check, or, when it is shorter than
+        # the layout's ranges, is not found at all: both are read on their own.
+        if self.varying and self._first is not None and not (ok | got.expired).all():
+            at = np.flatnonzero(~(ok | got.expired))
+            good, bad = read_other_shapes(self._first, layout, keys[at], self.varying)
+            ok, corrupt = ok.copy(), np.zeros_like(corrupt)
+            for i, sample in good.items():
+                ok[at[i]] = True
+                own[int(at[i])] = sample
+            corrupt[at[bad]] = True
+        if self._first is not None and (corrupt.any() or got.expired.any()):
+            for i in np.flatnonzero(corrupt).tolist():
                 self._first.discard(keys[i].tobytes(), why="corrupt")
             for i in np.flatnonzero(got.expired).tolist():
                 self._first.discard(keys[i].tobytes(), why="expired")
-        return got.ok
+        return ok, own
 
     def _ttl_cutoff(self) -> float | None:
         if self._cache is None or self._cache.ttl is None:
             return None
         return self._cache.clock() - self._cache.ttl
 
-    @staticmethod
-    def _check_shapes(layout: codec.Header, sample: dict[str, np.ndarray], index: int) -> None:
+    def _check_shapes(
+        self, layout: codec.Header, sample: dict[str, np.ndarray], index: int
+    ) -> None:
+        if self.varying and compatible(layout, sample, self.varying):
+            return
         for f in layout.fields:
             arr = sample.get(f.name)
             if not _fits(f, arr):
@@ -311,7 +355,8 @@ class BatchAssembler:
                 raise ConfigError(
                     f"sample {index} has field {f.name!r} of shape/dtype {got}, but the batch "
                     f"expects {(tuple(f.shape), str(f.dtype))}: every sample of a batch must have "
-                    "the same shapes (fixed image size and max_length)"
+                    "the same shapes (fixed image size and max_length), unless the source "
+                    "names the fields whose shapes vary in varying_fields"
                 )
 
 

@@ -147,6 +147,12 @@ class FileSource:
         """The pipeline's repr: what the cache records beside the fingerprint."""
         return repr(self.pipeline)
 
+    @property
+    def varying_fields(self) -> frozenset[str]:
+        """The fields whose shapes vary between samples (the pipeline's
+        ``varying_fields``; empty: every sample has the same shapes)."""
+        return frozenset(getattr(self.pipeline, "varying_fields", ()))
+
     def key(self, index: int) -> bytes:
         """The 16-byte cache key of sample ``index``: changes when its image file,
         caption or the pipeline changes (see :func:`mmcache.keys.sample_key`)."""

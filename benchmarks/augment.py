@@ -1,0 +1,222 @@
+"""Augmentation benchmark (issue 14): random crops after the cache vs. the uncached recipe.
+
+One run, the same COCO-sized synthetic JPEGs (``mmcache.synth.make_dataset``), the
+same batch size, workers and seed, side by side:
+
+(a) the OpenCLIP-style uncached pipeline through a torch DataLoader: PIL decode, a
+    RandomResizedCrop(224, scale=(0.9, 1.0)) on the PIL image (torchvision's
+    parameter sampling, written here with ``random`` and PIL: no torchvision), a
+    random horizontal flip, to a uint8 tensor; persistent workers, as OpenCLIP;
+(b) mmcache: ``ImageSpec(size=256)`` (shorter side 256, centre crop) cached, and
+    ``augment=Compose([RandomResizedCrop(224, scale=(0.9, 1.0)), RandomHorizontalFlip()])``
+    after the cache, on the CPU (or ``--device cuda``); its warm epoch (median of the
+    warm epochs) against (a)'s median epoch, and the CPU seconds per sample it costs
+    the training process (``time.process_time``: both assembling threads; workers
+    and the stat prefetcher are other processes);
+(c) for scale: (b)'s warm epoch without the augment.
+
+torch runs with one intra-op thread in the training process (as benchmarks/loader.py).
+Every figure is measured in this run; nothing here is a pass/fail time.
+
+    .venv/bin/python benchmarks/augment.py                 # ~2-4 min on 2 cores
+    .venv/bin/python benchmarks/augment.py --quick         # smoke run
+    .venv/bin/python benchmarks/augment.py --device cuda   # augment on the GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+import mmcache as mc
+from mmcache.augment import Compose, RandomHorizontalFlip, RandomResizedCrop
+from mmcache.cache import Cache
+from mmcache.synth import make_dataset
+
+torch.set_num_threads(1)
+
+SIZE = 224
+SCALE = (0.9, 1.0)
+RATIO = (3 / 4, 4 / 3)
+
+
+# -- (a) the OpenCLIP-style uncached recipe ---------------------------------------------
+def _rrc_params(width: int, height: int, rng: random.Random) -> tuple[int, int, int, int]:
+    """torchvision's RandomResizedCrop.get_params, with Python's random: (top, left, h, w)."""
+    area = width * height
+    lo, hi = math.log(RATIO[0]), math.log(RATIO[1])
+    for _ in range(10):
+        target = area * rng.uniform(*SCALE)
+        aspect = math.exp(rng.uniform(lo, hi))
+        w = round(math.sqrt(target * aspect))
+        h = round(math.sqrt(target / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            return rng.randint(0, height - h), rng.randint(0, width - w), h, w
+    in_ratio = width / height
+    if in_ratio < min(RATIO):
+        w, h = width, round(width / min(RATIO))
+    elif in_ratio > max(RATIO):
+        h, w = height, round(height * max(RATIO))
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+class OpenClipStyle(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """``__getitem__`` decodes, random-resized-crops and flips one image with PIL."""
+
+    def __init__(self, paths: list[str], seed: int) -> None:
+        self.paths = paths
+        self.seed = seed
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        rng = random.Random(hash((self.seed, self.epoch, i)))
+        with Image.open(self.paths[i]) as f:
+            im = f.convert("RGB")
+            top, left, h, w = _rrc_params(im.width, im.height, rng)
+            out = im.resize((SIZE, SIZE), Image.BILINEAR, box=(left, top, left + w, top + h))
+        if rng.random() < 0.5:
+            out = out.transpose(Image.FLIP_LEFT_RIGHT)
+        return torch.from_numpy(np.asarray(out).transpose(2, 0, 1).copy())
+
+
+def run_uncached(paths: list[str], args: argparse.Namespace) -> list[float]:
+    ds = OpenClipStyle(paths, seed=0)
+    loader = torch.utils.data.DataLoader(
+        ds,
+        batch_size=args.batch_size,
+        shuffle=True,
+        num_workers=args.workers,
+        persistent_workers=True,
+        generator=torch.Generator().manual_seed(0),
+    )
+    times = []
+    for epoch in range(args.epochs):
+        ds.epoch = epoch  # persistent workers hold a copy: only the first epoch's matters
+        t0 = time.perf_counter()
+        for batch in loader:
+            assert batch.shape[1:] == (3, SIZE, SIZE)
+        times.append(time.perf_counter() - t0)
+    del loader
+    return times
+
+
+# -- (b) mmcache: cached ImageSpec(size=256), augment after the cache --------------------
+def _sync(device: str | None) -> None:
+    if device is not None and device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run_cached(
+    ds: mc.MultimodalDataset, root: Path, args: argparse.Namespace, *, augment: Any
+) -> dict[str, Any]:
+    device = args.device if augment is not None else None
+    with Cache(root, memory=args.memory, temporary=True) as cache:
+        loader = mc.DataLoader(
+            ds,
+            cache=cache,
+            batch_size=args.batch_size,
+            seed=0,
+            num_workers=args.workers,
+            persistent_workers=True,
+            augment=augment,
+            device=device,
+        )
+        cold = 0.0
+        warm, cpu = [], []
+        for epoch in range(args.epochs + 1):
+            loader.set_epoch(epoch)
+            c0, t0 = time.process_time(), time.perf_counter()
+            for batch in loader:
+                image = batch["image"]
+            _sync(device)
+            seconds, cpu_s = time.perf_counter() - t0, time.process_time() - c0
+            if epoch == 0:
+                cold = seconds
+            else:
+                warm.append(seconds)
+                cpu.append(cpu_s)
+        shape = tuple(image.shape)
+        hits = loader.stats().epochs[-1].hit_rate
+        loader.close()
+    return {"cold": cold, "warm": warm, "cpu": cpu, "shape": shape, "hit_rate": hits}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--n", type=int, default=1024)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--epochs", type=int, default=4, help="epochs of (a); warm epochs of (b)")
+    ap.add_argument("--device", default=None, help="where (b)'s augment runs (cuda); default CPU")
+    ap.add_argument("--memory", default="1GiB", help="the cache's memory tier")
+    ap.add_argument("--quick", action="store_true", help="256 samples, 2 epochs")
+    ap.add_argument("--out", default="benchmarks/results/augment.md")
+    ap.add_argument("--data", default=None, help="folder for the JPEGs (default: a temp dir)")
+    args = ap.parse_args()
+    if args.quick:
+        args.n, args.epochs = min(args.n, 256), 2
+    if args.device is not None and args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: CUDA is not available")
+    tmp = Path(tempfile.mkdtemp(prefix="mmcache-augment-bench-"))
+    try:
+        data = Path(args.data) if args.data else tmp / "data"
+        manifest = make_dataset(data, args.n, seed=0)
+        ds = mc.MultimodalDataset(manifest, pipeline=mc.Pipeline(image=mc.ImageSpec(size=256)))
+        paths = [str(ds.records.image_path(i)) for i in range(len(ds))]
+        aug = Compose([RandomResizedCrop(SIZE, scale=SCALE), RandomHorizontalFlip()])
+        a = run_uncached(paths, args)
+        b = run_cached(ds, tmp / "cache-b", args, augment=aug)
+        c = run_cached(ds, tmp / "cache-c", args, augment=None)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    n = args.n
+    a_s, b_s, c_s = statistics.median(a), statistics.median(b["warm"]), statistics.median(c["warm"])
+    cpu_b = statistics.median(b["cpu"]) / n
+    cpu_c = statistics.median(c["cpu"]) / n
+    where = args.device or "cpu"
+    rows = [
+        ("(a) OpenCLIP-style, uncached (PIL decode + RRC + flip)", a_s, None, "-"),
+        (f"(b) mmcache warm, ImageSpec(256) + augment on {where}", b_s, cpu_b, f"{a_s / b_s:.1f}x"),
+        ("(b) mmcache cold epoch (same loader)", b["cold"], None, f"{a_s / b['cold']:.2f}x"),
+        ("(c) mmcache warm, no augment (256 px centre crops)", c_s, cpu_c, f"{a_s / c_s:.1f}x"),
+    ]
+    lines = [
+        f"n={n} COCO-sized synthetic JPEGs, batch {args.batch_size}, {args.workers} workers, "
+        f"{args.epochs} epochs (median), augment device: {where}; (b) batches {b['shape']}, "
+        f"warm hit rate {b['hit_rate']:.2f}",
+        "",
+        "| pipeline | epoch s | samples/s | train-process CPU s/sample | vs (a) |",
+        "|---|---|---|---|---|",
+    ]
+    for name, sec, cpu, ratio in rows:
+        cpu_txt = f"{cpu * 1e3:.3f} ms" if cpu is not None else "-"
+        lines.append(f"| {name} | {sec:.2f} | {n / sec:.0f} | {cpu_txt} | {ratio} |")
+    lines.append("")
+    lines.append(
+        f"warm epoch ratio (b)/(a): {a_s / b_s:.1f}x (target >= 8x on the CPU, >= 30x on a GPU)"
+    )
+    text = "\n".join(lines)
+    print(text)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,320 @@
+"""Seeded random augmentation of cached uint8 images, run on each batch after the cache.
+
+Random crops and flips cannot be cached (they differ every epoch), so the cache
+holds the deterministic prefix (decode, resize) as uint8 and these run on the
+assembled batch, in the training process, on the CPU or on a GPU
+(``mmcache.DataLoader(..., augment=..., device=...)``).
+
+Randomness comes only from ``(seed, epoch, sample index)``: every sample has its
+own ``torch.Generator`` (:func:`sample_generators`), never the global RNG, so
+the same seed gives bitwise the same augmented batches with the cache off,
+cold, warm or partly warm, with any ``num_workers`` and after a resume
+mid-epoch (on one kind of device: a CPU and a GPU resample differently).
+
+The built-ins take ``(images, generators)``: a uint8 batch ``[B,3,H,W]`` or a
+list of ``B`` uint8 images ``[3,H_i,W_i]`` (variable-shape cached images), and
+one generator per image, drawn from in order (a :class:`Compose` passes the
+same generators on, so each transform draws after the previous one).
+
+- :class:`RandomResizedCrop`: torchvision's parameter sampling and geometry
+  (``RandomResizedCrop.get_params``: ten tries at a random area and log-uniform
+  aspect ratio, then a centre crop clipped to the image), then a bilinear
+  resize with antialiasing to ``size x size``; always returns a uint8 tensor
+  ``[B,3,size,size]``. The crop box always lies inside the image (a crop
+  larger than a small image is clipped, as torchvision's is).
+- :class:`RandomHorizontalFlip`: ``torch.rand(1) < p`` per image, as torchvision.
+- :class:`Compose`: the transforms in order.
+
+>>> import torch
+>>> images = torch.randint(0, 256, (4, 3, 64, 80), dtype=torch.uint8)
+>>> aug = Compose([RandomResizedCrop(32, scale=(0.9, 1.0)), RandomHorizontalFlip()])
+>>> out = aug(images, sample_generators(seed=0, epoch=3, indices=[7, 8, 9, 10]))
+>>> tuple(out.shape), out.dtype
+((4, 3, 32, 32), torch.uint8)
+>>> torch.equal(out, aug(images, sample_generators(0, 3, [7, 8, 9, 10])))
+True
+
+Any other callable can be an ``augment`` of the loader: it gets ``(images,
+generator)`` with one ``torch.Generator`` per batch (:func:`batch_generator`,
+from ``(seed, epoch, batch index)``), see :mod:`mmcache.loader.augmenting`.
+
+Thread safety: the transforms hold only their configuration; calls on two
+threads at once are safe (each call draws from the generators it is given).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Protocol, TypeAlias, runtime_checkable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from mmcache.errors import ConfigError
+
+__all__ = [
+    "Augment",
+    "Compose",
+    "Images",
+    "RandomHorizontalFlip",
+    "RandomResizedCrop",
+    "batch_generator",
+    "sample_generators",
+    "sample_seed",
+]
+
+#: A batch of images: one uint8 tensor ``[B,3,H,W]``, or ``B`` tensors ``[3,H_i,W_i]``.
+Images: TypeAlias = "torch.Tensor | list[torch.Tensor]"
+
+_MASK64 = (1 << 64) - 1
+#: Domain tags so that a sample's and a batch's seed never coincide.
+_SAMPLE_TAG, _BATCH_TAG = 0x5A17, 0xBA7C
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finaliser: a bijection of 64-bit ints that scatters nearby inputs."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _seed_of(*parts: int) -> int:
+    h = 0
+    for p in parts:
+        h = _mix(h ^ (int(p) & _MASK64))
+    return h >> 1  # torch.Generator.manual_seed takes up to 2**63 - 1 without wrapping
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The seed of sample ``index``'s generator in ``epoch``: a pure function of the three."""
+    return _seed_of(_SAMPLE_TAG, seed, epoch, index)
+
+
+def sample_generators(
+    seed: int, epoch: int, indices: Sequence[int] | np.ndarray
+) -> list[torch.Generator]:
+    """One CPU ``torch.Generator`` per dataset index, seeded by :func:`sample_seed`."""
+    out = []
+    for i in indices:
+        g = torch.Generator()
+        g.manual_seed(sample_seed(seed, epoch, int(i)))
+        out.append(g)
+    return out
+
+
+def batch_generator(seed: int, epoch: int, batch: int) -> torch.Generator:
+    """The CPU ``torch.Generator`` a user ``augment`` callable gets for batch ``batch``
+    of ``epoch`` (same seed, epoch and batch: same generator state)."""
+    g = torch.Generator()
+    g.manual_seed(_seed_of(_BATCH_TAG, seed, epoch, batch))
+    return g
+
+
+@runtime_checkable
+class Augment(Protocol):
+    """A seeded batch transform: ``(images, generators) -> images``, one generator per image."""
+
+    def __call__(self, images: Images, generators: Sequence[torch.Generator], /) -> Images: ...
+
+
+def _check_images(images: Images, generators: Sequence[torch.Generator], who: str) -> int:
+    if isinstance(images, torch.Tensor):
+        if images.dim() != 4 or images.dtype != torch.uint8:
+            raise ConfigError(
+                f"{who} takes uint8 images [B,C,H,W] (or a list of [C,H,W]), got "
+                f"{images.dtype} of shape {tuple(images.shape)}"
+            )
+        n = images.shape[0]
+    else:
+        for im in images:
+            if not isinstance(im, torch.Tensor) or im.dim() != 3 or im.dtype != torch.uint8:
+                got = f"{im.dtype} {tuple(im.shape)}" if isinstance(im, torch.Tensor) else im
+                raise ConfigError(f"{who} takes a list of uint8 images [C,H,W], got {got!r}")
+        n = len(images)
+    if len(generators) != n:
+        raise ConfigError(f"{who} got {n} images but {len(generators)} generators (one each)")
+    return n
+
+
+def _pair(name: str, value: Sequence[float]) -> tuple[float, float]:
+    try:
+        lo, hi = (float(v) for v in value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name} must be a pair (low, high), got {value!r}") from None
+    if not (0 < lo <= hi) or not math.isfinite(hi):
+        raise ConfigError(f"{name} must be a pair 0 < low <= high, got {value!r}")
+    return lo, hi
+
+
+class RandomResizedCrop:
+    """A random crop of random area and aspect ratio, resized to ``size x size``.
+
+    Args:
+        size: the output's side (square output).
+        scale: the range of the crop's area, as a fraction of the image's.
+        ratio: the range of the crop's aspect ratio (width / height), sampled
+            log-uniformly.
+        antialias: antialiased bilinear resampling (as torchvision's default);
+            False: plain bilinear.
+
+    The parameters are torchvision's ``RandomResizedCrop.get_params`` drawn from
+    each image's generator (the same draws, in the same order), so a generator
+    seeded like torch's global RNG gives torchvision's crop boxes.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        *,
+        scale: Sequence[float] = (0.08, 1.0),
+        ratio: Sequence[float] = (3 / 4, 4 / 3),
+        antialias: bool = True,
+    ) -> None:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ConfigError(f"RandomResizedCrop size must be an int >= 1, got {size!r}")
+        self.size = size
+        self.scale = _pair("RandomResizedCrop scale", scale)
+        if self.scale[1] > 1.0:
+            raise ConfigError(f"RandomResizedCrop scale must lie in (0, 1], got {scale!r}")
+        self.ratio = _pair("RandomResizedCrop ratio", ratio)
+        self.antialias = bool(antialias)
+        self._log_ratio = (math.log(self.ratio[0]), math.log(self.ratio[1]))
+
+    def __repr__(self) -> str:
+        return (
+            f"RandomResizedCrop({self.size}, scale={self.scale}, ratio={self.ratio}, "
+            f"antialias={self.antialias})"
+        )
+
+    def params(self, height: int, width: int, g: torch.Generator) -> tuple[int, int, int, int]:
+        """``(top, left, h, w)`` of one crop of a ``height x width`` image (torchvision's
+        ``get_params``, drawing from ``g``)."""
+        area = height * width
+        lo, hi = self._log_ratio
+        for _ in range(10):
+            target_area = area * torch.empty(1).uniform_(*self.scale, generator=g).item()
+            aspect = math.exp(torch.empty(1).uniform_(lo, hi, generator=g).item())
+            w = round(math.sqrt(target_area * aspect))
+            h = round(math.sqrt(target_area / aspect))
+            if 0 < w <= width and 0 < h <= height:
+                top = int(torch.randint(0, height - h + 1, size=(1,), generator=g).item())
+                left = int(torch.randint(0, width - w + 1, size=(1,), generator=g).item())
+                return top, left, h, w
+        # Fallback to a centre crop, clipped to the image.
+        in_ratio = width / height
+        if in_ratio < min(self.ratio):
+            w = width
+            h = round(w / min(self.ratio))
+        elif in_ratio > max(self.ratio):
+            h = height
+            w = round(h * max(self.ratio))
+        else:
+            w, h = width, height
+        return (height - h) // 2, (width - w) // 2, h, w
+
+    def __call__(self, images: Images, generators: Sequence[torch.Generator], /) -> torch.Tensor:
+        n = _check_images(images, generators, "RandomResizedCrop")
+        seq = list(images) if isinstance(images, torch.Tensor) else images
+        channels = seq[0].shape[0] if n else 3
+        device = seq[0].device if n else torch.device("cpu")
+        s = self.size
+        boxes = [
+            self.params(int(im.shape[1]), int(im.shape[2]), g)
+            for im, g in zip(seq, generators, strict=True)
+        ]
+        if device.type != "cpu":
+            # CUDA resamples floats only: each crop resized, the batch rounded back once.
+            fout = torch.empty((n, channels, s, s), dtype=torch.float32, device=device)
+            for i, (im, (top, left, h, w)) in enumerate(zip(seq, boxes, strict=True)):
+                crop = im[:, top : top + h, left : left + w].unsqueeze(0).float()
+                fout[i] = self._resize(crop)[0]
+            return fout.round_().clamp_(0, 255).to(torch.uint8)
+        # The CPU resamples uint8 natively (fastest) from a channels-last crop. The
+        # channel interleave and the copies are numpy's: torch's run on its intra-op
+        # pool, which two assembling threads and a training step contend for.
+        out = torch.empty((n, channels, s, s), dtype=torch.uint8)
+        dst = out.numpy()
+        for i, (im, (top, left, h, w)) in enumerate(zip(seq, boxes, strict=True)):
+            hwc = np.ascontiguousarray(
+                im[:, top : top + h, left : left + w].numpy().transpose(1, 2, 0)
+            )
+            crop = torch.from_numpy(hwc).permute(2, 0, 1).unsqueeze(0)
+            dst[i] = self._resize(crop)[0].numpy()
+        return out
+
+    def _resize(self, crop: torch.Tensor) -> torch.Tensor:
+        s = self.size
+        return F.interpolate(
+            crop, size=(s, s), mode="bilinear", align_corners=False, antialias=self.antialias
+        )
+
+
+class RandomHorizontalFlip:
+    """Flips each image left-right with probability ``p`` (``torch.rand(1) < p`` drawn
+    from its generator, as torchvision does from the global RNG)."""
+
+    def __init__(self, p: float = 0.5) -> None:
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 <= p <= 1.0):
+            raise ConfigError(f"RandomHorizontalFlip p must be a probability in [0, 1], got {p!r}")
+        self.p = float(p)
+
+    def __repr__(self) -> str:
+        return f"RandomHorizontalFlip(p={self.p})"
+
+    def __call__(self, images: Images, generators: Sequence[torch.Generator], /) -> Images:
+        n = _check_images(images, generators, "RandomHorizontalFlip")
+        flip = [bool(torch.rand(1, generator=g).item() < self.p) for g in generators]
+        if isinstance(images, torch.Tensor):
+            if images.device.type != "cpu":
+                rows = torch.tensor([i for i in range(n) if flip[i]], device=images.device)
+                out = images.clone()
+                out[rows] = images[rows].flip(-1)
+                return out
+            # numpy copies on the CPU (torch's would contend for its intra-op pool).
+            src = images.numpy()
+            dst = np.empty_like(src)
+            for i, f in enumerate(flip):
+                dst[i] = src[i, ..., ::-1] if f else src[i]
+            return torch.from_numpy(dst)
+        return [im.flip(-1) if f else im for im, f in zip(images, flip, strict=True)]
+
+
+class Compose:
+    """The transforms in order, each drawing from the same per-image generators."""
+
+    def __init__(self, transforms: Sequence[Augment]) -> None:
+        if isinstance(transforms, (str, bytes)) or not isinstance(transforms, Sequence):
+            raise ConfigError(
+                f"Compose takes a list of transforms, got {type(transforms).__name__}"
+            )
+        for t in transforms:
+            if not callable(t):
+                raise ConfigError(f"Compose: {t!r} is not callable (a transform)")
+        self.transforms = tuple(transforms)
+
+    def __repr__(self) -> str:
+        return f"Compose([{', '.join(map(repr, self.transforms))}])"
+
+    def __call__(self, images: Images, generators: Sequence[torch.Generator], /) -> Images:
+        for t in self.transforms:
+            images = t(images, generators)
+        return images
+
+
+#: The classes whose instances get one generator per image (any other augment one per batch).
+BUILTINS = (RandomResizedCrop, RandomHorizontalFlip, Compose)
+
+
+def output_size(augment: object) -> int | None:
+    """The fixed side an augment's output has (a :class:`RandomResizedCrop` in it), else None."""
+    if isinstance(augment, RandomResizedCrop):
+        return augment.size
+    if isinstance(augment, Compose):
+        size = None
+        for t in augment.transforms:
+            size = output_size(t) or size
+        return size
+    return None

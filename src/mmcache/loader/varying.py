@@ -1,0 +1,111 @@
+"""Batches whose samples differ in the shapes of some fields (aspect-preserving images).
+
+A source whose images keep their aspect ratio (``ImageSpec(crop=None)``) names
+the fields whose shapes vary in ``varying_fields`` (an optional member of a
+:class:`~mmcache.sources.base.SampleSource`; a :class:`~mmcache.MultimodalDataset`
+takes it from its pipeline). Its batches then hold those fields as a list of
+tensors, one per row, and the image's sizes as ``image_sizes`` (int64
+``[B,2]``: height, width), every batch, whatever shapes it happens to hold.
+
+The fixed-shape gather stays as it is: the batch layout is learnt from the
+first sample, and every cached entry of that layout is copied straight into
+the batch tensors. An entry of another layout is, for a fixed-shape source,
+damaged (dropped and produced again); for a source with varying fields it is
+read on its own (:func:`read_other_shapes`) and served when its checksum
+verifies and it differs from the layout only in the shapes of those fields (so
+is an entry shorter than the layout's byte ranges, which the gather does not
+find at all). Such rows cost a read and a copy each: a batch of varied shapes
+is slower to assemble than one of a single shape, which keeps its fast path.
+
+Thread safety: pure functions (the store reads are thread- and process-safe).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+import numpy as np
+import torch
+
+from mmcache import codec
+from mmcache.errors import CorruptEntryError
+from mmcache.stores.base import Store
+
+__all__ = ["compatible", "finish_rows", "read_other_shapes", "varying_fields"]
+
+
+def varying_fields(source: object) -> frozenset[str]:
+    """The fields whose shapes vary between samples of ``source`` (empty: fixed shapes)."""
+    names = getattr(source, "varying_fields", ())
+    return frozenset(str(n) for n in names) if names else frozenset()
+
+
+def compatible(
+    layout: codec.Header, sample: dict[str, np.ndarray], varying: Collection[str]
+) -> bool:
+    """Whether ``sample`` has the fields and dtypes of ``layout``, with its shapes except
+    the number of dimensions of a field in ``varying``."""
+    if len(sample) != len(layout.fields):
+        return False
+    for f in layout.fields:
+        arr = sample.get(f.name)
+        if arr is None or arr.dtype != f.dtype:
+            return False
+        if f.name in varying:
+            if arr.ndim != len(f.shape):
+                return False
+        elif tuple(arr.shape) != tuple(f.shape):
+            return False
+    return True
+
+
+def read_other_shapes(
+    first: Store,
+    layout: codec.Header,
+    keys: np.ndarray,
+    varying: Collection[str],
+) -> tuple[dict[int, dict[str, np.ndarray]], list[int]]:
+    """Read the entries of ``keys`` (``uint8 [n,16]``) one by one from ``first``: the
+    samples (copies) of those that verify and are :func:`compatible`, by position in
+    ``keys``, and the positions of the damaged or incompatible ones (a key that is
+    not there is in neither)."""
+    good: dict[int, dict[str, np.ndarray]] = {}
+    bad: list[int] = []
+    for i in range(len(keys)):
+        raw = first.get(keys[i].tobytes())
+        if raw is None:
+            continue  # gone (or never there): the caller produces it
+        try:
+            decoded = codec.decode(raw, verify=True)
+        except CorruptEntryError:
+            bad.append(i)
+            continue
+        if compatible(layout, decoded, varying):
+            good[i] = {k: np.array(v) for k, v in decoded.items()}
+        else:
+            bad.append(i)
+    return good, bad
+
+
+def finish_rows(
+    batch: dict[str, Any],
+    out: dict[str, torch.Tensor],
+    own: dict[int, dict[str, np.ndarray]],
+    varying: Collection[str],
+    keep: list[int],
+) -> None:
+    """Put the varying fields of rows ``keep`` into ``batch`` as lists of tensors: a
+    row in ``own`` from its own sample, any other from its row of ``out`` (gathered
+    there). The image's sizes go to ``image_sizes``."""
+    for name in varying:
+        if name not in out:
+            continue
+        rows: list[torch.Tensor] = []
+        for r in keep:
+            sample = own.get(r)
+            rows.append(torch.from_numpy(sample[name]) if sample is not None else out[name][r])
+        batch[name] = rows
+        if name == "image":
+            sizes = [tuple(t.shape[-2:]) for t in rows]
+            batch["image_sizes"] = torch.tensor(sizes, dtype=torch.int64).reshape(len(rows), 2)
