@@ -113,3 +113,29 @@ def test_an_augment_of_fixed_size_makes_varied_shapes_one_tensor(
         )
         assert "image_sizes" not in x
         assert x["id"] == y["id"] and torch.equal(x["image"], y["image"])
+
+
+def test_imagespec_without_crop_gives_list_batches(tmp_path: Path, tokenizer_json: Path) -> None:
+    """``ImageSpec(crop=None)`` keeps each aspect ratio: the loader batches a list plus
+    ``image_sizes``, warm epochs included; a square padding makes the shapes one again."""
+    from mmcache.pipeline import ImageSpec
+
+    manifest = make_dataset(tmp_path / "data", 20, seed=3)
+    text = TextSpec(tokenizer_json, max_length=8)
+    ds = MultimodalDataset(
+        manifest, pipeline=Pipeline(image=ImageSpec(size=24, crop=None, max_size=48), text=text)
+    )
+    with Cache(tmp_path / "c", memory="64MiB", temporary=True) as cache:
+        loader = DataLoader(ds, cache=cache, batch_size=8, seed=1)
+        cold, warm = _epoch(loader, 0), _epoch(loader, 0)
+        _same_lists(warm, cold)
+        shapes = {tuple(img.shape) for b in cold for img in b["image"]}
+        assert len(shapes) > 1 and all(min(s[1:]) == 24 and max(s[1:]) <= 48 for s in shapes)
+        assert [tuple(t.shape[1:]) for t in cold[0]["image"]] == [
+            tuple(x) for x in cold[0]["image_sizes"].tolist()
+        ]
+    square = Pipeline(image=ImageSpec(size=24, crop=None, pad_to_square=True), text=text)
+    batch = next(
+        iter(DataLoader(MultimodalDataset(manifest, pipeline=square), cache=None, batch_size=8))
+    )
+    assert isinstance(batch["image"], torch.Tensor) and batch["image"].shape[1:] == (3, 24, 24)

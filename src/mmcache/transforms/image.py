@@ -273,6 +273,13 @@ class ImageSpec:
         """``resize`` as an int (it is never None after construction)."""
         return cast(int, self.resize)
 
+    @property
+    def fixed_shape(self) -> bool:
+        """Whether every output has the same shape: a centre crop, or a square padding
+        (then resized to ``resize`` x ``resize``). ``crop=None`` alone keeps each image's
+        aspect ratio, so the loader batches such images as a list plus ``image_sizes``."""
+        return self.crop is not None or self.pad_to_square
+
     def fingerprint_fields(self) -> dict[str, Any]:
         """Everything about this spec that changes its output (not ``max_pixels`` or
         ``max_bytes``: they decide which samples fail, never what a successful sample
