@@ -76,6 +76,19 @@ def _scan_access(group: int | None) -> Access:
     return Access(0o600 if group is None else 0o660, group)
 
 
+def _existing_directory(access: Access) -> str | None:
+    """The store directory of ``access`` if it exists (never made here), else None.
+
+    A directory another user could control raises :class:`UntrustedFileError`.
+    """
+    try:
+        return access.ensure_directory(shm.SHM_DIR, create=False)
+    except UntrustedFileError:
+        raise
+    except CacheError:
+        return None
+
+
 def _orphan_reason(directory: str, name: str, access: Access) -> str | None:
     """Why the store ``name`` should go, or None to keep it. Caller holds its lock (EX)."""
     try:
@@ -142,11 +155,8 @@ def reclaim_orphans(pattern: str = "*", *, group: int | None = None) -> list[str
     """
     removed: list[str] = []
     access = _scan_access(group)
-    try:
-        directory = access.ensure_directory(shm.SHM_DIR, create=False)
-    except UntrustedFileError:
-        raise
-    except CacheError:
+    directory = _existing_directory(access)
+    if directory is None:
         return removed  # no directory: no store
     for name, paths in sorted(_store_names(directory, pattern).items()):
         if not os.path.exists(lock_path(directory, name)):
@@ -191,11 +201,8 @@ def unlink_store(
     check_store_name(name)
     removed: list[str] = []
     access = _scan_access(group)
-    try:
-        directory = access.ensure_directory(shm.SHM_DIR, create=False)
-    except UntrustedFileError:
-        raise
-    except CacheError:
+    directory = _existing_directory(access)
+    if directory is None:
         return removed
     files = [*data_paths(directory, name), meta_path(directory, name)]
     try:
