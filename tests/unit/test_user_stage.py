@@ -266,6 +266,44 @@ def test_a_user_stage_runs_once_per_sample_then_never_on_warm_epochs(
         cache.close()
 
 
+def keep_aspect(im: Image.Image) -> np.ndarray:
+    """The shorter side to 20, the aspect ratio kept: outputs of varied shapes."""
+    w, h = im.size
+    s = 20 / min(w, h)
+    return np.asarray(im.resize((max(1, round(w * s)), max(1, round(h * s)))))
+
+
+def test_a_user_stage_of_varied_shapes_gives_lists_with_image_sizes(
+    tokenizer_json: Path, cache_root: Path, tmp_path: Path
+) -> None:
+    varied = mc.stage(keep_aspect, fixed_shape=False)
+    assert not varied.fixed_shape and mc.stage(keep_aspect).fixed_shape
+    # how batches are built is not what is cached: the keys are the same either way
+    assert varied.fingerprint() == mc.stage(keep_aspect).fingerprint()
+    with pytest.raises(ConfigError, match="fixed_shape must be a bool"):
+        mc.stage(keep_aspect, fixed_shape=0)  # type: ignore[arg-type]
+    text = mc.TextSpec(tokenizer_json, max_length=16)
+    data = mc.synth.make_dataset(tmp_path / "data", 24, seed=3)
+    ds = mc.MultimodalDataset(data, pipeline=mc.Pipeline(image=varied, text=text))
+    assert ds.varying_fields == {"image"}
+    plain = mc.DataLoader(ds, cache=None, batch_size=6, seed=2)
+    refs = []
+    for epoch in range(2):
+        plain.set_epoch(epoch)
+        refs.append(list(plain))
+    assert len({tuple(t.shape) for b in refs[0] for t in b["image"]}) > 1
+    with mc.Cache(cache_root, memory="16MiB", disk=None, temporary=True) as cache:
+        loader = mc.DataLoader(ds, cache=cache, batch_size=6, seed=2, num_workers=2)
+        for epoch in range(2):  # cold through the workers, then warm from memory
+            loader.set_epoch(epoch)
+            got = list(loader)
+            for x, y in zip(got, refs[epoch], strict=True):
+                assert x["id"] == y["id"] and torch.equal(x["image_sizes"], y["image_sizes"])
+                assert all(torch.equal(a, b) for a, b in zip(x["image"], y["image"], strict=True))
+        first, second = loader.stats().epochs
+        assert (first.misses, second.hits, second.misses) == (24, 24, 0)
+
+
 @pytest.mark.parametrize(
     "module", ["mmcache.transforms.user", "mmcache.transforms.pixels", "mmcache.transforms.hf"]
 )

@@ -151,17 +151,19 @@ def _describe(fn: Any) -> str:
 class UserStage:
     """A callable as a :class:`Stage` (see the module docstring); build it with :func:`stage`.
 
-    Attributes: ``fn``, ``version`` (``None``: fingerprinted by content), ``kind``.
+    Attributes: ``fn``, ``version`` (``None``: fingerprinted by content), ``kind``,
+    ``fixed_shape`` (False: an image stage whose output shape varies between samples).
     Immutable; picklable when ``fn`` is.
     """
 
-    __slots__ = ("_explicit", "_fingerprint", "_kind", "fn", "version")
+    __slots__ = ("_explicit", "_fingerprint", "_fixed", "_kind", "fn", "version")
 
     fn: Callable[[Any], Any]
     version: str | None
     _kind: StageKind
     _explicit: bool
     _fingerprint: str
+    _fixed: bool
 
     def __init__(
         self,
@@ -169,6 +171,7 @@ class UserStage:
         *,
         version: str | int | None = None,
         kind: StageKind | None = None,
+        fixed_shape: bool = True,
     ) -> None:
         if not callable(fn):
             raise ConfigError(f"mmcache.stage needs a callable, got {type(fn).__name__}")
@@ -176,6 +179,8 @@ class UserStage:
             raise ConfigError(f"{fn!r} is already a stage: pass it as it is")
         if kind is not None and kind not in _KINDS:
             raise ConfigError(f"mmcache.stage kind must be 'image', 'text' or None, got {kind!r}")
+        if not isinstance(fixed_shape, bool):
+            raise ConfigError(f"mmcache.stage fixed_shape must be a bool, got {fixed_shape!r}")
         if version is not None and (
             isinstance(version, bool) or not isinstance(version, (str, int)) or version == ""
         ):
@@ -201,18 +206,19 @@ class UserStage:
         object.__setattr__(self, "_kind", kind or "image")
         object.__setattr__(self, "_explicit", kind is not None)
         object.__setattr__(self, "_fingerprint", fingerprint)
+        object.__setattr__(self, "_fixed", fixed_shape)
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"a stage is immutable (cannot set {name!r})")
 
-    def __getstate__(self) -> tuple[Any, str | None, StageKind, bool, str]:
-        return (self.fn, self.version, self._kind, self._explicit, self._fingerprint)
+    def __getstate__(self) -> tuple[Any, str | None, StageKind, bool, str, bool]:
+        return (self.fn, self.version, self._kind, self._explicit, self._fingerprint, self._fixed)
 
-    def __setstate__(self, state: tuple[Any, str | None, StageKind, bool, str]) -> None:
+    def __setstate__(self, state: tuple[Any, str | None, StageKind, bool, str, bool]) -> None:
         # The fingerprint travels as computed: a spawned worker need not re-hash (and a
         # function re-imported there is the same code anyway).
         for name, value in zip(
-            ("fn", "version", "_kind", "_explicit", "_fingerprint"), state, strict=True
+            ("fn", "version", "_kind", "_explicit", "_fingerprint", "_fixed"), state, strict=True
         ):
             object.__setattr__(self, name, value)
 
@@ -221,6 +227,13 @@ class UserStage:
         """``"image"`` or ``"text"`` (``kind=None`` at construction: the Pipeline slot's)."""
         return self._kind
 
+    @property
+    def fixed_shape(self) -> bool:
+        """Whether every output has one shape (``fixed_shape=False`` at construction: an
+        image stage of varied shapes, whose batches come as a list plus ``image_sizes``).
+        Not part of the fingerprint: it says how batches are built, not what is cached."""
+        return self._fixed
+
     def for_kind(self, kind: StageKind) -> UserStage:
         """This stage as a ``kind`` stage: what :class:`mmcache.Pipeline` does with a stage
         built with ``kind=None``; one whose kind was given explicitly is returned as is
@@ -228,7 +241,7 @@ class UserStage:
         if self._explicit or kind == self._kind:
             return self
         clone = object.__new__(UserStage)
-        clone.__setstate__((self.fn, self.version, kind, False, self._fingerprint))
+        clone.__setstate__((self.fn, self.version, kind, False, self._fingerprint, self._fixed))
         return clone
 
     def fingerprint(self) -> str:
@@ -237,7 +250,8 @@ class UserStage:
 
     def __repr__(self) -> str:
         pinned = "" if self.version is None else f", version={self.version!r}"
-        return f"stage({_describe(self.fn)}, kind={self._kind!r}{pinned})"
+        varied = "" if self._fixed else ", fixed_shape=False"
+        return f"stage({_describe(self.fn)}, kind={self._kind!r}{pinned}{varied})"
 
     def __call__(self, value: Any, /) -> Any:
         """Run ``fn`` on one input and check its output (see the module docstring)."""
@@ -253,6 +267,8 @@ def stage(
     fn: Callable[[Any], Any],
     version: str | int | None = None,
     kind: StageKind | None = None,
+    *,
+    fixed_shape: bool = True,
 ) -> UserStage:
     """Wrap ``fn`` as a cached pipeline stage (see the module docstring).
 
@@ -263,13 +279,16 @@ def stage(
             fingerprint ``fn``'s code, constants, defaults, closure and globals.
         kind: ``"image"`` or ``"text"``; ``None``: set by the ``Pipeline`` argument it
             is passed as (``"image"`` when used alone).
+        fixed_shape: ``False`` for an image stage whose output shape varies between
+            samples (an aspect-preserving resize of your own): its batches then hold a
+            list of images plus ``image_sizes``, as ``ImageSpec(crop=None)``'s do.
 
     Raises ConfigError for a callable that cannot be fingerprinted without ``version``.
 
     >>> stage(lambda im: im, version="v1").fingerprint() == stage(len, version="v1").fingerprint()
     True
     """
-    return UserStage(fn, version=version, kind=kind)
+    return UserStage(fn, version=version, kind=kind, fixed_shape=fixed_shape)
 
 
 if TYPE_CHECKING:  # mypy checks that UserStage conforms to the protocol
