@@ -651,3 +651,24 @@ def test_stat_paths_are_the_image_paths_encoded(tmp_path: Path) -> None:
     ]
     assert records.stat_paths(rows) == expected
     assert expected[1] == os.fsencode(str(tmp_path / "img" / "a.jpg")) and expected[2] is None
+
+
+def test_deep_nesting_is_refused_by_depth_but_brackets_in_strings_are_text(
+    tmp_path: Path,
+) -> None:
+    """Nesting deeper than MAX_JSON_DEPTH is a ManifestError naming the line (the decoder
+    never recurses that deep); brackets inside strings and moderate nesting load."""
+    from mmcache.sources.readers import MAX_JSON_DEPTH
+
+    caption = "[{" * 2000 + ' \\" ' + "]}" * 2000
+    ok = {"id": "a", "image_path": "a.jpg", "caption": caption}
+    nested = json.dumps({**ok, "id": "b", "x": [[[[{"y": [1]}]]]]})
+    path = tmp_path / "m.jsonl"
+    path.write_text(json.dumps(ok) + "\n" + nested + "\n", encoding="utf-8")
+    records = read_manifest(path)
+    assert len(records) == 2 and records.text(0) == caption
+    deep = '{"id": "c", "x": ' + "[" * (MAX_JSON_DEPTH + 1) + "]" * (MAX_JSON_DEPTH + 1) + "}"
+    path.write_text(json.dumps(ok) + "\n" + deep + "\n", encoding="utf-8")
+    with pytest.raises(ManifestError, match="nested too deeply") as info:
+        read_manifest(path)
+    assert str(info.value).startswith(f"{path}:2: ")

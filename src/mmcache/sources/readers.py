@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Literal
@@ -94,6 +95,32 @@ def _string_field(obj: Mapping[str, Any], key: str) -> tuple[str | None, str | N
     return value, None
 
 
+#: Deepest nesting of arrays/objects a JSONL record may have. Deeper lines are refused
+#: before the decoder sees them: the C decoder recurses once per level and would stop
+#: at Python's recursion limit, and a finalizer run by the garbage collector that deep
+#: fails in turn (an "unraisable" RecursionError far from the manifest).
+MAX_JSON_DEPTH = 256
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+
+
+def _too_deep(text: str) -> bool:
+    """Whether ``text`` nests arrays/objects deeper than :data:`MAX_JSON_DEPTH` (strings
+    ignored). Cheap for ordinary lines: a count of brackets settles it."""
+    if text.count("[") + text.count("{") <= MAX_JSON_DEPTH:
+        return False
+    depth = deepest = 0
+    for ch in _JSON_STRING.sub("", text):
+        if ch in "[{":
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > MAX_JSON_DEPTH:
+                    return True
+        elif ch in "]}":
+            depth -= 1
+    return False
+
+
 def _read_jsonl(f: BinaryIO, builder: RecordsBuilder) -> None:
     # Iterating a binary file splits on b"\n" only, so U+2028 or U+0085 inside a
     # caption (legal raw in JSON strings) never splits a record, and a line of any
@@ -111,6 +138,14 @@ def _read_jsonl(f: BinaryIO, builder: RecordsBuilder) -> None:
                 lineno,
                 None,
                 exc,
+            )
+            continue
+        if _too_deep(line_text):
+            builder.reject(
+                f"malformed JSON: nested too deeply (more than {MAX_JSON_DEPTH} levels)",
+                lineno,
+                None,
+                None,
             )
             continue
         try:
