@@ -77,6 +77,22 @@ def test_flip_with_p_one_equals_torch_flip_and_p_zero_is_identity() -> None:
     assert all(torch.equal(a, torch.flip(b, [-1])) for a, b in zip(listed, images, strict=True))
 
 
+def test_flip_never_changes_its_input_and_compose_equals_the_steps_in_turn() -> None:
+    images = torch.randint(0, 256, (6, 3, 20, 24), dtype=torch.uint8)
+    kept = images.clone()
+    flipped = RandomHorizontalFlip(p=1.0)(images, sample_generators(0, 0, range(6)))
+    assert torch.equal(images, kept) and flipped.data_ptr() != images.data_ptr()
+    crop, flip = RandomResizedCrop(12, scale=(0.5, 1.0)), RandomHorizontalFlip()
+    # Compose flips the crop's fresh output in place: the same as the steps one by one
+    gens = sample_generators(3, 1, range(6))
+    steps = flip(crop(images, gens), gens)
+    composed = Compose([crop, flip])(images, sample_generators(3, 1, range(6)))
+    assert torch.equal(composed, steps) and torch.equal(images, kept)
+    # a flip before the crop sees the caller's tensor: never changed in place
+    Compose([flip, crop])(images, sample_generators(3, 1, range(6)))
+    assert torch.equal(images, kept)
+
+
 def test_crop_boxes_lie_inside_small_and_odd_images_and_outputs_have_the_size() -> None:
     """A crop larger than a small cached image is clipped (torchvision's fallback), never
     an error: every box lies inside its image, and the output is size x size."""
