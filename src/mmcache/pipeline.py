@@ -168,6 +168,15 @@ class Pipeline:
             return frozenset({"image"})
         return frozenset()
 
+    @property
+    def channels_last_fields(self) -> frozenset[str]:
+        """``{"image"}`` when the image stage caches ``[H, W, C]`` pixels
+        (``ImageSpec(channels_last=True)``), else empty. The loader and ``ds[i]`` then
+        present them as ``[C, H, W]`` views (torch's ``channels_last`` strides)."""
+        if self.image is not None and getattr(self.image, "channels_last", False) is True:
+            return frozenset({"image"})
+        return frozenset()
+
     def fingerprint(self) -> str:
         """Hex digest (xxh3-128) of everything that changes this pipeline's output.
 

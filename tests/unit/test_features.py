@@ -893,3 +893,26 @@ def test_repr_and_os_independent_keys(cache: Cache) -> None:
     assert "FeatureCache(TinyViT" in repr(feats) and "DeviceTier" in repr(feats)
     key = os.urandom(16)
     assert feats.feature_key(key) == feats.feature_key(key.hex())
+
+
+def test_features_of_an_interleaved_cache_equal_the_planar_ones(
+    manifest: Path, tmp_path: Path
+) -> None:
+    """ImageSpec(channels_last=True): warm_features and wrap give the encoder [B,3,H,W]."""
+    tok = train_tokenizer(synth_captions(50, seed=4), vocab_size=200)
+    pipe = Pipeline(
+        image=ImageSpec(size=SIZE, channels_last=True), text=TextSpec(tokenizer=tok, max_length=8)
+    )
+    ds = MultimodalDataset(manifest, pipeline=pipe)
+    planar = make_ds(manifest)
+    enc = make_vit()
+    images = torch.from_numpy(np.stack([planar.produce(i)["image"] for i in range(12)]))
+    with Cache(tmp_path / "cl", memory=0, disk="64MiB") as c:
+        feats = feature_cache(enc, c)
+        warm_features(ds, feats, batch_size=4, progress=False)
+        served = feats.get([ds.key(i) for i in range(12)])
+        torch.testing.assert_close(served, direct(enc, images, torch.float32))
+        loader = DataLoader(ds, cache=c, batch_size=4, seed=0)
+        for batch in feats.wrap(loader):
+            ids = [int(i) for i in batch["id"]]
+            torch.testing.assert_close(batch["features"], direct(enc, images[ids], torch.float32))

@@ -80,6 +80,8 @@ class _WarmImages(torch.utils.data.Dataset[_Produced]):
         image = sample.get("image")
         if image is None:
             raise ConfigError("warm_features needs a pipeline with an ImageSpec (no 'image' field)")
+        if "image" in getattr(self.dataset, "channels_last_fields", ()) and image.ndim == 3:
+            image = image.transpose(2, 0, 1)  # cached [H, W, 3]: the encoder sees [3, H, W]
         return _Produced(index, image, None)
 
 

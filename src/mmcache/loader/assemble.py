@@ -36,7 +36,14 @@ from mmcache.errors import ConfigError, SampleError
 from mmcache.loader.counters import EpochCounter
 from mmcache.loader.gather import BufferPool, gather_hits
 from mmcache.loader.tasks import BatchPlan, SampleOrigin, WorkerPlanner
-from mmcache.loader.varying import compatible, finish_rows, read_other_shapes, varying_fields
+from mmcache.loader.varying import (
+    channels_last_fields,
+    compatible,
+    finish_rows,
+    present_channels_last,
+    read_other_shapes,
+    varying_fields,
+)
 from mmcache.sources.base import SampleSource
 from mmcache.stores.base import BatchReader, Store
 
@@ -95,6 +102,7 @@ class BatchAssembler:
         self._pool = BufferPool(enabled=not pin_memory)
         #: Fields whose shapes vary between samples (batches hold them as lists).
         self.varying = varying_fields(source)
+        self.channels_last = channels_last_fields(source)
 
     @property
     def layout(self) -> codec.Header | None:
@@ -126,7 +134,10 @@ class BatchAssembler:
         batch.update(out)
         if self.varying:
             self._fill(layout, out, own)
-            finish_rows(batch, out, own, self.varying, list(range(n)))
+            finish_rows(
+                batch, out, own, self.varying, list(range(n)), channels_last=self.channels_last
+            )
+        present_channels_last(batch, self.channels_last)
         return batch
 
     def count_guess(self, n: int, counter: EpochCounter) -> None:
@@ -217,7 +228,8 @@ class BatchAssembler:
         else:
             batch.update(out)
         if self.varying:
-            finish_rows(batch, out, samples, self.varying, keep)
+            finish_rows(batch, out, samples, self.varying, keep, channels_last=self.channels_last)
+        present_channels_last(batch, self.channels_last)
         return batch, kept
 
     def _matches(self, layout: codec.Header, sample: dict[str, np.ndarray]) -> bool:

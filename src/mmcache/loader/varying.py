@@ -32,13 +32,37 @@ from mmcache import codec
 from mmcache.errors import CorruptEntryError
 from mmcache.stores.base import Store
 
-__all__ = ["compatible", "finish_rows", "read_other_shapes", "varying_fields"]
+__all__ = [
+    "channels_last_fields",
+    "compatible",
+    "finish_rows",
+    "present_channels_last",
+    "read_other_shapes",
+    "varying_fields",
+]
 
 
 def varying_fields(source: object) -> frozenset[str]:
     """The fields whose shapes vary between samples of ``source`` (empty: fixed shapes)."""
     names = getattr(source, "varying_fields", ())
     return frozenset(str(n) for n in names) if names else frozenset()
+
+
+def channels_last_fields(source: object) -> frozenset[str]:
+    """The fields ``source`` caches as ``[H, W, C]`` (``ImageSpec(channels_last=True)``):
+    batches present them as ``[B, C, H, W]`` tensors in ``channels_last`` strides."""
+    names = getattr(source, "channels_last_fields", ())
+    return frozenset(str(n) for n in names) if names else frozenset()
+
+
+def present_channels_last(batch: dict[str, Any], fields: Collection[str]) -> None:
+    """Replace each batch tensor ``[B, H, W, C]`` of ``fields`` by its ``[B, C, H, W]``
+    view (no copy: the same buffer in torch's ``channels_last`` memory format). Lists
+    (varying shapes) are presented by :func:`finish_rows`."""
+    for name in fields:
+        value = batch.get(name)
+        if isinstance(value, torch.Tensor) and value.ndim == 4:
+            batch[name] = value.permute(0, 3, 1, 2)
 
 
 def compatible(
@@ -94,17 +118,21 @@ def finish_rows(
     own: dict[int, dict[str, np.ndarray]],
     varying: Collection[str],
     keep: list[int],
+    *,
+    channels_last: Collection[str] = (),
 ) -> None:
     """Put the varying fields of rows ``keep`` into ``batch`` as lists of tensors: a
     row in ``own`` from its own sample, any other from its row of ``out`` (gathered
-    there). The image's sizes go to ``image_sizes``."""
+    there); a field of ``channels_last`` as ``[C, H, W]`` views of its ``[H, W, C]``
+    rows. The image's sizes go to ``image_sizes``."""
     for name in varying:
         if name not in out:
             continue
         rows: list[torch.Tensor] = []
         for r in keep:
             sample = own.get(r)
-            rows.append(torch.from_numpy(sample[name]) if sample is not None else out[name][r])
+            row = torch.from_numpy(sample[name]) if sample is not None else out[name][r]
+            rows.append(row.permute(2, 0, 1) if name in channels_last and row.ndim == 3 else row)
         batch[name] = rows
         if name == "image":
             sizes = [tuple(t.shape[-2:]) for t in rows]

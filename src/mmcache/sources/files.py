@@ -153,6 +153,12 @@ class FileSource:
         ``varying_fields``; empty: every sample has the same shapes)."""
         return frozenset(getattr(self.pipeline, "varying_fields", ()))
 
+    @property
+    def channels_last_fields(self) -> frozenset[str]:
+        """The fields cached as ``[H, W, C]`` and presented as ``[C, H, W]`` views (the
+        pipeline's ``channels_last_fields``; see :mod:`mmcache.loader.varying`)."""
+        return frozenset(getattr(self.pipeline, "channels_last_fields", ()))
+
     def key(self, index: int) -> bytes:
         """The 16-byte cache key of sample ``index``: changes when its image file,
         caption or the pipeline changes (see :func:`mmcache.keys.sample_key`)."""
@@ -261,9 +267,11 @@ class FileSource:
         Read-only arrays (cache views) are copied; fresh ones are wrapped without a copy.
         """
         item: dict[str, Any] = {"id": self.records.id(index)}
+        hwc = self.channels_last_fields
         for name, array in sample.items():
             arr = array if array.flags.writeable else array.copy()
-            item[name] = torch.from_numpy(arr)
+            tensor = torch.from_numpy(arr)
+            item[name] = tensor.permute(2, 0, 1) if name in hwc and tensor.ndim == 3 else tensor
         return item
 
     # -- rejects ------------------------------------------------------------------------
