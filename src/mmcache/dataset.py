@@ -83,8 +83,9 @@ class MultimodalDataset(FileSource, torch.utils.data.Dataset[dict[str, Any] | No
             and manifest is not None
             and not _is_records_location(manifest, kwargs.get("format", "auto"))
         ):
-            return cast(MultimodalDataset, object.__new__(SourceDataset))
-        return cast(MultimodalDataset, object.__new__(cls))
+            return object.__new__(SourceDataset)
+        made: MultimodalDataset = object.__new__(cls)
+        return made
 
     def __init__(
         self,
@@ -109,7 +110,13 @@ class MultimodalDataset(FileSource, torch.utils.data.Dataset[dict[str, Any] | No
         if not isinstance(manifest, Records):
             root = None if image_root is None else os.fspath(image_root)
             options = OpenOptions(pipeline=pipeline, on_error=on_error, image_root=root)
-            manifest = open_source(manifest, format=format, options=options)
+            opened = open_source(manifest, format=format, options=options)
+            if not isinstance(opened, Records):  # a subclass given a Parquet path...
+                raise ConfigError(
+                    f"{type(self).__name__} reads manifests of image files; for "
+                    f"{manifest!r} use MultimodalDataset(...) (a SourceDataset)"
+                )
+            manifest = opened
         super().__init__(
             manifest, pipeline=pipeline, on_error=on_error, content_stamp=content_stamp
         )

@@ -368,3 +368,24 @@ def test_coco_not_a_coco_file(tmp_path: Path) -> None:
     path.write_text("[1, 2]")
     with pytest.raises(ManifestError, match="not a COCO file"):
         read_coco(path)
+
+
+def test_parquet_through_an_fsspec_url(tmp_path: Path, pipeline: Pipeline) -> None:
+    import fsspec
+
+    local = _rows_file(tmp_path, 6, row_group_size=2)
+    fs = fsspec.filesystem("memory")
+    for k in range(2):
+        fs.pipe(f"/tabular-test/part-{k}.parquet", local.read_bytes())
+    try:
+        one = ParquetSource("memory://tabular-test/part-0.parquet", pipeline=pipeline)
+        assert one.stamp_kind is StampKind.FIXED and len(one) == 6
+        ref = ParquetSource(local, pipeline=pipeline)
+        assert np.array_equal(one.produce(4)["image"], ref.produce(4)["image"])
+        both = ParquetSource("memory://tabular-test/part-*.parquet", pipeline=pipeline)
+        assert len(both) == 12 and both.files[1].endswith("part-1.parquet")
+        keys = both.key_rows(range(12))
+        assert len({k.tobytes() for k in keys}) == 12  # the same rows in two files differ
+        np.testing.assert_array_equal(both.stamps([0, 6])[:, 3] != 0, [True, True])
+    finally:
+        fs.rm("/tabular-test", recursive=True)

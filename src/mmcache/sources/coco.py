@@ -82,7 +82,9 @@ def read_coco(
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ManifestError(f"not a JSON file: {exc}", path=source) from exc
     if not isinstance(document, dict) or not isinstance(document.get("images"), list):
-        raise ManifestError("not a COCO file: expected an object with an 'images' array", path=source)
+        raise ManifestError(
+            "not a COCO file: expected an object with an 'images' array", path=source
+        )
     annotations = document.get("annotations")
     if not isinstance(annotations, list):
         raise ManifestError("not a COCO file: no 'annotations' array", path=source)
@@ -106,7 +108,7 @@ def read_coco(
         if problem is not None:
             builder.reject(problem, k + 1, sid)
             continue
-        assert iid is not None and sid is not None and caption is not None  # noqa: S101 (narrowing)
+        assert iid is not None and sid is not None and caption is not None
         if per == "caption":
             builder.add(k + 1, sid, caption, files[iid])
         else:
@@ -162,6 +164,4 @@ class CocoSource(FileSource):
         content_stamp: bool = False,
     ) -> None:
         records = read_coco(annotations, image_root=image_root, per=per, on_error=on_error)
-        super().__init__(
-            records, pipeline=pipeline, on_error=on_error, content_stamp=content_stamp
-        )
+        super().__init__(records, pipeline=pipeline, on_error=on_error, content_stamp=content_stamp)

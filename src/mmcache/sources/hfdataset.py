@@ -82,15 +82,14 @@ class HFDatasetSource(RowSource):
         if not isinstance(dataset, hf.Dataset):
             raise ConfigError(
                 "HFDatasetSource needs a map-style datasets.Dataset (pick a split of a "
-                f"DatasetDict; stream-only datasets are not supported), got {type(dataset).__name__}"
+                "DatasetDict; stream-only datasets are not supported), got "
+                f"{type(dataset).__name__}"
             )
         features = dataset.features
         image_default = next(
             (name for name, f in features.items() if isinstance(f, hf.Image)), "image"
         )
-        self.columns = check_columns(
-            columns, {"id": None, "image": image_default, "text": "text"}
-        )
+        self.columns = check_columns(columns, {"id": None, "image": image_default, "text": "text"})
         self.fingerprint_of_data: str = str(dataset._fingerprint)
         self.where = f"<dataset {self.fingerprint_of_data}>"
         for role, column in self.columns.items():

@@ -37,8 +37,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "OpenOptions",
-    "SourceFactory",
     "Sniff",
+    "SourceFactory",
     "open_source",
     "register_source_format",
     "sniff_format",
@@ -146,9 +146,7 @@ def open_source(
             return read_manifest(name, on_error=options.on_error)
     entry = _FORMATS.get(format)
     if entry is None:
-        raise ConfigError(
-            f"format must be 'auto' or one of {', '.join(_FORMATS)}, got {format!r}"
-        )
+        raise ConfigError(f"format must be 'auto' or one of {', '.join(_FORMATS)}, got {format!r}")
     return entry.factory(name, options)
 
 
@@ -206,7 +204,10 @@ def _open_hf(location: str, options: OpenOptions) -> SampleSource:
 
     dataset = _datasets().load_from_disk(location)
     return HFDatasetSource(
-        dataset, pipeline=_staged(options.pipeline), columns=options.columns, on_error=options.on_error
+        dataset,
+        pipeline=_staged(options.pipeline),
+        columns=options.columns,
+        on_error=options.on_error,
     )
 
 
@@ -232,7 +233,8 @@ def _manifest_reader(fmt: str) -> SourceFactory:
 
 
 def _staged(pipeline: Any) -> StagedProcessor:
-    return pipeline  # checked by the source (RowSource: stages + fingerprint)
+    staged: StagedProcessor = pipeline  # checked by the source (stages + fingerprint)
+    return staged
 
 
 def _never(location: str, head: bytes) -> bool:

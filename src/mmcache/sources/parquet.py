@@ -59,10 +59,19 @@ def _pyarrow() -> Any:
     try:
         import pyarrow.parquet as pq
     except ImportError as exc:  # pragma: no cover - pyarrow is in the test environment
-        raise ConfigError(
-            "reading Parquet needs pyarrow: pip install 'mmcache[parquet]'"
-        ) from exc
+        raise ConfigError("reading Parquet needs pyarrow: pip install 'mmcache[parquet]'") from exc
     return pq
+
+
+def _fsspec() -> Any:
+    try:
+        import fsspec
+    except ImportError as exc:  # pragma: no cover - fsspec is in the test environment
+        raise ConfigError(
+            "reading Parquet from a URL needs fsspec: pip install 'mmcache[parquet]' "
+            "(and the file system's package: s3fs, gcsfs...)"
+        ) from exc
+    return fsspec
 
 
 def _is_url(path: str) -> bool:
@@ -209,11 +218,7 @@ class ParquetSource(RowSource):
         out: list[str] = []
         for name in names:
             if _is_url(name) and _GLOB_CHARS & set(name):
-                import fsspec
-
-                fs, _, found = fsspec.get_fs_token_paths(
-                    name, storage_options=self.storage_options
-                )
+                fs, _, found = _fsspec().get_fs_token_paths(name, storage_options=self.storage_options)
                 if not found:
                     raise ManifestError("no Parquet file matches this pattern", path=name)
                 protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
@@ -237,9 +242,7 @@ class ParquetSource(RowSource):
 
         try:
             if _is_url(name):
-                import fsspec
-
-                handle = fsspec.open(name, "rb", **self.storage_options).open()
+                handle = _fsspec().open(name, "rb", **self.storage_options).open()
                 info = handle.fs.info(handle.path)
                 etag = info.get("ETag") or info.get("etag") or info.get("version_id") or ""
                 mtime = info.get("LastModified") or info.get("mtime") or ""
@@ -314,7 +317,7 @@ class ParquetSource(RowSource):
         return stamps
 
     def stamp_string(self, index: int, stamp: npt.NDArray[np.int64]) -> str:
-        f, r = self._place(index)
+        r = self._place(index)[1]
         if int(stamp[0]) == -2:
             return f"parquet:missing:{r}"
         return f"parquet:{keys.fields_stamp(stamp.tolist())}:{r}"
@@ -379,7 +382,9 @@ class ParquetSource(RowSource):
             try:
                 table = self._group(f, reader, g)
             except (pa.ArrowException, OSError) as exc:
-                raise SampleError(f"cannot read row group {g}: {exc}", sample_id=sid, path=where)
+                raise SampleError(
+                    f"cannot read row group {g}: {exc}", sample_id=sid, path=where
+                ) from exc
         k = r - int(reader.starts[g])
         if self.columns["id"]:
             now_id = table.column(self.columns["id"])[k].as_py()

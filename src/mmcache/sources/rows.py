@@ -36,7 +36,14 @@ from mmcache.sources.rejects import Reject, RejectLog
 from mmcache.transforms.image import ImageSpec, decode_bytes, load_image
 from mmcache.transforms.stage import Stage
 
-__all__ = ["IdColumn", "RowSource", "StagedProcessor", "check_columns", "image_cell", "process_bytes"]
+__all__ = [
+    "IdColumn",
+    "RowSource",
+    "StagedProcessor",
+    "check_columns",
+    "image_cell",
+    "process_bytes",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -270,7 +277,8 @@ class RowSource:
 
     # -- keys ---------------------------------------------------------------------------
     def key(self, index: int) -> bytes:
-        return self.key_rows([index])[0].tobytes()
+        key: bytes = self.key_rows([index])[0].tobytes()
+        return key
 
     def key_rows(
         self, indices: Sequence[int] | np.ndarray, *, stamps: np.ndarray | None = None

@@ -25,7 +25,7 @@ def manifest_rows(manifest: str | os.PathLike[str]) -> list[dict[str, Any]]:
     out = []
     for i in range(len(records)):
         path = records.image_path(i)
-        assert path is not None  # noqa: S101 (the JSONL format always has an image)
+        assert path is not None
         out.append(
             {
                 "id": records.id(i),
@@ -90,7 +90,11 @@ def write_hf_dataset(manifest: str | os.PathLike[str], out: str | os.PathLike[st
 
     rows = manifest_rows(manifest)
     features = datasets.Features(
-        {"id": datasets.Value("string"), "image": datasets.Image(), "text": datasets.Value("string")}
+        {
+            "id": datasets.Value("string"),
+            "image": datasets.Image(),
+            "text": datasets.Value("string"),
+        }
     )
     ds = datasets.Dataset.from_dict(
         {
