@@ -105,7 +105,7 @@ def test_parquet_reads_row_groups_in_place(tmp_path: Path, pipeline: Pipeline) -
     assert len(src) == 10 and src.ids([0, 9]) == ["s0", "s9"]
     assert src.stamp_kind is StampKind.FILE
     # every row of every group decodes as its bytes do
-    ref = ParquetSource(path, pipeline=pipeline, columns={"id": "id"}, row_groups_kept=1)
+    ref = ParquetSource(path, pipeline=pipeline, columns={"id": "id"}, row_group_memory=0)
     for i in (9, 0, 4, 3, 8):
         a, b = src.produce(i), ref.produce(i)
         assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)

@@ -8,8 +8,9 @@ optionally, an id column (default: the row's position in the source); names via
 Reading: the files' footers are read at open (row counts, schema; the id column
 if there is one). A sample then reads only its row group's image, text and id
 column chunks (``ParquetFile.read_row_group``, memory-mapped for local files),
-never the whole file; the last few row groups read are kept per process, so
-rows read in file order (or shuffled within a group) decode each group once.
+never the whole file; decoded row groups are kept per process up to
+``row_group_memory`` bytes (LRU), so rows read in file order, shuffled within a
+group, or shuffled over data smaller than that decode each group once.
 
 Stamps (``StampKind.FILE`` for local files): each row's stamp is its file's
 ``stat`` (:data:`mmcache.keys.STAT_FIELDS`) and its key adds the row's place in
@@ -48,6 +49,7 @@ from mmcache.sources.rows import (
     check_columns,
     image_cell,
 )
+from mmcache.units import parse_size
 
 __all__ = ["ParquetSource"]
 
@@ -142,8 +144,11 @@ class ParquetSource(RowSource):
             SampleError naming the file, the row and the id. ``"skip"``: such files
             and rows are left out and listed in :meth:`rejects`.
         storage_options: passed to ``fsspec`` for URLs.
-        row_groups_kept: row groups kept decoded per process (read once for
-            rows read in order or shuffled within a group).
+        row_group_memory: bytes of decoded row groups kept per process (an int or
+            ``"128MiB"``; at least the last group read is kept, whatever its size):
+            rows read in file order or shuffled within a group decode their group
+            once; a global shuffle over files larger than this decodes a group for
+            most rows of a cold epoch (see README's figures).
     """
 
     def __init__(
@@ -154,22 +159,19 @@ class ParquetSource(RowSource):
         columns: Mapping[str, str | None] | None = None,
         on_error: OnError = "raise",
         storage_options: Mapping[str, Any] | None = None,
-        row_groups_kept: int = 2,
+        row_group_memory: int | str = "128MiB",
     ) -> None:
         from mmcache.sources.files import check_on_error
 
         on_error = check_on_error(on_error)
-        if isinstance(row_groups_kept, bool) or not isinstance(row_groups_kept, int):
-            raise ConfigError(f"row_groups_kept must be an int >= 1, got {row_groups_kept!r}")
-        if row_groups_kept < 1:
-            raise ConfigError(f"row_groups_kept must be an int >= 1, got {row_groups_kept!r}")
+        self.row_group_memory = parse_size(row_group_memory)
         self.columns = check_columns(columns, _DEFAULT_COLUMNS)
         if self.columns["image"] is None and self.columns["text"] is None:
             raise ConfigError("columns: a ParquetSource needs an image or a text column")
         self.storage_options = dict(storage_options or {})
-        self.row_groups_kept = row_groups_kept
         self._readers: dict[int, _Reader] = {}
         self._groups: OrderedDict[tuple[int, int, tuple[int, ...]], Any] = OrderedDict()
+        self._group_bytes = 0
         self._lock = threading.Lock()
         rejects: list[Reject] = []
         files, remote_stamps, counts, id_parts = [], [], [], []
@@ -355,8 +357,9 @@ class ParquetSource(RowSource):
         wanted = [c for c in (self.columns["image"], self.columns["text"], self.columns["id"]) if c]
         table = reader.pf.read_row_group(g, columns=list(dict.fromkeys(wanted)))
         self._groups[key] = table
-        while len(self._groups) > self.row_groups_kept:
-            self._groups.popitem(last=False)
+        self._group_bytes += table.nbytes
+        while len(self._groups) > 1 and self._group_bytes > self.row_group_memory:
+            self._group_bytes -= self._groups.popitem(last=False)[1].nbytes
         return table
 
     def read_row(self, index: int) -> tuple[bytes | None, str | None, str | None, str]:
@@ -411,6 +414,7 @@ class ParquetSource(RowSource):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_readers"], state["_groups"], state["_lock"] = {}, OrderedDict(), None
+        state["_group_bytes"] = 0
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
