@@ -100,9 +100,7 @@ def main() -> None:
             cold, warm = _epochs(ds, tmp / f"cache-{name}", workers=args.workers,
                                  batch=args.batch_size)  # fmt: skip
             result[name] = {"cold": cold, "warm": warm}
-        result["ratio"] = {
-            k: result["parquet"][k] / result["loose"][k] for k in ("cold", "warm")
-        }
+        result["ratio"] = {k: result["parquet"][k] / result["loose"][k] for k in ("cold", "warm")}
         memo: dict[str, dict[str, float]] = {}
         for kept in ("128MiB", 0):
             src = ParquetSource(tmp / "pq", pipeline=pipe, columns={"id": "id"},

@@ -220,7 +220,9 @@ class ParquetSource(RowSource):
         out: list[str] = []
         for name in names:
             if _is_url(name) and _GLOB_CHARS & set(name):
-                fs, _, found = _fsspec().get_fs_token_paths(name, storage_options=self.storage_options)
+                fs, _, found = _fsspec().get_fs_token_paths(
+                    name, storage_options=self.storage_options
+                )
                 if not found:
                     raise ManifestError("no Parquet file matches this pattern", path=name)
                 protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
