@@ -199,6 +199,13 @@ def test_cli_warm_and_bench_take_parquet_and_coco(
     assert main([*bench, "--no-baseline", *args]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["samples"] == N and out["epochs"][1]["hit_rate"] == 1.0
+    if fmt == "parquet":  # columns named on the command line: ids from the id column
+        cache = str(tmp_path / "c2")
+        named = ["warm", location, "--cache", cache, "--columns", "id=id,text=text", *args]
+        assert main([*named, "--format", "parquet"]) == 0
+        assert json.loads(capsys.readouterr().out)["admitted"] == N
+        assert main(["warm", location, "--cache", cache, "--columns", "id", *args]) != 0
+        assert "--columns takes role=name" in capsys.readouterr().err
 
 
 def test_image_only_parquet(data: dict[str, Path], tmp_path: Path) -> None:
