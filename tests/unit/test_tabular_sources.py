@@ -389,3 +389,31 @@ def test_parquet_through_an_fsspec_url(tmp_path: Path, pipeline: Pipeline) -> No
         np.testing.assert_array_equal(both.stamps([0, 6])[:, 3] != 0, [True, True])
     finally:
         fs.rm("/tabular-test", recursive=True)
+
+
+def test_hf_shuffled_dataset_reads_its_own_rows(tmp_path: Path, pipeline: Pipeline) -> None:
+    import datasets
+
+    ds = datasets.load_from_disk(str(save_hf(tmp_path / "hf", 6)))
+    plain = HFDatasetSource(ds, pipeline=pipeline, columns={"id": "id"})
+    shuffled = HFDatasetSource(ds.shuffle(seed=1), pipeline=pipeline, columns={"id": "id"})
+    order = ds.shuffle(seed=1)["id"]
+    assert shuffled.ids(range(6)) == order != plain.ids(range(6))
+    for i, sid in enumerate(order):
+        j = plain.ids(range(6)).index(sid)
+        assert np.array_equal(shuffled.produce(i)["image"], plain.produce(j)["image"])
+    assert shuffled.key(0) != plain.key(plain.ids(range(6)).index(order[0]))  # new fingerprint
+
+
+def test_coco_skip_through_multimodal_dataset(tmp_path: Path, pipeline: Pipeline) -> None:
+    from mmcache.dataset import MultimodalDataset
+
+    path = write_coco_files(tmp_path, 3)
+    doc = json.loads(path.read_text())
+    doc["annotations"].insert(1, {"id": 99, "image_id": 555, "caption": "orphan"})
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ManifestError, match="image_id 555"):
+        MultimodalDataset(path, pipeline=pipeline, image_root=tmp_path / "images")
+    ds = MultimodalDataset(path, pipeline=pipeline, image_root=tmp_path / "images", on_error="skip")
+    assert ds.ids(range(3)) == ["0", "1", "2"]
+    assert [r.sample_id for r in ds.rejects()] == ["99"]
