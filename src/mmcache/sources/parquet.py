@@ -55,6 +55,8 @@ __all__ = ["ParquetSource"]
 
 _DEFAULT_COLUMNS: dict[str, str | None] = {"id": None, "image": "image", "text": "text"}
 _GLOB_CHARS = frozenset("*?[")
+#: Files a process keeps open for reading rows (least recently read closed first).
+_OPEN_FILES = 32
 
 
 def _pyarrow() -> Any:
@@ -123,6 +125,11 @@ class _Reader:
         counts = [pf.metadata.row_group(g).num_rows for g in range(pf.metadata.num_row_groups)]
         self.starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
 
+    def close(self) -> None:
+        self.pf.close()
+        if self.handle is not None:
+            self.handle.close()
+
 
 class ParquetSource(RowSource):
     """Image-text samples from the rows of Parquet files, read in place.
@@ -139,10 +146,10 @@ class ParquetSource(RowSource):
             ``None``: the row position, ``"image"``, ``"text"``; ``None`` for image
             or text: no such column, for an image-only or text-only pipeline).
         on_error: ``"raise"``: a file that is not Parquet (a corrupt footer), lacks a
-            column, or has a null or duplicate id raises ManifestError naming it;
-            a row that cannot be produced (a null image, bad bytes) raises
-            SampleError naming the file, the row and the id. ``"skip"``: such files
-            and rows are left out and listed in :meth:`rejects`.
+            column or has a null id raises ManifestError naming it; a row that cannot
+            be produced (a null image, bad bytes) raises SampleError naming the file,
+            the row and the id. ``"skip"``: such files and rows are left out and
+            listed in :meth:`rejects`. A duplicate id raises under both.
         storage_options: passed to ``fsspec`` for URLs.
         row_group_memory: bytes of decoded row groups kept per process (an int or
             ``"128MiB"``; at least the last group read is kept, whatever its size):
@@ -169,7 +176,7 @@ class ParquetSource(RowSource):
         if self.columns["image"] is None and self.columns["text"] is None:
             raise ConfigError("columns: a ParquetSource needs an image or a text column")
         self.storage_options = dict(storage_options or {})
-        self._readers: dict[int, _Reader] = {}
+        self._readers: OrderedDict[int, _Reader] = OrderedDict()
         self._groups: OrderedDict[tuple[int, int, tuple[int, ...]], Any] = OrderedDict()
         self._group_bytes = 0
         self._lock = threading.Lock()
@@ -177,19 +184,16 @@ class ParquetSource(RowSource):
         files, remote_stamps, counts, id_parts = [], [], [], []
         for name in self._resolve(_expand(paths)):
             try:
-                reader = self._open_new(name)
-                self._check_schema(reader.pf, name)
-                ids = self._read_ids(reader.pf, name) if self.columns["id"] else None
+                stamp, count, ids = self._read_footer(name)
             except ManifestError as err:
                 if on_error == "raise":
                     raise
                 rejects.append(Reject(f"<file {name}>", name, err.reason))
                 continue
             files.append(name)
-            remote_stamps.append(reader.stamp)
-            counts.append(int(reader.starts[-1]))
+            remote_stamps.append(stamp)
+            counts.append(count)
             id_parts.append(ids)
-            self._readers[len(files) - 1] = reader
         if not files:
             raise ManifestError(
                 f"no readable Parquet file (first problem: {rejects[0].reason})"
@@ -199,6 +203,8 @@ class ParquetSource(RowSource):
             )
         self.files: list[str] = files
         self.remote = any(_is_url(f) for f in files)
+        if self.remote and not all(_is_url(f) for f in files):
+            raise ConfigError("a ParquetSource reads local files or URLs, not both at once")
         self.stamp_kind = StampKind.FIXED if self.remote else StampKind.FILE
         self._fixed = np.asarray(remote_stamps, dtype=np.int64)  # the stamps at open
         self._file_start = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
@@ -267,6 +273,17 @@ class ParquetSource(RowSource):
             raise ManifestError(f"not a readable Parquet file ({exc})", path=name) from exc
         return _Reader(pf, stamp, handle)
 
+    def _read_footer(self, name: str) -> tuple[tuple[int, ...], int, Any]:
+        """``(stamp, rows, ids or None)`` of one file, closed afterwards (rows are read
+        through readers opened where they are needed: no fd kept per file)."""
+        reader = self._open_new(name)
+        try:
+            self._check_schema(reader.pf, name)
+            ids = self._read_ids(reader.pf, name) if self.columns["id"] else None
+            return reader.stamp, int(reader.starts[-1]), ids
+        finally:
+            reader.close()
+
     def _check_schema(self, pf: Any, name: str) -> None:
         have = pf.schema_arrow.names
         for role, column in self.columns.items():
@@ -333,21 +350,25 @@ class ParquetSource(RowSource):
         reader = self._readers.get(f)
         if _is_url(name):
             if reader is not None:
+                self._readers.move_to_end(f)
                 return reader  # FIXED: the stamp read at open stands
         else:
             now = self._stat(name)
             if now is None:  # never the rows of a file that is gone from an old mapping
                 raise SampleError("the file is gone or unreadable", sample_id="<file>", path=name)
             if reader is not None and reader.stamp == now:
+                self._readers.move_to_end(f)
                 return reader
-        if reader is not None and reader.handle is not None:
-            reader.handle.close()
+        if reader is not None:
+            self._readers.pop(f).close()
         try:
             reader = self._open_new(name)
             self._check_schema(reader.pf, name)
         except ManifestError as err:
             raise SampleError(err.reason, sample_id="<file>", path=name) from err
         self._readers[f] = reader
+        while len(self._readers) > _OPEN_FILES:
+            self._readers.popitem(last=False)[1].close()
         return reader
 
     def _group(self, f: int, reader: _Reader, g: int) -> Any:
@@ -415,7 +436,7 @@ class ParquetSource(RowSource):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state["_readers"], state["_groups"], state["_lock"] = {}, OrderedDict(), None
+        state["_readers"], state["_groups"], state["_lock"] = OrderedDict(), OrderedDict(), None
         state["_group_bytes"] = 0
         return state
 
