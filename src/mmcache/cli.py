@@ -434,10 +434,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _data_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``format=`` and ``columns=`` of MultimodalDataset from ``--format`` and ``--columns``."""
+    """``format=``, ``columns=`` and ``image_root=`` of MultimodalDataset from the options."""
     from mmcache.errors import ConfigError
 
     out: dict[str, Any] = {"format": args.format}
+    if args.image_root:
+        out["image_root"] = args.image_root
     if args.columns:
         columns: dict[str, str | None] = {}
         for part in args.columns.split(","):
@@ -458,6 +460,7 @@ def _add_data_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--columns", help="Parquet/HF column names: id=key,image=jpg,text=caption (text= for none)"
     )
+    p.add_argument("--image-root", help="COCO: the images' folder (default: the JSON's folder)")
 
 
 def _first_sample(ds: Any, *, limit: int) -> Any:

@@ -199,6 +199,20 @@ def test_cli_warm_and_bench_take_parquet_and_coco(
     assert main([*bench, "--no-baseline", *args]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["samples"] == N and out["epochs"][1]["hit_rate"] == 1.0
+    if fmt == "coco":  # the image root named on the command line
+        root = str(data["coco"].parent)
+        warm = ["warm", location, "--cache", str(tmp_path / "c3"), "--image-root", root, *args]
+        assert main(warm) == 0 and json.loads(capsys.readouterr().out)["admitted"] == N
+        missing = [
+            "warm",
+            location,
+            "--cache",
+            str(tmp_path / "c4"),
+            "--image-root",
+            "/nonexistent",
+        ]
+        assert main([*missing, *args]) == 0
+        assert json.loads(capsys.readouterr().out)["admitted"] == 0  # every file missing
     if fmt == "parquet":  # columns named on the command line: ids from the id column
         cache = str(tmp_path / "c2")
         named = ["warm", location, "--cache", cache, "--columns", "id=id,text=text", *args]
