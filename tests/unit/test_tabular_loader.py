@@ -103,7 +103,6 @@ def test_a_rewritten_parquet_file_is_never_served_stale(
         _epoch(loader, 1)  # warm: served from the cache
         # rewrite the first file with its images mirrored (same ids, same row count)
         table = pq.read_table(paths[0])
-        flipped = MultimodalDataset(folder, pipeline=small_pipeline, columns={"id": "id"})
         rows = table.to_pylist()
         import io
 
@@ -117,7 +116,6 @@ def test_a_rewritten_parquet_file_is_never_served_stale(
         pq.write_table(type(table).from_pylist(rows, schema=table.schema), paths[0])
         st = paths[0].stat()
         os.utime(paths[0], ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
-        del flipped
         got = _epoch(loader, 2)
         fresh = MultimodalDataset(folder, pipeline=small_pipeline, columns={"id": "id"})
         expected = _epoch(DataLoader(fresh, cache=None, batch_size=5, seed=1), 2)
