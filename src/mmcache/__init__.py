@@ -51,7 +51,11 @@ from mmcache.plot import plot
 from mmcache.policies import Policy, Residents, get_policy, policy_names, register_policy
 from mmcache.sampler import EpochSampler
 from mmcache.sources.base import SampleSource, StampKind
+from mmcache.sources.coco import CocoSource
 from mmcache.sources.files import FileSource
+from mmcache.sources.hfdataset import HFDatasetSource
+from mmcache.sources.open import register_source_format
+from mmcache.sources.parquet import ParquetSource
 from mmcache.stats import CacheStats, EpochStats, LoaderStats, TierStats
 from mmcache.stores.base import BatchReader, Store
 from mmcache.stores.disk import DiskStore
@@ -77,6 +81,7 @@ __all__ = [
     "CacheError",
     "CacheStats",
     "CachedDataset",
+    "CocoSource",
     "ConfigError",
     "CorruptEntryError",
     "DataLoader",
@@ -91,6 +96,7 @@ __all__ = [
     "FeatureWarmReport",
     "FileSource",
     "GcReport",
+    "HFDatasetSource",
     "ImageSpec",
     "LoaderHook",
     "LoaderStats",
@@ -98,6 +104,7 @@ __all__ = [
     "MemoryStore",
     "MmcacheError",
     "MultimodalDataset",
+    "ParquetSource",
     "Pipeline",
     "Policy",
     "Records",
@@ -131,6 +138,7 @@ __all__ = [
     "read_manifest",
     "reclaim_orphans",
     "register_policy",
+    "register_source_format",
     "sizing",
     "stage",
     "synth",

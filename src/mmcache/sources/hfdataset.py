@@ -1,0 +1,169 @@
+"""``HFDatasetSource``: a map-style HF ``datasets.Dataset`` read through its Arrow table.
+
+A row's image is the ``Image`` feature's struct ``{bytes, path}`` as stored,
+taken from the dataset in the ``"arrow"`` format (``ds.with_format("arrow")``:
+no PIL decode, no Python row dict) and decoded by mmcache's own decode step,
+so the output equals that of the same JPEG read as a loose file. ``ds[i]``
+decoding (datasets#7753) is never used.
+
+Stamps (``StampKind.FIXED``): the dataset's fingerprint (``ds._fingerprint``,
+which ``datasets`` changes with every transform: ``map``, ``filter``,
+``select``, ``shuffle``...) plus the row index. A dataset is immutable, so
+nothing is re-checked per epoch; a changed dataset is a new object with a new
+fingerprint, and all its keys are new (they are never the old dataset's).
+
+Pickling (spawn workers): the source pickles its dataset, which ``datasets``
+pickles as the paths of its memory-mapped Arrow files (``load_from_disk``,
+``load_dataset``: about 1 KB) but as its whole table when it lives in memory
+(``Dataset.from_dict``): save such a dataset to disk first for many workers.
+
+Thread/process safety: read-only after construction but for the per-process
+Arrow view (made on first read) and what :class:`~mmcache.sources.rows.RowSource`
+keeps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+import xxhash
+
+from mmcache.errors import ConfigError, ManifestError, SampleError
+from mmcache.sources.base import OnError, SampleSource, StampKind
+from mmcache.sources.rows import IdColumn, RowSource, StagedProcessor, check_columns, image_cell
+
+__all__ = ["HFDatasetSource"]
+
+
+def _datasets() -> Any:
+    try:
+        import datasets
+    except ImportError as exc:  # pragma: no cover - datasets is in the test environment
+        raise ConfigError(
+            "reading an HF dataset needs datasets: pip install 'mmcache[datasets]'"
+        ) from exc
+    return datasets
+
+
+class HFDatasetSource(RowSource):
+    """Image-text samples from the rows of a map-style ``datasets.Dataset``.
+
+    >>> ds = datasets.load_from_disk("coco-hf")                          # doctest: +SKIP
+    >>> src = HFDatasetSource(ds, pipeline=pipe, columns={"text": "caption"})  # doctest: +SKIP
+
+    Args:
+        dataset: a ``datasets.Dataset`` (not an ``IterableDataset`` nor a
+            ``DatasetDict``: pick a split).
+        pipeline: how to turn a row into arrays (a :class:`mmcache.Pipeline`).
+        columns: the ``"id"``, ``"image"`` and ``"text"`` columns (defaults: the row
+            index as id, the first ``Image`` feature, ``"text"``; ``None``: none).
+        on_error: ``"raise"``: a row that cannot be produced (a null image, bad
+            bytes) raises SampleError naming the dataset, the row and the id;
+            ``"skip"``: it is left out and listed in :meth:`rejects`.
+    """
+
+    stamp_kind = StampKind.FIXED
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        pipeline: StagedProcessor,
+        columns: Mapping[str, str | None] | None = None,
+        on_error: OnError = "raise",
+    ) -> None:
+        from mmcache.sources.files import check_on_error
+
+        on_error = check_on_error(on_error)
+        hf = _datasets()
+        if not isinstance(dataset, hf.Dataset):
+            raise ConfigError(
+                "HFDatasetSource needs a map-style datasets.Dataset (pick a split of a "
+                "DatasetDict; stream-only datasets are not supported), got "
+                f"{type(dataset).__name__}"
+            )
+        features = dataset.features
+        image_default = next(
+            (name for name, f in features.items() if isinstance(f, hf.Image)), "image"
+        )
+        self.columns = check_columns(columns, {"id": None, "image": image_default, "text": "text"})
+        self.fingerprint_of_data: str = str(dataset._fingerprint)
+        self.where = f"<dataset {self.fingerprint_of_data}>"
+        for role, column in self.columns.items():
+            if column is not None and column not in dataset.column_names:
+                raise ManifestError(
+                    f"no {role} column {column!r} (columns: {', '.join(dataset.column_names)}; "
+                    f"name it with columns={{{role!r}: ...}})",
+                    path=self.where,
+                )
+        self.dataset = dataset
+        self._stamp = int(
+            np.uint64(xxhash.xxh3_64_intdigest(self.fingerprint_of_data.encode())).view(np.int64)
+        )
+        ids = IdColumn(len(dataset))
+        if self.columns["id"]:
+            arrow = dataset.with_format("arrow", columns=[self.columns["id"]])
+            column = arrow[self.columns["id"]]
+            if column.null_count:
+                raise ManifestError(f"id column {self.columns['id']!r} is null", path=self.where)
+            ids = IdColumn.of_arrow(column)
+        super().__init__(pipeline=pipeline, ids=ids, on_error=on_error)
+        dup = self._ids.duplicate()
+        if dup is not None:
+            raise ManifestError(
+                "duplicate id (ids must be unique)",
+                path=self.where,
+                line=dup,
+                sample_id=self._ids.id(dup),
+            )
+        self._view: Any = None
+
+    def stamps(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        """``int64 [n, 2]``: a hash of the dataset's fingerprint, and the row index."""
+        idx = self._checked(indices)
+        out = np.empty((idx.shape[0], 2), dtype=np.int64)
+        out[:, 0] = self._stamp
+        out[:, 1] = idx
+        return out
+
+    def stamp_string(self, index: int, stamp: npt.NDArray[np.int64]) -> str:
+        return f"hf:{self.fingerprint_of_data}:{index}"
+
+    def read_row(self, index: int) -> tuple[bytes | None, str | None, str | None, str]:
+        if self._view is None:
+            wanted = [c for c in (self.columns["image"], self.columns["text"]) if c]
+            self._view = self.dataset.with_format("arrow", columns=wanted)
+        where = f"{self.where} row {index}"
+        try:
+            row = self._view[index]
+        except Exception as exc:  # an Arrow file gone or cut under the mapping
+            raise SampleError(
+                f"cannot read the row: {type(exc).__name__}: {exc}",
+                sample_id=self._ids.id(index),
+                path=where,
+            ) from exc
+        text = None
+        if self.columns["text"]:
+            value = row.column(self.columns["text"])[0].as_py()
+            text = None if value is None else str(value)
+        data, image_file = None, None
+        if self.columns["image"]:
+            data, image_file = image_cell(row.column(self.columns["image"])[0], "")
+        return data, image_file, text, where
+
+    def __repr__(self) -> str:
+        return f"HFDatasetSource({self.where}, {len(self)} rows, columns={self.columns})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_view"] = None
+        return state
+
+
+if TYPE_CHECKING:  # mypy checks that HFDatasetSource conforms to the protocol
+
+    def _conforms(source: HFDatasetSource) -> SampleSource:
+        return source

@@ -1,0 +1,451 @@
+"""``ParquetSource``: image-text rows of Parquet files read in place, one row group at a time.
+
+A row holds the image as encoded bytes (a ``binary`` column) or as the HF
+``Image`` struct ``{bytes, path}`` (what ``datasets`` writes), a text column and,
+optionally, an id column (default: the row's position in the source); names via
+``columns={"id": ..., "image": ..., "text": ...}``.
+
+Reading: the files' footers are read at open (row counts, schema; the id column
+if there is one). A sample then reads only its row group's image, text and id
+column chunks (``ParquetFile.read_row_group``, memory-mapped for local files),
+never the whole file; decoded row groups are kept per process up to
+``row_group_memory`` bytes (LRU), so rows read in file order, shuffled within a
+group, or shuffled over data smaller than that decode each group once.
+
+Stamps (``StampKind.FILE`` for local files): each row's stamp is its file's
+``stat`` (:data:`mmcache.keys.STAT_FIELDS`) and its key adds the row's place in
+the file, so a rewritten file changes the keys of all its rows at the next
+check (the loader re-``stat``-s before a warm epoch serves cached entries), and a
+worker that finds the file changed since it opened it opens it again (and
+refuses a row whose id moved). Remote files (an fsspec URL; ``storage_options``
+passed through) are ``StampKind.FIXED``: their size, mtime and ETag read at open.
+
+Thread/process safety: read-only after construction but for the per-process
+readers (behind a lock) and what :class:`~mmcache.sources.rows.RowSource` keeps;
+pickles as file names and columns (readers are opened again in each process).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+import xxhash
+
+from mmcache import keys
+from mmcache.errors import ConfigError, ManifestError, SampleError
+from mmcache.sources.base import OnError, SampleSource, StampKind
+from mmcache.sources.rejects import Reject
+from mmcache.sources.rows import (
+    IdColumn,
+    RowSource,
+    StagedProcessor,
+    check_columns,
+    image_cell,
+)
+from mmcache.units import parse_size
+
+__all__ = ["ParquetSource"]
+
+_DEFAULT_COLUMNS: dict[str, str | None] = {"id": None, "image": "image", "text": "text"}
+_GLOB_CHARS = frozenset("*?[")
+#: Files a process keeps open for reading rows (least recently read closed first).
+_OPEN_FILES = 32
+
+
+def _pyarrow() -> Any:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as exc:  # pragma: no cover - pyarrow is in the test environment
+        raise ConfigError("reading Parquet needs pyarrow: pip install 'mmcache[parquet]'") from exc
+    return pq
+
+
+def _fsspec() -> Any:
+    try:
+        import fsspec
+    except ImportError as exc:  # pragma: no cover - fsspec is in the test environment
+        raise ConfigError(
+            "reading Parquet from a URL needs fsspec: pip install 'mmcache[parquet]' "
+            "(and the file system's package: s3fs, gcsfs...)"
+        ) from exc
+    return fsspec
+
+
+def _is_url(path: str) -> bool:
+    return "://" in path and not path.startswith("file://")
+
+
+def _int64(value: object) -> int:
+    """A stable signed 64-bit number for a string (an ETag, a URL)."""
+    return int(np.int64(np.uint64(xxhash.xxh3_64_intdigest(str(value).encode())).view(np.int64)))
+
+
+def _expand(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[str]:
+    """Local or remote file names from a path, a directory, a glob or a list of them."""
+    items = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
+    out: list[str] = []
+    for item in items:
+        name = os.fspath(item)
+        if not isinstance(name, str):
+            raise ConfigError(f"a Parquet path must be a str, got {name!r}")
+        if _is_url(name):
+            out.append(name)  # globs are expanded by fsspec at open
+        elif _GLOB_CHARS & set(name):
+            found = sorted(glob.glob(name, recursive=True))
+            if not found:
+                raise ManifestError("no Parquet file matches this pattern", path=name)
+            out.extend(os.path.abspath(f) for f in found)
+        elif os.path.isdir(name):
+            found = sorted(glob.glob(os.path.join(name, "**", "*.parquet"), recursive=True))
+            if not found:
+                raise ManifestError("no *.parquet file in this folder", path=name)
+            out.extend(os.path.abspath(f) for f in found)
+        else:
+            out.append(os.path.abspath(name))
+    if not out:
+        raise ConfigError("ParquetSource needs at least one file")
+    return out
+
+
+class _Reader:
+    """One open file in one process: the ParquetFile, the stamp it was opened at and
+    the first row of each of its row groups."""
+
+    def __init__(self, pf: Any, stamp: tuple[int, ...], handle: Any) -> None:
+        self.pf = pf
+        self.stamp = stamp
+        self.handle = handle
+        counts = [pf.metadata.row_group(g).num_rows for g in range(pf.metadata.num_row_groups)]
+        self.starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+
+    def close(self) -> None:
+        self.pf.close()
+        if self.handle is not None:
+            self.handle.close()
+
+
+class ParquetSource(RowSource):
+    """Image-text samples from the rows of Parquet files, read in place.
+
+    >>> src = ParquetSource("data/*.parquet", pipeline=pipe,              # doctest: +SKIP
+    ...                     columns={"image": "jpg", "text": "caption", "id": "key"})
+
+    Args:
+        paths: a file, a folder (its ``*.parquet``, recursively), a glob, an fsspec
+            URL (``s3://bucket/train-*.parquet``) or a list of them; rows are
+            numbered in file order.
+        pipeline: how to turn a row into arrays (a :class:`mmcache.Pipeline`).
+        columns: names of the ``"id"``, ``"image"`` and ``"text"`` columns (defaults
+            ``None``: the row position, ``"image"``, ``"text"``; ``None`` for image
+            or text: no such column, for an image-only or text-only pipeline).
+        on_error: ``"raise"``: a file that is not Parquet (a corrupt footer), lacks a
+            column or has a null id raises ManifestError naming it; a row that cannot
+            be produced (a null image, bad bytes) raises SampleError naming the file,
+            the row and the id. ``"skip"``: such files and rows are left out and
+            listed in :meth:`rejects`. A duplicate id raises under both.
+        storage_options: passed to ``fsspec`` for URLs.
+        row_group_memory: bytes of decoded row groups kept per process (an int or
+            ``"128MiB"``; at least the last group read is kept, whatever its size):
+            rows read in file order or shuffled within a group decode their group
+            once; a global shuffle over files larger than this decodes a group for
+            most rows of a cold epoch (see README's figures).
+    """
+
+    def __init__(
+        self,
+        paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+        *,
+        pipeline: StagedProcessor,
+        columns: Mapping[str, str | None] | None = None,
+        on_error: OnError = "raise",
+        storage_options: Mapping[str, Any] | None = None,
+        row_group_memory: int | str = "128MiB",
+    ) -> None:
+        from mmcache.sources.files import check_on_error
+
+        on_error = check_on_error(on_error)
+        self.row_group_memory = parse_size(row_group_memory)
+        self.columns = check_columns(columns, _DEFAULT_COLUMNS)
+        if self.columns["image"] is None and self.columns["text"] is None:
+            raise ConfigError("columns: a ParquetSource needs an image or a text column")
+        self.storage_options = dict(storage_options or {})
+        self._readers: OrderedDict[int, _Reader] = OrderedDict()
+        self._groups: OrderedDict[tuple[int, int, tuple[int, ...]], Any] = OrderedDict()
+        self._group_bytes = 0
+        self._lock = threading.Lock()
+        rejects: list[Reject] = []
+        files, remote_stamps, counts, id_parts = [], [], [], []
+        for name in self._resolve(_expand(paths)):
+            try:
+                stamp, count, ids = self._read_footer(name)
+            except ManifestError as err:
+                if on_error == "raise":
+                    raise
+                rejects.append(Reject(f"<file {name}>", name, err.reason))
+                continue
+            files.append(name)
+            remote_stamps.append(stamp)
+            counts.append(count)
+            id_parts.append(ids)
+        if not files:
+            raise ManifestError(
+                f"no readable Parquet file (first problem: {rejects[0].reason})"
+                if rejects
+                else "no Parquet file",
+                path=os.fspath(paths) if isinstance(paths, str | os.PathLike) else str(paths),
+            )
+        self.files: list[str] = files
+        self.remote = any(_is_url(f) for f in files)
+        if self.remote and not all(_is_url(f) for f in files):
+            raise ConfigError("a ParquetSource reads local files or URLs, not both at once")
+        self.stamp_kind = StampKind.FIXED if self.remote else StampKind.FILE
+        self._fixed = np.asarray(remote_stamps, dtype=np.int64)  # the stamps at open
+        self._file_start = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+        super().__init__(pipeline=pipeline, ids=self._id_column(id_parts), on_error=on_error)
+        self.open_rejects = rejects
+        dup = self._ids.duplicate()
+        if dup is not None:
+            f, r = self._place(dup)
+            raise ManifestError(
+                "duplicate id (ids must be unique)",
+                path=self.files[f],
+                line=r,
+                sample_id=self._ids.id(dup),
+            )
+
+    # -- opening ------------------------------------------------------------------------
+    def _resolve(self, names: list[str]) -> list[str]:
+        """Expand remote globs through fsspec (local ones were expanded already)."""
+        out: list[str] = []
+        for name in names:
+            if _is_url(name) and _GLOB_CHARS & set(name):
+                fs, _, found = _fsspec().get_fs_token_paths(
+                    name, storage_options=self.storage_options
+                )
+                if not found:
+                    raise ManifestError("no Parquet file matches this pattern", path=name)
+                protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+                out.extend(f"{protocol}://{p}" for p in sorted(found))
+            else:
+                out.append(name)
+        return out
+
+    def _stat(self, name: str) -> tuple[int, ...] | None:
+        """The file's stamp now (local: its stat fields; remote: None, fixed at open)."""
+        if _is_url(name):
+            return None
+        try:
+            return keys.stat_fields(os.stat(name))
+        except OSError:
+            return None
+
+    def _open_new(self, name: str) -> _Reader:
+        pq = _pyarrow()
+        import pyarrow as pa
+
+        try:
+            if _is_url(name):
+                handle = _fsspec().open(name, "rb", **self.storage_options).open()
+                info = handle.fs.info(handle.path)
+                etag = info.get("ETag") or info.get("etag") or info.get("version_id") or ""
+                mtime = info.get("LastModified") or info.get("mtime") or ""
+                stamp: tuple[int, ...] = (
+                    int(info.get("size") or 0),
+                    _int64(mtime),
+                    _int64(etag),
+                    _int64(name),
+                )
+                pf = pq.ParquetFile(handle)
+            else:
+                handle = None
+                stamp = keys.stat_fields(os.stat(name))
+                pf = pq.ParquetFile(name, memory_map=True)
+        except FileNotFoundError as exc:
+            raise ManifestError("file not found", path=name) from exc
+        except (pa.ArrowException, OSError) as exc:
+            raise ManifestError(f"not a readable Parquet file ({exc})", path=name) from exc
+        return _Reader(pf, stamp, handle)
+
+    def _read_footer(self, name: str) -> tuple[tuple[int, ...], int, Any]:
+        """``(stamp, rows, ids or None)`` of one file, closed afterwards (rows are read
+        through readers opened where they are needed: no fd kept per file)."""
+        reader = self._open_new(name)
+        try:
+            self._check_schema(reader.pf, name)
+            ids = self._read_ids(reader.pf, name) if self.columns["id"] else None
+            return reader.stamp, int(reader.starts[-1]), ids
+        finally:
+            reader.close()
+
+    def _check_schema(self, pf: Any, name: str) -> None:
+        have = pf.schema_arrow.names
+        for role, column in self.columns.items():
+            if column is not None and column not in have:
+                raise ManifestError(
+                    f"no {role} column {column!r} (columns: {', '.join(have)}; name it "
+                    f"with columns={{{role!r}: ...}})",
+                    path=name,
+                )
+
+    def _read_ids(self, pf: Any, name: str) -> Any:
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        column = self.columns["id"]
+        try:
+            ids = pc.cast(pf.read(columns=[column]).column(0), pa.large_string())
+        except (pa.ArrowException, OSError) as exc:
+            raise ManifestError(f"cannot read id column {column!r} ({exc})", path=name) from exc
+        if ids.null_count:
+            row = int(pc.index(pc.is_null(ids), True).as_py())
+            raise ManifestError(f"id column {column!r} is null", path=name, line=row)
+        return ids
+
+    def _id_column(self, parts: list[Any]) -> IdColumn:
+        n = int(self._file_start[-1])
+        if not self.columns["id"]:
+            return IdColumn(n)
+        import pyarrow as pa
+
+        return IdColumn.of_arrow(pa.chunked_array(parts))
+
+    # -- where a row is -----------------------------------------------------------------
+    def _place(self, index: int) -> tuple[int, int]:
+        f = int(np.searchsorted(self._file_start, index, side="right")) - 1
+        return f, index - int(self._file_start[f])
+
+    def stamps(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Each row's file stamp as ``int64 [n, 4]``: the file's stat fields (one ``stat``
+        per distinct file), ``-2`` where it is gone; remote files: size, mtime, ETag and
+        URL hashes read at open."""
+        idx = self._checked(indices)
+        files = np.searchsorted(self._file_start, idx, side="right") - 1
+        if self.remote:
+            out: np.ndarray = self._fixed[files]
+            return out
+        stamps = np.full((idx.shape[0], len(keys.STAT_FIELDS)), -2, dtype=np.int64)
+        for f in np.unique(files).tolist():
+            now = self._stat(self.files[f])
+            if now is not None:
+                stamps[files == f] = now
+        return stamps
+
+    def stamp_string(self, index: int, stamp: npt.NDArray[np.int64]) -> str:
+        r = self._place(index)[1]
+        if int(stamp[0]) == -2:
+            return f"parquet:missing:{r}"
+        return f"parquet:{keys.fields_stamp(stamp.tolist())}:{r}"
+
+    # -- reading a row ------------------------------------------------------------------
+    def _reader(self, f: int) -> _Reader:
+        """This process's reader of file ``f``, opened again if the file changed."""
+        name = self.files[f]
+        reader = self._readers.get(f)
+        if _is_url(name):
+            if reader is not None:
+                self._readers.move_to_end(f)
+                return reader  # FIXED: the stamp read at open stands
+        else:
+            now = self._stat(name)
+            if now is None:  # never the rows of a file that is gone from an old mapping
+                raise SampleError("the file is gone or unreadable", sample_id="<file>", path=name)
+            if reader is not None and reader.stamp == now:
+                self._readers.move_to_end(f)
+                return reader
+        if reader is not None:
+            self._readers.pop(f).close()
+        try:
+            reader = self._open_new(name)
+            self._check_schema(reader.pf, name)
+        except ManifestError as err:
+            raise SampleError(err.reason, sample_id="<file>", path=name) from err
+        self._readers[f] = reader
+        while len(self._readers) > _OPEN_FILES:
+            self._readers.popitem(last=False)[1].close()
+        return reader
+
+    def _group(self, f: int, reader: _Reader, g: int) -> Any:
+        key = (f, g, reader.stamp)
+        table = self._groups.get(key)
+        if table is not None:
+            self._groups.move_to_end(key)
+            return table
+        wanted = [c for c in (self.columns["image"], self.columns["text"], self.columns["id"]) if c]
+        table = reader.pf.read_row_group(g, columns=list(dict.fromkeys(wanted)))
+        self._groups[key] = table
+        self._group_bytes += table.nbytes
+        while len(self._groups) > 1 and self._group_bytes > self.row_group_memory:
+            self._group_bytes -= self._groups.popitem(last=False)[1].nbytes
+        return table
+
+    def read_row(self, index: int) -> tuple[bytes | None, str | None, str | None, str]:
+        import pyarrow as pa
+
+        f, r = self._place(index)
+        name = self.files[f]
+        where = f"{name} row {r}"
+        sid = self._ids.id(index)
+        with self._lock:
+            try:
+                reader = self._reader(f)
+            except SampleError as err:
+                raise SampleError(err.reason, sample_id=sid, path=where) from err
+            if r >= int(reader.starts[-1]):
+                raise SampleError(
+                    f"the file now has {int(reader.starts[-1])} rows (it was rewritten "
+                    "since the source was opened; open it again)",
+                    sample_id=sid,
+                    path=where,
+                )
+            g = int(np.searchsorted(reader.starts, r, side="right")) - 1
+            try:
+                table = self._group(f, reader, g)
+            except (pa.ArrowException, OSError) as exc:
+                raise SampleError(
+                    f"cannot read row group {g}: {exc}", sample_id=sid, path=where
+                ) from exc
+        k = r - int(reader.starts[g])
+        if self.columns["id"]:
+            now_id = table.column(self.columns["id"])[k].as_py()
+            if str(now_id) != sid:
+                raise SampleError(
+                    f"the row's id is now {now_id!r} (the file was rewritten since the "
+                    "source was opened; open it again)",
+                    sample_id=sid,
+                    path=where,
+                )
+        text = None
+        if self.columns["text"]:
+            value = table.column(self.columns["text"])[k].as_py()
+            text = None if value is None else str(value)
+        data, image_file = None, None
+        if self.columns["image"]:
+            base = "" if _is_url(name) else os.path.dirname(name)
+            data, image_file = image_cell(table.column(self.columns["image"])[k], base)
+        return data, image_file, text, where
+
+    def __repr__(self) -> str:
+        return f"ParquetSource({len(self.files)} files, {len(self)} rows, columns={self.columns})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_readers"], state["_groups"], state["_lock"] = OrderedDict(), OrderedDict(), None
+        state["_group_bytes"] = 0
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._lock = threading.Lock()
+
+
+if TYPE_CHECKING:  # mypy checks that ParquetSource conforms to the protocol
+
+    def _conforms(source: ParquetSource) -> SampleSource:
+        return source
