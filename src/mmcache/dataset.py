@@ -218,6 +218,10 @@ class SourceDataset(MultimodalDataset):
     def varying_fields(self) -> frozenset[str]:
         return frozenset(getattr(self.source, "varying_fields", ()))
 
+    @property
+    def channels_last_fields(self) -> frozenset[str]:
+        return frozenset(getattr(self.source, "channels_last_fields", ()))
+
     def stamps(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
         return self.source.stamps(indices)
 

@@ -78,3 +78,20 @@ def test_augmented_batches_are_the_same_from_either_layout(data: Path) -> None:
 def test_channels_last_must_be_a_bool() -> None:
     with pytest.raises(ConfigError, match="channels_last must be a bool"):
         ImageSpec(channels_last=1)  # type: ignore[arg-type]
+
+
+def test_a_parquet_source_presents_interleaved_pixels_as_planar_values(
+    data: Path, tmp_path: Path
+) -> None:
+    from mmcache.testing.tabular import write_parquet
+
+    table = write_parquet(data, tmp_path / "t")[0]
+    planar = MultimodalDataset(table, pipeline=Pipeline(image=ImageSpec(size=32)))
+    inter = MultimodalDataset(
+        table, pipeline=Pipeline(image=ImageSpec(size=32, channels_last=True))
+    )
+    assert inter.channels_last_fields == {"image"}
+    assert torch.equal(inter[3]["image"], planar[3]["image"])  # type: ignore[index]
+    a = next(iter(DataLoader(planar, cache=None, batch_size=4)))
+    b = next(iter(DataLoader(inter, cache=None, batch_size=4)))
+    assert torch.equal(a["image"], b["image"])

@@ -30,11 +30,11 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
-import torch
 
 from mmcache import keys
 from mmcache.errors import ConfigError, SampleError
 from mmcache.sources.base import OnError, SampleSource, StampKind
+from mmcache.sources.items import item_tensors
 from mmcache.sources.readers import read_manifest
 from mmcache.sources.records import Records
 from mmcache.sources.rejects import Reject, RejectLog
@@ -266,13 +266,7 @@ class FileSource:
 
         Read-only arrays (cache views) are copied; fresh ones are wrapped without a copy.
         """
-        item: dict[str, Any] = {"id": self.records.id(index)}
-        hwc = self.channels_last_fields
-        for name, array in sample.items():
-            arr = array if array.flags.writeable else array.copy()
-            tensor = torch.from_numpy(arr)
-            item[name] = tensor.permute(2, 0, 1) if name in hwc and tensor.ndim == 3 else tensor
-        return item
+        return item_tensors(self.records.id(index), sample, self.channels_last_fields)
 
     # -- rejects ------------------------------------------------------------------------
     def record_reject(self, err: Exception) -> None:

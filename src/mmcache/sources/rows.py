@@ -26,12 +26,12 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
-import torch
 import xxhash
 
 from mmcache import keys
 from mmcache.errors import ConfigError, SampleError
 from mmcache.sources.base import OnError, StampKind
+from mmcache.sources.items import item_tensors
 from mmcache.sources.rejects import Reject, RejectLog
 from mmcache.transforms.image import ImageSpec, decode_bytes, load_image
 from mmcache.transforms.stage import Stage
@@ -275,6 +275,11 @@ class RowSource:
         """The pipeline's ``varying_fields`` (see :class:`~mmcache.sources.files.FileSource`)."""
         return frozenset(getattr(self.pipeline, "varying_fields", ()))
 
+    @property
+    def channels_last_fields(self) -> frozenset[str]:
+        """The pipeline's ``channels_last_fields`` (see :mod:`mmcache.sources.items`)."""
+        return frozenset(getattr(self.pipeline, "channels_last_fields", ()))
+
     # -- keys ---------------------------------------------------------------------------
     def key(self, index: int) -> bytes:
         key: bytes = self.key_rows([index])[0].tobytes()
@@ -319,11 +324,7 @@ class RowSource:
         )
 
     def to_item(self, index: int, sample: Mapping[str, np.ndarray]) -> dict[str, Any]:
-        item: dict[str, Any] = {"id": self._ids.id(index)}
-        for name, array in sample.items():
-            arr = array if array.flags.writeable else array.copy()
-            item[name] = torch.from_numpy(arr)
-        return item
+        return item_tensors(self._ids.id(index), sample, self.channels_last_fields)
 
     # -- rejects ------------------------------------------------------------------------
     def record_reject(self, err: Exception) -> None:
