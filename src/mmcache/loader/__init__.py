@@ -49,10 +49,11 @@ from mmcache.dist import rank_and_world
 from mmcache.errors import ConfigError
 from mmcache.loader.assemble import BatchAssembler
 from mmcache.loader.augmenting import AugmentHook
+from mmcache.loader.batching import plan_batching
 from mmcache.loader.counters import EpochCounter, HitRateWatch, epoch_scalars
 from mmcache.loader.hooks import BatchContext, EpochContext, Hooks, LoaderHook
+from mmcache.loader.packing import PackSpec
 from mmcache.loader.stream import (
-    BatchOrder,
     BatchPlanStream,
     EpochOrder,
     MissWorkers,
@@ -68,7 +69,7 @@ from mmcache.sources.base import SampleSource
 from mmcache.stats import EpochStats, LoaderStats
 from mmcache.writeback import flush_all
 
-__all__ = ["BatchContext", "DataLoader", "EpochContext", "LoaderHook"]
+__all__ = ["BatchContext", "DataLoader", "EpochContext", "LoaderHook", "PackSpec"]
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +154,18 @@ class DataLoader:
             ``hooks``.
         device: where ``augment`` runs (``"cuda"``): the batch's ``"image"`` is moved
             there first; None: the CPU.
+        pad_token_id, pad_to_multiple_of: for a source of SFT samples (varying
+            ``input_ids`` and ``labels``), each batch is padded to its longest row
+            rounded up to ``pad_to_multiple_of``, ``input_ids`` with ``pad_token_id``
+            (None: the source's ``pad_token_id``, else 0), ``labels`` with -100, plus
+            ``attention_mask`` and the images as a tensor or a list (see
+            :mod:`mmcache.loader.padding`).
+        group_by_length: batches of samples of similar length, image and text-only
+            samples apart (LLaVA's ``group_by_modality_length``; needs the source's
+            ``lengths()``; see :mod:`mmcache.loader.grouping`).
+        pack: a :class:`PackSpec`: each batch is one pack of samples of up to
+            ``max_tokens`` tokens with ``cu_seqlens`` and ``position_ids``
+            (``batch_size=1``; see :mod:`mmcache.loader.packing`).
     """
 
     def __init__(
@@ -179,6 +192,10 @@ class DataLoader:
         hooks: Sequence[LoaderHook] = (),
         augment: Callable[..., Any] | None = None,
         device: str | torch.device | None = None,
+        pad_token_id: int | None = None,
+        pad_to_multiple_of: int = 8,
+        group_by_length: bool = False,
+        pack: PackSpec | None = None,
     ) -> None:
         if not isinstance(dataset, SampleSource):
             raise ConfigError(
@@ -205,6 +222,19 @@ class DataLoader:
             world_size=world_size,
             drop_last=distributed_drop_last,
         )
+        batching = plan_batching(
+            dataset,
+            self.sampler,
+            batch_size=batch_size,
+            drop_last=drop_last,
+            group_by_length=group_by_length,
+            pack=pack,
+            pad_token_id=pad_token_id,
+            pad_to_multiple_of=pad_to_multiple_of,
+        )
+        self._batching = batching.name
+        self._order = EpochOrder(batching.order)
+        self._epoch = 0  # (len(self) of a grouped or packed loader reads it)
         if len(self) == 0:
             logger.warning(
                 "this DataLoader has no batches: every epoch is empty (%d samples, "
@@ -228,8 +258,9 @@ class DataLoader:
         if isinstance(hooks, (str, bytes)) or not isinstance(hooks, Sequence):
             raise ConfigError(f"hooks must be a list of hook objects, got {type(hooks).__name__}")
         first = [AugmentHook(augment, device)] if augment is not None else []
+        if batching.hook is not None:  # SFT padding or packing: before any other hook
+            first.insert(0, batching.hook)
         self._hooks = Hooks([*first, *hooks])
-        self._order = EpochOrder(BatchOrder(self.sampler, batch_size, drop_last))
         persistent = persistent_workers and num_workers > 0
         # Holds back workers' tasks of epochs not begun yet (only persistent workers get
         # such tasks). Opened whenever the loader goes, before torch stops the workers.
@@ -272,7 +303,6 @@ class DataLoader:
             )
         self._stream: BatchPlanStream | None = None  # plans of the batches to come
         self._live: EpochCounter | None = None  # the epoch being iterated
-        self._epoch = 0
         self._position = 0  # batches of the current epoch already yielded
         self._chosen = False  # set_epoch called since the last iteration began
         self._resumed = False  # the position came from load_state_dict
@@ -285,6 +315,8 @@ class DataLoader:
 
     # -- public API -------------------------------------------------------------------------
     def __len__(self) -> int:
+        if self._batching != "plain":  # grouped or packed: the epoch's own count
+            return len(self._order.batches(self._epoch))
         n = self.sampler.num_samples()
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
@@ -331,6 +363,7 @@ class DataLoader:
             "batch_size": self.batch_size,
             "drop_last": self.drop_last,
             "distributed_drop_last": self.sampler.drop_last,
+            "batching": self._batching,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -372,6 +405,12 @@ class DataLoader:
                     f"{mine[name]!r} ({what} differs); the order (and so the remaining "
                     "batches) would differ"
                 )
+        batching = state.get("batching", "plain")  # saved before grouping and packing
+        if batching != self._batching:
+            raise ConfigError(
+                f"cannot resume: state has batching={batching!r} but this loader has "
+                f"{self._batching!r} (group_by_length / pack differ); the batches would differ"
+            )
         epoch = _state_int(state, "epoch", 0, None)
         position = _state_int(state, "position", 0, len(self._epoch_batches(epoch)))
         self._epoch, self._position = epoch, position
