@@ -6,12 +6,13 @@ same on every rank, in every worker, in the stat prefetcher and after a resume:
 
 1. the epoch's whole-dataset permutation (:meth:`EpochSampler.permutation`) is split
    by modality (samples with an image, text-only samples), keeping its order;
-2. each part is cut into *megabatches* of ``world_size * batch_size`` samples, each
-   sorted by length, longest first (ties by the permutation's order), and cut into
-   ``world_size`` batches of ``batch_size`` (the last megabatch of a part may hold
-   fewer; ``drop_last`` drops batches short of ``batch_size``);
-3. the megabatches of both parts are shuffled (seeded by ``(seed, epoch)``), and
-   the batches laid out in that order: at step ``k`` every rank has a batch of the
+2. each part is cut into *megabatches* of a few training steps' samples (up to
+   :data:`_MEGA_STEPS` times ``world_size * batch_size``), each sorted by length,
+   longest first (ties by the permutation's order), and cut into batches of
+   ``batch_size`` (``drop_last`` drops batches short of ``batch_size``);
+3. the full megabatches of both parts are shuffled (seeded by ``(seed, epoch)``),
+   the two short ones (a part's last) follow, and the batches are laid out in
+   that order: at every step before the short ones all ranks have batches of the
    same megabatch (similar lengths, one modality), so no rank waits for another's
    long batch;
 4. ranks get equal counts as in ``DistributedSampler``: ``distributed_drop_last``
@@ -34,6 +35,9 @@ from mmcache.loader.stream import BatchOrder
 
 __all__ = ["LengthGroupedOrder", "split_by_rank"]
 
+#: Training steps per megabatch (fewer when the dataset is small: a quarter of it at
+#: most, as transformers' ``LengthGroupedSampler``): more, less padding; fewer, more random.
+_MEGA_STEPS = 16
 #: Mixed into the epoch's seed for the megabatch shuffle (the permutation uses [seed, epoch]).
 _SHUFFLE_SALT = 0x67726F7570  # "group"
 
@@ -72,8 +76,10 @@ class LengthGroupedOrder(BatchOrder):
         s = self.sampler
         bs = self.batch_size
         perm = s.permutation(epoch)
-        mega = bs * s.world_size
-        groups: list[list[np.ndarray]] = []
+        step = bs * s.world_size  # the batches of one training step, all ranks
+        mega = step * max(1, min(_MEGA_STEPS, len(perm) // (step * 4)))
+        full: list[list[np.ndarray]] = []
+        tails: list[list[np.ndarray]] = []
         for flag in (True, False):
             part = perm[self.has_image[perm] == flag]
             for a in range(0, len(part), mega):
@@ -84,12 +90,13 @@ class LengthGroupedOrder(BatchOrder):
                 if self.drop_last:
                     group = [b for b in group if len(b) == bs]
                 if group:
-                    groups.append(group)
-        if s.shuffle and groups:
-            order = _rng(s.seed, epoch, _SHUFFLE_SALT).permutation(len(groups)).tolist()
-        else:
-            order = list(range(len(groups)))
-        flat = [b for g in order for b in groups[g]]
+                    (full if len(chunk) == mega else tails).append(group)
+        if s.shuffle and full:
+            order = _rng(s.seed, epoch, _SHUFFLE_SALT).permutation(len(full)).tolist()
+            full = [full[k] for k in order]
+        # The short megabatches last: each full one covers whole steps, so at every step
+        # before them all ranks hold batches of one megabatch.
+        flat = [b for g in full + tails for b in g]
         if not flat:
             return []
         return split_by_rank(flat, rank=s.rank, world_size=s.world_size, drop_last=s.drop_last)
