@@ -95,6 +95,9 @@ class BatchAssembler:
         self._pool = BufferPool(enabled=not pin_memory)
         #: Fields whose shapes vary between samples (batches hold them as lists).
         self.varying = varying_fields(source)
+        # Whether the fixed-slot gather served at least half the rows of the last batch
+        # (a source of varied shapes): when not, rows are read one by one straight away.
+        self._fixed_pays = True
 
     @property
     def layout(self) -> codec.Header | None:
@@ -316,25 +319,37 @@ class BatchAssembler:
         the samples (by position in ``keys``) of entries of other shapes in varying
         fields, read on their own (see :mod:`~mmcache.loader.varying`). Any other entry
         of another layout, or expired, is dropped so nobody else serves it."""
-        got = gather_hits(
-            reader, layout, keys, rows, out, ttl_cutoff=self._ttl_cutoff(), count=count
-        )
-        ok, corrupt = got.ok, got.corrupt
+        n = len(keys)
+        cutoff = self._ttl_cutoff()
+        if self.varying and self._first is not None and not self._fixed_pays:
+            # Most rows lately were of other shapes: the fixed-slot gather would copy
+            # ranges only to find they do not match; read every row on its own.
+            ok = np.zeros(n, dtype=bool)
+            corrupt = np.zeros(n, dtype=bool)
+            expired = np.zeros(n, dtype=bool)
+        else:
+            got = gather_hits(reader, layout, keys, rows, out, ttl_cutoff=cutoff, count=count)
+            ok, corrupt, expired = got.ok, got.corrupt, got.expired.copy()
+            if self.varying and n:
+                self._fixed_pays = bool(ok.sum() * 2 >= n)
         own: dict[int, dict[str, np.ndarray]] = {}
         # An entry of another shape fails the layout check, or, when it is shorter than
         # the layout's ranges, is not found at all: both are read on their own.
-        if self.varying and self._first is not None and not (ok | got.expired).all():
-            at = np.flatnonzero(~(ok | got.expired))
-            good, bad = read_other_shapes(self._first, layout, keys[at], self.varying)
+        if self.varying and self._first is not None and not (ok | expired).all():
+            at = np.flatnonzero(~(ok | expired))
+            good, bad, late = read_other_shapes(
+                self._first, layout, keys[at], self.varying, ttl_cutoff=cutoff
+            )
             ok, corrupt = ok.copy(), np.zeros_like(corrupt)
             for i, sample in good.items():
                 ok[at[i]] = True
                 own[int(at[i])] = sample
             corrupt[at[bad]] = True
-        if self._first is not None and (corrupt.any() or got.expired.any()):
+            expired[at[late]] = True
+        if self._first is not None and (corrupt.any() or expired.any()):
             for i in np.flatnonzero(corrupt).tolist():
                 self._first.discard(keys[i].tobytes(), why="corrupt")
-            for i in np.flatnonzero(got.expired).tolist():
+            for i in np.flatnonzero(expired).tolist():
                 self._first.discard(keys[i].tobytes(), why="expired")
         return ok, own
 
