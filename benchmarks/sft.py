@@ -53,7 +53,7 @@ torch.set_num_threads(1)
 IMAGE = "<image>"
 IMAGE_TOKENS = 576  # LLaVA-1.5 at 336 px: (336 / 14) ** 2
 SIZE = 336
-CLIP_MEAN_U8 = tuple(int(round(255 * m)) for m in mc.CLIP_MEAN)
+CLIP_MEAN_U8 = tuple(round(255 * m) for m in mc.CLIP_MEAN)
 #: Vicuna v1 (LLaVA-1.5's conversation template) as an HF-style Jinja chat template.
 TEMPLATE = (
     "{{ bos_token }}A chat between a curious user and an artificial intelligence assistant. "
@@ -85,7 +85,7 @@ class Chat:
         self.tok = Tokenizer.from_str(tokenizer_json)
         self.image_id = self.tok.token_to_id(IMAGE)
         self.max_length = max_length
-        env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])  # noqa: S701 (text)
+        env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = lambda m: (_ for _ in ()).throw(ValueError(m))
         # The generation tag marks the assistant spans (transformers' {% generation %}).
         self.template = env.from_string(
@@ -135,7 +135,9 @@ class LlavaGetitem(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         rec = self.records[i]
-        out: dict[str, Any] = {k: torch.from_numpy(v) for k, v in self.chat(rec["conversations"]).items()}
+        out: dict[str, Any] = {
+            k: torch.from_numpy(v) for k, v in self.chat(rec["conversations"]).items()
+        }
         if "image" in rec:
             im = Image.open(self.root / rec["image"]).convert("RGB")
             im = expand2square(im, CLIP_MEAN_U8)
@@ -228,7 +230,10 @@ class LlavaSource:
         return out
 
     def to_item(self, index: int, sample: Mapping[str, np.ndarray]) -> dict[str, Any]:
-        return {"id": self.sample_id(index), **{k: torch.from_numpy(np.array(v)) for k, v in sample.items()}}
+        return {
+            "id": self.sample_id(index),
+            **{k: torch.from_numpy(np.array(v)) for k, v in sample.items()},
+        }
 
     def record_reject(self, err: Exception) -> None:
         print("reject", err, file=sys.stderr)
@@ -360,7 +365,9 @@ def main() -> None:
         first_image = next(i for i, r in enumerate(records) if "image" in r)
         sample = source.produce(first_image)
         cached_bytes = sum(v.nbytes for v in sample.values())
-        float_bytes = 3 * SIZE * SIZE * 4 + sum(v.nbytes for k, v in sample.items() if k != "images")
+        float_bytes = 3 * SIZE * SIZE * 4 + sum(
+            v.nbytes for k, v in sample.items() if k != "images"
+        )
         (tmp / "records.json").write_text(json.dumps(records))
         (tmp / "tok.json").write_text(tok)
         cmd = [
@@ -384,7 +391,10 @@ def main() -> None:
         print(f"{'':44s} {'samples/s':>10s} {'x (a)':>7s}")
         for name, t, _ in rows:
             print(f"{name:44s} {n / t:10.1f} {a / t:7.2f}")
-        print(f"warm hits {hits}/{n}; second process's first epoch hits {second['hits_first_epoch']}/{n}")
+        print(
+            f"warm hits {hits}/{n}; second process's first epoch hits "
+            f"{second['hits_first_epoch']}/{n}"
+        )
         print(
             f"bytes per image sample: cached {cached_bytes} (uint8 pixels + int32 tokens) vs "
             f"{float_bytes} with float32 pixel_values ({float_bytes / cached_bytes:.2f}x)"

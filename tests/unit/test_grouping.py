@@ -27,6 +27,7 @@ def test_each_batch_is_one_modality_and_similar_lengths() -> None:
     assert sorted(i for b in batches for i in b) == list(range(96))  # every sample once
     for b in batches:
         assert len(set(has_image[b].tolist())) == 1  # image and text-only apart
+
     # Much less padding than random batches.
     def waste(bs: list[list[int]]) -> int:
         return sum(int(lengths[b].max()) * len(b) - int(lengths[b].sum()) for b in bs)
@@ -109,7 +110,11 @@ def test_the_workers_and_warm_epochs_follow_the_grouped_order(cache_root: Path) 
     ref = _index_lists(DataLoader(src, cache=None, batch_size=4, group_by_length=True), 0)
     with Cache(cache_root, memory="16MiB", temporary=True) as cache:
         loader = DataLoader(
-            src, cache=cache, batch_size=4, group_by_length=True, num_workers=2,
+            src,
+            cache=cache,
+            batch_size=4,
+            group_by_length=True,
+            num_workers=2,
             persistent_workers=True,
         )
         cold = _index_lists(loader, 0)

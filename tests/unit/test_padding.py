@@ -22,8 +22,8 @@ def _batches(loader: DataLoader, epoch: int = 0) -> list[dict[str, Any]]:
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert a.keys() == b.keys()
-    for name in a:
-        x, y = a[name], b[name]
+    for name, x in a.items():
+        y = b[name]
         if isinstance(x, torch.Tensor):
             assert x.dtype == y.dtype and torch.equal(x, y), name
         elif isinstance(x, list) and x and isinstance(x[0], torch.Tensor):
@@ -107,7 +107,7 @@ def test_fully_masked_samples_never_reach_the_batch(cache_root: Path) -> None:
                 assert ((b["labels"] != -100).sum(dim=1) > 0).all()
     assert {r.sample_id for r in src.rejects()} == {"sft-000003", "sft-000008"}
     strict = SyntheticSFTSource(12, seed=7, masked=(3,))
-    with pytest.raises(SampleError, match="sft-000003.*fully masked|fully masked.*sft-000003"):
+    with pytest.raises(SampleError, match=r"sft-000003.*fully masked|fully masked.*sft-000003"):
         list(DataLoader(strict, cache=None, batch_size=4, shuffle=False))
 
 
@@ -140,7 +140,9 @@ def test_cold_warm_and_uncached_batches_are_bitwise_equal(cache_root: Path) -> N
         warm = _batches(loader)
         assert loader.stats().epochs[-1].hits == 24  # the warm epoch came from memory
     for a, b, c in zip(plain, cold, warm, strict=True):
-        _same({k: v for k, v in a.items() if k != "key"}, {k: v for k, v in b.items() if k != "key"})
+        _same(
+            {k: v for k, v in a.items() if k != "key"}, {k: v for k, v in b.items() if k != "key"}
+        )
         _same(b, c)
 
 
@@ -155,5 +157,7 @@ def test_zero_and_two_workers_give_the_same_batches(cache_root: Path) -> None:
         loader.close()
     assert len(zero) == len(cold) == len(warm) == 5
     for a, b, c in zip(zero, cold, warm, strict=True):
-        _same({k: v for k, v in a.items() if k != "key"}, {k: v for k, v in b.items() if k != "key"})
+        _same(
+            {k: v for k, v in a.items() if k != "key"}, {k: v for k, v in b.items() if k != "key"}
+        )
         _same(b, c)

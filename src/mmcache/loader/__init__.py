@@ -154,18 +154,11 @@ class DataLoader:
             ``hooks``.
         device: where ``augment`` runs (``"cuda"``): the batch's ``"image"`` is moved
             there first; None: the CPU.
-        pad_token_id, pad_to_multiple_of: for a source of SFT samples (varying
-            ``input_ids`` and ``labels``), each batch is padded to its longest row
-            rounded up to ``pad_to_multiple_of``, ``input_ids`` with ``pad_token_id``
-            (None: the source's ``pad_token_id``, else 0), ``labels`` with -100, plus
-            ``attention_mask`` and the images as a tensor or a list (see
-            :mod:`mmcache.loader.padding`).
-        group_by_length: batches of samples of similar length, image and text-only
-            samples apart (LLaVA's ``group_by_modality_length``; needs the source's
-            ``lengths()``; see :mod:`mmcache.loader.grouping`).
-        pack: a :class:`PackSpec`: each batch is one pack of samples of up to
-            ``max_tokens`` tokens with ``cu_seqlens`` and ``position_ids``
-            (``batch_size=1``; see :mod:`mmcache.loader.packing`).
+        pad_token_id, pad_to_multiple_of, group_by_length, pack: SFT batches of a
+            source with varying ``input_ids`` and ``labels``: padded to the longest row
+            (``pad_token_id`` None: the source's, else 0), grouped by length and
+            modality, or packed (a :class:`PackSpec`, ``batch_size=1``); see
+            :mod:`mmcache.loader.padding`, ``grouping`` and ``packing``.
     """
 
     def __init__(
@@ -223,15 +216,10 @@ class DataLoader:
             drop_last=distributed_drop_last,
         )
         batching = plan_batching(
-            dataset,
-            self.sampler,
-            batch_size=batch_size,
-            drop_last=drop_last,
-            group_by_length=group_by_length,
-            pack=pack,
-            pad_token_id=pad_token_id,
+            dataset, self.sampler, batch_size=batch_size, drop_last=drop_last,
+            group_by_length=group_by_length, pack=pack, pad_token_id=pad_token_id,
             pad_to_multiple_of=pad_to_multiple_of,
-        )
+        )  # fmt: skip
         self._batching = batching.name
         self._order = EpochOrder(batching.order)
         self._epoch = 0  # (len(self) of a grouped or packed loader reads it)
@@ -257,7 +245,7 @@ class DataLoader:
         self.augment = augment
         if isinstance(hooks, (str, bytes)) or not isinstance(hooks, Sequence):
             raise ConfigError(f"hooks must be a list of hook objects, got {type(hooks).__name__}")
-        first = [AugmentHook(augment, device)] if augment is not None else []
+        first: list[LoaderHook] = [AugmentHook(augment, device)] if augment is not None else []
         if batching.hook is not None:  # SFT padding or packing: before any other hook
             first.insert(0, batching.hook)
         self._hooks = Hooks([*first, *hooks])
@@ -405,11 +393,10 @@ class DataLoader:
                     f"{mine[name]!r} ({what} differs); the order (and so the remaining "
                     "batches) would differ"
                 )
-        batching = state.get("batching", "plain")  # saved before grouping and packing
-        if batching != self._batching:
+        if (batching := state.get("batching", "plain")) != self._batching:  # "plain": older
             raise ConfigError(
                 f"cannot resume: state has batching={batching!r} but this loader has "
-                f"{self._batching!r} (group_by_length / pack differ); the batches would differ"
+                f"{self._batching!r} (group_by_length / pack differ): other batches"
             )
         epoch = _state_int(state, "epoch", 0, None)
         position = _state_int(state, "position", 0, len(self._epoch_batches(epoch)))

@@ -73,8 +73,8 @@ def first_fit_decreasing(
     for i in order.tolist():
         need = int(lengths[i])
         fits = room[: len(members)] >= need
-        j = int(fits.argmax()) if len(members) else 0
-        if not len(members) or not fits[j]:
+        j = int(fits.argmax()) if members else 0
+        if not members or not fits[j]:
             j = len(members)
             members.append([])
             room[j] = max_tokens
@@ -96,7 +96,9 @@ class PackedOrder(BatchOrder):
         window = self.spec.window or max(len(perm), 1)
         packs: list[np.ndarray] = []
         for a in range(0, len(perm), window):
-            packs.extend(first_fit_decreasing(perm[a : a + window], self.lengths, self.spec.max_tokens))
+            packs.extend(
+                first_fit_decreasing(perm[a : a + window], self.lengths, self.spec.max_tokens)
+            )
         if s.shuffle and packs:
             order = _rng(s.seed, epoch).permutation(len(packs)).tolist()
             packs = [packs[k] for k in order]
@@ -106,4 +108,6 @@ class PackedOrder(BatchOrder):
 
 
 def _rng(seed: int, epoch: int) -> np.random.Generator:
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch, _SHUFFLE_SALT])))
+    return np.random.Generator(
+        np.random.PCG64(np.random.SeedSequence([seed, epoch, _SHUFFLE_SALT]))
+    )

@@ -21,7 +21,7 @@ concatenated into ``input_ids``/``labels``/``position_ids`` int64 ``[1, T]``, wi
 ``-100`` (the token before it belongs to another sample, so nothing predicts it).
 
 Both: ``images`` uint8 ``[N, 3, H, W]`` when every image of the batch has one shape,
-else a list of ``N`` ``[3, h, w]`` tensors; ``image_sizes`` int64 ``[N, 2]``;
+else a list of ``N`` ``[3, h, w]`` tensors (empty without images); ``image_sizes`` int64 ``[N, 2]``;
 ``image_counts`` int64 ``[B]`` (images per row, in order: rows' images are
 consecutive, so a model maps image ``i`` to its sample); ``image_grid_thw`` int64
 ``[N, 3]`` when cached. A row whose labels are all ``-100`` never reaches the model:
@@ -59,9 +59,7 @@ def _rows(batch: dict[str, Any], name: str) -> list[np.ndarray]:
     return [t.numpy() if isinstance(t, torch.Tensor) else np.asarray(t) for t in value]
 
 
-def split_images(
-    flat: np.ndarray, sizes: np.ndarray, *, sample_id: str
-) -> list[np.ndarray]:
+def split_images(flat: np.ndarray, sizes: np.ndarray, *, sample_id: str) -> list[np.ndarray]:
     """One sample's ``images`` (uint8, concatenated ``[3, h, w]`` bytes) as a list of
     ``[3, h, w]`` views, by its ``image_sizes``; SampleError when the bytes do not add up."""
     sizes = np.asarray(sizes, dtype=np.int64).reshape(-1, 2)
@@ -127,8 +125,8 @@ class _SFTHook(LoaderHook):
         else:
             out["images"] = [torch.from_numpy(im) for im in images]  # views of the rows
         all_sizes = [np.asarray(sizes[r], dtype=np.int64).reshape(-1, 2) for r in keep]
-        out["image_sizes"] = torch.from_numpy(np.concatenate(all_sizes or [np.zeros((0, 2))]))
-        out["image_sizes"] = out["image_sizes"].to(torch.int64)
+        empty = np.zeros((0, 2), dtype=np.int64)
+        out["image_sizes"] = torch.from_numpy(np.concatenate([empty, *all_sizes]))
         out["image_counts"] = torch.from_numpy(counts)
         if "image_grid_thw" in batch:
             grids = _rows(batch, "image_grid_thw")
@@ -159,9 +157,7 @@ class PadHook(_SFTHook):
         pad_to_multiple_of: the padded length is a multiple of it (1: exactly the longest).
     """
 
-    def __init__(
-        self, source: SampleSource, *, pad_token_id: int, pad_to_multiple_of: int
-    ) -> None:
+    def __init__(self, source: SampleSource, *, pad_token_id: int, pad_to_multiple_of: int) -> None:
         super().__init__(source, pad_token_id=pad_token_id)
         self.pad_to_multiple_of = pad_to_multiple_of
 

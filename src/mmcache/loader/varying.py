@@ -92,8 +92,8 @@ def read_other_shapes(
         if buf is None:
             continue  # gone (or never there): the caller produces it
         try:
-            decoded = codec.decode(buf, verify=True)  # checks the structure and checksum
-            header = codec.read_header(buf)
+            decoded = codec.decode(buf.data, verify=True)  # the structure and checksum
+            header = codec.read_header(buf.data)
         except CorruptEntryError:
             bad.append(i)
             continue

@@ -197,7 +197,8 @@ class SyntheticSFTSource:
     # -- what length grouping and packing read ------------------------------------------
     def lengths(self) -> np.ndarray:
         """Tokens per sample (image runs included), exact, without producing anything."""
-        return self._lengths.copy()
+        out: np.ndarray = self._lengths.copy()
+        return out
 
     def modalities(self) -> np.ndarray:
         """Whether each sample has at least one image."""
