@@ -98,6 +98,8 @@ class BatchAssembler:
         # Whether the fixed-slot gather served at least half the rows of the last batch
         # (a source of varied shapes): when not, rows are read one by one straight away.
         self._fixed_pays = True
+        # Per thread: rows of the last guessed gather whose hits the tier already counted.
+        self._counted = threading.local()
 
     @property
     def layout(self) -> codec.Header | None:
@@ -120,6 +122,7 @@ class BatchAssembler:
         out = self._allocate(layout, n)
         rows = np.arange(n, dtype=np.int64)
         found, own = self._gather(reader, layout, plan.keys, rows, out, count=False)
+        self._counted.rows = len(own)  # read one by one: the tier counted those hits
         if not found.all():
             return None
         batch: dict[str, Any] = {
@@ -135,7 +138,8 @@ class BatchAssembler:
     def count_guess(self, n: int, counter: EpochCounter) -> None:
         """Count a served guessed batch of ``n`` rows: all hits in the first tier."""
         if self.reader is not None:
-            self.reader.count_reads(hits=n)  # gathered with count=False
+            counted, self._counted.rows = getattr(self._counted, "rows", 0), 0
+            self.reader.count_reads(hits=n - counted)  # gathered with count=False
             counter.count_hits(self.reader.name, n)
 
     # -- a planned batch -----------------------------------------------------------------

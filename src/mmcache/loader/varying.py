@@ -103,9 +103,6 @@ def read_other_shapes(
         if ttl_cutoff is not None and header.ctime < ttl_cutoff:
             expired.append(i)
             continue
-        if any(f.logical_dtype != f.dtype.name for f in header.fields):  # bfloat16
-            good[i] = {k: np.array(v) for k, v in decoded.items()}
-            continue
         good[i] = {
             f.name: buf[f.offset : f.offset + f.nbytes].view(f.dtype).reshape(f.shape)
             for f in header.fields
