@@ -137,3 +137,16 @@ def test_packs_with_two_workers_equal_packs_without(cache_root: Path) -> None:
         for a, b in zip(ref, run, strict=True):
             for name in ("input_ids", "labels", "position_ids", "cu_seqlens", "image_counts"):
                 assert torch.equal(a[name], b[name])
+
+
+def test_samples_of_length_zero_are_left_out_of_grouped_and_packed_batches() -> None:
+    # lengths() says 0 for a sample the source will refuse (fully masked, under skip).
+    src = SyntheticSFTSource(20, seed=6, masked=(2, 11), on_error="skip")
+    assert src.lengths()[[2, 11]].tolist() == [0, 0]
+    packed = DataLoader(src, cache=None, batch_size=1, pack=PackSpec(max_tokens=128))
+    grouped = DataLoader(src, cache=None, batch_size=4, group_by_length=True)
+    for loader in (packed, grouped):
+        batches = _packs(loader, 0)
+        assert len(batches) == len(loader)
+        assert sorted(i for b in batches for i in _ids(b)) == sorted(set(range(20)) - {2, 11})
+    assert src.rejects() == []  # never planned, so never even produced

@@ -4,8 +4,9 @@ LLaVA's ``group_by_modality_length`` idea, made a pure function of ``(seed, epoc
 and of the source's token counts (:mod:`mmcache.loader.lengths`), so that it is the
 same on every rank, in every worker, in the stat prefetcher and after a resume:
 
-1. the epoch's whole-dataset permutation (:meth:`EpochSampler.permutation`) is split
-   by modality (samples with an image, text-only samples), keeping its order;
+1. the epoch's whole-dataset permutation (:meth:`EpochSampler.permutation`), less
+   the samples of length 0 (refused by the source), is split by modality (samples
+   with an image, text-only samples), keeping its order;
 2. each part is cut into *megabatches* of a few training steps' samples (up to
    :data:`_MEGA_STEPS` times ``world_size * batch_size``), each sorted by length,
    longest first (ties by the permutation's order), and cut into batches of
@@ -76,6 +77,7 @@ class LengthGroupedOrder(BatchOrder):
         s = self.sampler
         bs = self.batch_size
         perm = s.permutation(epoch)
+        perm = perm[self.lengths[perm] > 0]  # 0: a sample the source refuses
         step = bs * s.world_size  # the batches of one training step, all ranks
         mega = step * max(1, min(_MEGA_STEPS, len(perm) // (step * 4)))
         full: list[list[np.ndarray]] = []

@@ -5,7 +5,9 @@ calls, computed from what it already knows (its cached lengths, its records), ne
 by producing a sample:
 
 - ``lengths() -> int64 [N]``: the exact number of tokens of each sample (image
-  token runs included), what its cached ``input_ids`` will hold;
+  token runs included), what its cached ``input_ids`` will hold; 0 for a sample the
+  source will refuse (fully masked, under ``on_error="skip"``): grouped and packed
+  batches leave it out;
 - ``modalities() -> bool [N]`` (optional): whether each sample has at least one
   image. A source without it is all text (one group).
 
@@ -43,7 +45,7 @@ class LengthSource(Protocol):
 
 
 def sample_lengths(source: object, *, why: str) -> np.ndarray:
-    """``source.lengths()`` as ``int64 [len(source)]``, every value >= 1; ConfigError
+    """``source.lengths()`` as ``int64 [len(source)]``, every value >= 0; ConfigError
     (saying ``why`` they are needed) when the source has none or they are malformed."""
     fn = getattr(source, LENGTHS, None)
     if fn is None or not callable(fn):
@@ -59,9 +61,9 @@ def sample_lengths(source: object, *, why: str) -> np.ndarray:
             f"got {lengths.dtype} {lengths.shape}"
         )
     lengths = lengths.astype(np.int64)
-    if n and int(lengths.min()) < 1:
+    if n and int(lengths.min()) < 0:
         i = int(np.argmin(lengths))
-        raise ConfigError(f"{type(source).__name__}.{LENGTHS}()[{i}] is {lengths[i]}: must be >= 1")
+        raise ConfigError(f"{type(source).__name__}.{LENGTHS}()[{i}] is {lengths[i]}: must be >= 0")
     return lengths
 
 

@@ -4,8 +4,9 @@ The plan of epoch ``e`` is a pure function of ``(seed, e)`` and the source's tok
 counts (:mod:`mmcache.loader.lengths`), so it is the same on every rank, in every
 worker and after a resume, and nothing is decoded to make it:
 
-1. the epoch's whole-dataset permutation (:meth:`EpochSampler.permutation`) is cut
-   into windows of ``PackSpec.window`` samples;
+1. the epoch's whole-dataset permutation (:meth:`EpochSampler.permutation`), less
+   the samples of length 0 (refused by the source), is cut into windows of
+   ``PackSpec.window`` samples;
 2. within a window, first-fit decreasing: samples longest first (ties in the
    permutation's order), each into the first open pack it fits in (total tokens
    ``<= max_tokens``), or a new one. A pack never holds a sample split in two; a
@@ -93,6 +94,7 @@ class PackedOrder(BatchOrder):
     def batches(self, epoch: int) -> list[np.ndarray]:
         s = self.sampler
         perm = s.permutation(epoch)
+        perm = perm[self.lengths[perm] > 0]  # 0: a sample the source refuses
         window = self.spec.window or max(len(perm), 1)
         packs: list[np.ndarray] = []
         for a in range(0, len(perm), window):

@@ -196,8 +196,11 @@ class SyntheticSFTSource:
 
     # -- what length grouping and packing read ------------------------------------------
     def lengths(self) -> np.ndarray:
-        """Tokens per sample (image runs included), exact, without producing anything."""
+        """Tokens per sample (image runs included), exact, without producing anything;
+        0 for a sample refused under ``on_error="skip"`` (``masked``)."""
         out: np.ndarray = self._lengths.copy()
+        if self.on_error == "skip" and self._masked:
+            out[sorted(self._masked)] = 0
         return out
 
     def modalities(self) -> np.ndarray:
