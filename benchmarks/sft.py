@@ -247,7 +247,13 @@ def chatspec_dataset(manifest: Path, tok_json: str) -> Any:
     tok_path.write_text(tok_json)
     plain = TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
     text = mc.ChatSpec(  # type: ignore[attr-defined]
-        str(tok_path), plain, 2048, image_token=IMAGE, image_tokens=IMAGE_TOKENS
+        str(tok_path),
+        plain,
+        2048,
+        image_token=IMAGE,
+        image_tokens=IMAGE_TOKENS,
+        bos_token="<s>",
+        eos_token="</s>",
     )
     image = mc.ImageSpec(size=SIZE, pad_to_square=True)  # type: ignore[call-arg]
     return mc.MultimodalDataset(manifest, pipeline=mc.Pipeline(image=image, text=text))
