@@ -150,3 +150,16 @@ def test_samples_of_length_zero_are_left_out_of_grouped_and_packed_batches() -> 
         assert len(batches) == len(loader)
         assert sorted(i for b in batches for i in _ids(b)) == sorted(set(range(20)) - {2, 11})
     assert src.rejects() == []  # never planned, so never even produced
+
+
+class _WrongLengths(SyntheticSFTSource):
+    def lengths(self) -> np.ndarray:
+        out = super().lengths()
+        out[5] -= 1  # one sample's count is off: a plan from it would not hold
+        return out
+
+
+def test_a_source_whose_lengths_lie_is_an_error_naming_the_sample() -> None:
+    loader = DataLoader(_WrongLengths(12, seed=7), cache=None, batch_size=1, pack=PackSpec(256))
+    with pytest.raises(ConfigError, match=r"sft-000005.*lengths\(\)"):
+        list(loader)

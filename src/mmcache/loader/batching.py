@@ -84,9 +84,7 @@ def plan_batching(
                 sample_id=source.sample_id(i),
             )
         order: BatchOrder = PackedOrder(sampler, 1, False, lengths=lengths, spec=pack)
-        hook = PackHook(
-            source, pad_token_id=pad_token_id, lengths=lengths, max_tokens=pack.max_tokens
-        )
+        hook = PackHook(source, lengths=lengths)
         return Batching(order, hook, pack.describe())
     pad = (
         PadHook(source, pad_token_id=pad_token_id, pad_to_multiple_of=pad_to_multiple_of)

@@ -81,9 +81,8 @@ def split_images(flat: np.ndarray, sizes: np.ndarray, *, sample_id: str) -> list
 class _SFTHook(LoaderHook):
     """What padding and packing share: the checks of the rows, and the image fields."""
 
-    def __init__(self, source: SampleSource, *, pad_token_id: int) -> None:
+    def __init__(self, source: SampleSource) -> None:
         self._source = source
-        self.pad_token_id = pad_token_id
 
     def _kept(self, batch: dict[str, Any]) -> tuple[list[int], list[np.ndarray], list[np.ndarray]]:
         """The rows to keep (fully masked ones refused), their input ids and labels."""
@@ -158,7 +157,8 @@ class PadHook(_SFTHook):
     """
 
     def __init__(self, source: SampleSource, *, pad_token_id: int, pad_to_multiple_of: int) -> None:
-        super().__init__(source, pad_token_id=pad_token_id)
+        super().__init__(source)
+        self.pad_token_id = pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
 
     def after_assemble(self, batch: dict[str, Any], ctx: BatchContext) -> dict[str, Any]:
@@ -190,23 +190,18 @@ class PackHook(_SFTHook):
 
     Args:
         source: whose ``on_error`` and rejects a fully masked row goes to.
-        pad_token_id: kept for the batch's users (a packed row has no padding).
         lengths: the source's token counts the plan was made from; a row of another
             length is an error naming it (the plan would not hold).
-        max_tokens: the most tokens of one pack.
     """
 
     def __init__(
         self,
         source: SampleSource,
         *,
-        pad_token_id: int,
         lengths: np.ndarray,
-        max_tokens: int,
     ) -> None:
-        super().__init__(source, pad_token_id=pad_token_id)
+        super().__init__(source)
         self._lengths = np.asarray(lengths, dtype=np.int64)
-        self.max_tokens = max_tokens
 
     def after_assemble(self, batch: dict[str, Any], ctx: BatchContext) -> dict[str, Any]:
         rows = _rows(batch, "input_ids")
