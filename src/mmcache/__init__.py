@@ -34,7 +34,7 @@ from mmcache.features import (
     load_factory,
     warm_features,
 )
-from mmcache.loader import BatchContext, DataLoader, EpochContext, LoaderHook
+from mmcache.loader import BatchContext, DataLoader, EpochContext, LoaderHook, PackSpec
 from mmcache.manifest import Records, read_manifest
 from mmcache.pipeline import (
     CLIP_MEAN,
@@ -104,6 +104,7 @@ __all__ = [
     "MemoryStore",
     "MmcacheError",
     "MultimodalDataset",
+    "PackSpec",
     "ParquetSource",
     "Pipeline",
     "Policy",

@@ -49,10 +49,11 @@ from mmcache.dist import rank_and_world
 from mmcache.errors import ConfigError
 from mmcache.loader.assemble import BatchAssembler
 from mmcache.loader.augmenting import AugmentHook
+from mmcache.loader.batching import plan_batching
 from mmcache.loader.counters import EpochCounter, HitRateWatch, epoch_scalars
 from mmcache.loader.hooks import BatchContext, EpochContext, Hooks, LoaderHook
+from mmcache.loader.packing import PackSpec
 from mmcache.loader.stream import (
-    BatchOrder,
     BatchPlanStream,
     EpochOrder,
     MissWorkers,
@@ -68,7 +69,7 @@ from mmcache.sources.base import SampleSource
 from mmcache.stats import EpochStats, LoaderStats
 from mmcache.writeback import flush_all
 
-__all__ = ["BatchContext", "DataLoader", "EpochContext", "LoaderHook"]
+__all__ = ["BatchContext", "DataLoader", "EpochContext", "LoaderHook", "PackSpec"]
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +154,11 @@ class DataLoader:
             ``hooks``.
         device: where ``augment`` runs (``"cuda"``): the batch's ``"image"`` is moved
             there first; None: the CPU.
+        pad_token_id, pad_to_multiple_of, group_by_length, pack: SFT batches of a
+            source with varying ``input_ids`` and ``labels``: padded to the longest row
+            (``pad_token_id`` None: the source's, else 0), grouped by length and
+            modality, or packed (a :class:`PackSpec`, ``batch_size=1``); see
+            :mod:`mmcache.loader.padding`, ``grouping`` and ``packing``.
     """
 
     def __init__(
@@ -179,6 +185,10 @@ class DataLoader:
         hooks: Sequence[LoaderHook] = (),
         augment: Callable[..., Any] | None = None,
         device: str | torch.device | None = None,
+        pad_token_id: int | None = None,
+        pad_to_multiple_of: int = 8,
+        group_by_length: bool = False,
+        pack: PackSpec | None = None,
     ) -> None:
         if not isinstance(dataset, SampleSource):
             raise ConfigError(
@@ -205,6 +215,14 @@ class DataLoader:
             world_size=world_size,
             drop_last=distributed_drop_last,
         )
+        batching = plan_batching(
+            dataset, self.sampler, batch_size=batch_size, drop_last=drop_last,
+            group_by_length=group_by_length, pack=pack, pad_token_id=pad_token_id,
+            pad_to_multiple_of=pad_to_multiple_of,
+        )  # fmt: skip
+        self._batching = batching.name
+        self._order = EpochOrder(batching.order)
+        self._epoch = 0  # (len(self) of a grouped or packed loader reads it)
         if len(self) == 0:
             logger.warning(
                 "this DataLoader has no batches: every epoch is empty (%d samples, "
@@ -227,9 +245,10 @@ class DataLoader:
         self.augment = augment
         if isinstance(hooks, (str, bytes)) or not isinstance(hooks, Sequence):
             raise ConfigError(f"hooks must be a list of hook objects, got {type(hooks).__name__}")
-        first = [AugmentHook(augment, device)] if augment is not None else []
+        first: list[LoaderHook] = [AugmentHook(augment, device)] if augment is not None else []
+        if batching.hook is not None:  # SFT padding or packing: before any other hook
+            first.insert(0, batching.hook)
         self._hooks = Hooks([*first, *hooks])
-        self._order = EpochOrder(BatchOrder(self.sampler, batch_size, drop_last))
         persistent = persistent_workers and num_workers > 0
         # Holds back workers' tasks of epochs not begun yet (only persistent workers get
         # such tasks). Opened whenever the loader goes, before torch stops the workers.
@@ -272,7 +291,6 @@ class DataLoader:
             )
         self._stream: BatchPlanStream | None = None  # plans of the batches to come
         self._live: EpochCounter | None = None  # the epoch being iterated
-        self._epoch = 0
         self._position = 0  # batches of the current epoch already yielded
         self._chosen = False  # set_epoch called since the last iteration began
         self._resumed = False  # the position came from load_state_dict
@@ -285,6 +303,8 @@ class DataLoader:
 
     # -- public API -------------------------------------------------------------------------
     def __len__(self) -> int:
+        if self._batching != "plain":  # grouped or packed: the epoch's own count
+            return len(self._order.batches(self._epoch))
         n = self.sampler.num_samples()
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
@@ -331,6 +351,7 @@ class DataLoader:
             "batch_size": self.batch_size,
             "drop_last": self.drop_last,
             "distributed_drop_last": self.sampler.drop_last,
+            "batching": self._batching,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -372,6 +393,11 @@ class DataLoader:
                     f"{mine[name]!r} ({what} differs); the order (and so the remaining "
                     "batches) would differ"
                 )
+        if (batching := state.get("batching", "plain")) != self._batching:  # "plain": older
+            raise ConfigError(
+                f"cannot resume: state has batching={batching!r} but this loader has "
+                f"{self._batching!r} (group_by_length / pack differ): other batches"
+            )
         epoch = _state_int(state, "epoch", 0, None)
         position = _state_int(state, "position", 0, len(self._epoch_batches(epoch)))
         self._epoch, self._position = epoch, position

@@ -103,6 +103,11 @@ class BatchAssembler:
         #: Fields whose shapes vary between samples (batches hold them as lists).
         self.varying = varying_fields(source)
         self.channels_last = channels_last_fields(source)
+        # Whether the fixed-slot gather served at least half the rows of the last batch
+        # (a source of varied shapes): when not, rows are read one by one straight away.
+        self._fixed_pays = True
+        # Per thread: rows of the last guessed gather whose hits the tier already counted.
+        self._counted = threading.local()
 
     @property
     def layout(self) -> codec.Header | None:
@@ -125,6 +130,7 @@ class BatchAssembler:
         out = self._allocate(layout, n)
         rows = np.arange(n, dtype=np.int64)
         found, own = self._gather(reader, layout, plan.keys, rows, out, count=False)
+        self._counted.rows = len(own)  # read one by one: the tier counted those hits
         if not found.all():
             return None
         batch: dict[str, Any] = {
@@ -143,7 +149,8 @@ class BatchAssembler:
     def count_guess(self, n: int, counter: EpochCounter) -> None:
         """Count a served guessed batch of ``n`` rows: all hits in the first tier."""
         if self.reader is not None:
-            self.reader.count_reads(hits=n)  # gathered with count=False
+            counted, self._counted.rows = getattr(self._counted, "rows", 0), 0
+            self.reader.count_reads(hits=n - counted)  # gathered with count=False
             counter.count_hits(self.reader.name, n)
 
     # -- a planned batch -----------------------------------------------------------------
@@ -328,25 +335,37 @@ class BatchAssembler:
         the samples (by position in ``keys``) of entries of other shapes in varying
         fields, read on their own (see :mod:`~mmcache.loader.varying`). Any other entry
         of another layout, or expired, is dropped so nobody else serves it."""
-        got = gather_hits(
-            reader, layout, keys, rows, out, ttl_cutoff=self._ttl_cutoff(), count=count
-        )
-        ok, corrupt = got.ok, got.corrupt
+        n = len(keys)
+        cutoff = self._ttl_cutoff()
+        if self.varying and self._first is not None and not self._fixed_pays:
+            # Most rows lately were of other shapes: the fixed-slot gather would copy
+            # ranges only to find they do not match; read every row on its own.
+            ok = np.zeros(n, dtype=bool)
+            corrupt = np.zeros(n, dtype=bool)
+            expired = np.zeros(n, dtype=bool)
+        else:
+            got = gather_hits(reader, layout, keys, rows, out, ttl_cutoff=cutoff, count=count)
+            ok, corrupt, expired = got.ok, got.corrupt, got.expired.copy()
+            if self.varying and n:
+                self._fixed_pays = bool(ok.sum() * 2 >= n)
         own: dict[int, dict[str, np.ndarray]] = {}
         # An entry of another shape fails the layout check, or, when it is shorter than
         # the layout's ranges, is not found at all: both are read on their own.
-        if self.varying and self._first is not None and not (ok | got.expired).all():
-            at = np.flatnonzero(~(ok | got.expired))
-            good, bad = read_other_shapes(self._first, layout, keys[at], self.varying)
+        if self.varying and self._first is not None and not (ok | expired).all():
+            at = np.flatnonzero(~(ok | expired))
+            good, bad, late = read_other_shapes(
+                self._first, layout, keys[at], self.varying, ttl_cutoff=cutoff
+            )
             ok, corrupt = ok.copy(), np.zeros_like(corrupt)
             for i, sample in good.items():
                 ok[at[i]] = True
                 own[int(at[i])] = sample
             corrupt[at[bad]] = True
-        if self._first is not None and (corrupt.any() or got.expired.any()):
+            expired[at[late]] = True
+        if self._first is not None and (corrupt.any() or expired.any()):
             for i in np.flatnonzero(corrupt).tolist():
                 self._first.discard(keys[i].tobytes(), why="corrupt")
-            for i in np.flatnonzero(got.expired).tolist():
+            for i in np.flatnonzero(expired).tolist():
                 self._first.discard(keys[i].tobytes(), why="expired")
         return ok, own
 

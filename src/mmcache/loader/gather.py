@@ -89,6 +89,8 @@ def gather_hits(
             if name in direct:
                 continue
             off, nbytes, dtype, shape = ranges.offsets[name]
+            if nbytes == 0:  # an empty field (a text-only sample's images): nothing to copy
+                continue
             src = buf[:, off - start : off - start + nbytes]
             if not all_ok:
                 src = src[ok]

@@ -89,27 +89,49 @@ def read_other_shapes(
     layout: codec.Header,
     keys: np.ndarray,
     varying: Collection[str],
-) -> tuple[dict[int, dict[str, np.ndarray]], list[int]]:
+    *,
+    ttl_cutoff: float | None = None,
+) -> tuple[dict[int, dict[str, np.ndarray]], list[int], list[int]]:
     """Read the entries of ``keys`` (``uint8 [n,16]``) one by one from ``first``: the
-    samples (copies) of those that verify and are :func:`compatible`, by position in
-    ``keys``, and the positions of the damaged or incompatible ones (a key that is
-    not there is in neither)."""
+    samples of those that verify and are :func:`compatible`, by position in ``keys``,
+    the positions of the damaged or incompatible ones, and of those created before
+    ``ttl_cutoff`` (expired; a key that is not there is in none).
+
+    The variable-size layout: each entry is copied once, whole, from the tier's
+    buffer (:meth:`Store.view`, the lock held for that copy only) into an array of
+    its own, and its fields are writable views of that array, so a row costs one
+    copy and a checksum, whatever its shapes (the fixed-slot gather copies the same
+    byte ranges of every entry of one layout, which a sample of its own length
+    never matches).
+    """
     good: dict[int, dict[str, np.ndarray]] = {}
     bad: list[int] = []
+    expired: list[int] = []
     for i in range(len(keys)):
-        raw = first.get(keys[i].tobytes())
-        if raw is None:
+        buf: np.ndarray | None = None
+        with first.view(keys[i].tobytes()) as mv:
+            if mv is not None:
+                buf = np.empty(len(mv), dtype=np.uint8)
+                np.copyto(buf, np.frombuffer(mv, dtype=np.uint8))  # no export outlives the block
+        if buf is None:
             continue  # gone (or never there): the caller produces it
         try:
-            decoded = codec.decode(raw, verify=True)
+            decoded = codec.decode(buf.data, verify=True)  # the structure and checksum
+            header = codec.read_header(buf.data)
         except CorruptEntryError:
             bad.append(i)
             continue
-        if compatible(layout, decoded, varying):
-            good[i] = {k: np.array(v) for k, v in decoded.items()}
-        else:
+        if not compatible(layout, decoded, varying):
             bad.append(i)
-    return good, bad
+            continue
+        if ttl_cutoff is not None and header.ctime < ttl_cutoff:
+            expired.append(i)
+            continue
+        good[i] = {
+            f.name: buf[f.offset : f.offset + f.nbytes].view(f.dtype).reshape(f.shape)
+            for f in header.fields
+        }
+    return good, bad, expired
 
 
 def finish_rows(
