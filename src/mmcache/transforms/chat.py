@@ -342,7 +342,9 @@ class ChatSpec:
         n = self.image_tokens
         count = n(h, w) if callable(n) else n
         if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
-            raise SampleError(f"image_tokens({h}, {w}) gave {count!r}, not an int >= 1")
+            raise SampleError(
+                f"image_tokens({h}, {w}) gave {count!r}, not an int >= 1", sample_id="<chat>"
+            )
         return int(count)
 
     def __call__(self, chat: Chat, /) -> dict[str, npt.NDArray[np.int32]]:
@@ -361,7 +363,9 @@ class ChatSpec:
         try:
             return render(self.template, messages, self.special_tokens)
         except jinja2.exceptions.TemplateError as exc:
-            raise SampleError(f"the chat template refused the conversation: {exc}") from exc
+            raise SampleError(
+                f"the chat template refused the conversation: {exc}", sample_id="<chat>"
+            ) from exc
 
     def encode(self, chat: Chat, *, sample_id: str = "<chat>") -> ChatEncoding:
         """Render, tokenize, label and truncate one conversation (see the module
@@ -436,7 +440,8 @@ class ChatSpec:
             if start < 0:
                 raise SampleError(
                     f"the chat template rewrites assistant message {k} (its reply is not in "
-                    "the rendered text): labels cannot be placed"
+                    "the rendered text): labels cannot be placed",
+                    sample_id="<chat>",
                 )
             end = start + len(content)
             end += len(self._end_of_turn_at(text, end))
