@@ -51,14 +51,17 @@ from mmcache.plot import plot
 from mmcache.policies import Policy, Residents, get_policy, policy_names, register_policy
 from mmcache.sampler import EpochSampler
 from mmcache.sources.base import SampleSource, StampKind
+from mmcache.sources.chat import TextReport
 from mmcache.sources.files import FileSource
 from mmcache.stats import CacheStats, EpochStats, LoaderStats, TierStats
 from mmcache.stores.base import BatchReader, Store
 from mmcache.stores.disk import DiskStore
 from mmcache.stores.memory import MemoryStore, reclaim_orphans
 from mmcache.stores.tiered import TieredStore
+from mmcache.transforms.chat import IGNORE_INDEX, Chat, ChatEncoding, ChatSpec
 from mmcache.transforms.fingerprint import callable_fingerprint
 from mmcache.transforms.hf import hf_image_processor
+from mmcache.transforms.smart_resize import SmartResize
 from mmcache.transforms.stage import Stage
 from mmcache.transforms.user import stage
 from mmcache.units import format_size, parse_duration, parse_size
@@ -69,6 +72,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CLIP_MEAN",
     "CLIP_STD",
+    "IGNORE_INDEX",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "BatchContext",
@@ -77,6 +81,9 @@ __all__ = [
     "CacheError",
     "CacheStats",
     "CachedDataset",
+    "Chat",
+    "ChatEncoding",
+    "ChatSpec",
     "ConfigError",
     "CorruptEntryError",
     "DataLoader",
@@ -106,9 +113,11 @@ __all__ = [
     "Sample",
     "SampleError",
     "SampleSource",
+    "SmartResize",
     "Stage",
     "StampKind",
     "Store",
+    "TextReport",
     "TextSpec",
     "TierStats",
     "TieredStore",

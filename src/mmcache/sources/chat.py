@@ -51,11 +51,11 @@ __all__ = [
 ]
 
 _REPORTS = "reports"
+# What reading an image header can raise.
+_HEADER_ERRORS: tuple[type[BaseException], ...] = (*DECODE_ERRORS, SampleError)
 
 
-def check_placeholders(
-    records: Records, image_token: str, on_error: str
-) -> tuple[Records, int]:
+def check_placeholders(records: Records, image_token: str, on_error: str) -> tuple[Records, int]:
     """``records`` without the rows whose ``image_token`` count differs from their number
     of images, and how many there were. Under ``on_error="raise"`` the first one raises
     ManifestError (file, line, id); rows without a conversation are left to ``produce``."""
@@ -241,7 +241,7 @@ def chat_lengths(
                     )
                 try:
                     sizes.append(_image_hw(image_stage, path, sample_id))
-                except (*DECODE_ERRORS, SampleError) as exc:
+                except _HEADER_ERRORS as exc:
                     unreadable += 1
                     raise SampleError(
                         f"cannot read the image header: {exc}", sample_id=sample_id, path=path

@@ -167,9 +167,7 @@ class FileSource:
         """The 16-byte cache key of sample ``index``: changes when its image file,
         caption or the pipeline changes (see :func:`mmcache.keys.sample_key`)."""
         if self._chat is not None:  # every image, and the conversation as structured
-            stamp = _chat.multi_stamp(
-                self.records.image_paths(index), content=self.content_stamp
-            )
+            stamp = _chat.multi_stamp(self.records.image_paths(index), content=self.content_stamp)
             return keys.sample_key(
                 self.records.id(index), stamp, self._fingerprint, self.records.chat_json(index)
             )

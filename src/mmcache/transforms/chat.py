@@ -231,7 +231,7 @@ class ChatSpec:
             specials,
         )
 
-    def _setup(
+    def _setup(  # noqa: PLR0917 (positional: it is called with __getstate__'s tuple)
         self,
         tokenizer_json: str,
         template: str,
@@ -302,7 +302,7 @@ class ChatSpec:
         self._setup(*state)
 
     def __repr__(self) -> str:
-        tpl = self.template_name or f"<jinja {xxhash.xxh3_64_hexdigest(self.template)[:8]}>"
+        tpl = self.template_name or f"<jinja {xxhash.xxh3_64_hexdigest(self.template.encode())[:8]}>"
         return (
             f"ChatSpec(tokenizer=<{self._digest[:12]}>, template={tpl}, "
             f"max_length={self.max_length}, image_token={self.image_token!r}, "

@@ -106,7 +106,7 @@ def _tojson(
 
 
 def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)  # noqa: DTZ005 (as transformers renders it)
+    return datetime.now().strftime(fmt)
 
 
 @lru_cache(maxsize=32)
@@ -119,9 +119,7 @@ def compile_template(text: str) -> Any:
         import jinja2.ext
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError as exc:  # pragma: no cover - jinja2 ships with the chat extra
-        raise ConfigError(
-            "chat templates need jinja2: pip install 'mmcache[chat]'"
-        ) from exc
+        raise ConfigError("chat templates need jinja2: pip install 'mmcache[chat]'") from exc
 
     class _Generation(jinja2.ext.Extension):
         """``{% generation %}...{% endgeneration %}``: rendered as its body."""
@@ -131,9 +129,9 @@ def compile_template(text: str) -> Any:
         def parse(self, parser: Any) -> Any:
             lineno = next(parser.stream).lineno
             body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
-            return jinja2.nodes.CallBlock(
-                self.call_method("_body"), [], [], body
-            ).set_lineno(lineno)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(
+                lineno
+            )
 
         def _body(self, caller: Any) -> str:
             return str(caller())

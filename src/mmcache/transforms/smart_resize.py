@@ -152,7 +152,7 @@ class SmartResize:
         try:
             h, w = self.output_size(src.height, src.width)
         except ValueError as exc:
-            raise SampleError(str(exc)) from exc
+            raise SampleError(str(exc), sample_id="<image>") from exc
         out = src.resize((w, h), _RESAMPLE[self.interpolation])
         return np.ascontiguousarray(np.asarray(out).transpose(2, 0, 1))
 
@@ -183,4 +183,3 @@ if TYPE_CHECKING:  # mypy checks that SmartResize conforms to the protocol
 
     def _conforms(spec: SmartResize) -> Stage:
         return spec
-
