@@ -217,6 +217,8 @@ class ChatSpec:
             specials["bos_token"] = bos_token
         if eos_token is not None:
             specials["eos_token"] = eos_token
+        # Only the tokens the template can read (by naming them) change its output.
+        specials = {k: v for k, v in specials.items() if k in template}
         for key in _SPECIAL_NAMES[:2]:
             specials.setdefault(key, "")
         self._setup(
@@ -266,11 +268,7 @@ class ChatSpec:
         compile_template(template)  # ConfigError now for a template that does not parse
         setattr_ = object.__setattr__
         setattr_(self, "_json", tokenizer_json)
-        setattr_(
-            self,
-            "_digest",
-            xxhash.xxh3_128_hexdigest(_canonical_tokenizer_json(tokenizer_json).encode()),
-        )
+        setattr_(self, "_digest", _tokenizer_digest(tokenizer_json))
         setattr_(self, "_tokenizer", tok)
         setattr_(self, "template", template)
         setattr_(self, "template_name", name)
@@ -503,6 +501,16 @@ class ChatSpec:
             np.asarray(ends, dtype=np.int64),
             runs,
         )
+
+
+def _tokenizer_digest(tokenizer_json: str) -> str:
+    """xxh3-128 of what of the tokenizer ChatSpec uses: its canonical JSON without the
+    post-processor (texts are encoded with ``add_special_tokens=False``, so it never
+    runs; transformers adds an empty one to a tokenizer it wraps)."""
+    doc = json.loads(_canonical_tokenizer_json(tokenizer_json))
+    doc.pop("post_processor", None)
+    blob = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return xxhash.xxh3_128_hexdigest(blob.encode())
 
 
 def _placed(text: str, other: str, content: str, floor: int) -> int:
