@@ -40,7 +40,10 @@ def test_llava_multi_image_and_text_only_records(tmp_path: Path) -> None:
     assert records.image_paths(0) == [str(tmp_path / "img/a.jpg"), str(tmp_path / "img/b.jpg")]
     assert records.image_path(0) == str(tmp_path / "img/a.jpg")  # the first one
     # roles normalised for chat templates, placeholders kept
-    assert records.chat(0) == [("user", "<image>\nFirst <image> second?"), ("assistant", "Both cats.")]
+    assert records.chat(0) == [
+        ("user", "<image>\nFirst <image> second?"),
+        ("assistant", "Both cats."),
+    ]
     assert records.chat(3) == [("system", "Be brief."), ("user", "x")]
     # the flattened text of the plain pipelines is what it always was
     assert records.text(0) == llava_text(conv) == "human: First  second?\ngpt: Both cats."
@@ -112,11 +115,15 @@ def test_bad_messages_records(tmp_path: Path, record: dict[str, object], reason:
 def test_plain_pipeline_keys_are_unchanged_for_llava_records(tmp_path: Path) -> None:
     write_image(tmp_path / "img/a.jpg", (40, 30))
     conv = turns(("human", "<image>\nWhat?"), ("gpt", "A cat."))
-    path = write_llava(tmp_path / "m.json", [{"id": "a", "image": "img/a.jpg", "conversations": conv}])
+    path = write_llava(
+        tmp_path / "m.json", [{"id": "a", "image": "img/a.jpg", "conversations": conv}]
+    )
     pipe = Pipeline(image=ImageSpec(size=16), text=TextSpec(make_tokenizer(), max_length=8))
     source = FileSource(path, pipeline=pipe)
     stamp = keys.source_stamp(str(tmp_path / "img/a.jpg"))
-    assert source.key(0) == keys.sample_key("a", stamp, pipe.fingerprint(), "human: What?\ngpt: A cat.")
+    assert source.key(0) == keys.sample_key(
+        "a", stamp, pipe.fingerprint(), "human: What?\ngpt: A cat."
+    )
     assert source.key_rows([0])[0].tobytes() == source.key(0)
     assert set(source.produce(0)) == {"image", "input_ids", "attention_mask"}
 
@@ -125,8 +132,16 @@ def test_placeholder_mismatch_is_a_manifest_error_naming_file_line_and_id(tmp_pa
     conv = turns(("human", "<image>\nWhat?"), ("gpt", "A cat."))
     records = [
         {"id": "ok", "image": "a.jpg", "conversations": conv},
-        {"id": "two-for-one", "image": "a.jpg", "conversations": turns(("human", "<image><image>"), ("gpt", "x"))},
-        {"id": "none-for-one", "image": ["a.jpg", "b.jpg"], "conversations": turns(("human", "<image>"), ("gpt", "y"))},
+        {
+            "id": "two-for-one",
+            "image": "a.jpg",
+            "conversations": turns(("human", "<image><image>"), ("gpt", "x")),
+        },
+        {
+            "id": "none-for-one",
+            "image": ["a.jpg", "b.jpg"],
+            "conversations": turns(("human", "<image>"), ("gpt", "y")),
+        },
     ]
     path = write_llava(tmp_path / "m.json", records)
     with pytest.raises(ManifestError, match="2 '<image>' placeholders for 1 images") as info:

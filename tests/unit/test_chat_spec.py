@@ -118,14 +118,22 @@ def test_image_placeholder_equals_transformers_with_the_expanded_placeholder(
 
 def test_vicuna_v1_is_llava_conversation_format(tok: Tokenizer) -> None:
     spec = ChatSpec(tok, "vicuna_v1", 4096)
-    msgs = (("user", "<image>\nWhat?"), ("assistant", "A cat."), ("user", "Why?"), ("assistant", "B."))
+    msgs = (
+        ("user", "<image>\nWhat?"),
+        ("assistant", "A cat."),
+        ("user", "Why?"),
+        ("assistant", "B."),
+    )
     text = spec.render(msgs)
     system = (
         "A chat between a curious user and an artificial intelligence assistant. "
         "The assistant gives helpful, detailed, and polite answers to the user's questions."
     )
     # LLaVA's conv_vicuna_v1.get_prompt(): system + " " + "USER: q ASSISTANT: a</s>" ...
-    assert text == f"<s>{system} USER: <image>\nWhat? ASSISTANT: A cat.</s>USER: Why? ASSISTANT: B.</s>"
+    assert (
+        text
+        == f"<s>{system} USER: <image>\nWhat? ASSISTANT: A cat.</s>USER: Why? ASSISTANT: B.</s>"
+    )
     enc = spec.encode(Chat(msgs, ((24, 24),)))
     runs = assistant_runs(enc.labels)
     decoded = [tok.decode(enc.input_ids[a:b].tolist(), skip_special_tokens=False) for a, b in runs]
@@ -137,7 +145,7 @@ def test_a_reply_that_also_occurs_earlier_is_placed_at_its_own_turn(tok: Tokeniz
     spec = ChatSpec(tok, "chatml", 4096)
     msgs = (("user", "Say assistant then a cat."), ("assistant", "a cat"))
     enc = spec.encode(Chat(msgs))
-    (a, b), = assistant_runs(enc.labels)
+    ((a, b),) = assistant_runs(enc.labels)
     assert tok.decode(enc.input_ids[a:b].tolist(), skip_special_tokens=False) == "a cat<|im_end|>"
     assert a > len(enc.input_ids) // 2
 
@@ -194,7 +202,7 @@ def test_truncation_never_splits_an_image_run(tok: Tokenizer) -> None:
         ("assistant", "Two dogs."),
     )
     full = spec_long.encode(Chat(msgs, ((8, 8),)))
-    (run_a, run_b), = full.image_runs
+    ((run_a, run_b),) = full.image_runs
     first_reply_end = assistant_runs(full.labels)[0][1]
     cut = (run_a + run_b) // 2  # max_length falls inside the image's 50 tokens
     enc = ChatSpec(tok, "chatml", cut, image_tokens=50).encode(Chat(msgs, ((8, 8),)))

@@ -300,7 +300,9 @@ class ChatSpec:
         self._setup(*state)
 
     def __repr__(self) -> str:
-        tpl = self.template_name or f"<jinja {xxhash.xxh3_64_hexdigest(self.template.encode())[:8]}>"
+        tpl = (
+            self.template_name or f"<jinja {xxhash.xxh3_64_hexdigest(self.template.encode())[:8]}>"
+        )
         return (
             f"ChatSpec(tokenizer=<{self._digest[:12]}>, template={tpl}, "
             f"max_length={self.max_length}, image_token={self.image_token!r}, "
