@@ -157,7 +157,7 @@ def _transformers_smart_resize() -> Callable[..., tuple[int, int]]:
         tree = ast.parse(f.read())
     (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "smart_resize"]
     namespace: dict[str, Any] = {"math": math}
-    exec(compile(ast.Module([fn], []), path, "exec"), namespace)  # noqa: S102 (its own code)
+    exec(compile(ast.Module([fn], []), path, "exec"), namespace)
     out: Callable[..., tuple[int, int]] = namespace["smart_resize"]
     return out
 

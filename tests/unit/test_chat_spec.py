@@ -38,7 +38,8 @@ QWEN_STYLE = """{%- if messages[0]['role'] != 'system' %}
         {{- raise_exception('unknown role ' + message['role']) }}
     {%- endif %}
     {%- if message['role'] == 'assistant' %}
-    {{- '<|im_start|>assistant\\n' }}{% generation %}{{ message['content'] }}<|im_end|>{% endgeneration %}
+    {{- '<|im_start|>assistant\\n' }}{% generation %}{{ message['content'] }}<|im_end|>
+    {%- endgeneration %}
     {{- '\\n' }}
     {%- else %}
     {{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}
@@ -151,7 +152,10 @@ def test_a_reply_that_also_occurs_earlier_is_placed_at_its_own_turn(tok: Tokeniz
 
 
 def test_a_template_that_rewrites_a_reply_is_an_error_not_a_masked_sample(tok: Tokenizer) -> None:
-    upper = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | upper }}<|im_end|>\n{% endfor %}"
+    upper = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{{ m['content'] | upper }}<|im_end|>\n{% endfor %}"
+    )
     spec = ChatSpec(tok, upper, 4096)
     with pytest.raises(SampleError, match="rewrites assistant message 1") as info:
         spec.encode(Chat((("user", "hi"), ("assistant", "a cat"))), sample_id="s7")
