@@ -473,18 +473,17 @@ class ChatSpec:
                 f"placeholders for {len(sizes)} images (the template adds or drops some)",
                 sample_id=sample_id,
             )
-        ids: list[int] = []
-        starts: list[int] = []
-        ends: list[int] = []
+        ids: list[npt.NDArray[np.int32]] = []
+        spans: list[npt.NDArray[np.int64]] = []  # [n, 2] character offsets per part
         runs: list[tuple[int, int]] = []
-        base = 0
+        count = base = 0
         for i, piece in enumerate(pieces):
             if piece:
                 enc = self._tokenizer.encode(piece, add_special_tokens=False)
-                ids.extend(enc.ids)
-                for a, b in enc.offsets:
-                    starts.append(base + a)
-                    ends.append(base + b)
+                if enc.ids:
+                    ids.append(np.asarray(enc.ids, dtype=np.int32))
+                    spans.append(np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2) + base)
+                    count += len(enc.ids)
             base += len(piece)
             if i < len(sizes):
                 h, w = sizes[i]
@@ -492,17 +491,16 @@ class ChatSpec:
                     n = self.tokens_for_image(int(h), int(w))
                 except SampleError as err:
                     raise SampleError(err.reason, sample_id=sample_id) from err
-                runs.append((len(ids), len(ids) + n))
-                ids.extend([self.image_token_id] * n)
-                starts.extend([base] * n)
-                ends.extend([base] * n)
+                runs.append((count, count + n))
+                ids.append(np.full(n, self.image_token_id, dtype=np.int32))
+                spans.append(np.full((n, 2), base, dtype=np.int64))  # empty: never trained
+                count += n
                 base += len(self.image_token)
-        return (
-            np.asarray(ids, dtype=np.int32),
-            np.asarray(starts, dtype=np.int64),
-            np.asarray(ends, dtype=np.int64),
-            runs,
-        )
+        if not ids:
+            empty = np.zeros(0, dtype=np.int64)
+            return np.zeros(0, dtype=np.int32), empty, empty, runs
+        offsets = np.concatenate(spans)
+        return np.concatenate(ids), offsets[:, 0], offsets[:, 1], runs
 
 
 def _tokenizer_digest(tokenizer_json: str) -> str:
