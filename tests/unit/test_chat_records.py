@@ -158,3 +158,13 @@ def test_placeholder_mismatch_is_a_manifest_error_naming_file_line_and_id(tmp_pa
     # the plain pipelines read the same manifest as before (no placeholder rule there)
     plain = Pipeline(text=TextSpec(make_tokenizer(), max_length=8))
     assert len(FileSource(path, pipeline=plain)) == 3
+
+
+def test_image_root_is_llavas_image_folder(tmp_path: Path) -> None:
+    conv = turns(("human", "<image>\nWhat?"), ("gpt", "A cat."))
+    path = write_llava(
+        tmp_path / "m.json", [{"id": "a", "image": "coco/x.jpg", "conversations": conv}]
+    )
+    records = read_manifest(path, image_root=tmp_path / "data")
+    assert records.image_paths(0) == [str(tmp_path / "data/coco/x.jpg")]
+    assert read_manifest(path).image_path(0) == str(tmp_path / "coco/x.jpg")

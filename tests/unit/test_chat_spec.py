@@ -320,3 +320,11 @@ class TestChatSpecContract(StageContract):
         assert set(output) == {"input_ids", "labels"}
         assert output["input_ids"].dtype == np.int32 and output["labels"].dtype == np.int32
         assert (output["labels"] != IGNORE_INDEX).any()
+
+
+def test_llava_image_token_index_convention(tok: Tokenizer) -> None:
+    # LLaVA's own code: the placeholder becomes one -200, expanded in the model
+    spec = ChatSpec(tok, "vicuna_v1", 256, image_token_id=-200, image_tokens=1)
+    enc = spec.encode(Chat((("user", "<image>\nWhat?"), ("assistant", "A cat.")), ((336, 336),)))
+    assert enc.input_ids.tolist().count(-200) == 1
+    assert enc.labels[enc.input_ids == -200].tolist() == [IGNORE_INDEX]

@@ -412,6 +412,7 @@ def read_manifest(
     *,
     on_error: Literal["raise", "skip"] = "raise",
     format: str = "auto",
+    image_root: str | os.PathLike[str] | None = None,
 ) -> Records:
     """Read a manifest into :class:`Records`.
 
@@ -429,7 +430,8 @@ def read_manifest(
     ``line`` is the 1-based index of the record in the array.
 
     Image references are relative to the manifest's folder (``../`` may climb out
-    of it) or absolute; see :meth:`Records.image_path`.
+    of it), or to ``image_root`` when given (LLaVA's ``--image_folder``), or absolute;
+    see :meth:`Records.image_path`.
 
     ``format="auto"`` reads LLaVA when the first byte after a BOM and whitespace
     is ``[``, JSONL otherwise; another registered name (:func:`register_reader`)
@@ -468,4 +470,4 @@ def read_manifest(
         raise ManifestError("file not found", path=source) from exc
     except OSError as exc:
         raise ManifestError(f"cannot read the file: {exc.strerror or exc}", path=source) from exc
-    return builder.finish(kind)
+    return builder.finish(kind, image_root=None if image_root is None else os.fspath(image_root))

@@ -496,8 +496,10 @@ class RecordsBuilder:
         self.lines.append(line)
         self.count += 1
 
-    def finish(self, format: str) -> Records:
-        """The :class:`Records` of everything added; ManifestError if there is none."""
+    def finish(self, format: str, *, image_root: str | None = None) -> Records:
+        """The :class:`Records` of everything added; ManifestError if there is none.
+        Relative image references resolve against ``image_root`` when given, else the
+        manifest's folder."""
         if not self.count:
             if not self.rejects:
                 raise ManifestError("the manifest has no records", path=self.source)
@@ -517,7 +519,9 @@ class RecordsBuilder:
         return Records(
             source=self.source,
             format=format,
-            base_dir=os.path.dirname(os.path.abspath(self.source)),
+            base_dir=os.path.abspath(image_root)
+            if image_root is not None
+            else os.path.dirname(os.path.abspath(self.source)),
             ids=self.ids.build(),
             texts=self.texts.build(),
             images=self.images.build(),

@@ -136,7 +136,8 @@ class ChatSpec:
             ones are truncated (see the module docstring).
         image_token: the placeholder that marks where an image goes in a message.
         image_token_id: the id its run is made of; default: the tokenizer's id of
-            ``image_token`` (ConfigError if the tokenizer has none).
+            ``image_token`` (ConfigError if the tokenizer has none). Any int32: ``-200``
+            with ``image_tokens=1`` is LLaVA's own ``IMAGE_TOKEN_INDEX`` convention.
         image_tokens: tokens per image: an int (576 for LLaVA-1.5 at 336 px, 1 for
             models that expand in the model) or a function ``(h, w) -> int`` of the
             processed image's size (``SmartResize(...).image_tokens`` for Qwen2-VL).
@@ -264,7 +265,10 @@ class ChatSpec:
                 )
             image_token_id = int(found)
         else:
-            image_token_id = check_int("ChatSpec.image_token_id", image_token_id, minimum=0)
+            # Any int32: LLaVA's own code marks an image with -200 (IMAGE_TOKEN_INDEX).
+            image_token_id = check_int(
+                "ChatSpec.image_token_id", image_token_id, minimum=-(2**31), maximum=2**31 - 1
+            )
         compile_template(template)  # ConfigError now for a template that does not parse
         setattr_ = object.__setattr__
         setattr_(self, "_json", tokenizer_json)
