@@ -328,3 +328,31 @@ def test_llava_image_token_index_convention(tok: Tokenizer) -> None:
     enc = spec.encode(Chat((("user", "<image>\nWhat?"), ("assistant", "A cat.")), ((336, 336),)))
     assert enc.input_ids.tolist().count(-200) == 1
     assert enc.labels[enc.input_ids == -200].tolist() == [IGNORE_INDEX]
+
+
+def test_image_prefix_and_suffix_wrap_each_run_like_qwen2_vl(tok: Tokenizer) -> None:
+    # Qwen2-VL's processor: "<|vision_start|><|image_pad|>*n<|vision_end|>" for each image
+    hf = hf_tokenizer(tok, BUILTIN_TEMPLATES["chatml"].text, bos=None, eos="<|im_end|>")
+    pad = tok.token_to_id("<image>")
+    spec = ChatSpec(hf, "chatml", 4096, image_tokens=3, image_prefix="<s>", image_suffix="</s>")
+    msgs = (("user", "<image>What?"), ("assistant", "A cat."))
+    enc = spec.encode(Chat(msgs, ((28, 28),)))
+    wrapped = [(r, c.replace("<image>", "<s>" + "<image>" * 3 + "</s>")) for r, c in msgs]
+    expected = hf.apply_chat_template(dicts(wrapped), tokenize=True)["input_ids"]
+    assert enc.input_ids.tolist() == list(expected)
+    ((a, b),) = enc.image_runs
+    assert enc.input_ids[a:b].tolist() == [pad] * 3
+    assert hf.decode(enc.input_ids[a - 1 : b + 1].tolist()) == "<s><image><image><image></s>"
+    # a cut between the run and its suffix drops the whole wrapped run (and its turn)
+    two = (("user", "Hi"), ("assistant", "Hello."), *msgs)
+    kw: dict[str, Any] = {"image_tokens": 3, "image_prefix": "<s>", "image_suffix": "</s>"}
+    full = ChatSpec(tok, "chatml", 4096, **kw).encode(Chat(two, ((28, 28),)))
+    ((a, b),) = full.image_runs
+    cut = ChatSpec(tok, "chatml", b, **kw).encode(Chat(two, ((28, 28),)))
+    assert cut.n_images == 0 and cut.truncated
+    assert len(cut.input_ids) == assistant_runs(full.labels)[0][1] < a - 1
+    assert tok.token_to_id("<s>") not in cut.input_ids.tolist()
+    assert (
+        ChatSpec(tok, "chatml", 64, image_prefix="<s>").fingerprint()
+        != ChatSpec(tok, "chatml", 64).fingerprint()
+    )

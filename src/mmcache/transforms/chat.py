@@ -149,6 +149,9 @@ class ChatSpec:
             found right after each reply; ``""``: none.
         bos_token, eos_token: the special tokens the template reads; default: the
             transformers tokenizer's, else the built-in template's, else ``""``.
+        image_prefix, image_suffix: text whose tokens go around each image's run (never
+            trained on), e.g. Qwen2-VL's ``"<|vision_start|>"`` and ``"<|vision_end|>"``
+            with ``image_token_id`` = the id of ``<|image_pad|>``.
 
     The fingerprint covers the tokenizer's content (canonical JSON), the template text,
     ``max_length`` and every option. Immutable, picklable, thread-safe; ConfigError on
@@ -161,7 +164,10 @@ class ChatSpec:
         "_digest",
         "_json",
         "_tokenizer",
+        "_wrap",
         "end_of_turn",
+        "image_prefix",
+        "image_suffix",
         "image_token",
         "image_token_id",
         "image_tokens",
@@ -182,6 +188,9 @@ class ChatSpec:
     image_tokens: ImageTokens
     end_of_turn: str | None
     special_tokens: dict[str, str]
+    image_prefix: str
+    image_suffix: str
+    _wrap: tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]
 
     def __init__(
         self,
@@ -195,6 +204,8 @@ class ChatSpec:
         end_of_turn: str | None = None,
         bos_token: str | None = None,
         eos_token: str | None = None,
+        image_prefix: str = "",
+        image_suffix: str = "",
     ) -> None:
         tokenizer_json, specials, own_template = _tokenizer_parts(tokenizer)
         name: str | None = None
@@ -232,6 +243,8 @@ class ChatSpec:
             image_tokens,
             end_of_turn,
             specials,
+            image_prefix,
+            image_suffix,
         )
 
     def _setup(  # noqa: PLR0917 (positional: it is called with __getstate__'s tuple)
@@ -245,8 +258,13 @@ class ChatSpec:
         image_tokens: ImageTokens,
         end_of_turn: str | None,
         specials: dict[str, str],
+        image_prefix: str,
+        image_suffix: str,
     ) -> None:
         max_length = check_int("ChatSpec.max_length", max_length, minimum=1)
+        for label, value in (("image_prefix", image_prefix), ("image_suffix", image_suffix)):
+            if not isinstance(value, str):
+                raise ConfigError(f"ChatSpec.{label} must be a str, got {value!r}")
         if not isinstance(image_token, str) or not image_token:
             raise ConfigError(f"ChatSpec.image_token must be a non-empty str, got {image_token!r}")
         if end_of_turn is not None and not isinstance(end_of_turn, str):
@@ -282,6 +300,16 @@ class ChatSpec:
         setattr_(self, "image_tokens", image_tokens)
         setattr_(self, "end_of_turn", end_of_turn)
         setattr_(self, "special_tokens", dict(specials))
+        setattr_(self, "image_prefix", image_prefix)
+        setattr_(self, "image_suffix", image_suffix)
+        setattr_(
+            self,
+            "_wrap",
+            tuple(
+                np.asarray(tok.encode(t, add_special_tokens=False).ids if t else [], np.int32)
+                for t in (image_prefix, image_suffix)
+            ),
+        )
         self.fingerprint()  # refuses an image_tokens function that cannot be hashed
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -298,6 +326,8 @@ class ChatSpec:
             self.image_tokens,
             self.end_of_turn,
             self.special_tokens,
+            self.image_prefix,
+            self.image_suffix,
         )
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
@@ -332,6 +362,8 @@ class ChatSpec:
             "image_tokens": self._image_tokens_token(),
             "end_of_turn": self.end_of_turn,
             "special_tokens": self.special_tokens,
+            "image_prefix": self.image_prefix,
+            "image_suffix": self.image_suffix,
             "labels": "offsets",
         }
 
@@ -399,14 +431,15 @@ class ChatSpec:
         cut = full
         if full > self.max_length:
             cut = self.max_length
-            inside = [(a, b) for a, b in runs if a < cut < b]
+            pre, post = (int(t.size) for t in self._wrap)  # a run with its wrap is one
+            inside = [(a - pre, b + post) for a, b in runs if a - pre < cut < b + post]
             if inside:
                 # Never split an image run: end after the last whole assistant turn
                 # (its end-of-turn marker included) that precedes the image.
                 run_start = inside[0][0]
                 ends_before = [int(e) for e in _span_token_ends(spans, ends) if e <= run_start]
                 cut = max(ends_before, default=0)
-        kept_runs = tuple((a, b) for a, b in runs if b <= cut)
+        kept_runs = tuple((a, b) for a, b in runs if b + int(self._wrap[1].size) <= cut)
         enc = ChatEncoding(
             input_ids=np.ascontiguousarray(ids[:cut]),
             labels=np.ascontiguousarray(labels[:cut]),
@@ -495,10 +528,19 @@ class ChatSpec:
                     n = self.tokens_for_image(int(h), int(w))
                 except SampleError as err:
                     raise SampleError(err.reason, sample_id=sample_id) from err
+                prefix, suffix = self._wrap
+                if prefix.size:
+                    ids.append(prefix)
+                    spans.append(np.full((prefix.size, 2), base, dtype=np.int64))
+                    count += prefix.size
                 runs.append((count, count + n))
                 ids.append(np.full(n, self.image_token_id, dtype=np.int32))
                 spans.append(np.full((n, 2), base, dtype=np.int64))  # empty: never trained
                 count += n
+                if suffix.size:
+                    ids.append(suffix)
+                    spans.append(np.full((suffix.size, 2), base, dtype=np.int64))
+                    count += suffix.size
                 base += len(self.image_token)
         if not ids:
             empty = np.zeros(0, dtype=np.int64)
