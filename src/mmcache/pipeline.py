@@ -10,6 +10,11 @@ conversion and normalisation are left to the training device (:func:`normalize`)
 uint8 sample is 4x smaller in every cache tier and on every copy than the float32
 tensor of the ``ToTensor`` pattern.
 
+With a :class:`~mmcache.transforms.chat.ChatSpec` as its text stage a pipeline makes
+supervised fine-tuning samples instead (:meth:`Pipeline.process_chat`: a conversation and
+all its images -> ``input_ids``, ``labels``, ``images``, ``image_sizes`` and, with
+:class:`~mmcache.transforms.smart_resize.SmartResize`, ``image_grid_thw``).
+
 The stages live in :mod:`mmcache.transforms`; this module keeps their old import path
 (``from mmcache.pipeline import ImageSpec, TextSpec, normalize, ...``).
 

@@ -47,6 +47,9 @@ def test_llava_multi_image_and_text_only_records(tmp_path: Path) -> None:
     assert records.chat(3) == [("system", "Be brief."), ("user", "x")]
     # the flattened text of the plain pipelines is what it always was
     assert records.text(0) == llava_text(conv) == "human: First  second?\ngpt: Both cats."
+    assert records.placeholder_counts("<image>").tolist() == [2, 2, 0, 0]
+    assert records.image_counts().tolist() == [2, 1, 0, 0]
+    assert records.placeholder_counts('"a"').tolist() == [0, 0, 0, 0]
     # pickles with its conversations; select keeps them
     again = pickle.loads(pickle.dumps(records))
     assert again.chat(0) == records.chat(0) and again.image_paths(0) == records.image_paths(0)

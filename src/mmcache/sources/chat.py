@@ -59,24 +59,22 @@ def check_placeholders(records: Records, image_token: str, on_error: str) -> tup
     """``records`` without the rows whose ``image_token`` count differs from their number
     of images, and how many there were. Under ``on_error="raise"`` the first one raises
     ManifestError (file, line, id); rows without a conversation are left to ``produce``."""
+    found = records.placeholder_counts(image_token)
+    images = records.image_counts()
+    wrong = np.flatnonzero(found != images)
     bad: list[RecordReject] = []
-    good: list[int] = []
-    for i in range(len(records)):
-        chat = records.chat(i)
-        if chat is None:
-            good.append(i)
-            continue
-        found = sum(content.count(image_token) for _, content in chat)
-        images = records.image_count(i)
-        if found == images:
-            good.append(i)
-            continue
-        reason = f"{found} {image_token!r} placeholders for {images} images"
+    keep = np.ones(len(records), dtype=bool)
+    for i in wrong.tolist():
+        if records.chat(i) is None:
+            continue  # a caption record: produce says what is wrong with it
+        keep[i] = False
+        reason = f"{found[i]} {image_token!r} placeholders for {images[i]} images"
         if on_error == "raise":
             raise ManifestError(
                 reason, path=records.source, line=records.line(i), sample_id=records.id(i)
             )
         bad.append(RecordReject(records.source, records.line(i), records.id(i), reason))
+    good = np.flatnonzero(keep).tolist()
     if not bad:
         return records, 0
     if not good:

@@ -242,6 +242,28 @@ class Records:
             return None
         return [(str(r), str(c)) for r, c in json.loads(raw)]
 
+    def placeholder_counts(self, token: str) -> _I64:
+        """Return how often ``token`` occurs in each row's conversation (int64 ``[N]``, 0
+        for a row without one), counted in the stored JSON without decoding it: a
+        token is stored as itself unless it holds a character JSON escapes, which this
+        encodes the same way. (A role that contains ``token`` counts too.)"""
+        out = np.zeros(self._n, dtype=np.int64)
+        if self._chats is None:
+            return out
+        needle = json.dumps(token, ensure_ascii=False)[1:-1].encode("utf-8")
+        buf, off = self._chats
+        data = buf.tobytes()
+        starts, stops = off[:-1].tolist(), off[1:].tolist()
+        for i, (a, b) in enumerate(zip(starts, stops, strict=True)):
+            out[i] = data.count(needle, a, b)
+        return out
+
+    def image_counts(self) -> _I64:
+        """Return :meth:`image_count` of every row (int64 ``[N]``)."""
+        nul = np.concatenate([[0], np.cumsum(self._image_buf == 0, dtype=np.int64)])
+        extra = nul[self._image_off[1:]] - nul[self._image_off[:-1]]
+        return np.where(self._has_image, 1 + extra, 0).astype(np.int64)
+
     def chat_json(self, i: int) -> str:
         """Return row ``i``'s conversation as the canonical JSON it is stored as (``""``
         when it has none): what a chat pipeline's cache key is made of."""
