@@ -28,6 +28,7 @@ forks its workers).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -519,7 +520,9 @@ class ChatSpec:
                 enc = self._tokenizer.encode(piece, add_special_tokens=False)
                 if enc.ids:
                     ids.append(np.asarray(enc.ids, dtype=np.int32))
-                    spans.append(np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2) + base)
+                    flat = itertools.chain.from_iterable(enc.offsets)
+                    pairs = np.fromiter(flat, dtype=np.int64, count=2 * len(enc.ids))
+                    spans.append(pairs.reshape(-1, 2) + base)
                     count += len(enc.ids)
             base += len(piece)
             if i < len(sizes):
