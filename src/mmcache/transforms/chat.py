@@ -7,9 +7,9 @@ tokenized once with offsets, and labelled from those offsets: a token is trained
 when its characters overlap an assistant message's content or the end-of-turn marker
 the template writes right after it; every other token is ``-100``. The character span
 of assistant message ``k`` is found exactly, not by searching: the conversation is
-rendered again with that message's content empty, and the content sits where the two
-renders differ (so a reply that also occurs in the question, or in the template's own
-text, is still placed right). A template that changes a reply (``| trim``) is matched
+rendered again with that reply replaced by a marker character, and the reply sits where
+the two renders differ (so a reply that also occurs in the question, or in the template's
+own text, is still placed right). A template that changes a reply (``| trim``) is matched
 by the stripped reply; one that rewrites it otherwise is a ``SampleError`` naming the
 message, never a silently masked sample (the "tokenization mismatch" of LLaVA #1166).
 
@@ -54,6 +54,10 @@ IGNORE_INDEX = -100
 
 #: Bump when the meaning of ChatSpec's output changes for the same options.
 CHAT_FORMAT_VERSION = 1
+
+#: What a reply is replaced by to find where it renders (a private-use character: no
+#: template strips or escapes it).
+_MARK = "\ue000"
 
 #: End-of-turn markers tried, in order, after an assistant reply of a custom template.
 _EOT_CANDIDATES = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "</s>")
@@ -460,31 +464,23 @@ class ChatSpec:
 
     def _assistant_spans(self, messages: list[dict[str, str]], text: str) -> list[tuple[int, int]]:
         """Character spans ``[a, b)`` of each assistant reply in ``text`` (its end-of-turn
-        marker included), found by rendering with that reply emptied."""
+        marker included), found by rendering with that reply replaced by a marker."""
         spans: list[tuple[int, int]] = []
-        floor = 0
         for k, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
             content = message["content"]
-            emptied = [*messages[:k], {**message, "content": ""}, *messages[k + 1 :]]
-            other = self._render(emptied)
-            start = -1
-            for candidate in dict.fromkeys((content, content.strip())):
-                start = _placed(text, other, candidate, floor)
-                if start >= 0:
-                    content = candidate
-                    break
-            if start < 0:
+            marked = [*messages[:k], {**message, "content": _MARK}, *messages[k + 1 :]]
+            start, rendered = _placed(text, self._render(marked))
+            if start < 0 or rendered not in (content, content.strip()):
                 raise SampleError(
                     f"the chat template rewrites assistant message {k} (its reply is not in "
                     "the rendered text): labels cannot be placed",
                     sample_id="<chat>",
                 )
-            end = start + len(content)
+            end = start + len(rendered)
             end += len(self._end_of_turn_at(text, end))
             spans.append((start, end))
-            floor = end
         return spans
 
     def _end_of_turn_at(self, text: str, pos: int) -> str:
@@ -562,17 +558,19 @@ def _tokenizer_digest(tokenizer_json: str) -> str:
     return xxhash.xxh3_128_hexdigest(blob.encode())
 
 
-def _placed(text: str, other: str, content: str, floor: int) -> int:
-    """The position ``h >= floor`` of ``content`` in ``text`` such that removing it gives
-    ``other`` (the render with that content emptied), or -1."""
-    if len(text) - len(content) != len(other):
-        return -1
-    h = text.find(content, floor)
-    while h >= 0:
-        if text[:h] == other[:h] and text[h + len(content) :] == other[h:]:
-            return h
-        h = text.find(content, h + 1)
-    return -1
+def _placed(text: str, marked: str) -> tuple[int, str]:
+    """Where the reply sits in ``text``, given ``marked``: the same render with that reply
+    replaced by :data:`_MARK`. Both share everything but the reply, so it starts where
+    they first differ and ends where their common end begins: ``(start, reply as
+    rendered)``, or ``(-1, "")`` when ``marked`` is not ``text`` with one mark in place of
+    one substring (a template that uses the reply twice, or branches on it)."""
+    if marked.count(_MARK) != 1:
+        return -1, ""
+    h = marked.index(_MARK)
+    tail = marked[h + len(_MARK) :]
+    if not text.startswith(marked[:h]) or not text.endswith(tail) or len(text) < h + len(tail):
+        return -1, ""
+    return h, text[h : len(text) - len(tail)]
 
 
 def _span_token_ends(spans: list[tuple[int, int]], ends: npt.NDArray[np.int64]) -> list[int]:
