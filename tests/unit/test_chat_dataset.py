@@ -420,3 +420,39 @@ class TestChatSourceContract(SourceContract):
         st = path.stat()
         write_image(path, (48, 30), shade=199)
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+
+
+def test_lengths_saved_under_the_root_are_reused_by_the_next_run(
+    manifest: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "root"
+    first = MultimodalDataset(manifest, pipeline=qwen_pipeline())
+    lengths = first.lengths(root=root).copy()
+    report = first.text_report()
+    assert list((root / "reports").glob("lengths-*.npz"))
+    calls: list[str] = []
+    real_encode = ChatSpec.encode
+
+    def counting(self: ChatSpec, chat: Any, *, sample_id: str = "") -> Any:
+        calls.append(sample_id)
+        return real_encode(self, chat, sample_id=sample_id)
+
+    monkeypatch.setattr(ChatSpec, "encode", counting)
+    second = MultimodalDataset(manifest, pipeline=qwen_pipeline())  # the next run
+    assert second.lengths(root=root).tolist() == lengths.tolist() and calls == []
+    assert second.modalities().tolist() == [True, True, False]
+    assert second.text_report() == report
+    # an image of "two" changes: only that sample is measured again
+    b = tmp_path / "img/b.jpg"
+    st = b.stat()
+    write_image(b, (400, 90), shade=3)
+    os.utime(b, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    third = MultimodalDataset(manifest, pipeline=qwen_pipeline())
+    new = third.lengths(root=root)
+    assert calls == ["two"]
+    assert new[1] != lengths[1] and new[[0, 2]].tolist() == lengths[[0, 2]].tolist()
+    assert new.tolist() == [len(third.produce(i)["input_ids"]) for i in range(3)]
+    # another pipeline does not read this one's saved pass
+    calls.clear()
+    MultimodalDataset(manifest, pipeline=qwen_pipeline(max_length=300)).lengths(root=root)
+    assert calls == ["one", "two", "text"]

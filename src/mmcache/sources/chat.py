@@ -184,6 +184,10 @@ class ChatLengths:
     report: TextReport
 
 
+# Per-sample status of the length pass (saved with the lengths).
+_OK, _TRUNCATED, _MASKED, _UNREADABLE, _REFUSED = range(5)
+
+
 def _image_hw(stage: object, path: str, sample_id: str) -> tuple[int, int]:
     """The processed ``(h, w)`` of the image at ``path``, from its header only."""
     with Image.open(path) as im:
@@ -197,33 +201,21 @@ def _image_hw(stage: object, path: str, sample_id: str) -> tuple[int, int]:
     return hw
 
 
-def chat_lengths(
+def _measure(
     records: Records,
     chat: ChatSpec,
     image_stage: object | None,
+    rows: Sequence[int],
+    columns: dict[str, npt.NDArray[Any]],
     *,
-    fingerprint: str,
     on_error: str,
-    mismatched: int,
     record_reject: Callable[[SampleError], None],
-) -> ChatLengths:
-    """Measure every sample (see the module docstring). A sample that cannot be made
-    (unreadable image header, fully masked) raises its SampleError under
-    ``on_error="raise"``; under ``"skip"`` it gets length 0, is counted and
-    ``record_reject`` is called with it. ConfigError when the image stage's geometry is
-    not known without decoding (a user or HF stage)."""
-    if image_stage is not None and output_hw(image_stage, 64, 48) is None:
-        raise ConfigError(
-            "lengths() needs the image stage's resize rule to size images from their "
-            f"headers: ImageSpec or SmartResize, got {type(image_stage).__name__}"
-        )
-    n = len(records)
-    lengths = np.zeros(n, dtype=np.int64)
-    has_image = np.zeros(n, dtype=bool)
-    truncated = fully_masked = unreadable = trainable = 0
-    for i in range(n):
+) -> None:
+    """Fill ``columns`` (lengths, has_image, trainable, status) for ``rows``."""
+    for i in rows:
         sample_id = records.id(i)
         messages = records.chat(i)
+        status = _REFUSED
         try:
             if messages is None:
                 raise SampleError(
@@ -240,40 +232,134 @@ def chat_lengths(
                 try:
                     sizes.append(_image_hw(image_stage, path, sample_id))
                 except _HEADER_ERRORS as exc:
-                    unreadable += 1
+                    status = _UNREADABLE
                     raise SampleError(
                         f"cannot read the image header: {exc}", sample_id=sample_id, path=path
                     ) from exc
             enc = chat.encode(Chat(tuple(messages), tuple(sizes)), sample_id=sample_id)
         except SampleError as err:
             if "fully masked" in err.reason:
-                fully_masked += 1
+                status = _MASKED
             if err.sample_id != sample_id:
                 err = SampleError(err.reason, sample_id=sample_id, path=err.path)
             if on_error == "raise":
                 raise err from None
             record_reject(err)
+            columns["lengths"][i], columns["has_image"][i] = 0, False
+            columns["trainable"][i], columns["status"][i] = 0, status
             continue
-        lengths[i] = len(enc.input_ids)
-        has_image[i] = enc.n_images > 0
-        truncated += enc.truncated
-        trainable += enc.trainable
+        columns["lengths"][i] = len(enc.input_ids)
+        columns["has_image"][i] = enc.n_images > 0
+        columns["trainable"][i] = enc.trainable
+        columns["status"][i] = _TRUNCATED if enc.truncated else _OK
+
+
+def _report(
+    columns: dict[str, npt.NDArray[Any]], *, fingerprint: str, mismatched: int
+) -> TextReport:
+    lengths, status = columns["lengths"], columns["status"]
     measured = lengths[lengths > 0]
     pct: dict[str, int] = {}
     if measured.size:
         for name, q in (("p50", 50), ("p90", 90), ("p99", 99)):
             pct[name] = int(np.percentile(measured, q, method="higher"))
         pct["max"] = int(measured.max())
-    report = TextReport(
+    return TextReport(
         fingerprint=fingerprint,
-        samples=n,
-        with_images=int(has_image.sum()),
-        truncated=int(truncated),
-        fully_masked=fully_masked,
+        samples=len(lengths),
+        with_images=int(columns["has_image"].sum()),
+        truncated=int(np.count_nonzero(status == _TRUNCATED)),
+        fully_masked=int(np.count_nonzero(status == _MASKED)),
         mismatched_placeholders=mismatched,
-        unreadable=unreadable,
-        trainable_tokens=int(trainable),
+        unreadable=int(np.count_nonzero(status == _UNREADABLE)),
+        trainable_tokens=int(columns["trainable"].sum()),
         tokens=int(lengths.sum()),
         length_percentiles=pct,
     )
-    return ChatLengths(lengths, has_image, report)
+
+
+def chat_lengths(
+    records: Records,
+    chat: ChatSpec,
+    image_stage: object | None,
+    *,
+    fingerprint: str,
+    on_error: str,
+    mismatched: int,
+    record_reject: Callable[[SampleError], None],
+    stamps: Callable[[], npt.NDArray[np.int64]] | None = None,
+    root: str | os.PathLike[str] | None = None,
+) -> ChatLengths:
+    """Measure every sample (see the module docstring). A sample that cannot be made
+    (unreadable image header, fully masked) raises its SampleError under
+    ``on_error="raise"``; under ``"skip"`` it gets length 0, is counted and
+    ``record_reject`` is called with it. ConfigError when the image stage's geometry is
+    not known without decoding (a user or HF stage).
+
+    With a cache ``root`` (and ``stamps``: the source's per-sample stamps), the results
+    are saved there (``reports/lengths-<fingerprint>-<content digest>.npz``, no pickle)
+    and a later pass over the same records reuses them, measuring again only the
+    samples whose image files' stamps changed (and, under ``"raise"``, refused ones)."""
+    if image_stage is not None and output_hw(image_stage, 64, 48) is None:
+        raise ConfigError(
+            "lengths() needs the image stage's resize rule to size images from their "
+            f"headers: ImageSpec or SmartResize, got {type(image_stage).__name__}"
+        )
+    n = len(records)
+    columns: dict[str, npt.NDArray[Any]] = {
+        "lengths": np.zeros(n, dtype=np.int64),
+        "has_image": np.zeros(n, dtype=bool),
+        "trainable": np.zeros(n, dtype=np.int64),
+        "status": np.zeros(n, dtype=np.uint8),
+    }
+    path = None
+    now = None
+    rows: Sequence[int] = range(n)
+    if root is not None and stamps is not None:
+        path = Path(root) / _REPORTS / f"lengths-{fingerprint}-{records.content_digest()}.npz"
+        now = stamps()
+        saved = _load(path, n, now.shape[1])
+        if saved is not None:
+            stale = (saved["stamps"] != now).any(axis=1)
+            if on_error == "raise":
+                stale |= saved["status"] >= _MASKED
+            for name, column in columns.items():
+                column[:] = saved[name]
+            rows = np.flatnonzero(stale).tolist()
+    _measure(
+        records,
+        chat,
+        image_stage,
+        rows,
+        columns,
+        on_error=on_error,
+        record_reject=record_reject,
+    )
+    if path is not None and now is not None and (len(rows) or not path.exists()):
+        _save(path, {**columns, "stamps": now})
+    report = _report(columns, fingerprint=fingerprint, mismatched=mismatched)
+    return ChatLengths(columns["lengths"], columns["has_image"], report)
+
+
+def _load(path: Path, n: int, width: int) -> dict[str, npt.NDArray[Any]] | None:
+    """The arrays saved at ``path`` if they are whole and of this shape, else None."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            out = {k: data[k] for k in ("lengths", "has_image", "trainable", "status", "stamps")}
+    except (OSError, ValueError, KeyError, EOFError):
+        return None
+    if out["stamps"].shape != (n, width) or any(out[k].shape != (n,) for k in list(out)[:4]):
+        return None
+    return out
+
+
+def _save(path: Path, arrays: dict[str, npt.NDArray[Any]]) -> None:
+    """Write ``arrays`` to ``path`` atomically (a failure to write is not an error)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.npz")
+        savez: Any = np.savez  # its **kwds overlap allow_pickle for mypy
+        savez(tmp, **arrays)
+        os.replace(tmp, path)
+    except OSError:
+        return

@@ -283,7 +283,7 @@ class FileSource:
         )
 
     # -- supervised fine-tuning (a pipeline with a ChatSpec) ------------------------------
-    def _chat_lengths(self) -> _chat.ChatLengths:
+    def _chat_lengths(self, root: str | os.PathLike[str] | None = None) -> _chat.ChatLengths:
         if self._chat is None:
             raise ConfigError(
                 "lengths(), modalities() and text_report() need a pipeline whose text "
@@ -298,10 +298,12 @@ class FileSource:
                 on_error=self.on_error,
                 mismatched=self._mismatched,
                 record_reject=self.record_reject,
+                stamps=lambda: self.stamps(np.arange(len(self.records))),
+                root=root,
             )
         return self._lengths
 
-    def lengths(self) -> np.ndarray:
+    def lengths(self, root: str | os.PathLike[str] | None = None) -> np.ndarray:
         """Each sample's length in tokens (int64 ``[N]``): ``len(input_ids)`` of the
         sample it produces, image tokens included, after truncation; 0 for a sample
         that will be refused (under ``on_error="skip"``; under ``"raise"`` the first
@@ -310,19 +312,22 @@ class FileSource:
         Computed without decoding an image (a render and a tokenization per sample;
         each image's size from its header through the image stage's resize rule),
         once per source: later calls return the same array (do not modify it).
-        For ``group_by_length`` and packing."""
-        return self._chat_lengths().lengths
+        With a cache ``root`` the pass is saved there and the next run (a new source
+        over the same records and pipeline) reuses it, measuring again only samples
+        whose image files changed. For ``group_by_length`` and packing."""
+        return self._chat_lengths(root).lengths
 
-    def modalities(self) -> np.ndarray:
+    def modalities(self, root: str | os.PathLike[str] | None = None) -> np.ndarray:
         """Whether each sample keeps an image (bool ``[N]``), from the same pass as
-        :meth:`lengths`: image and text-only samples are grouped apart."""
-        return self._chat_lengths().has_image
+        :meth:`lengths` (``root`` as there): image and text-only samples are grouped
+        apart."""
+        return self._chat_lengths(root).has_image
 
     def text_report(self, root: str | os.PathLike[str] | None = None) -> _chat.TextReport:
         """Samples, truncated, fully masked, mismatched placeholders, trainable tokens
         and length percentiles, from the :meth:`lengths` pass; recorded under the cache
         ``root`` when given, for ``mmcache stats``."""
-        report = self._chat_lengths().report
+        report = self._chat_lengths(root).report
         if root is not None:
             report.write(root)
         return report

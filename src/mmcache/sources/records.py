@@ -350,6 +350,24 @@ class Records:
         hasher.update(np.ascontiguousarray(self._id_off - start, dtype="<i8").data)
         return hasher.hexdigest()
 
+    def content_digest(self) -> str:
+        """Return a digest (16 hex digits) of every row's id, image references, text and
+        conversation, in order: what a saved per-sample result (``lengths()``) was made
+        from, besides the image files themselves."""
+        hasher = xxhash.xxh3_64()
+        columns = [
+            (self._id_buf, self._id_off),
+            (self._image_buf, self._image_off),
+            (self._text_buf, self._text_off),
+        ]
+        if self._chats is not None:
+            columns.append(self._chats)
+        for buf, off in columns:
+            hasher.update(np.ascontiguousarray(buf).data)
+            hasher.update(np.ascontiguousarray(off, dtype="<i8").data)
+        hasher.update(self._base_dir.encode("utf-8", "surrogateescape"))
+        return hasher.hexdigest()
+
     def ids_array(self) -> npt.NDArray[np.object_]:
         """Return every id as a numpy array of ``str`` objects (built on each call, not kept).
 
