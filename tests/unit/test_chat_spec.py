@@ -356,3 +356,12 @@ def test_image_prefix_and_suffix_wrap_each_run_like_qwen2_vl(tok: Tokenizer) -> 
         ChatSpec(tok, "chatml", 64, image_prefix="<s>").fingerprint()
         != ChatSpec(tok, "chatml", 64).fingerprint()
     )
+
+
+def test_pad_id_for_batches_is_not_in_the_fingerprint(tok: Tokenizer) -> None:
+    hf = hf_tokenizer(tok, "x", bos=None, eos="<|im_end|>")  # pad_token="<pad>"
+    assert ChatSpec(hf, "chatml", 64).pad_id == tok.token_to_id("<pad>")
+    assert ChatSpec(tok, "chatml", 64).pad_id == tok.token_to_id("<pad>")  # by name
+    spec = ChatSpec(tok, "chatml", 64, pad_id=7)
+    assert spec.pad_id == 7 and pickle.loads(pickle.dumps(spec)).pad_id == 7
+    assert spec.fingerprint() == ChatSpec(tok, "chatml", 64).fingerprint()

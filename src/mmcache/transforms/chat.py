@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -43,9 +42,14 @@ from tokenizers import Tokenizer
 from mmcache.checks import check_int
 from mmcache.errors import ConfigError, SampleError
 from mmcache.transforms.chat_templates import BUILTIN_TEMPLATES, compile_template, render
+from mmcache.transforms.chat_tokenizer import (
+    SPECIAL_NAMES,
+    pad_id_of,
+    tokenizer_digest,
+    tokenizer_parts,
+)
 from mmcache.transforms.fingerprint import callable_fingerprint
 from mmcache.transforms.stage import StageKind
-from mmcache.transforms.text import _canonical_tokenizer_json
 
 __all__ = ["IGNORE_INDEX", "Chat", "ChatEncoding", "ChatSpec"]
 
@@ -61,7 +65,6 @@ _MARK = "\ue000"
 
 #: End-of-turn markers tried, in order, after an assistant reply of a custom template.
 _EOT_CANDIDATES = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "</s>")
-_SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 ImageTokens = int | Callable[[int, int], int]
 
@@ -98,34 +101,6 @@ class ChatEncoding:
         return int(np.count_nonzero(self.labels != IGNORE_INDEX))
 
 
-def _tokenizer_parts(tokenizer: Any) -> tuple[str, dict[str, str], str | None]:
-    """(tokenizer JSON, its special tokens by name, its chat template) of any accepted
-    tokenizer; ConfigError otherwise."""
-    if isinstance(tokenizer, Tokenizer):
-        return tokenizer.to_str(), {}, None
-    if isinstance(tokenizer, (str, os.PathLike)):
-        try:
-            return Tokenizer.from_file(os.fspath(tokenizer)).to_str(), {}, None
-        except Exception as exc:  # the Rust side raises plain Exception subclasses
-            raise ConfigError(
-                f"cannot load a tokenizer from {os.fspath(tokenizer)!r}: {exc} "
-                "(expected a tokenizers 'tokenizer.json' file)"
-            ) from exc
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if isinstance(backend, Tokenizer):  # a transformers fast tokenizer
-        specials = {}
-        for name in _SPECIAL_NAMES:
-            value = getattr(tokenizer, name, None)
-            if isinstance(value, str):
-                specials[name] = value
-        template = getattr(tokenizer, "chat_template", None)
-        return backend.to_str(), specials, template if isinstance(template, str) else None
-    raise ConfigError(
-        "ChatSpec.tokenizer must be a tokenizers.Tokenizer, a tokenizer.json path or a "
-        f"transformers fast tokenizer, got {type(tokenizer).__name__}"
-    )
-
-
 class ChatSpec:
     """How a conversation becomes int32 ``input_ids`` and ``labels``: a text
     :class:`~mmcache.transforms.stage.Stage` for supervised fine-tuning.
@@ -157,6 +132,9 @@ class ChatSpec:
         image_prefix, image_suffix: text whose tokens go around each image's run (never
             trained on), e.g. Qwen2-VL's ``"<|vision_start|>"`` and ``"<|vision_end|>"``
             with ``image_token_id`` = the id of ``<|image_pad|>``.
+        pad_id: what batches pad ``input_ids`` with (:attr:`pad_id`; the cache holds no
+            padding, so it is not in the fingerprint); default
+            :func:`~mmcache.transforms.chat_tokenizer.pad_id_of`.
 
     The fingerprint covers the tokenizer's content (canonical JSON), the template text,
     ``max_length`` and every option. Immutable, picklable, thread-safe; ConfigError on
@@ -177,6 +155,7 @@ class ChatSpec:
         "image_token_id",
         "image_tokens",
         "max_length",
+        "pad_id",
         "special_tokens",
         "template",
         "template_name",
@@ -195,6 +174,7 @@ class ChatSpec:
     special_tokens: dict[str, str]
     image_prefix: str
     image_suffix: str
+    pad_id: int
     _wrap: tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]
 
     def __init__(
@@ -211,8 +191,9 @@ class ChatSpec:
         eos_token: str | None = None,
         image_prefix: str = "",
         image_suffix: str = "",
+        pad_id: int | None = None,
     ) -> None:
-        tokenizer_json, specials, own_template = _tokenizer_parts(tokenizer)
+        tokenizer_json, specials, own_template = tokenizer_parts(tokenizer)
         name: str | None = None
         if template is None:
             if own_template is None:
@@ -234,9 +215,11 @@ class ChatSpec:
             specials["bos_token"] = bos_token
         if eos_token is not None:
             specials["eos_token"] = eos_token
+        if pad_id is None:
+            pad_id = pad_id_of(Tokenizer.from_str(tokenizer_json), specials)
         # Only the tokens the template can read (by naming them) change its output.
         specials = {k: v for k, v in specials.items() if k in template}
-        for key in _SPECIAL_NAMES[:2]:
+        for key in SPECIAL_NAMES[:2]:
             specials.setdefault(key, "")
         self._setup(
             tokenizer_json,
@@ -250,6 +233,7 @@ class ChatSpec:
             specials,
             image_prefix,
             image_suffix,
+            pad_id,
         )
 
     def _setup(  # noqa: PLR0917 (positional: it is called with __getstate__'s tuple)
@@ -265,8 +249,10 @@ class ChatSpec:
         specials: dict[str, str],
         image_prefix: str,
         image_suffix: str,
+        pad_id: int,
     ) -> None:
         max_length = check_int("ChatSpec.max_length", max_length, minimum=1)
+        pad_id = check_int("ChatSpec.pad_id", pad_id, minimum=0)
         for label, value in (("image_prefix", image_prefix), ("image_suffix", image_suffix)):
             if not isinstance(value, str):
                 raise ConfigError(f"ChatSpec.{label} must be a str, got {value!r}")
@@ -295,7 +281,7 @@ class ChatSpec:
         compile_template(template)  # ConfigError now for a template that does not parse
         setattr_ = object.__setattr__
         setattr_(self, "_json", tokenizer_json)
-        setattr_(self, "_digest", _tokenizer_digest(tokenizer_json))
+        setattr_(self, "_digest", tokenizer_digest(tokenizer_json))
         setattr_(self, "_tokenizer", tok)
         setattr_(self, "template", template)
         setattr_(self, "template_name", name)
@@ -306,6 +292,7 @@ class ChatSpec:
         setattr_(self, "end_of_turn", end_of_turn)
         setattr_(self, "special_tokens", dict(specials))
         setattr_(self, "image_prefix", image_prefix)
+        setattr_(self, "pad_id", pad_id)
         setattr_(self, "image_suffix", image_suffix)
         setattr_(
             self,
@@ -333,6 +320,7 @@ class ChatSpec:
             self.special_tokens,
             self.image_prefix,
             self.image_suffix,
+            self.pad_id,
         )
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
@@ -546,16 +534,6 @@ class ChatSpec:
             return np.zeros(0, dtype=np.int32), empty, empty, runs
         offsets = np.concatenate(spans)
         return np.concatenate(ids), offsets[:, 0], offsets[:, 1], runs
-
-
-def _tokenizer_digest(tokenizer_json: str) -> str:
-    """xxh3-128 of what of the tokenizer ChatSpec uses: its canonical JSON without the
-    post-processor (texts are encoded with ``add_special_tokens=False``, so it never
-    runs; transformers adds an empty one to a tokenizer it wraps)."""
-    doc = json.loads(_canonical_tokenizer_json(tokenizer_json))
-    doc.pop("post_processor", None)
-    blob = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return xxhash.xxh3_128_hexdigest(blob.encode())
 
 
 def _placed(text: str, marked: str) -> tuple[int, str]:
