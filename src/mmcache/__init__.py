@@ -51,6 +51,7 @@ from mmcache.plot import plot
 from mmcache.policies import Policy, Residents, get_policy, policy_names, register_policy
 from mmcache.sampler import EpochSampler
 from mmcache.sources.base import SampleSource, StampKind
+from mmcache.sources.chat import TextReport
 from mmcache.sources.coco import CocoSource
 from mmcache.sources.files import FileSource
 from mmcache.sources.hfdataset import HFDatasetSource
@@ -61,8 +62,10 @@ from mmcache.stores.base import BatchReader, Store
 from mmcache.stores.disk import DiskStore
 from mmcache.stores.memory import MemoryStore, reclaim_orphans
 from mmcache.stores.tiered import TieredStore
+from mmcache.transforms.chat import IGNORE_INDEX, Chat, ChatEncoding, ChatSpec
 from mmcache.transforms.fingerprint import callable_fingerprint
 from mmcache.transforms.hf import hf_image_processor
+from mmcache.transforms.smart_resize import SmartResize
 from mmcache.transforms.stage import Stage
 from mmcache.transforms.user import stage
 from mmcache.units import format_size, parse_duration, parse_size
@@ -73,6 +76,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CLIP_MEAN",
     "CLIP_STD",
+    "IGNORE_INDEX",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "BatchContext",
@@ -81,6 +85,9 @@ __all__ = [
     "CacheError",
     "CacheStats",
     "CachedDataset",
+    "Chat",
+    "ChatEncoding",
+    "ChatSpec",
     "CocoSource",
     "ConfigError",
     "CorruptEntryError",
@@ -114,9 +121,11 @@ __all__ = [
     "Sample",
     "SampleError",
     "SampleSource",
+    "SmartResize",
     "Stage",
     "StampKind",
     "Store",
+    "TextReport",
     "TextSpec",
     "TierStats",
     "TieredStore",

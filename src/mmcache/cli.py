@@ -261,6 +261,7 @@ def _absent(cache: Any) -> str:
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
+    from mmcache.sources.chat import read_text_reports
     from mmcache.units import format_size
 
     cache = _open(args)
@@ -270,8 +271,11 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         note = _absent(cache)
     finally:
         cache.close()
+    # SFT length passes recorded here (FileSource.text_report(root=...))
+    reports = read_text_reports(os.path.expanduser(args.cache))
     if args.json:
-        _print_json({**stats.as_dict(), "not_present": absent})
+        texts = [r.as_dict() for r in reports]
+        _print_json({**stats.as_dict(), "not_present": absent, "text_reports": texts})
         return 0
     fields = ["items", "bytes", "budget", "hits", "misses", "evictions", "expired", "corrupt"]
     rows = []
@@ -292,6 +296,8 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         for fp, info in stats.fingerprints.items():
             last = dt.datetime.fromtimestamp(info["last_used"]).strftime("%Y-%m-%d %H:%M")
             print(f"  {fp}  last used {last}  {info['keys_logged']} keys  {info['description']}")
+    for report in reports:
+        print(f"\n{report}")
     return 0
 
 

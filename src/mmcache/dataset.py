@@ -222,6 +222,11 @@ class SourceDataset(MultimodalDataset):
     def channels_last_fields(self) -> frozenset[str]:
         return frozenset(getattr(self.source, "channels_last_fields", ()))
 
+    @property
+    def pad_token_id(self) -> int | None:
+        pad = getattr(self.source, "pad_token_id", None)
+        return None if pad is None else int(pad)
+
     def stamps(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
         return self.source.stamps(indices)
 

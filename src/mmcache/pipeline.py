@@ -10,6 +10,11 @@ conversion and normalisation are left to the training device (:func:`normalize`)
 uint8 sample is 4x smaller in every cache tier and on every copy than the float32
 tensor of the ``ToTensor`` pattern.
 
+With a :class:`~mmcache.transforms.chat.ChatSpec` as its text stage a pipeline makes
+supervised fine-tuning samples instead (:meth:`Pipeline.process_chat`: a conversation and
+all its images -> ``input_ids``, ``labels``, ``images``, ``image_sizes`` and, with
+:class:`~mmcache.transforms.smart_resize.SmartResize`, ``image_grid_thw``).
+
 The stages live in :mod:`mmcache.transforms`; this module keeps their old import path
 (``from mmcache.pipeline import ImageSpec, TextSpec, normalize, ...``).
 
@@ -23,14 +28,15 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
 import xxhash
 
 from mmcache.errors import ConfigError, SampleError
+from mmcache.transforms.chat import Chat, ChatSpec
 from mmcache.transforms.image import ALPHA_BACKGROUND, ImageSpec, Interpolation, load_image
 from mmcache.transforms.normalize import (
     CLIP_MEAN,
@@ -39,6 +45,7 @@ from mmcache.transforms.normalize import (
     IMAGENET_STD,
     normalize,
 )
+from mmcache.transforms.smart_resize import SmartResize
 from mmcache.transforms.stage import Stage, StageKind
 from mmcache.transforms.text import TextSpec, train_tokenizer
 from mmcache.transforms.user import UserStage
@@ -160,10 +167,24 @@ class Pipeline:
         return hash(self.fingerprint())
 
     @property
+    def chat(self) -> ChatSpec | None:
+        """The text stage when it is a :class:`~mmcache.transforms.chat.ChatSpec` (a
+        supervised fine-tuning pipeline: :meth:`process_chat`), else ``None``."""
+        return self.text if isinstance(self.text, ChatSpec) else None
+
+    @property
     def varying_fields(self) -> frozenset[str]:
         """``{"image"}`` when the image stage's output shape varies between samples (its
         ``fixed_shape`` is False: an aspect-preserving resize), else empty. The loader
-        then gives batches a list of images and their ``image_sizes``."""
+        then gives batches a list of images and their ``image_sizes``. A chat pipeline
+        varies in every field it makes (:meth:`process_chat`)."""
+        if self.chat is not None:
+            names = {"input_ids", "labels"}
+            if self.image is not None:
+                names |= {"images", "image_sizes"}
+                if isinstance(self.image, SmartResize):
+                    names.add("image_grid_thw")
+            return frozenset(names)
         if self.image is not None and getattr(self.image, "fixed_shape", True) is False:
             return frozenset({"image"})
         return frozenset()
@@ -215,6 +236,68 @@ class Pipeline:
         out = self.text(text)
         return out["input_ids"], out["attention_mask"]
 
+    def process_chat(
+        self,
+        image_paths: Sequence[str | os.PathLike[str]],
+        messages: Sequence[tuple[str, str]] | None,
+        *,
+        sample_id: str,
+    ) -> dict[str, npt.NDArray[Any]]:
+        """One chat record (its images, its ``(role, content)`` messages) -> the SFT sample.
+
+        Fields: ``input_ids`` and ``labels`` (int32 ``[L]``, no padding) and, when the
+        pipeline has an image stage, ``images`` (uint8, the concatenated C-contiguous
+        ``[3, h, w]`` bytes of the images kept after truncation), ``image_sizes`` (int32
+        ``[n, 2]``: h, w; ``n = 0`` for a text-only sample) and, with
+        :class:`~mmcache.transforms.smart_resize.SmartResize`, ``image_grid_thw`` (int32
+        ``[n, 3]``: ``(1, h / patch, w / patch)``). The image token runs are sized from
+        the processed images' shapes. Raises SampleError.
+        """
+        chat = self.chat
+        if chat is None:
+            raise ConfigError("process_chat needs a pipeline whose text stage is a ChatSpec")
+        if messages is None:
+            raise SampleError(
+                "record has no conversation (a caption record), but the pipeline has a ChatSpec",
+                sample_id=sample_id,
+            )
+        found = sum(content.count(chat.image_token) for _, content in messages)
+        if found != len(image_paths):
+            raise SampleError(
+                f"{found} {chat.image_token!r} placeholders for {len(image_paths)} images",
+                sample_id=sample_id,
+            )
+        if image_paths and self.image is None:
+            raise SampleError(
+                "record has images, but the pipeline has no image stage", sample_id=sample_id
+            )
+        arrays: list[npt.NDArray[Any]] = []
+        for path in image_paths:
+            array = load_image(cast(Stage, self.image), path, sample_id=sample_id)
+            if array.dtype != np.uint8 or array.ndim != 3 or array.shape[0] != 3:
+                raise SampleError(
+                    f"a chat pipeline's image stage must give uint8 [3, h, w], got "
+                    f"{array.dtype} {tuple(array.shape)}",
+                    sample_id=sample_id,
+                    path=os.fspath(path),
+                )
+            arrays.append(array)
+        sizes = tuple((int(a.shape[1]), int(a.shape[2])) for a in arrays)
+        enc = chat.encode(Chat(tuple(messages), sizes), sample_id=sample_id)
+        out: dict[str, npt.NDArray[Any]] = {"input_ids": enc.input_ids, "labels": enc.labels}
+        if self.image is None:
+            return out
+        n = enc.n_images
+        kept = arrays[:n]
+        out["image_sizes"] = np.array(sizes[:n], dtype=np.int32).reshape(n, 2)
+        if isinstance(self.image, SmartResize):
+            grids = [self.image.grid_thw(h, w) for h, w in sizes[:n]]
+            out["image_grid_thw"] = np.array(grids, dtype=np.int32).reshape(n, 3)
+        out["images"] = (
+            np.concatenate([a.reshape(-1) for a in kept]) if kept else np.zeros(0, np.uint8)
+        )
+        return out
+
     def process(
         self, image_path: str | os.PathLike[str] | None, text: str | None, *, sample_id: str
     ) -> dict[str, npt.NDArray[Any]]:
@@ -229,6 +312,11 @@ class Pipeline:
         # as one range.
         out: dict[str, npt.NDArray[Any]] = {}
         image: npt.NDArray[Any] | None = None
+        if self.chat is not None:
+            raise ConfigError(
+                "a pipeline with a ChatSpec makes samples from conversations: "
+                "process_chat(image_paths, messages, sample_id=...)"
+            )
         for stage in self.stages:
             if stage.kind == "image":
                 if image_path is None:

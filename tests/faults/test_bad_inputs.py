@@ -446,9 +446,11 @@ def llava_text_only_record(c: Corpus) -> Case:
 
 @case("manifest")
 def llava_multi_image(c: Corpus) -> Case:
-    extra = [{"id": "multi", "image": ["a.jpg", "b.jpg"], "conversations": []}]
+    # multi-image records are read (issue 15); an entry that is not a path is refused
+    turns = [{"from": "human", "value": "<image><image>"}]
+    extra = [{"id": "multi", "image": ["a.jpg", 7], "conversations": turns}]
     path = llava(c, "llava_multi_image", extra)
-    reason = "multi-image records are not supported"
+    reason = "'image[1]' must be a string"
     line = N_GOOD + 1
     return Case("record", reason, bad_id="multi", line=line, texts=LLAVA_TEXTS, manifest=path)
 

@@ -33,6 +33,7 @@ import numpy as np
 
 from mmcache import keys
 from mmcache.errors import ConfigError, SampleError
+from mmcache.sources import chat as _chat
 from mmcache.sources.base import OnError, SampleSource, StampKind
 from mmcache.sources.items import item_tensors
 from mmcache.sources.readers import read_manifest
@@ -113,6 +114,15 @@ class FileSource:
             self.records = manifest
         else:
             self.records = read_manifest(manifest, on_error=on_error)
+        # A chat pipeline (mmcache.ChatSpec): samples are made from the structured
+        # conversations and all their images (see mmcache.sources.chat).
+        self._chat = getattr(pipeline, "chat", None)
+        self._mismatched = 0
+        self._lengths: _chat.ChatLengths | None = None
+        if self._chat is not None:
+            self.records, self._mismatched = _chat.check_placeholders(
+                self.records, self._chat.image_token, self.on_error
+            )
         self.pipeline = pipeline
         self.content_stamp = content_stamp
         self.stamp_kind = StampKind.CONTENT if content_stamp else StampKind.FILE
@@ -154,6 +164,13 @@ class FileSource:
         return frozenset(getattr(self.pipeline, "varying_fields", ()))
 
     @property
+    def pad_token_id(self) -> int | None:
+        """What SFT batches pad ``input_ids`` with: the chat stage's ``pad_id``
+        (``ChatSpec(pad_id=)`` or its tokenizer's pad token); None without a chat stage."""
+        chat = getattr(self.pipeline, "chat", None)
+        return None if chat is None else int(chat.pad_id)
+
+    @property
     def channels_last_fields(self) -> frozenset[str]:
         """The fields cached as ``[H, W, C]`` and presented as ``[C, H, W]`` views (the
         pipeline's ``channels_last_fields``; see :mod:`mmcache.loader.varying`)."""
@@ -162,6 +179,11 @@ class FileSource:
     def key(self, index: int) -> bytes:
         """The 16-byte cache key of sample ``index``: changes when its image file,
         caption or the pipeline changes (see :func:`mmcache.keys.sample_key`)."""
+        if self._chat is not None:  # every image, and the conversation as structured
+            stamp = _chat.multi_stamp(self.records.image_paths(index), content=self.content_stamp)
+            return keys.sample_key(
+                self.records.id(index), stamp, self._fingerprint, self.records.chat_json(index)
+            )
         path = self.records.image_path(index)
         stamp = keys.source_stamp(path, content=self.content_stamp)
         return keys.sample_key(
@@ -195,6 +217,10 @@ class FileSource:
                 stamps[j] = fields(stat(path))
             except (OSError, ValueError):  # missing, unreadable, or a NUL in the path
                 continue
+        if self._chat is not None:  # a multi-image sample: all its files in one row
+            for j, i in enumerate(idx.tolist()):
+                if self.records.image_count(i) > 1:
+                    stamps[j] = _chat.multi_stamp_fields(self.records.image_paths(i))
         return stamps
 
     def _checked(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -241,10 +267,12 @@ class FileSource:
                 memo_keys[i] = np.frombuffer(self.key(i), dtype=np.uint8)
                 memo_stamp[i] = -1
                 continue
-            stamp = keys.fields_stamp(stamps[j].tolist())
-            key = keys.sample_key(
-                self.records.id(i), stamp, self._fingerprint, self.records.text(i)
-            )
+            if self._chat is not None and self.records.image_count(i) > 1:
+                key = self.key(i)  # its row stands for several files' stamps
+            else:
+                stamp = keys.fields_stamp(stamps[j].tolist())
+                text = self.records.chat_json(i) if self._chat else self.records.text(i)
+                key = keys.sample_key(self.records.id(i), stamp, self._fingerprint, text)
             memo_keys[i] = np.frombuffer(key, dtype=np.uint8)
             memo_stamp[i] = stamps[j]
         rows: np.ndarray = memo_keys[idx]
@@ -255,11 +283,67 @@ class FileSource:
         """Decode/resize/tokenize sample ``index`` into numpy arrays. Raises SampleError."""
         if not 0 <= index < len(self.records):
             raise IndexError(f"sample index {index} out of range for {len(self.records)} records")
+        if self._chat is not None:
+            return self.pipeline.process_chat(  # type: ignore[attr-defined, no-any-return]
+                self.records.image_paths(index),
+                self.records.chat(index),
+                sample_id=self.records.id(index),
+            )
         return self.pipeline.process(
             self.records.image_path(index),
             self.records.text(index),
             sample_id=self.records.id(index),
         )
+
+    # -- supervised fine-tuning (a pipeline with a ChatSpec) ------------------------------
+    def _chat_lengths(self, root: str | os.PathLike[str] | None = None) -> _chat.ChatLengths:
+        if self._chat is None:
+            raise ConfigError(
+                "lengths(), modalities() and text_report() need a pipeline whose text "
+                "stage is a mmcache.ChatSpec"
+            )
+        if self._lengths is None:
+            self._lengths = _chat.chat_lengths(
+                self.records,
+                self._chat,
+                getattr(self.pipeline, "image", None),
+                fingerprint=self._fingerprint,
+                on_error=self.on_error,
+                mismatched=self._mismatched,
+                record_reject=self.record_reject,
+                stamps=lambda: self.stamps(np.arange(len(self.records))),
+                root=root,
+            )
+        return self._lengths
+
+    def lengths(self, root: str | os.PathLike[str] | None = None) -> np.ndarray:
+        """Each sample's length in tokens (int64 ``[N]``): ``len(input_ids)`` of the
+        sample it produces, image tokens included, after truncation; 0 for a sample
+        that will be refused (under ``on_error="skip"``; under ``"raise"`` the first
+        such sample raises its SampleError here).
+
+        Computed without decoding an image (a render and a tokenization per sample;
+        each image's size from its header through the image stage's resize rule),
+        once per source: later calls return the same array (do not modify it).
+        With a cache ``root`` the pass is saved there and the next run (a new source
+        over the same records and pipeline) reuses it, measuring again only samples
+        whose image files changed. For ``group_by_length`` and packing."""
+        return self._chat_lengths(root).lengths
+
+    def modalities(self, root: str | os.PathLike[str] | None = None) -> np.ndarray:
+        """Whether each sample keeps an image (bool ``[N]``), from the same pass as
+        :meth:`lengths` (``root`` as there): image and text-only samples are grouped
+        apart."""
+        return self._chat_lengths(root).has_image
+
+    def text_report(self, root: str | os.PathLike[str] | None = None) -> _chat.TextReport:
+        """Samples, truncated, fully masked, mismatched placeholders, trainable tokens
+        and length percentiles, from the :meth:`lengths` pass; recorded under the cache
+        ``root`` when given, for ``mmcache stats``."""
+        report = self._chat_lengths(root).report
+        if root is not None:
+            report.write(root)
+        return report
 
     def to_item(self, index: int, sample: Mapping[str, np.ndarray]) -> dict[str, Any]:
         """What ``ds[index]`` returns for a produced (or cached) sample: tensors plus the id.
@@ -290,6 +374,7 @@ class FileSource:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_memo_keys"] = state["_memo_stamp"] = None  # workers do not plan
+        state["_lengths"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

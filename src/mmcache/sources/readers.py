@@ -171,6 +171,9 @@ def _read_jsonl(f: BinaryIO, builder: RecordsBuilder) -> None:
             ):
                 builder.add(lineno, sample_id, caption, image)
                 continue
+        if type(obj) is dict and ("conversations" in obj or "messages" in obj):
+            _chat_record(obj, lineno, builder)  # a LLaVA / messages record on one line
+            continue
         reason, known_id = _jsonl_problem(obj)
         builder.reject(reason, lineno, known_id)
 
@@ -260,43 +263,118 @@ def _read_llava(f: BinaryIO, builder: RecordsBuilder) -> None:
             path=builder.source,
         )
     for index, rec in enumerate(document, 1):
-        if not isinstance(rec, dict):
-            builder.reject(f"record must be a JSON object, got {_describe(rec)}", index)
-            continue
-        raw_id = rec.get("id", _MISSING)
-        if raw_id is _MISSING:
-            builder.reject("missing key 'id'", index)
-            continue
-        # LLaVA's own files use string ids, but converted datasets often carry ints.
-        if isinstance(raw_id, int) and not isinstance(raw_id, bool):
-            raw_id = str(raw_id)
-        if not isinstance(raw_id, str):
-            builder.reject(f"'id' must be a string or an integer, got {_describe(raw_id)}", index)
-            continue
-        if not raw_id:
-            builder.reject("'id' is empty", index)
-            continue
-        image = rec.get("image")
-        if isinstance(image, list):
-            builder.reject(
-                "'image' is an array: multi-image records are not supported", index, raw_id
+        _chat_record(rec, index, builder)
+
+
+#: LLaVA's and ShareGPT's speaker names -> chat-template roles (others are kept as given).
+ROLES: dict[str, str] = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "bot": "assistant",
+    "model": "assistant",
+    "system": "system",
+}
+
+
+def _images_of(rec: Mapping[str, Any]) -> tuple[list[str] | None, str | None]:
+    """The image references of a chat record (``image``: a string or an array of them;
+    ``images``: an array), or ``(None, reason)``."""
+    key = "images" if "images" in rec and rec.get("image") is None else "image"
+    value = rec.get(key)
+    if value is None:
+        return [], None
+    items = value if isinstance(value, list) else [value]
+    if not isinstance(value, list) and not isinstance(value, str):
+        return None, f"{key!r} must be a string, got {_describe(value)}"
+    for k, item in enumerate(items):
+        where = key if not isinstance(value, list) else f"{key}[{k}]"
+        if not isinstance(item, str):
+            return None, f"{where!r} must be a string, got {_describe(item)}"
+        if item == "":
+            return None, f"{where!r} is empty"
+        if "\x00" in item:
+            return None, _NUL_REASON.format(key=where)
+    return list(items), None
+
+
+def _content_text(content: object) -> str | None:
+    """A message's content as text: a string, or a list of ``{"type": "text", "text"}``
+    and ``{"type": "image"}`` parts (an image part becomes :data:`IMAGE_TOKEN`)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return None
+    parts: list[str] = []
+    for part in content:
+        if not isinstance(part, dict):
+            return None
+        kind = part.get("type")
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append(part["text"])
+        elif kind == "image":
+            parts.append(IMAGE_TOKEN)
+        else:
+            return None
+    return "".join(parts)
+
+
+def _messages_turns(messages: object) -> tuple[list[dict[str, str]] | None, str | None]:
+    """``messages`` (``role``/``content``) as LLaVA turns (``from``/``value``), or a reason."""
+    if not isinstance(messages, list):
+        return None, f"'messages' must be an array, got {_describe(messages)}"
+    if not messages:
+        return None, "'messages' is empty"
+    turns: list[dict[str, str]] = []
+    for k, message in enumerate(messages):
+        if not isinstance(message, dict):
+            return None, f"messages[{k}] must be an object, got {_describe(message)}"
+        role, reason = _string_field(message, "role")
+        if role is None:
+            return None, f"messages[{k}]: {reason}"
+        text = _content_text(message.get("content", _MISSING))
+        if text is None:
+            return None, (
+                f"messages[{k}]: 'content' must be a string or a list of text and image parts"
             )
-            continue
-        if image is not None and not isinstance(image, str):
-            builder.reject(f"'image' must be a string, got {_describe(image)}", index, raw_id)
-            continue
-        if image == "":
-            builder.reject("'image' is empty", index, raw_id)
-            continue
-        if image is not None and "\x00" in image:
-            builder.reject(_NUL_REASON.format(key="image"), index, raw_id)
-            continue
+        turns.append({"from": role, "value": text})
+    return turns, None
+
+
+def _chat_record(rec: object, index: int, builder: RecordsBuilder) -> None:
+    """Parse one LLaVA (``conversations``) or ``messages`` record into ``builder``."""
+    if not isinstance(rec, dict):
+        builder.reject(f"record must be a JSON object, got {_describe(rec)}", index)
+        return
+    raw_id = rec.get("id", _MISSING)
+    if raw_id is _MISSING:
+        builder.reject("missing key 'id'", index)
+        return
+    # LLaVA's own files use string ids, but converted datasets often carry ints.
+    if isinstance(raw_id, int) and not isinstance(raw_id, bool):
+        raw_id = str(raw_id)
+    if not isinstance(raw_id, str):
+        builder.reject(f"'id' must be a string or an integer, got {_describe(raw_id)}", index)
+        return
+    if not raw_id:
+        builder.reject("'id' is empty", index)
+        return
+    images, reason = _images_of(rec)
+    if images is None:
+        builder.reject(reason or "", index, raw_id)
+        return
+    if "conversations" not in rec and "messages" in rec:
+        turns, problem = _messages_turns(rec["messages"])
+    else:
         conversations = rec.get("conversations", _MISSING)
         problem = _conversation_problem(conversations)
-        if problem is not None:
-            builder.reject(problem, index, raw_id)
-            continue
-        builder.add(index, raw_id, llava_text(conversations), image)
+        turns = conversations if problem is None else None
+    if turns is None:
+        builder.reject(problem or "", index, raw_id)
+        return
+    chat = [(ROLES.get(t["from"], t["from"]), t["value"]) for t in turns]
+    builder.add(index, raw_id, llava_text(turns), images, chat=chat)
 
 
 def _sniff(f: BinaryIO) -> str:
@@ -369,6 +447,7 @@ def read_manifest(
     *,
     on_error: Literal["raise", "skip"] = "raise",
     format: str = "auto",
+    image_root: str | os.PathLike[str] | None = None,
 ) -> Records:
     """Read a manifest into :class:`Records`.
 
@@ -386,7 +465,8 @@ def read_manifest(
     ``line`` is the 1-based index of the record in the array.
 
     Image references are relative to the manifest's folder (``../`` may climb out
-    of it) or absolute; see :meth:`Records.image_path`.
+    of it), or to ``image_root`` when given (LLaVA's ``--image_folder``), or absolute;
+    see :meth:`Records.image_path`.
 
     ``format="auto"`` reads LLaVA when the first byte after a BOM and whitespace
     is ``[``, JSONL otherwise; another registered name (:func:`register_reader`)
@@ -425,4 +505,4 @@ def read_manifest(
         raise ManifestError("file not found", path=source) from exc
     except OSError as exc:
         raise ManifestError(f"cannot read the file: {exc.strerror or exc}", path=source) from exc
-    return builder.finish(kind)
+    return builder.finish(kind, image_root=None if image_root is None else os.fspath(image_root))

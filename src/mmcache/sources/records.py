@@ -12,12 +12,18 @@ shared. Strings are decoded on access, negligible next to an image decode.
 
 A reader (:mod:`mmcache.sources.readers`) fills a :class:`RecordsBuilder`, which
 validates ids, applies the ``on_error`` policy and builds the columns.
+
+Chat records (LLaVA ``conversations``, ``messages``) also keep their structured
+conversation in a column of its own (:meth:`Records.chat`: ``(role, content)`` pairs with
+the ``<image>`` placeholders left in), and may list several images (held in the image
+column NUL-separated, since no path can hold a NUL; :meth:`Records.image_paths`).
 """
 
 from __future__ import annotations
 
 import array
 import itertools
+import json
 import logging
 import operator
 import os
@@ -100,6 +106,7 @@ class Records:
         has_image: npt.NDArray[np.bool_],
         lines: _I64,
         rejects: list[RecordReject],
+        chats: tuple[_U8, _I64] | None = None,
     ) -> None:
         self.source = source
         self.format = format
@@ -113,6 +120,9 @@ class Records:
         self._has_image = has_image
         self._lines = lines
         self._n = len(lines)
+        # The structured conversations as JSON ([[role, content], ...]; b"" for a row
+        # that has none), or None when no row has one.
+        self._chats = chats
         # (sorted xxh3_64 hashes of the ids, row of each); built by index_of.
         self._index: tuple[npt.NDArray[np.uint64], _I64] | None = None
         # The absolute paths of image_path, encoded, as one buffer + offsets; built by
@@ -160,7 +170,8 @@ class Records:
         return bool(self._has_image[self._row(i)])
 
     def image_path(self, i: int) -> str | None:
-        """Return the image of row ``i`` as an absolute path, or ``None`` for a text-only row.
+        """Return the image of row ``i`` as an absolute path, or ``None`` for a text-only row
+        (the first one of a multi-image row: :meth:`image_paths` lists them all).
 
         A relative reference is joined with the manifest's folder; the result goes
         through :func:`os.path.normpath` (so ``"img/../x.jpg"`` becomes ``"x.jpg"``)
@@ -171,7 +182,7 @@ class Records:
         i = self._row(i)
         if not self._has_image[i]:
             return None
-        ref = _field(self._image_buf, self._image_off, i)
+        ref = _field(self._image_buf, self._image_off, i).split("\x00", 1)[0]
         return os.path.normpath(os.path.join(self._base_dir, ref))
 
     def stat_paths(self, rows: npt.NDArray[np.integer[Any]]) -> list[bytes | None]:
@@ -196,6 +207,97 @@ class Records:
             bytes(view[a:b]) if has[r] else None
             for r, a, b in zip(np.asarray(rows).tolist(), starts, stops, strict=True)
         ]
+
+    def image_paths(self, i: int) -> list[str]:
+        """Return every image of row ``i`` as absolute paths (see :meth:`image_path`), in
+        the record's order: one for a single-image row, none for a text-only one."""
+        i = self._row(i)
+        if not self._has_image[i]:
+            return []
+        refs = _field(self._image_buf, self._image_off, i).split("\x00")
+        return [os.path.normpath(os.path.join(self._base_dir, ref)) for ref in refs]
+
+    def image_count(self, i: int) -> int:
+        """Return how many images row ``i`` has (0 for a text-only row)."""
+        i = self._row(i)
+        if not self._has_image[i]:
+            return 0
+        a, b = int(self._image_off[i]), int(self._image_off[i + 1])
+        return 1 + int(np.count_nonzero(self._image_buf[a:b] == 0))
+
+    @property
+    def has_chats(self) -> bool:
+        """Whether the rows carry structured conversations (LLaVA or ``messages`` records)."""
+        return self._chats is not None
+
+    def chat(self, i: int) -> list[tuple[str, str]] | None:
+        """Return row ``i``'s conversation as ``(role, content)`` pairs, roles normalised
+        (``human`` -> ``user``, ``gpt`` -> ``assistant``) and the ``<image>`` placeholders
+        kept; ``None`` for a row without one (a JSONL caption record)."""
+        i = self._row(i)
+        if self._chats is None:
+            return None
+        raw = _field(*self._chats, i)
+        if not raw:
+            return None
+        return [(str(r), str(c)) for r, c in json.loads(raw)]
+
+    def placeholder_counts(self, token: str) -> _I64:
+        """Return how often ``token`` occurs in each row's conversation (int64 ``[N]``, 0
+        for a row without one), counted in the stored JSON without decoding it: a
+        token is stored as itself unless it holds a character JSON escapes, which this
+        encodes the same way. (A role that contains ``token`` counts too.)"""
+        out = np.zeros(self._n, dtype=np.int64)
+        if self._chats is None:
+            return out
+        needle = json.dumps(token, ensure_ascii=False)[1:-1].encode("utf-8")
+        buf, off = self._chats
+        data = buf.tobytes()
+        starts, stops = off[:-1].tolist(), off[1:].tolist()
+        for i, (a, b) in enumerate(zip(starts, stops, strict=True)):
+            out[i] = data.count(needle, a, b)
+        return out
+
+    def image_counts(self) -> _I64:
+        """Return :meth:`image_count` of every row (int64 ``[N]``)."""
+        nul = np.concatenate([[0], np.cumsum(self._image_buf == 0, dtype=np.int64)])
+        extra = nul[self._image_off[1:]] - nul[self._image_off[:-1]]
+        return np.where(self._has_image, 1 + extra, 0).astype(np.int64)
+
+    def chat_json(self, i: int) -> str:
+        """Return row ``i``'s conversation as the canonical JSON it is stored as (``""``
+        when it has none): what a chat pipeline's cache key is made of."""
+        i = self._row(i)
+        return "" if self._chats is None else _field(*self._chats, i)
+
+    def select(self, rows: list[int], rejects: list[RecordReject]) -> Records:
+        """Return the records of ``rows`` (in that order), with ``rejects`` added to
+        :attr:`rejects`: how a source leaves out records it refuses after reading."""
+        columns = [_Column() for _ in range(4 if self._chats is not None else 3)]
+        sources: list[tuple[_U8, _I64]] = [
+            (self._id_buf, self._id_off),
+            (self._text_buf, self._text_off),
+            (self._image_buf, self._image_off),
+        ]
+        if self._chats is not None:
+            sources.append(self._chats)
+        for r in rows:
+            for col, (buf, off) in zip(columns, sources, strict=True):
+                col.append(buf[off[r] : off[r + 1]].tobytes())
+        built = [c.build() for c in columns]
+        picked = np.asarray(rows, dtype=np.int64)
+        return Records(
+            source=self.source,
+            format=self.format,
+            base_dir=self._base_dir,
+            ids=built[0],
+            texts=built[1],
+            images=built[2],
+            has_image=self._has_image[picked].copy(),
+            lines=self._lines[picked].copy(),
+            rejects=[*self.rejects, *rejects],
+            chats=built[3] if self._chats is not None else None,
+        )
 
     def line(self, i: int) -> int:
         """Return where row ``i`` came from: its 1-based line (JSONL) or record index (LLaVA)."""
@@ -248,6 +350,24 @@ class Records:
         hasher.update(np.ascontiguousarray(self._id_off - start, dtype="<i8").data)
         return hasher.hexdigest()
 
+    def content_digest(self) -> str:
+        """Return a digest (16 hex digits) of every row's id, image references, text and
+        conversation, in order: what a saved per-sample result (``lengths()``) was made
+        from, besides the image files themselves."""
+        hasher = xxhash.xxh3_64()
+        columns = [
+            (self._id_buf, self._id_off),
+            (self._image_buf, self._image_off),
+            (self._text_buf, self._text_off),
+        ]
+        if self._chats is not None:
+            columns.append(self._chats)
+        for buf, off in columns:
+            hasher.update(np.ascontiguousarray(buf).data)
+            hasher.update(np.ascontiguousarray(off, dtype="<i8").data)
+        hasher.update(self._base_dir.encode("utf-8", "surrogateescape"))
+        return hasher.hexdigest()
+
     def ids_array(self) -> npt.NDArray[np.object_]:
         """Return every id as a numpy array of ``str`` objects (built on each call, not kept).
 
@@ -276,6 +396,8 @@ class Records:
             self._has_image,
             self._lines,
         ]
+        if self._chats is not None:
+            arrays.extend(self._chats)
         if self._index is not None:
             arrays.extend(self._index)
         return sum(int(a.nbytes) for a in arrays)
@@ -346,6 +468,8 @@ class RecordsBuilder:
         self.texts = _Column()
         self.images = _Column()
         self.has_image = bytearray()
+        self.chats = _Column()
+        self.any_chat = False
         self.lines = array.array("q")
         self.first_line: dict[bytes, int] = {}
         self.count = 0
@@ -364,10 +488,22 @@ class RecordsBuilder:
             raise ManifestError(reason, path=self.source, line=line, sample_id=sample_id) from cause
         self.rejects.append(RecordReject(self.source, line, sample_id, reason))
 
-    def add(self, line: int, sample_id: str, text: str, image: str | None) -> None:
+    def add(
+        self,
+        line: int,
+        sample_id: str,
+        text: str,
+        image: str | list[str] | None,
+        *,
+        chat: list[tuple[str, str]] | None = None,
+    ) -> None:
         """Append a parsed record (``image``: a path relative to the manifest's folder
-        or absolute, ``None`` for a text-only record); a duplicate id or a string that
-        is not valid Unicode is rejected (:meth:`reject`) instead."""
+        or absolute, a list of them for a multi-image record, ``None`` or ``[]`` for a
+        text-only record; ``chat``: its structured conversation, if it has one); a
+        duplicate id or a string that is not valid Unicode is rejected
+        (:meth:`reject`) instead."""
+        if isinstance(image, list):
+            image = "\x00".join(image) if image else None
         try:
             id_bytes = sample_id.encode("utf-8")
         except UnicodeEncodeError as exc:
@@ -376,6 +512,13 @@ class RecordsBuilder:
         try:
             text_bytes = text.encode("utf-8")
             image_bytes = b"" if image is None else image.encode("utf-8")
+            chat_bytes = (
+                b""
+                if chat is None
+                else json.dumps(
+                    [list(turn) for turn in chat], ensure_ascii=False, separators=(",", ":")
+                ).encode("utf-8")
+            )
         except UnicodeEncodeError as exc:
             self.reject("a field contains an unpaired surrogate (\\u escape)", line, sample_id, exc)
             return
@@ -388,11 +531,15 @@ class RecordsBuilder:
         self.texts.append(text_bytes)
         self.images.append(image_bytes)
         self.has_image.append(image is not None)
+        self.chats.append(chat_bytes)
+        self.any_chat = self.any_chat or chat is not None
         self.lines.append(line)
         self.count += 1
 
-    def finish(self, format: str) -> Records:
-        """The :class:`Records` of everything added; ManifestError if there is none."""
+    def finish(self, format: str, *, image_root: str | None = None) -> Records:
+        """The :class:`Records` of everything added; ManifestError if there is none.
+        Relative image references resolve against ``image_root`` when given, else the
+        manifest's folder."""
         if not self.count:
             if not self.rejects:
                 raise ManifestError("the manifest has no records", path=self.source)
@@ -412,11 +559,14 @@ class RecordsBuilder:
         return Records(
             source=self.source,
             format=format,
-            base_dir=os.path.dirname(os.path.abspath(self.source)),
+            base_dir=os.path.abspath(image_root)
+            if image_root is not None
+            else os.path.dirname(os.path.abspath(self.source)),
             ids=self.ids.build(),
             texts=self.texts.build(),
             images=self.images.build(),
             has_image=np.frombuffer(self.has_image, dtype=np.bool_).copy(),
             lines=np.frombuffer(self.lines, dtype=np.int64).copy(),
             rejects=self.rejects,
+            chats=self.chats.build() if self.any_chat else None,
         )

@@ -3,8 +3,10 @@
 A stage (:mod:`mmcache.transforms.stage`) is one step with a fingerprint;
 :class:`mmcache.Pipeline` runs an ordered list of them over a record. The
 built-in stages are :class:`ImageSpec` (:mod:`~mmcache.transforms.image`: the
-decode step and the crop/resize/colour stage) and :class:`TextSpec`
-(:mod:`~mmcache.transforms.text`: tokenization); user callables become
+decode step and the crop/resize/colour stage), :class:`SmartResize`
+(:mod:`~mmcache.transforms.smart_resize`: Qwen2-VL's dynamic resolution),
+:class:`TextSpec` (:mod:`~mmcache.transforms.text`: tokenization) and :class:`ChatSpec`
+(:mod:`~mmcache.transforms.chat`: chat templates and SFT labels); user callables become
 stages through ``mmcache.stage`` (:class:`UserStage`, :mod:`~mmcache.transforms.user`)
 and HF image processors through ``mmcache.hf_image_processor``
 (:mod:`~mmcache.transforms.hf`); the normalisation of
@@ -13,8 +15,10 @@ and HF image processors through ``mmcache.hf_image_processor``
 that name; ``mmcache.stage`` and ``mmcache.normalize`` are those functions.
 """
 
+from mmcache.transforms.chat import Chat, ChatSpec
 from mmcache.transforms.image import ALPHA_BACKGROUND, ImageSpec, Interpolation, decode_bytes
 from mmcache.transforms.normalize import CLIP_MEAN, CLIP_STD, IMAGENET_MEAN, IMAGENET_STD
+from mmcache.transforms.smart_resize import SmartResize
 from mmcache.transforms.stage import Stage, StageKind
 from mmcache.transforms.text import TextSpec, train_tokenizer
 from mmcache.transforms.user import UserStage
@@ -25,8 +29,11 @@ __all__ = [
     "CLIP_STD",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
+    "Chat",
+    "ChatSpec",
     "ImageSpec",
     "Interpolation",
+    "SmartResize",
     "Stage",
     "StageKind",
     "TextSpec",

@@ -1,0 +1,365 @@
+"""The chat side of a file source: placeholder checks, multi-image stamps and keys, and
+sample lengths computed without decoding an image (:func:`chat_lengths`,
+:class:`TextReport`).
+
+A :class:`~mmcache.sources.files.FileSource` whose pipeline has a
+:class:`~mmcache.transforms.chat.ChatSpec` uses these helpers:
+
+- :func:`check_placeholders` at construction: a record whose ``<image>`` count differs
+  from its number of images is a ManifestError naming the file, line and id (under
+  ``on_error="skip"`` it is left out and listed in ``rejects()``);
+- :func:`multi_stamp` / :func:`multi_stamp_fields`: the stamp of a sample with several
+  image files (each one's ``stat``), so that changing any of them changes the key;
+- :func:`chat_lengths`: each sample's token count (image tokens included, after
+  truncation) and whether it keeps an image, from a render and a tokenization per
+  sample and each image's header (``PIL.Image.open`` reads only that) through the
+  image stage's resize rule (:func:`~mmcache.transforms.smart_resize.output_hw`): what
+  length grouping and packing plan from, with the :class:`TextReport` of the same pass.
+
+Thread safety: pure functions; a :class:`TextReport` is immutable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import xxhash
+from PIL import Image
+
+from mmcache import keys
+from mmcache.errors import ConfigError, ManifestError, SampleError
+from mmcache.sources.records import RecordReject, Records
+from mmcache.transforms.chat import Chat, ChatSpec
+from mmcache.transforms.pixels import DECODE_ERRORS, orientation
+from mmcache.transforms.smart_resize import output_hw
+
+__all__ = [
+    "ChatLengths",
+    "TextReport",
+    "chat_lengths",
+    "check_placeholders",
+    "multi_stamp",
+    "multi_stamp_fields",
+    "read_text_reports",
+]
+
+_REPORTS = "reports"
+# What reading an image header can raise.
+_HEADER_ERRORS: tuple[type[BaseException], ...] = (*DECODE_ERRORS, SampleError)
+
+
+def check_placeholders(records: Records, image_token: str, on_error: str) -> tuple[Records, int]:
+    """``records`` without the rows whose ``image_token`` count differs from their number
+    of images, and how many there were. Under ``on_error="raise"`` the first one raises
+    ManifestError (file, line, id); rows without a conversation are left to ``produce``."""
+    found = records.placeholder_counts(image_token)
+    images = records.image_counts()
+    wrong = np.flatnonzero(found != images)
+    bad: list[RecordReject] = []
+    keep = np.ones(len(records), dtype=bool)
+    for i in wrong.tolist():
+        if records.chat(i) is None:
+            continue  # a caption record: produce says what is wrong with it
+        keep[i] = False
+        reason = f"{found[i]} {image_token!r} placeholders for {images[i]} images"
+        if on_error == "raise":
+            raise ManifestError(
+                reason, path=records.source, line=records.line(i), sample_id=records.id(i)
+            )
+        bad.append(RecordReject(records.source, records.line(i), records.id(i), reason))
+    good = np.flatnonzero(keep).tolist()
+    if not bad:
+        return records, 0
+    if not good:
+        raise ManifestError(
+            f"no valid records: all {len(bad)} have mismatched placeholders (first: {bad[0]})",
+            path=records.source,
+        )
+    return records.select(good, bad), len(bad)
+
+
+def multi_stamp(paths: Sequence[str], *, content: bool) -> str:
+    """The source stamp of a sample made of ``paths``: ``"none"`` for none, the file's
+    own stamp for one (as a single-image sample), each file's joined by ``|`` for more."""
+    if not paths:
+        return "none"
+    return "|".join(keys.source_stamp(p, content=content) for p in paths)
+
+
+def multi_stamp_fields(paths: Sequence[str]) -> npt.NDArray[np.int64]:
+    """``int64 [4]`` standing for the ``stat`` of every file in ``paths`` (two or more):
+    total size, two words of a hash of every file's :func:`~mmcache.keys.stat_fields`,
+    the count; all ``-2`` when one cannot be ``stat``-ed. Equal rows mean no file
+    changed (but for a 2**-128 chance)."""
+    hasher = xxhash.xxh3_128()
+    total = 0
+    for path in paths:
+        try:
+            fields = keys.stat_fields(os.stat(path))
+        except (OSError, ValueError):
+            return np.full(4, -2, dtype=np.int64)
+        total += fields[0]
+        hasher.update(np.asarray(fields, dtype="<i8").tobytes())
+    words = np.frombuffer(hasher.digest(), dtype="<i8")
+    return np.array([total, words[0], words[1], len(paths)], dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class TextReport:
+    """What the length pass found (:meth:`FileSource.text_report`).
+
+    ``samples``: samples measured; ``with_images``: those keeping an image;
+    ``truncated``: cut at ``max_length``; ``fully_masked``: left with no trainable
+    token (refused); ``mismatched_placeholders``: records left out at construction
+    (placeholder count != images); ``unreadable``: samples whose image header could not
+    be read; ``trainable_tokens``: the sum over samples of tokens with a label;
+    ``tokens``: the sum of lengths; ``length_percentiles``: p50/p90/p99/max of the
+    measured lengths."""
+
+    fingerprint: str
+    samples: int
+    with_images: int
+    truncated: int
+    fully_masked: int
+    mismatched_placeholders: int
+    unreadable: int
+    trainable_tokens: int
+    tokens: int
+    length_percentiles: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data."""
+        return asdict(self)
+
+    def __str__(self) -> str:
+        pct = "  ".join(f"{k} {v}" for k, v in self.length_percentiles.items())
+        return (
+            f"text report ({self.fingerprint[:12]}): {self.samples} samples, "
+            f"{self.with_images} with images, {self.truncated} truncated, "
+            f"{self.fully_masked} fully masked, {self.mismatched_placeholders} mismatched "
+            f"placeholders, {self.unreadable} unreadable; {self.trainable_tokens} trainable "
+            f"of {self.tokens} tokens; lengths {pct}"
+        )
+
+    def write(self, root: str | os.PathLike[str]) -> Path:
+        """Record it under the cache ``root`` (``reports/text-<fingerprint>.json``,
+        written atomically), where ``mmcache stats`` finds it."""
+        folder = Path(root) / _REPORTS
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"text-{self.fingerprint}.json"
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.as_dict(), indent=1), encoding="utf-8")
+        os.replace(tmp, path)
+        return path
+
+
+def read_text_reports(root: str | os.PathLike[str]) -> list[TextReport]:
+    """The reports recorded under ``root`` (:meth:`TextReport.write`), newest first;
+    unreadable files are ignored."""
+    folder = Path(root) / _REPORTS
+    found: list[tuple[float, TextReport]] = []
+    for path in folder.glob("text-*.json") if folder.is_dir() else ():
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            found.append((path.stat().st_mtime, TextReport(**data)))
+        except (OSError, ValueError, TypeError):
+            continue
+    return [r for _, r in sorted(found, key=lambda x: -x[0])]
+
+
+@dataclass(frozen=True)
+class ChatLengths:
+    """The length pass's per-sample results: ``lengths`` int64 ``[N]`` (0 for a refused
+    sample), ``has_image`` bool ``[N]`` and the :class:`TextReport`."""
+
+    lengths: npt.NDArray[np.int64]
+    has_image: npt.NDArray[np.bool_]
+    report: TextReport
+
+
+# Per-sample status of the length pass (saved with the lengths).
+_OK, _TRUNCATED, _MASKED, _UNREADABLE, _REFUSED = range(5)
+
+
+def _image_hw(stage: object, path: str, sample_id: str) -> tuple[int, int]:
+    """The processed ``(h, w)`` of the image at ``path``, from its header only."""
+    with Image.open(path) as im:
+        turn = orientation(im)
+        width, height = im.size
+    hw = output_hw(stage, width, height, turn)
+    if hw is None:
+        raise SampleError(
+            f"{width}x{height} image: no size under this stage's rule", sample_id=sample_id
+        )
+    return hw
+
+
+def _measure(
+    records: Records,
+    chat: ChatSpec,
+    image_stage: object | None,
+    rows: Sequence[int],
+    columns: dict[str, npt.NDArray[Any]],
+    *,
+    on_error: str,
+    record_reject: Callable[[SampleError], None],
+) -> None:
+    """Fill ``columns`` (lengths, has_image, trainable, status) for ``rows``."""
+    for i in rows:
+        sample_id = records.id(i)
+        messages = records.chat(i)
+        status = _REFUSED
+        try:
+            if messages is None:
+                raise SampleError(
+                    "record has no conversation, but the pipeline has a ChatSpec",
+                    sample_id=sample_id,
+                )
+            sizes: list[tuple[int, int]] = []
+            for path in records.image_paths(i):
+                if image_stage is None:
+                    raise SampleError(
+                        "record has images, but the pipeline has no image stage",
+                        sample_id=sample_id,
+                    )
+                try:
+                    sizes.append(_image_hw(image_stage, path, sample_id))
+                except _HEADER_ERRORS as exc:
+                    status = _UNREADABLE
+                    raise SampleError(
+                        f"cannot read the image header: {exc}", sample_id=sample_id, path=path
+                    ) from exc
+            enc = chat.encode(Chat(tuple(messages), tuple(sizes)), sample_id=sample_id)
+        except SampleError as err:
+            if "fully masked" in err.reason:
+                status = _MASKED
+            if err.sample_id != sample_id:
+                err = SampleError(err.reason, sample_id=sample_id, path=err.path)
+            if on_error == "raise":
+                raise err from None
+            record_reject(err)
+            columns["lengths"][i], columns["has_image"][i] = 0, False
+            columns["trainable"][i], columns["status"][i] = 0, status
+            continue
+        columns["lengths"][i] = len(enc.input_ids)
+        columns["has_image"][i] = enc.n_images > 0
+        columns["trainable"][i] = enc.trainable
+        columns["status"][i] = _TRUNCATED if enc.truncated else _OK
+
+
+def _report(
+    columns: dict[str, npt.NDArray[Any]], *, fingerprint: str, mismatched: int
+) -> TextReport:
+    lengths, status = columns["lengths"], columns["status"]
+    measured = lengths[lengths > 0]
+    pct: dict[str, int] = {}
+    if measured.size:
+        for name, q in (("p50", 50), ("p90", 90), ("p99", 99)):
+            pct[name] = int(np.percentile(measured, q, method="higher"))
+        pct["max"] = int(measured.max())
+    return TextReport(
+        fingerprint=fingerprint,
+        samples=len(lengths),
+        with_images=int(columns["has_image"].sum()),
+        truncated=int(np.count_nonzero(status == _TRUNCATED)),
+        fully_masked=int(np.count_nonzero(status == _MASKED)),
+        mismatched_placeholders=mismatched,
+        unreadable=int(np.count_nonzero(status == _UNREADABLE)),
+        trainable_tokens=int(columns["trainable"].sum()),
+        tokens=int(lengths.sum()),
+        length_percentiles=pct,
+    )
+
+
+def chat_lengths(
+    records: Records,
+    chat: ChatSpec,
+    image_stage: object | None,
+    *,
+    fingerprint: str,
+    on_error: str,
+    mismatched: int,
+    record_reject: Callable[[SampleError], None],
+    stamps: Callable[[], npt.NDArray[np.int64]] | None = None,
+    root: str | os.PathLike[str] | None = None,
+) -> ChatLengths:
+    """Measure every sample (see the module docstring). A sample that cannot be made
+    (unreadable image header, fully masked) raises its SampleError under
+    ``on_error="raise"``; under ``"skip"`` it gets length 0, is counted and
+    ``record_reject`` is called with it. ConfigError when the image stage's geometry is
+    not known without decoding (a user or HF stage).
+
+    With a cache ``root`` (and ``stamps``: the source's per-sample stamps), the results
+    are saved there (``reports/lengths-<fingerprint>-<content digest>.npz``, no pickle)
+    and a later pass over the same records reuses them, measuring again only the
+    samples whose image files' stamps changed (and, under ``"raise"``, refused ones)."""
+    if image_stage is not None and output_hw(image_stage, 64, 48) is None:
+        raise ConfigError(
+            "lengths() needs the image stage's resize rule to size images from their "
+            f"headers: ImageSpec or SmartResize, got {type(image_stage).__name__}"
+        )
+    n = len(records)
+    columns: dict[str, npt.NDArray[Any]] = {
+        "lengths": np.zeros(n, dtype=np.int64),
+        "has_image": np.zeros(n, dtype=bool),
+        "trainable": np.zeros(n, dtype=np.int64),
+        "status": np.zeros(n, dtype=np.uint8),
+    }
+    path = None
+    now = None
+    rows: Sequence[int] = range(n)
+    if root is not None and stamps is not None:
+        path = Path(root) / _REPORTS / f"lengths-{fingerprint}-{records.content_digest()}.npz"
+        now = stamps()
+        saved = _load(path, n, now.shape[1])
+        if saved is not None:
+            stale = (saved["stamps"] != now).any(axis=1)
+            if on_error == "raise":
+                stale |= saved["status"] >= _MASKED
+            for name, column in columns.items():
+                column[:] = saved[name]
+            rows = np.flatnonzero(stale).tolist()
+    _measure(
+        records,
+        chat,
+        image_stage,
+        rows,
+        columns,
+        on_error=on_error,
+        record_reject=record_reject,
+    )
+    if path is not None and now is not None and (len(rows) or not path.exists()):
+        _save(path, {**columns, "stamps": now})
+    report = _report(columns, fingerprint=fingerprint, mismatched=mismatched)
+    return ChatLengths(columns["lengths"], columns["has_image"], report)
+
+
+def _load(path: Path, n: int, width: int) -> dict[str, npt.NDArray[Any]] | None:
+    """The arrays saved at ``path`` if they are whole and of this shape, else None."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            out = {k: data[k] for k in ("lengths", "has_image", "trainable", "status", "stamps")}
+    except (OSError, ValueError, KeyError, EOFError):
+        return None
+    if out["stamps"].shape != (n, width) or any(out[k].shape != (n,) for k in list(out)[:4]):
+        return None
+    return out
+
+
+def _save(path: Path, arrays: dict[str, npt.NDArray[Any]]) -> None:
+    """Write ``arrays`` to ``path`` atomically (a failure to write is not an error)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.npz")
+        savez: Any = np.savez  # its **kwds overlap allow_pickle for mypy
+        savez(tmp, **arrays)
+        os.replace(tmp, path)
+    except OSError:
+        return

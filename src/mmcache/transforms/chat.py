@@ -1,0 +1,564 @@
+"""The chat stage: a conversation -> int32 ``input_ids`` and ``labels`` for supervised
+fine-tuning (:class:`ChatSpec`).
+
+One sample's conversation (:class:`Chat`: its messages and the geometry of its processed
+images) is rendered with the model's chat template (:mod:`mmcache.transforms.chat_templates`),
+tokenized once with offsets, and labelled from those offsets: a token is trained on
+when its characters overlap an assistant message's content or the end-of-turn marker
+the template writes right after it; every other token is ``-100``. The character span
+of assistant message ``k`` is found exactly, not by searching: the conversation is
+rendered again with that reply replaced by a marker character, and the reply sits where
+the two renders differ (so a reply that also occurs in the question, or in the template's
+own text, is still placed right). A template that changes a reply (``| trim``) is matched
+by the stripped reply; one that rewrites it otherwise is a ``SampleError`` naming the
+message, never a silently masked sample (the "tokenization mismatch" of LLaVA #1166).
+
+Each image placeholder (``image_token``) becomes the image token id repeated
+``image_tokens`` times, an int or a function of the processed image's ``(h, w)``
+(known from the cached image's shape, never by decoding again). Truncation at
+``max_length`` never cuts inside an image's run: when it would, the sample ends after
+the last whole assistant turn before that image instead. A sample left with no
+trainable token raises ``SampleError("fully masked ...")``.
+
+Thread and process safety: a :class:`ChatSpec` is immutable; it pickles to the
+tokenizer's JSON and its options. One sample is encoded at a time (never
+``encode_batch``, which would start the tokenizers thread pool before the DataLoader
+forks its workers).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import numpy.typing as npt
+import xxhash
+from tokenizers import Tokenizer
+
+from mmcache.checks import check_int
+from mmcache.errors import ConfigError, SampleError
+from mmcache.transforms.chat_templates import BUILTIN_TEMPLATES, compile_template, render
+from mmcache.transforms.chat_tokenizer import (
+    SPECIAL_NAMES,
+    pad_id_of,
+    tokenizer_digest,
+    tokenizer_parts,
+)
+from mmcache.transforms.fingerprint import callable_fingerprint
+from mmcache.transforms.stage import StageKind
+
+__all__ = ["IGNORE_INDEX", "Chat", "ChatEncoding", "ChatSpec"]
+
+#: The label of a token that is not trained on (PyTorch's ``CrossEntropyLoss`` default).
+IGNORE_INDEX = -100
+
+#: Bump when the meaning of ChatSpec's output changes for the same options.
+CHAT_FORMAT_VERSION = 1
+
+#: What a reply is replaced by to find where it renders (a private-use character: no
+#: template strips or escapes it).
+_MARK = "\ue000"
+
+#: End-of-turn markers tried, in order, after an assistant reply of a custom template.
+_EOT_CANDIDATES = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "</s>")
+
+ImageTokens = int | Callable[[int, int], int]
+
+
+@dataclass(frozen=True)
+class Chat:
+    """One sample's conversation: ``messages`` as ``(role, content)`` pairs (roles
+    ``"system"``, ``"user"``, ``"assistant"``...), with ``image_token`` placeholders in
+    the contents, and ``image_sizes``: the ``(h, w)`` of each processed image, in the
+    order of the placeholders (empty for a text-only sample)."""
+
+    messages: tuple[tuple[str, str], ...]
+    image_sizes: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class ChatEncoding:
+    """What :meth:`ChatSpec.encode` makes of a :class:`Chat`.
+
+    ``input_ids``/``labels``: int32 ``[L]``; ``n_images``: how many images (the first
+    ones) kept their token run after truncation; ``truncated``: whether tokens were
+    dropped; ``full_length``: the length before truncation."""
+
+    input_ids: npt.NDArray[np.int32]
+    labels: npt.NDArray[np.int32]
+    n_images: int
+    truncated: bool
+    full_length: int
+    image_runs: tuple[tuple[int, int], ...] = field(default=())
+
+    @property
+    def trainable(self) -> int:
+        """The number of tokens whose label is not ``-100``."""
+        return int(np.count_nonzero(self.labels != IGNORE_INDEX))
+
+
+class ChatSpec:
+    """How a conversation becomes int32 ``input_ids`` and ``labels``: a text
+    :class:`~mmcache.transforms.stage.Stage` for supervised fine-tuning.
+
+    Args:
+        tokenizer: a ``tokenizers.Tokenizer``, a ``tokenizer.json`` path or a
+            ``transformers`` fast tokenizer (its ``bos_token``/``eos_token``... and
+            ``chat_template`` are used when not given here).
+        template: a Jinja chat template in the Hugging Face format, or a built-in name:
+            ``"chatml"``, ``"llama3"``, ``"vicuna_v1"``; ``None``: the transformers
+            tokenizer's own ``chat_template``.
+        max_length: the most tokens a sample keeps (image tokens included); longer
+            ones are truncated (see the module docstring).
+        image_token: the placeholder that marks where an image goes in a message.
+        image_token_id: the id its run is made of; default: the tokenizer's id of
+            ``image_token`` (ConfigError if the tokenizer has none). Any int32: ``-200``
+            with ``image_tokens=1`` is LLaVA's own ``IMAGE_TOKEN_INDEX`` convention.
+        image_tokens: tokens per image: an int (576 for LLaVA-1.5 at 336 px, 1 for
+            models that expand in the model) or a function ``(h, w) -> int`` of the
+            processed image's size (``SmartResize(...).image_tokens`` for Qwen2-VL).
+            A function enters the fingerprint by its code (see
+            :func:`~mmcache.transforms.fingerprint.callable_fingerprint`).
+        end_of_turn: the marker after an assistant reply that is trained on with it;
+            default: the built-in template's, else the first of ``<|im_end|>``,
+            ``<|eot_id|>``, ``<|end|>``, ``<end_of_turn>``, ``</s>`` (or the eos token)
+            found right after each reply; ``""``: none.
+        bos_token, eos_token: the special tokens the template reads; default: the
+            transformers tokenizer's, else the built-in template's, else ``""``.
+        image_prefix, image_suffix: text whose tokens go around each image's run (never
+            trained on), e.g. Qwen2-VL's ``"<|vision_start|>"`` and ``"<|vision_end|>"``
+            with ``image_token_id`` = the id of ``<|image_pad|>``.
+        pad_id: what batches pad ``input_ids`` with (:attr:`pad_id`; the cache holds no
+            padding, so it is not in the fingerprint); default
+            :func:`~mmcache.transforms.chat_tokenizer.pad_id_of`.
+
+    The fingerprint covers the tokenizer's content (canonical JSON), the template text,
+    ``max_length`` and every option. Immutable, picklable, thread-safe; ConfigError on
+    invalid values.
+    """
+
+    kind: ClassVar[StageKind] = "text"
+
+    __slots__ = (
+        "_digest",
+        "_json",
+        "_tokenizer",
+        "_wrap",
+        "end_of_turn",
+        "image_prefix",
+        "image_suffix",
+        "image_token",
+        "image_token_id",
+        "image_tokens",
+        "max_length",
+        "pad_id",
+        "special_tokens",
+        "template",
+        "template_name",
+    )
+
+    _json: str
+    _digest: str
+    _tokenizer: Tokenizer
+    template: str
+    template_name: str | None
+    max_length: int
+    image_token: str
+    image_token_id: int
+    image_tokens: ImageTokens
+    end_of_turn: str | None
+    special_tokens: dict[str, str]
+    image_prefix: str
+    image_suffix: str
+    pad_id: int
+    _wrap: tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        template: str | None = None,
+        max_length: int = 2048,
+        *,
+        image_token: str = "<image>",  # noqa: S107 (a placeholder, not a password)
+        image_token_id: int | None = None,
+        image_tokens: ImageTokens = 1,
+        end_of_turn: str | None = None,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        image_prefix: str = "",
+        image_suffix: str = "",
+        pad_id: int | None = None,
+    ) -> None:
+        tokenizer_json, specials, own_template = tokenizer_parts(tokenizer)
+        name: str | None = None
+        if template is None:
+            if own_template is None:
+                raise ConfigError(
+                    "ChatSpec.template is required (a Jinja chat template or one of "
+                    f"{sorted(BUILTIN_TEMPLATES)}) unless the transformers tokenizer has one"
+                )
+            template = own_template
+        if not isinstance(template, str) or not template:
+            raise ConfigError(f"ChatSpec.template must be a non-empty str, got {template!r}")
+        builtin = BUILTIN_TEMPLATES.get(template)
+        if builtin is not None:
+            name, template = template, builtin.text
+            specials.setdefault("bos_token", builtin.bos_token)
+            specials.setdefault("eos_token", builtin.eos_token)
+            if end_of_turn is None:
+                end_of_turn = builtin.end_of_turn
+        if bos_token is not None:
+            specials["bos_token"] = bos_token
+        if eos_token is not None:
+            specials["eos_token"] = eos_token
+        if pad_id is None:
+            pad_id = pad_id_of(Tokenizer.from_str(tokenizer_json), specials)
+        # Only the tokens the template can read (by naming them) change its output.
+        specials = {k: v for k, v in specials.items() if k in template}
+        for key in SPECIAL_NAMES[:2]:
+            specials.setdefault(key, "")
+        self._setup(
+            tokenizer_json,
+            template,
+            name,
+            max_length,
+            image_token,
+            image_token_id,
+            image_tokens,
+            end_of_turn,
+            specials,
+            image_prefix,
+            image_suffix,
+            pad_id,
+        )
+
+    def _setup(  # noqa: PLR0917 (positional: it is called with __getstate__'s tuple)
+        self,
+        tokenizer_json: str,
+        template: str,
+        name: str | None,
+        max_length: int,
+        image_token: str,
+        image_token_id: int | None,
+        image_tokens: ImageTokens,
+        end_of_turn: str | None,
+        specials: dict[str, str],
+        image_prefix: str,
+        image_suffix: str,
+        pad_id: int,
+    ) -> None:
+        max_length = check_int("ChatSpec.max_length", max_length, minimum=1)
+        pad_id = check_int("ChatSpec.pad_id", pad_id, minimum=0)
+        for label, value in (("image_prefix", image_prefix), ("image_suffix", image_suffix)):
+            if not isinstance(value, str):
+                raise ConfigError(f"ChatSpec.{label} must be a str, got {value!r}")
+        if not isinstance(image_token, str) or not image_token:
+            raise ConfigError(f"ChatSpec.image_token must be a non-empty str, got {image_token!r}")
+        if end_of_turn is not None and not isinstance(end_of_turn, str):
+            raise ConfigError(f"ChatSpec.end_of_turn must be a str or None, got {end_of_turn!r}")
+        if not callable(image_tokens):
+            check_int("ChatSpec.image_tokens", image_tokens, minimum=1)
+        tok = Tokenizer.from_str(tokenizer_json)
+        tok.no_padding()
+        tok.no_truncation()
+        if image_token_id is None:
+            found = tok.token_to_id(image_token)
+            if found is None:
+                raise ConfigError(
+                    f"the tokenizer has no token {image_token!r}: add it as a special token "
+                    "(tokenizer.add_special_tokens) or pass ChatSpec(image_token_id=...)"
+                )
+            image_token_id = int(found)
+        else:
+            # Any int32: LLaVA's own code marks an image with -200 (IMAGE_TOKEN_INDEX).
+            image_token_id = check_int(
+                "ChatSpec.image_token_id", image_token_id, minimum=-(2**31), maximum=2**31 - 1
+            )
+        compile_template(template)  # ConfigError now for a template that does not parse
+        setattr_ = object.__setattr__
+        setattr_(self, "_json", tokenizer_json)
+        setattr_(self, "_digest", tokenizer_digest(tokenizer_json))
+        setattr_(self, "_tokenizer", tok)
+        setattr_(self, "template", template)
+        setattr_(self, "template_name", name)
+        setattr_(self, "max_length", max_length)
+        setattr_(self, "image_token", image_token)
+        setattr_(self, "image_token_id", image_token_id)
+        setattr_(self, "image_tokens", image_tokens)
+        setattr_(self, "end_of_turn", end_of_turn)
+        setattr_(self, "special_tokens", dict(specials))
+        setattr_(self, "image_prefix", image_prefix)
+        setattr_(self, "pad_id", pad_id)
+        setattr_(self, "image_suffix", image_suffix)
+        setattr_(
+            self,
+            "_wrap",
+            tuple(
+                np.asarray(tok.encode(t, add_special_tokens=False).ids if t else [], np.int32)
+                for t in (image_prefix, image_suffix)
+            ),
+        )
+        self.fingerprint()  # refuses an image_tokens function that cannot be hashed
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"ChatSpec is immutable (cannot set {name!r})")
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        return (
+            self._json,
+            self.template,
+            self.template_name,
+            self.max_length,
+            self.image_token,
+            self.image_token_id,
+            self.image_tokens,
+            self.end_of_turn,
+            self.special_tokens,
+            self.image_prefix,
+            self.image_suffix,
+            self.pad_id,
+        )
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        self._setup(*state)
+
+    def __repr__(self) -> str:
+        tpl = (
+            self.template_name or f"<jinja {xxhash.xxh3_64_hexdigest(self.template.encode())[:8]}>"
+        )
+        return (
+            f"ChatSpec(tokenizer=<{self._digest[:12]}>, template={tpl}, "
+            f"max_length={self.max_length}, image_token={self.image_token!r}, "
+            f"image_tokens={self._image_tokens_token()})"
+        )
+
+    # -- fingerprint ----------------------------------------------------------------
+    def _image_tokens_token(self) -> str | int:
+        n = self.image_tokens
+        if callable(n):
+            return "fn:" + callable_fingerprint(n)
+        return int(n)
+
+    def fingerprint_fields(self) -> dict[str, Any]:
+        """Everything about this spec that changes its output."""
+        return {
+            "version": CHAT_FORMAT_VERSION,
+            "tokenizer": self._digest,
+            "template": self.template,
+            "max_length": self.max_length,
+            "image_token": self.image_token,
+            "image_token_id": self.image_token_id,
+            "image_tokens": self._image_tokens_token(),
+            "end_of_turn": self.end_of_turn,
+            "special_tokens": self.special_tokens,
+            "image_prefix": self.image_prefix,
+            "image_suffix": self.image_suffix,
+            "labels": "offsets",
+        }
+
+    def fingerprint(self) -> str:
+        """xxh3-128 hex digest of :meth:`fingerprint_fields`."""
+        blob = json.dumps(self.fingerprint_fields(), sort_keys=True, separators=(",", ":"))
+        return xxhash.xxh3_128_hexdigest(blob.encode())
+
+    # -- encoding -------------------------------------------------------------------
+    def tokens_for_image(self, h: int, w: int) -> int:
+        """How many tokens an image processed to ``h x w`` becomes (>= 1)."""
+        n = self.image_tokens
+        count = n(h, w) if callable(n) else n
+        if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
+            raise SampleError(
+                f"image_tokens({h}, {w}) gave {count!r}, not an int >= 1", sample_id="<chat>"
+            )
+        return int(count)
+
+    def __call__(self, chat: Chat, /) -> dict[str, npt.NDArray[np.int32]]:
+        """``{"input_ids", "labels"}`` of :meth:`encode`. Raises SampleError."""
+        enc = self.encode(chat)
+        return {"input_ids": enc.input_ids, "labels": enc.labels}
+
+    def render(self, messages: Sequence[tuple[str, str]]) -> str:
+        """The template's text for ``messages`` (no generation prompt). SampleError when
+        the template raises (``raise_exception``, a role it does not know...)."""
+        return self._render([{"role": r, "content": c} for r, c in messages])
+
+    def _render(self, messages: list[dict[str, str]]) -> str:
+        import jinja2
+
+        try:
+            return render(self.template, messages, self.special_tokens)
+        except jinja2.exceptions.TemplateError as exc:
+            raise SampleError(
+                f"the chat template refused the conversation: {exc}", sample_id="<chat>"
+            ) from exc
+
+    def encode(self, chat: Chat, *, sample_id: str = "<chat>") -> ChatEncoding:
+        """Render, tokenize, label and truncate one conversation (see the module
+        docstring). Raises SampleError (naming ``sample_id``) for a placeholder count
+        that differs from ``len(chat.image_sizes)``, a template that rewrites a reply,
+        and a fully masked result."""
+        messages = [{"role": r, "content": c} for r, c in chat.messages]
+        placeholders = sum(c.count(self.image_token) for _, c in chat.messages)
+        if placeholders != len(chat.image_sizes):
+            raise SampleError(
+                f"{placeholders} {self.image_token!r} placeholders for "
+                f"{len(chat.image_sizes)} images",
+                sample_id=sample_id,
+            )
+        try:
+            text = self._render(messages)
+            spans = self._assistant_spans(messages, text)
+        except SampleError as err:
+            raise SampleError(err.reason, sample_id=sample_id) from err
+        ids, starts, ends, runs = self._tokenize(text, chat.image_sizes, sample_id)
+        trainable = np.zeros(len(ids), dtype=bool)
+        real = ends > starts
+        for a, b in spans:
+            trainable |= real & (starts < b) & (ends > a)
+        labels = np.where(trainable, ids, IGNORE_INDEX).astype(np.int32)
+        full = len(ids)
+        cut = full
+        if full > self.max_length:
+            cut = self.max_length
+            pre, post = (int(t.size) for t in self._wrap)  # a run with its wrap is one
+            inside = [(a - pre, b + post) for a, b in runs if a - pre < cut < b + post]
+            if inside:
+                # Never split an image run: end after the last whole assistant turn
+                # (its end-of-turn marker included) that precedes the image.
+                run_start = inside[0][0]
+                ends_before = [int(e) for e in _span_token_ends(spans, ends) if e <= run_start]
+                cut = max(ends_before, default=0)
+        kept_runs = tuple((a, b) for a, b in runs if b + int(self._wrap[1].size) <= cut)
+        enc = ChatEncoding(
+            input_ids=np.ascontiguousarray(ids[:cut]),
+            labels=np.ascontiguousarray(labels[:cut]),
+            n_images=len(kept_runs),
+            truncated=cut < full,
+            full_length=full,
+            image_runs=kept_runs,
+        )
+        if enc.trainable == 0:
+            why = (
+                "fully masked after truncation"
+                if enc.truncated
+                else "fully masked: no assistant token to train on"
+            )
+            raise SampleError(why, sample_id=sample_id)
+        return enc
+
+    def _assistant_spans(self, messages: list[dict[str, str]], text: str) -> list[tuple[int, int]]:
+        """Character spans ``[a, b)`` of each assistant reply in ``text`` (its end-of-turn
+        marker included), found by rendering with that reply replaced by a marker."""
+        spans: list[tuple[int, int]] = []
+        for k, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            content = message["content"]
+            marked = [*messages[:k], {**message, "content": _MARK}, *messages[k + 1 :]]
+            start, rendered = _placed(text, self._render(marked))
+            if start < 0 or rendered not in (content, content.strip()):
+                raise SampleError(
+                    f"the chat template rewrites assistant message {k} (its reply is not in "
+                    "the rendered text): labels cannot be placed",
+                    sample_id="<chat>",
+                )
+            end = start + len(rendered)
+            end += len(self._end_of_turn_at(text, end))
+            spans.append((start, end))
+        return spans
+
+    def _end_of_turn_at(self, text: str, pos: int) -> str:
+        if self.end_of_turn is not None:
+            return self.end_of_turn if text.startswith(self.end_of_turn, pos) else ""
+        eos = self.special_tokens.get("eos_token", "")
+        for marker in (*_EOT_CANDIDATES, eos):
+            if marker and text.startswith(marker, pos):
+                return marker
+        return ""
+
+    def _tokenize(
+        self, text: str, sizes: Sequence[tuple[int, int]], sample_id: str
+    ) -> tuple[
+        npt.NDArray[np.int32], npt.NDArray[np.int64], npt.NDArray[np.int64], list[tuple[int, int]]
+    ]:
+        """Token ids with their character offsets (an image run's are empty), and the
+        token ranges of the image runs. The text is split at the placeholders and each
+        piece tokenized alone, as an added placeholder token splits it in the tokenizer."""
+        pieces = text.split(self.image_token)
+        if len(pieces) - 1 != len(sizes):
+            raise SampleError(
+                f"the rendered conversation has {len(pieces) - 1} {self.image_token!r} "
+                f"placeholders for {len(sizes)} images (the template adds or drops some)",
+                sample_id=sample_id,
+            )
+        ids: list[npt.NDArray[np.int32]] = []
+        spans: list[npt.NDArray[np.int64]] = []  # [n, 2] character offsets per part
+        runs: list[tuple[int, int]] = []
+        count = base = 0
+        for i, piece in enumerate(pieces):
+            if piece:
+                enc = self._tokenizer.encode(piece, add_special_tokens=False)
+                if enc.ids:
+                    ids.append(np.asarray(enc.ids, dtype=np.int32))
+                    flat = itertools.chain.from_iterable(enc.offsets)
+                    pairs = np.fromiter(flat, dtype=np.int64, count=2 * len(enc.ids))
+                    spans.append(pairs.reshape(-1, 2) + base)
+                    count += len(enc.ids)
+            base += len(piece)
+            if i < len(sizes):
+                h, w = sizes[i]
+                try:
+                    n = self.tokens_for_image(int(h), int(w))
+                except SampleError as err:
+                    raise SampleError(err.reason, sample_id=sample_id) from err
+                prefix, suffix = self._wrap
+                if prefix.size:
+                    ids.append(prefix)
+                    spans.append(np.full((prefix.size, 2), base, dtype=np.int64))
+                    count += prefix.size
+                runs.append((count, count + n))
+                ids.append(np.full(n, self.image_token_id, dtype=np.int32))
+                spans.append(np.full((n, 2), base, dtype=np.int64))  # empty: never trained
+                count += n
+                if suffix.size:
+                    ids.append(suffix)
+                    spans.append(np.full((suffix.size, 2), base, dtype=np.int64))
+                    count += suffix.size
+                base += len(self.image_token)
+        if not ids:
+            empty = np.zeros(0, dtype=np.int64)
+            return np.zeros(0, dtype=np.int32), empty, empty, runs
+        offsets = np.concatenate(spans)
+        return np.concatenate(ids), offsets[:, 0], offsets[:, 1], runs
+
+
+def _placed(text: str, marked: str) -> tuple[int, str]:
+    """Where the reply sits in ``text``, given ``marked``: the same render with that reply
+    replaced by :data:`_MARK`. Both share everything but the reply, so it starts where
+    they first differ and ends where their common end begins: ``(start, reply as
+    rendered)``, or ``(-1, "")`` when ``marked`` is not ``text`` with one mark in place of
+    one substring (a template that uses the reply twice, or branches on it)."""
+    if marked.count(_MARK) != 1:
+        return -1, ""
+    h = marked.index(_MARK)
+    tail = marked[h + len(_MARK) :]
+    if not text.startswith(marked[:h]) or not text.endswith(tail) or len(text) < h + len(tail):
+        return -1, ""
+    return h, text[h : len(text) - len(tail)]
+
+
+def _span_token_ends(spans: list[tuple[int, int]], ends: npt.NDArray[np.int64]) -> list[int]:
+    """For each character span, the index just past its last token (tokens ending at or
+    before the span's end)."""
+    return [int(np.searchsorted(ends, b, side="right")) for _, b in spans]
+
+
+if TYPE_CHECKING:  # mypy checks that ChatSpec conforms to the protocol
+    from mmcache.transforms.stage import Stage
+
+    def _conforms(spec: ChatSpec) -> Stage:
+        return spec
