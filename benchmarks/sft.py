@@ -17,9 +17,9 @@ Side by side in one run, on the same synthetic LLaVA records (COCO-sized JPEGs, 
     also timed without it (the recipe: uint8 to the device, normalised there), as is
     the second process.
 
-The mmcache pipeline uses ``mmcache.ChatSpec`` when this mmcache has it (``--chatspec``);
-otherwise (and by default) the source below runs the same render/tokenize/mask code as
-(a) as its text stage. Ratios are of epoch times measured in this run.
+The mmcache pipeline uses ``mmcache.ChatSpec`` (``--text-stage chatspec``, the default);
+``--text-stage own`` runs the source below instead, with the same render/tokenize/mask code
+as (a) as its text stage. Ratios are of epoch times measured in this run.
 
     .venv/bin/python benchmarks/sft.py            # needs mmcache[hf] (transformers)
     .venv/bin/python benchmarks/sft.py --quick
@@ -242,11 +242,11 @@ class LlavaSource:
 
 
 def chatspec_dataset(manifest: Path, tok_json: str) -> Any:
-    """The same pipeline with mmcache's own ChatSpec (only where this mmcache has it)."""
+    """The same pipeline with mmcache's own ChatSpec."""
     tok_path = manifest.parent / "tokenizer.json"
     tok_path.write_text(tok_json)
     plain = TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
-    text = mc.ChatSpec(  # type: ignore[attr-defined]
+    text = mc.ChatSpec(
         str(tok_path),
         plain,
         2048,
@@ -255,7 +255,7 @@ def chatspec_dataset(manifest: Path, tok_json: str) -> Any:
         bos_token="<s>",
         eos_token="</s>",
     )
-    image = mc.ImageSpec(size=SIZE, pad_to_square=True)  # type: ignore[call-arg]
+    image = mc.ImageSpec(size=SIZE, pad_to_square=True)
     return mc.MultimodalDataset(manifest, pipeline=mc.Pipeline(image=image, text=text))
 
 
@@ -306,7 +306,11 @@ def child(args: argparse.Namespace) -> None:
     """The second process: the same data, the same root; prints its epoch times."""
     records = json.loads(Path(args.records).read_text())
     tok = Path(args.tok).read_text()
-    source = LlavaSource(records, Path(args.data), tok)
+    source = (
+        chatspec_dataset(Path(args.llava), tok)
+        if args.text_stage == "chatspec"
+        else LlavaSource(records, Path(args.data), tok)
+    )
     cache = mc.Cache(args.child, memory=args.memory, disk=args.disk)
     loader = mm_loader(source, cache, args.workers)
     times = []
@@ -326,7 +330,13 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3, help="warm epochs")
     ap.add_argument("--text-share", type=float, default=0.2)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--chatspec", action="store_true", help="mmcache.ChatSpec as the text stage")
+    ap.add_argument(
+        "--text-stage",
+        choices=("chatspec", "own"),
+        default="chatspec",
+        help="mmcache.ChatSpec (default), or this file's own render/tokenize/mask source",
+    )
+    ap.add_argument("--llava", help=argparse.SUPPRESS)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--records", help=argparse.SUPPRESS)
     ap.add_argument("--tok", help=argparse.SUPPRESS)
@@ -353,7 +363,7 @@ def main() -> None:
         )
         base = [epoch_time(torch_loader, normalize=False) for _ in range(2)]
         a = statistics.median(base)
-        if args.chatspec:
+        if args.text_stage == "chatspec":
             source: Any = chatspec_dataset(llava, tok)
             pipeline = "mmcache.ChatSpec + ImageSpec(pad_to_square=True)"
         else:
@@ -385,7 +395,8 @@ def main() -> None:
         cmd = [
             sys.executable, __file__, "--child", str(root), "--records", str(tmp / "records.json"),
             "--tok", str(tmp / "tok.json"), "--data", str(data), "--workers", str(args.workers),
-            "--memory", args.memory, "--disk", args.disk,
+            "--memory", args.memory, "--disk", args.disk, "--text-stage", args.text_stage,
+            "--llava", str(llava),
         ]  # fmt: skip
         second = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
         cache.close()
