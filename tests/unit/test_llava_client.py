@@ -22,6 +22,10 @@ PATCHES = (SIZE // PATCH) ** 2  # image features per image ("default" drops CLS)
 
 
 def _model() -> Any:
+    return _model_for(vocab=256, image_token=IMAGE_TOKEN)
+
+
+def _model_for(*, vocab: int, image_token: int) -> Any:
     torch.manual_seed(0)
     vision = transformers.CLIPVisionConfig(
         image_size=SIZE,
@@ -33,7 +37,7 @@ def _model() -> Any:
         projection_dim=32,
     )
     text = transformers.LlamaConfig(
-        vocab_size=256,
+        vocab_size=vocab,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
@@ -45,7 +49,7 @@ def _model() -> Any:
     config = transformers.LlavaConfig(
         vision_config=vision,
         text_config=text,
-        image_token_index=IMAGE_TOKEN,
+        image_token_index=image_token,
         image_seq_length=PATCHES,
         vision_feature_layer=-1,
     )
@@ -120,3 +124,47 @@ def test_tiny_llava_takes_a_packed_batch() -> None:
     out = model(**inputs)
     assert torch.isfinite(out.loss)
     out.loss.backward()
+
+
+def test_tiny_llava_trains_on_chatspec_samples_from_a_llava_manifest(
+    tmp_path: Path, cache_root: Path
+) -> None:
+    """The whole path: LLaVA records (one image, two images, text only) -> ChatSpec +
+    ImageSpec(pad_to_square) cached -> padded batches -> the model's forward and backward."""
+    from chat_support import make_tokenizer, turns, write_image, write_llava
+
+    tok = make_tokenizer()
+    image_id = tok.token_to_id("<image>")
+    write_image(tmp_path / "a.jpg", (48, 32), shade=20)
+    write_image(tmp_path / "b.jpg", (30, 60), shade=120)
+    records = []
+    for i in range(8):
+        kind = i % 3
+        if kind == 0:
+            q, extra = "<image>\nWhat is this?", {"image": "a.jpg"}
+        elif kind == 1:
+            q, extra = "<image> or <image>?", {"image": ["a.jpg", "b.jpg"]}
+        else:
+            q, extra = "Say hello.", {}
+        conv = turns(("human", q), ("gpt", f"Answer number {i}."))
+        records.append({"id": f"r{i}", "conversations": conv, **extra})
+    manifest = write_llava(tmp_path / "llava.json", records)
+    spec = mmcache.ChatSpec(tok, "chatml", 256, image_tokens=PATCHES)
+    pipe = mmcache.Pipeline(image=mmcache.ImageSpec(size=SIZE, pad_to_square=True), text=spec)
+    ds = mmcache.MultimodalDataset(manifest, pipeline=pipe)
+    model = _model_for(vocab=tok.get_vocab_size(), image_token=image_id)
+    with Cache(cache_root, memory="16MiB", temporary=True) as cache:
+        loader = DataLoader(ds, cache=cache, batch_size=4, seed=0)
+        for epoch in range(2):  # cold, then warm
+            loader.set_epoch(epoch)
+            for batch in loader:
+                ids = batch["input_ids"]
+                assert int((ids == image_id).sum()) == PATCHES * int(batch["image_counts"].sum())
+                inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
+                if len(batch["images"]):
+                    inputs["pixel_values"] = mmcache.normalize(batch["images"])
+                model.zero_grad()
+                out = model(**inputs)
+                assert torch.isfinite(out.loss)
+                out.loss.backward()
+        assert loader.stats().epochs[-1].misses == 0
