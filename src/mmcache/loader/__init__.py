@@ -72,7 +72,7 @@ __all__ = ["BatchContext", "DataLoader", "EpochContext", "LoaderHook"]
 
 logger = logging.getLogger(__name__)
 
-_STATE_VERSION = 2  # 2: the ids digest, distributed_drop_last
+_STATE_VERSION = 3  # 2: the ids digest, distributed_drop_last; 3: the global position
 #: What fixes the order of the batches: a state to resume must match the loader in each.
 _STATE_ORDER = (
     "seed",
@@ -85,6 +85,8 @@ _STATE_ORDER = (
     "drop_last",
     "distributed_drop_last",
 )
+#: What a version-3 state must match: the order of every epoch, whatever the world size.
+_STATE_GLOBAL = tuple(n for n in _STATE_ORDER if n not in ("rank", "world_size"))
 
 #: Batches assembled ahead on the helper thread: the next one, while the training
 #: step runs. More would keep more batch buffers in flight (colder caches) and,
@@ -306,6 +308,7 @@ class DataLoader:
         if not (self._resumed and epoch == self._epoch):
             self._position = 0
             self._resumed = False
+            self._order.resume_span(epoch, None)  # a resumed epoch's rest no more
         self._epoch = epoch
         self._chosen = True
 
@@ -315,9 +318,25 @@ class DataLoader:
         Independent of ``num_workers`` (the order never depends on it). ``ids`` is
         a digest of the dataset's ids in order (the source's ``ids_digest``), so a
         reordered manifest of the same length is refused on resume.
+
+        Elastic: ``consumed`` is the global position, the samples of the epoch's
+        order that all ranks together have consumed (ranks step together, as DDP
+        makes them: every rank's state holds the same ``consumed``; save any
+        one), ``stop`` where the epoch's order ends, ``span`` the part of it this
+        run was given (a resumed epoch) or None. A loader of another world size
+        resumes from it with exactly the rest of the epoch (see
+        :meth:`load_state_dict`).
         """
         if self._ids is None:
             self._ids = self.dataset.ids_digest()
+        span = self._order.span(self._epoch)
+        start, stop = span if span is not None else (0, self.sampler.epoch_stop())
+        batches = self._epoch_batches(self._epoch)
+        if self._position >= len(batches):
+            consumed = stop
+        else:
+            per_rank = self._position * self.batch_size * self.sampler.world_size
+            consumed = min(start + per_rank, stop)
         return {
             "version": _STATE_VERSION,
             "epoch": self._epoch,
@@ -331,6 +350,9 @@ class DataLoader:
             "batch_size": self.batch_size,
             "drop_last": self.drop_last,
             "distributed_drop_last": self.sampler.drop_last,
+            "consumed": consumed,
+            "stop": stop,
+            "span": None if span is None else list(span),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -338,7 +360,16 @@ class DataLoader:
 
         Raises :class:`ConfigError` naming the key for a missing, mistyped or
         out-of-range value, or one that differs from this loader's (another seed,
-        dataset order, batch size, rank...); nothing is restored then.
+        dataset order, batch size...); nothing is restored then.
+
+        A version-3 state (this mmcache's) may come from another world size (or
+        rank): the rest of its epoch, positions ``[consumed, stop)`` of the
+        epoch's order, is split over this loader's world size (padded or cut to
+        equal parts as ``distributed_drop_last`` says, see
+        :mod:`mmcache.sampler`), then the next epochs follow as if never
+        interrupted. With the same world size the same batches as before
+        continue. Versions 1 and 2 (saved before) resume on the same rank and
+        world size only.
         """
         if not isinstance(state, dict):
             raise ConfigError(
@@ -350,19 +381,50 @@ class DataLoader:
                 "loader state version 1 has no digest of the dataset's ids: resuming "
                 "without checking that the manifest lists the same ids in the same order"
             )
-            state = {**state, "version": _STATE_VERSION, "ids": mine["ids"]}
+            state = {**state, "version": 2, "ids": mine["ids"]}
             # Its drop_last also trimmed across ranks (distributed_drop_last), which
             # changes nothing in a single process.
             alone = state.get("world_size") == 1
             state["distributed_drop_last"] = (
                 mine["distributed_drop_last"] if alone else state.get("drop_last")
             )
-        if state.get("version") != _STATE_VERSION:
+        if state.get("version") == _STATE_VERSION:
+            self._load_global(state, mine)
+            return
+        if state.get("version") != 2:
             raise ConfigError(
                 f"unsupported loader state version {state.get('version')!r} (this mmcache "
-                f"reads 1 and {_STATE_VERSION}): it was saved by another mmcache version"
+                f"reads 1, 2 and {_STATE_VERSION}): it was saved by another mmcache version"
             )
-        for name in _STATE_ORDER:
+        self._check_order(state, mine, _STATE_ORDER)
+        self._order.resume_span(0, None)
+        epoch = _state_int(state, "epoch", 0, None)
+        position = _state_int(state, "position", 0, len(self._epoch_batches(epoch)))
+        self._epoch, self._position = epoch, position
+        self._resumed = True  # set_epoch(epoch) keeps the position
+        self._chosen = False
+
+    def _load_global(self, state: dict[str, Any], mine: dict[str, Any]) -> None:
+        """Resume a version-3 state: by batch position on the same world size and
+        whole epoch, else by global position (:meth:`load_state_dict`)."""
+        self._check_order(state, mine, _STATE_GLOBAL)
+        epoch = _state_int(state, "epoch", 0, None)
+        same = state.get("world_size") == self.sampler.world_size
+        if same and state.get("span") is None:
+            self._order.resume_span(epoch, None)
+            position = _state_int(state, "position", 0, len(self._epoch_batches(epoch)))
+        else:
+            stop = _state_int(state, "stop", 0, self.sampler.size)
+            consumed = _state_int(state, "consumed", 0, stop)
+            self._order.resume_span(epoch, (consumed, stop))
+            position = 0
+        self._epoch, self._position = epoch, position
+        self._resumed = True
+        self._chosen = False
+
+    @staticmethod
+    def _check_order(state: dict[str, Any], mine: dict[str, Any], names: tuple[str, ...]) -> None:
+        for name in names:
             if name not in state:
                 raise ConfigError(f"cannot resume: the loader state has no {name!r}")
             if state[name] != mine[name]:
@@ -372,11 +434,6 @@ class DataLoader:
                     f"{mine[name]!r} ({what} differs); the order (and so the remaining "
                     "batches) would differ"
                 )
-        epoch = _state_int(state, "epoch", 0, None)
-        position = _state_int(state, "position", 0, len(self._epoch_batches(epoch)))
-        self._epoch, self._position = epoch, position
-        self._resumed = True  # set_epoch(epoch) keeps the position
-        self._chosen = False
 
     def close(self) -> None:
         """Stop the worker processes (persistent ones included) and the stat prefetcher

@@ -31,7 +31,7 @@ import collections
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
@@ -74,9 +74,20 @@ class BatchOrder:
     sampler: EpochSampler
     batch_size: int
     drop_last: bool
+    #: epoch -> ``(start, stop)``: the part of its order that remains (an epoch
+    #: resumed under another world size, see :meth:`EpochSampler.span_indices`).
+    spans: dict[int, tuple[int, int]] = field(default_factory=dict, compare=False)
+
+    def for_rank(self, rank: int) -> BatchOrder:
+        """The same order as another rank of the job sees it (spans included)."""
+        return replace(self, sampler=replace(self.sampler, rank=rank), spans=dict(self.spans))
 
     def batches(self, epoch: int) -> list[np.ndarray]:
-        order = self.sampler.indices(epoch)
+        span = self.spans.get(epoch)
+        if span is None:
+            order = self.sampler.indices(epoch)
+        else:
+            order = self.sampler.span_indices(epoch, *span)
         bs = self.batch_size
         stop = len(order) - len(order) % bs if self.drop_last else len(order)
         return [order[i : i + bs] for i in range(0, stop, bs)]
@@ -90,6 +101,17 @@ class EpochOrder:
         self.order = order
         self._memo: dict[int, list[np.ndarray]] = {}
         self._lock = threading.Lock()
+
+    def resume_span(self, epoch: int, span: tuple[int, int] | None) -> None:
+        """Make ``epoch`` the part ``span`` of its order (None: the whole epochs again)."""
+        with self._lock:
+            self.order.spans.clear()
+            if span is not None:
+                self.order.spans[epoch] = span
+            self._memo.clear()
+
+    def span(self, epoch: int) -> tuple[int, int] | None:
+        return self.order.spans.get(epoch)
 
     def batches(self, epoch: int) -> list[np.ndarray]:
         with self._lock:
