@@ -81,9 +81,7 @@ def test_stop_at_40_percent_with_world_4_resume_with_another_world_gives_exactly
     assert not set(seen) & set(got)  # nothing repeated from before the stop
     extra = len(got) - len(rest)
     assert 0 <= extra < world  # padded by repeating the rest's first samples
-    assert collections.Counter(got) - collections.Counter(rest) == collections.Counter(
-        rest[:extra]
-    )
+    assert collections.Counter(got) - collections.Counter(rest) == collections.Counter(rest[:extra])
     # Then the next epoch is the uninterrupted run's under the new world size.
     for r, loader in enumerate(_loaders(ds, world)):
         loader.load_state_dict(state)

@@ -45,6 +45,7 @@ import torch
 
 from mmcache.cache import Cache
 from mmcache.checks import check_int
+from mmcache.cluster.hook import cluster_exchange
 from mmcache.dist import rank_and_world
 from mmcache.errors import ConfigError
 from mmcache.loader.assemble import BatchAssembler
@@ -229,9 +230,14 @@ class DataLoader:
         self.augment = augment
         if isinstance(hooks, (str, bytes)) or not isinstance(hooks, Sequence):
             raise ConfigError(f"hooks must be a list of hook objects, got {type(hooks).__name__}")
-        first = [AugmentHook(augment, device)] if augment is not None else []
-        self._hooks = Hooks([*first, *hooks])
+        first: list[Any] = [AugmentHook(augment, device)] if augment is not None else []
         self._order = EpochOrder(BatchOrder(self.sampler, batch_size, drop_last))
+        #: The cluster exchange (``Cache(scope="cluster")`` under torch.distributed), or None.
+        self.exchange = cluster_exchange(cache, dataset, self._order, seed)
+        if self.exchange is not None:
+            first.append(self.exchange)
+            weakref.finalize(self, self.exchange.close)
+        self._hooks = Hooks([*first, *hooks])
         persistent = persistent_workers and num_workers > 0
         # Holds back workers' tasks of epochs not begun yet (only persistent workers get
         # such tasks). Opened whenever the loader goes, before torch stops the workers.
@@ -251,6 +257,8 @@ class DataLoader:
         )
         weakref.finalize(self, self._warm.close)
         self._state = StreamState()  # where the workers' stream is (shared explicitly)
+        if self._hooks.plan:
+            self._state.before_plan = self._hooks.before_plan
         self._workers: MissWorkers | None = None
         if num_workers > 0:
             warm = self._warm
@@ -446,6 +454,8 @@ class DataLoader:
         self._stop_workers()
         self._helper.close()
         self._warm.close()
+        if self.exchange is not None:
+            self.exchange.close()
 
     def _stop_workers(self) -> None:
         stream, self._stream = self._stream, None

@@ -131,13 +131,16 @@ class StreamState:
 
     ``start``: (epoch, batch) where the workers' next stream starts; ``gate``: the
     gate value its tasks count from; ``stop``: where the last stream ended (None:
-    it runs on, or never started); ``warm``: the last batch planned had no misses.
+    it runs on, or never started); ``warm``: the last batch planned had no misses;
+    ``before_plan``: called with (epoch, batch) before a batch is planned (the
+    loader's ``before_plan`` hooks; None: none).
     """
 
     start: tuple[int, int] = (0, 0)
     gate: int = 0
     stop: tuple[int, int] | None = None
     warm: bool = False
+    before_plan: Callable[[int, int], None] | None = None
 
 
 class WorkerTaskSampler:
@@ -181,6 +184,9 @@ class WorkerTaskSampler:
                 gate = gate + 1 if gate else base + 1
                 batches = self._order.batches(epoch)
             task = batches[j : j + group]
+            if state.before_plan is not None:
+                for k in range(j, j + len(task)):
+                    state.before_plan(epoch, k)
             yield [WorkerTask(gate, b) for b in task]
             j += len(task)
             group = min(2 * group, _WARM_GROUP) if state.warm else 1
@@ -318,6 +324,8 @@ class BatchPlanStream:
         batches = self._order.batches(epoch)
         indices = batches[j]
         plan = None
+        if self._state.before_plan is not None:  # (the workers' task sampler calls it too)
+            self._state.before_plan(epoch, j)
         if self.mode(epoch) is PlanMode.GUESS:
             plan = self._warm.guess(epoch, indices)  # None: the epoch is guessed no more
         if plan is None and self._mode is PlanMode.LOCAL:
