@@ -32,9 +32,9 @@ condition variable. The thread reads keys through its own copy of the source
 
 from __future__ import annotations
 
+import copy
 import datetime
 import logging
-import pickle
 import threading
 import time
 from collections.abc import Callable
@@ -126,7 +126,7 @@ class ClusterExchange:
         delta = datetime.timedelta(seconds=timeout)
         group = torch.distributed.new_group(backend="gloo", timeout=delta)
         self._wire = Wire(group, "gloo", timeout)
-        self._source: SampleSource = pickle.loads(pickle.dumps(dataset))
+        self._source: SampleSource = copy.deepcopy(dataset)
         self.schedule = Schedule(self.topology, self.home, batches, window)
         self._ahead = ahead
         self._peers = list(self.topology.peers(self.topology.rank))
@@ -139,6 +139,7 @@ class ClusterExchange:
         self._windows: dict[Pos, _Window] = {}
         self._finished: list[Pos] = []  # consumed windows to clean up (thread)
         self._offers: list[tuple[int, bytes]] = []  # (index, key) to send home
+        self._later: dict[Pos, list[bytes]] = {}  # keys sent home, deleted once pos is consumed
         self._late: Pos | None = None  # the last window waited for in vain
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -264,6 +265,8 @@ class ClusterExchange:
             done, self._finished = self._finished, []
             windows = [self._windows.pop(p, None) for p in done]
         for pos, win in zip(done, windows, strict=True):
+            for key in self._later.pop(pos, []):
+                self._memory.delete(key)
             if win is None:
                 continue
             for key in win.transient:
@@ -274,6 +277,13 @@ class ClusterExchange:
             if cold.size:
                 keys = self._keys(cold)
                 self._offers.extend(zip(cold.tolist(), keys, strict=True))
+
+    def _node_reads(self, epoch: int, w: int) -> set[int]:
+        """What the ranks of this node read in window ``w`` of ``epoch``."""
+        out: set[int] = set()
+        for r in self.topology.ranks_of(self.topology.node):
+            out.update(self.schedule.reads(r, epoch, w).tolist())
+        return out
 
     def _keys(self, indices: npt.NDArray[np.int64]) -> list[bytes]:
         rows = self._source.key_rows(indices)
@@ -302,13 +312,21 @@ class ClusterExchange:
             if peer not in failed:
                 self._stats.sent += len(msg.raws)
                 self._stats.sent_bytes += msg.nbytes
-        # Cold samples sent home to every rank there: gone from here (kept when a
-        # rank of their home failed: this node may need them again).
+        # Cold samples sent home to every rank there: gone from here (kept when a rank
+        # of their home failed: this node may need them again). One this node reads in
+        # this window stays until the next is consumed: the home got it too late to
+        # serve it in this window.
         live = set(self._peers)
+        near = self._node_reads(epoch, w)
+        later = self._later.setdefault((epoch, min(w + 1, sched.windows(epoch) - 1)), [])
         for i, key in offers:
             ranks = home_ranks[int(self.home[i])]
-            if ranks <= live and self._memory.delete(key):
+            if ranks <= live:
                 self._stats.sent_home += 1
+                if i in near:
+                    later.append(key)
+                else:
+                    self._memory.delete(key)
         self._receive(epoch, w, got)
 
     def _receive(self, epoch: int, w: int, got: dict[int, npt.NDArray[np.uint8]]) -> None:
