@@ -3,8 +3,9 @@ benchmarks/cluster.py): trains over a few epochs, writes what it saw to ``OUT/ra
 
 Per epoch: a digest of every batch (ids and image bytes), the samples this process
 produced (decoded), the node's memory entries and bytes, the exchange's counters,
-seconds. ``--kill-node N --kill-at E:B``: the ranks of node N kill themselves (SIGKILL)
-before batch B of epoch E. ``--stop-at E:B``: save the loader state there and stop.
+seconds. ``--kill-node N --kill-at E:B``: the ranks of node N stop before batch B of epoch
+E: the first of them is killed (SIGKILL, a dead rank), the others freeze (SIGSTOP, a
+silent peer whose connections stay open). ``--stop-at E:B``: save the loader state there and stop.
 ``--resume FILE``: load a state first (another world size allowed).
 """
 
@@ -91,7 +92,8 @@ def main() -> None:
         seen = []
         for j, batch in enumerate(loader):
             if kill is not None and node == args.kill_node and (epoch, j) == kill:
-                os.kill(os.getpid(), signal.SIGKILL)
+                first = int(os.environ.get("LOCAL_RANK", "0")) == 0
+                os.kill(os.getpid(), signal.SIGKILL if first else signal.SIGSTOP)
             seen.append(digest(batch))
             if args.lockstep:
                 dist.barrier()

@@ -52,7 +52,7 @@ def pack(msg: Message) -> npt.NDArray[np.uint8]:
     head[1 : 1 + n] = msg.indices
     head[1 + n :] = [len(r) for r in msg.raws]
     parts = [head[:1].tobytes(), b"".join(msg.keys), head[1:].tobytes(), *msg.raws]
-    return np.frombuffer(b"".join(parts), dtype=np.uint8)
+    return np.frombuffer(bytearray(b"".join(parts)), dtype=np.uint8)  # writable for torch
 
 
 def unpack(buf: npt.NDArray[np.uint8]) -> Message:
