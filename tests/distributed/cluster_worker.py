@@ -19,7 +19,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -33,7 +33,7 @@ class CountingDataset(MultimodalDataset):
     """Counts the samples this process produces (decodes)."""
 
     produced = 0
-    which: list[int] = []
+    which: ClassVar[list[int]] = []
 
     def produce(self, index: int) -> dict[str, np.ndarray]:
         CountingDataset.produced += 1
@@ -67,6 +67,8 @@ def main() -> None:
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    out = Path(args.out)
+    (out / f"pid{rank}").write_text(str(os.getpid()))  # the test kills what is left
     node = os.environ.get("MMCACHE_NODE", "")
     ds = CountingDataset(args.manifest, pipeline=Pipeline(image=ImageSpec(size=args.size)))
     cache = Cache(
@@ -82,7 +84,6 @@ def main() -> None:
     kill = tuple(map(int, args.kill_at.split(":"))) if args.kill_at else None
     stop = tuple(map(int, args.stop_at.split(":"))) if args.stop_at else None
     epochs: list[dict[str, Any]] = []
-    out = Path(args.out)
     result: dict[str, Any] = {"rank": rank, "node": node, "epochs": epochs}
     dist.barrier()
     for epoch in range(first, args.epochs):

@@ -128,6 +128,9 @@ def _launch(
             logs = "\n".join((out / f"launcher{k}.log").read_text()[-3000:] for k in range(nodes))
             pytest.fail(f"torchrun run did not finish in {timeout:.0f} s:\n{logs}")
     finally:
+        for pid in out.glob("pid*"):  # workers run in their own process groups
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid.read_text()), signal.SIGKILL)
         for p, log in procs:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
