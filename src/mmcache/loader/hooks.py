@@ -103,8 +103,8 @@ class Hooks:
                 plan.append(p)
             if b is None and a is None and p is None and not isinstance(hook, LoaderHook):
                 raise ConfigError(
-                    f"a loader hook needs a before_epoch, after_assemble or before_plan "
-                    f"method, got {type(hook).__name__}"
+                    f"a loader hook needs a before_epoch or after_assemble method (or "
+                    f"before_plan), got {type(hook).__name__}"
                 )
             if b is not None:
                 before.append(b)
