@@ -98,8 +98,10 @@ class ClusterExchange:
     """The exchange of one loader (made by the loader when its cache has ``scope="cluster"``).
 
     Collective at construction (every rank makes its loader at the same point):
-    gathers every rank's node and memory budget, makes the exchange's own gloo
-    group. ``batches(rank, epoch)``: any rank's batches of any epoch.
+    gathers every rank's node and memory budget, makes the exchange's own
+    process group (gloo; ``backend="nccl"`` stages payloads in pinned memory and
+    sends CUDA tensors: written for GPUs, untested here). ``batches(rank, epoch)``:
+    any rank's batches of any epoch.
     """
 
     def __init__(
@@ -112,7 +114,10 @@ class ClusterExchange:
         timeout: float,
         window: int = WINDOW,
         ahead: int = AHEAD,
+        backend: str = "gloo",
     ) -> None:
+        if backend not in ("gloo", "nccl"):
+            raise ConfigError(f"the exchange backend is 'gloo' or 'nccl', got {backend!r}")
         memory = cache.memory
         if memory is None:
             raise ConfigError(
@@ -124,8 +129,8 @@ class ClusterExchange:
         self.home = home_nodes(len(dataset), self.topology.budgets, seed)
         self._timeout = timeout
         delta = datetime.timedelta(seconds=timeout)
-        group = torch.distributed.new_group(backend="gloo", timeout=delta)
-        self._wire = Wire(group, "gloo", timeout)
+        group = torch.distributed.new_group(backend=backend, timeout=delta)
+        self._wire = Wire(group, backend, timeout)
         self._source: SampleSource = copy.deepcopy(dataset)
         self.schedule = Schedule(self.topology, self.home, batches, window)
         self._ahead = ahead

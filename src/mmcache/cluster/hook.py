@@ -9,6 +9,7 @@ Called once per loader in the training process.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,9 @@ from mmcache.sources.base import SampleSource
 __all__ = ["cluster_exchange"]
 
 logger = logging.getLogger(__name__)
+
+#: ``nccl`` makes the exchange's own group an NCCL one (GPUs; untested here), default gloo.
+BACKEND_ENV = "MMCACHE_EXCHANGE_BACKEND"
 
 
 def cluster_exchange(
@@ -40,4 +44,7 @@ def cluster_exchange(
     def batches(rank: int, epoch: int) -> list[np.ndarray]:
         return list(order.order.for_rank(rank).batches(epoch))
 
-    return ClusterExchange(cache, dataset, batches, seed=seed, timeout=cache.peer_timeout)
+    backend = os.environ.get(BACKEND_ENV, "gloo")
+    return ClusterExchange(
+        cache, dataset, batches, seed=seed, timeout=cache.peer_timeout, backend=backend
+    )
