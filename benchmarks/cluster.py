@@ -39,7 +39,9 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
-def run(manifest: Path, work: Path, scope: str, budget: int, epochs: int, batch: int) -> list[Any]:
+def run(
+    manifest: Path, work: Path, scope: str, budget: int, *, epochs: int, batch: int
+) -> list[Any]:
     out = work / f"{scope}-{budget}"
     out.mkdir(parents=True)
     port = _port()
@@ -90,7 +92,8 @@ def main() -> None:
         for frac in (0.25, 0.5, 1.0):
             for scope in ("node", "cluster"):
                 t0 = time.perf_counter()
-                res = run(manifest, work, scope, int(frac * n * ENTRY), args.epochs, args.batch)
+                budget = int(frac * n * ENTRY)
+                res = run(manifest, work, scope, budget, epochs=args.epochs, batch=args.batch)
                 sent_before = [0, 0]
                 for e in range(args.epochs):
                     eps = [r["epochs"][e] for r in res]

@@ -100,7 +100,7 @@ def simulate(sim: _Sim, nodes: int, budget: float, mixed: bool) -> dict[str, Any
     n = sim.n
     caps = (_weights(nodes, mixed) * budget * n).astype(np.int64)
     bound = max(0, n - int(caps.sum()))
-    local = int(round(sum(n / nodes * (1 - min(1.0, c / n)) for c in caps)))
+    local = round(sum(n / nodes * (1 - min(1.0, c / n)) for c in caps))
     p_reads, p_sent = sim.epoch("partitioned", caps, mixed)
     m_reads, m_sent = sim.epoch("mmcache", caps, mixed)
     return {
