@@ -91,11 +91,13 @@ def main() -> None:
         before = CountingDataset.produced
         t0 = time.perf_counter()
         seen = []
+        ids: list[str] = []
         for j, batch in enumerate(loader):
             if kill is not None and node == args.kill_node and (epoch, j) == kill:
                 first = int(os.environ.get("LOCAL_RANK", "0")) == 0
                 os.kill(os.getpid(), signal.SIGKILL if first else signal.SIGSTOP)
             seen.append(digest(batch))
+            ids += batch["id"]
             if args.lockstep:
                 dist.barrier()
             if stop is not None and (epoch, j + 1) == stop:
@@ -107,6 +109,7 @@ def main() -> None:
             {
                 "epoch": epoch,
                 "batches": seen,
+                "ids": ids,
                 "produced": CountingDataset.produced - before,
                 "produced_which": CountingDataset.which[before:],
                 "seconds": time.perf_counter() - t0,

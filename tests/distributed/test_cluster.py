@@ -87,7 +87,7 @@ def _digest(batch: dict[str, Any]) -> str:
 
 def _launch(
     manifest: Path, root: Path, out: Path, *extra: str, nodes: int = 2, per_node: int = 2,
-    wait_for: int | None = None, timeout: float = 90.0,
+    wait_for: int | None = None, timeout: float = 90.0, batch: int = BATCH,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Start ``nodes`` torchrun launchers and return the ranks' results (rank order).
 
@@ -104,7 +104,7 @@ def _launch(
             "--nproc-per-node", str(per_node), "--node-rank", str(k),
             "--rdzv-endpoint", f"127.0.0.1:{port}", str(WORKER),
             "--manifest", str(manifest), "--root", str(root), "--budget", str(BUDGET),
-            "--batch", str(BATCH), "--size", str(SIZE), "--epochs", str(EPOCHS),
+            "--batch", str(batch), "--size", str(SIZE), "--epochs", str(EPOCHS),
             "--out", str(out), *extra,
         ]  # fmt: skip
         log = open(out / f"launcher{k}.log", "w")  # noqa: SIM115 - closed below
@@ -173,17 +173,6 @@ def test_two_nodes_hold_half_each_and_decode_nothing_after_the_first_epoch(
     assert last["received"] > 0 and last["sent_home"] > 0 and last["peer_failures"] == 0
 
 
-def test_scope_node_caches_alone_and_keeps_decoding(
-    manifest: Path, root: Path, tmp_path: Path
-) -> None:
-    # Without the exchange each node's half-size memory tier misses about half of
-    # what its ranks read, every epoch: what scope="cluster" removes.
-    results = _launch(manifest, root, tmp_path / "out", "--scope", "node", "--lockstep")
-    later = sum(r["epochs"][e]["produced"] for r in results for e in range(1, EPOCHS))
-    assert later >= N // 2
-    assert all(r["epochs"][0]["exchange"] is None for r in results)
-
-
 def test_a_node_that_dies_mid_epoch_leaves_the_other_to_finish_with_local_production(
     manifest: Path, root: Path, tmp_path: Path
 ) -> None:
@@ -201,3 +190,26 @@ def test_a_node_that_dies_mid_epoch_leaves_the_other_to_finish_with_local_produc
         assert sorted(ex["dead_peers"]) == [2, 3] and ex["peer_failures"] == 2
         # node1's share of what this rank reads after the failure is produced here
         assert sum(e["produced"] for e in r["epochs"][1:]) > 0
+
+
+def test_stopped_at_40_percent_with_4_ranks_resumed_with_2_gives_exactly_the_rest(
+    manifest: Path, root: Path, tmp_path: Path
+) -> None:
+    # 48 samples, 4 ranks, batches of 1: 5 batches each is 20 samples (42%).
+    stopped = _launch(manifest, root, tmp_path / "stop", "--stop-at", "0:5", batch=1)
+    states = [r["state"] for r in stopped]
+    assert {s["consumed"] for s in states} == {20} and {s["world_size"] for s in states} == {4}
+    (tmp_path / "state.json").write_text(json.dumps(states[0]))
+    resumed = _launch(
+        manifest, root, tmp_path / "resume", "--resume", str(tmp_path / "state.json"),
+        "--epochs", "1", nodes=1, batch=1,
+    )  # fmt: skip
+    ds = MultimodalDataset(manifest, pipeline=Pipeline(image=ImageSpec(size=SIZE)))
+    alone = DataLoader(ds, cache=None, batch_size=1, seed=7)
+    alone.set_epoch(0)
+    whole = [i for b in alone for i in b["id"]]
+    before = sorted(i for r in stopped for i in r["epochs"][0]["ids"])
+    after = [r["epochs"][0]["ids"] for r in resumed]
+    assert before == sorted(whole[:20])
+    assert len(after) == 2 and len(after[0]) == len(after[1]) == 14  # 28 left, 14 each
+    assert sorted(after[0] + after[1]) == sorted(whole[20:])
