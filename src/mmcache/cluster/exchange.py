@@ -125,11 +125,13 @@ class ClusterExchange:
                 "fills): give the cache a memory budget"
             )
         self._memory = memory
-        self.topology = Topology.gather(cache.memory_budget)
-        self.home = home_nodes(len(dataset), self.topology.budgets, seed)
         self._timeout = timeout
         delta = datetime.timedelta(seconds=timeout)
         group = torch.distributed.new_group(backend=backend, timeout=delta)
+        # Gathered on a gloo group: CPU objects, whatever the training backend is.
+        meta = group if backend == "gloo" else torch.distributed.new_group(backend="gloo")
+        self.topology = Topology.gather(cache.memory_budget, group=meta)
+        self.home = home_nodes(len(dataset), self.topology.budgets, seed)
         self._wire = Wire(group, backend, timeout)
         self._source: SampleSource = copy.deepcopy(dataset)
         self.schedule = Schedule(self.topology, self.home, batches, window)
@@ -206,8 +208,8 @@ class ClusterExchange:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=2 * self._timeout + 5.0)
+        if self._thread is not None:  # a daemon: not waited for when stuck on a peer
+            self._thread.join(timeout=1.0)
 
     # -- the exchange thread ---------------------------------------------------------------
     def _next(self) -> Pos | None:
