@@ -147,6 +147,7 @@ class ClusterExchange:
         self._finished: list[Pos] = []  # consumed windows to clean up (thread)
         self._offers: list[tuple[int, bytes]] = []  # (index, key) to send home
         self._later: dict[Pos, list[bytes]] = {}  # keys sent home, deleted once pos is consumed
+        self._begun: int | None = None  # the epoch of the last before_epoch
         self._late: Pos | None = None  # the last window waited for in vain
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -160,16 +161,23 @@ class ClusterExchange:
                 self._cursor = start
                 self._consumed[ctx.epoch] = start[1]
             self._want = max(self._want, (ctx.epoch, ctx.start - 1))
+            self._begun = ctx.epoch
             self._cond.notify_all()
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="mmcache-exchange", daemon=True)
             self._thread.start()
+        # Persistent workers were given this epoch's first tasks before it began; they
+        # plan them once the loader opens the epoch, after this: have those windows here.
+        if ctx.num_batches > ctx.start:
+            self.before_plan(ctx.epoch, min(ctx.start + self._ahead, ctx.num_batches - 1))
 
     def before_plan(self, epoch: int, batch: int) -> None:
         """Wait until the window of ``batch`` has been exchanged (or the timeout passed)."""
         target = (epoch, self.schedule.window_of(batch))
         deadline = time.monotonic() + 2 * self._timeout + 5.0
         with self._cond:
+            if self._begun is None or epoch > self._begun:
+                return  # a task for an epoch not begun (persistent workers): see before_epoch
             if self._want < (epoch, batch):
                 self._want = (epoch, batch)
                 self._cond.notify_all()
