@@ -5,7 +5,7 @@ Each node is a ``torchrun --nnodes 2 --node-rank K`` launcher with its own
 runs ``cluster_worker.py`` and writes what it saw. The memory budget of a node is
 half the data (plus room for what is in flight): after the first epoch no sample
 is decoded anywhere, every rank's batches are bitwise the single-process uncached
-run's, and each node's memory holds half the data. When one node's processes die
+run's, and each node's memory holds half the data once settled. When one node's processes die
 or freeze mid-epoch, the other finishes with local production.
 """
 
@@ -39,15 +39,21 @@ from mmcache.synth import make_dataset  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
-N = 48
+N = 192
 BATCH = 4
 SIZE = 32
 EPOCHS = 3
 NODES = ("node0", "node1")
 WORKER = Path(__file__).with_name("cluster_worker.py")
-#: One entry of a 32 px image takes a 4 KiB slab: half the data, with room for the
-#: entries in flight (a window of each rank, samples on their way home).
-BUDGET = int(N * 4096 * 0.7)
+#: Bytes of the memory tier per entry of a 32 px image (3.2 KB and its index row).
+ENTRY = 3300
+#: Entries in flight on a node: 2 ranks x up to 3 windows received and not consumed
+#: (2 batches ahead of the one planned) x the 4 of a window's 8 samples homed on the
+#: other node, and 8 to spare.
+IN_FLIGHT = 2 * 3 * 4 + 8
+#: Half the data, plus room for what is in flight (66.7% of the data's bytes here;
+#: the in-flight part is a smaller share of a larger dataset).
+BUDGET = (N // 2 + IN_FLIGHT) * ENTRY
 
 
 @pytest.fixture(scope="module")
@@ -195,21 +201,21 @@ def test_a_node_that_dies_mid_epoch_leaves_the_other_to_finish_with_local_produc
 def test_stopped_at_40_percent_with_4_ranks_resumed_with_2_gives_exactly_the_rest(
     manifest: Path, root: Path, tmp_path: Path
 ) -> None:
-    # 48 samples, 4 ranks, batches of 1: 5 batches each is 20 samples (42%).
-    stopped = _launch(manifest, root, tmp_path / "stop", "--stop-at", "0:5", batch=1)
+    # 192 samples, 4 ranks, batches of 4: 5 batches each is 80 samples (42%).
+    stopped = _launch(manifest, root, tmp_path / "stop", "--stop-at", "0:5")
     states = [r["state"] for r in stopped]
-    assert {s["consumed"] for s in states} == {20} and {s["world_size"] for s in states} == {4}
+    assert {s["consumed"] for s in states} == {80} and {s["world_size"] for s in states} == {4}
     (tmp_path / "state.json").write_text(json.dumps(states[0]))
     resumed = _launch(
         manifest, root, tmp_path / "resume", "--resume", str(tmp_path / "state.json"),
-        "--epochs", "1", nodes=1, batch=1,
+        "--epochs", "1", nodes=1,
     )  # fmt: skip
     ds = MultimodalDataset(manifest, pipeline=Pipeline(image=ImageSpec(size=SIZE)))
-    alone = DataLoader(ds, cache=None, batch_size=1, seed=7)
+    alone = DataLoader(ds, cache=None, batch_size=BATCH, seed=7)
     alone.set_epoch(0)
     whole = [i for b in alone for i in b["id"]]
     before = sorted(i for r in stopped for i in r["epochs"][0]["ids"])
     after = [r["epochs"][0]["ids"] for r in resumed]
-    assert before == sorted(whole[:20])
-    assert len(after) == 2 and len(after[0]) == len(after[1]) == 14  # 28 left, 14 each
-    assert sorted(after[0] + after[1]) == sorted(whole[20:])
+    assert before == sorted(whole[:80])
+    assert len(after) == 2 and len(after[0]) == len(after[1]) == 56  # 112 left, 56 each
+    assert sorted(after[0] + after[1]) == sorted(whole[80:])

@@ -61,7 +61,7 @@ logger = logging.getLogger(__name__)
 #: Batches per exchange window, and how many batches beyond the one planned the
 #: exchange may run (the received entries of that many batches are in memory at once).
 WINDOW = 2
-AHEAD = 4
+AHEAD = 2
 _TAG_SPAN = 1 << 27  # tags wrap after this many windows
 
 
