@@ -64,7 +64,16 @@ def main() -> None:
     ap.add_argument("--stop-at", default=None)
     ap.add_argument("--resume", default=None)
     ap.add_argument("--lockstep", action="store_true", help="a barrier after each batch (DDP)")
+    ap.add_argument("--workers", type=int, default=0)
+    ap.add_argument("--persistent", action="store_true")
     args = ap.parse_args()
+    if os.environ.get("CLUSTER_DEBUG"):
+        import logging
+
+        logging.basicConfig(
+            level=logging.DEBUG, format=f"%(relativeCreated)d r{os.environ.get('RANK')} %(message)s"
+        )
+        logging.getLogger("mmcache.cluster").setLevel(logging.DEBUG)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     out = Path(args.out)
@@ -75,7 +84,10 @@ def main() -> None:
         args.root, memory=args.budget, scope=args.scope, peer_timeout=args.timeout,
         temporary=True,
     )  # fmt: skip
-    loader = DataLoader(ds, cache=cache, batch_size=args.batch, seed=7)
+    loader = DataLoader(
+        ds, cache=cache, batch_size=args.batch, seed=7, num_workers=args.workers,
+        persistent_workers=args.persistent,
+    )  # fmt: skip
     first = 0
     if args.resume:
         state = json.loads(Path(args.resume).read_text())
@@ -115,6 +127,7 @@ def main() -> None:
                 "ids": ids,
                 "produced": CountingDataset.produced - before,
                 "produced_which": CountingDataset.which[before:],
+                "misses": loader.stats().epochs[-1].misses,  # workers' productions too
                 "seconds": time.perf_counter() - t0,
                 "memory_items": len(list(memory.keys())) if memory is not None else 0,
                 "memory_bytes": memory.nbytes() if memory is not None else 0,

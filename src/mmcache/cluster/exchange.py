@@ -3,14 +3,17 @@
 Runs in the training process (DataLoader workers cannot use a process group),
 in one background thread with its own gloo process group, so it never
 interleaves with the model's collectives. For each window of batches, in
-order and at most ``ahead`` batches beyond what the loader has planned, it
+order and up to ``ahead + 2`` batches beyond the last one assembled here, it
 sends each peer the entries the :class:`~mmcache.cluster.schedule.Schedule`
 says, receives what the peers send, checks each received entry (its key is the
 one this process computes for that sample; its checksum holds) and puts it in
 the node's memory tier, where the loader finds it as an ordinary hit. The loader
 asks :meth:`ClusterExchange.before_plan` before it plans a batch, which waits
 for that batch's window (or gives up after the timeout: the batch is then
-produced locally, as without the exchange).
+produced locally, as without the exchange). A batch planned further ahead than
+that (the prefetch of worker processes) is not waited for: the model's
+collectives keep ranks within a batch of each other, and a rank waiting for a
+window its peer may not exchange yet would stall both.
 
 After a window is consumed (its last batch assembled), the entries received for
 it are deleted (the node keeps only its home samples), and the samples of it
@@ -141,7 +144,7 @@ class ClusterExchange:
         self._dead: list[int] = []
         self._cond = threading.Condition()
         self._cursor: Pos | None = None  # the next window to exchange
-        self._want: tuple[int, int] = (0, -1)  # the furthest (epoch, batch) planned
+        self._done: tuple[int, int] = (0, -1)  # the last (epoch, batch) assembled here
         self._consumed: dict[int, int] = {}  # epoch -> windows consumed (in order)
         self._windows: dict[Pos, _Window] = {}
         self._finished: list[Pos] = []  # consumed windows to clean up (thread)
@@ -160,7 +163,7 @@ class ClusterExchange:
                 self.schedule.clear()  # a resumed epoch's batches may have changed
                 self._cursor = start
                 self._consumed[ctx.epoch] = start[1]
-            self._want = max(self._want, (ctx.epoch, ctx.start - 1))
+            self._done = (ctx.epoch, ctx.start - 1)
             self._begun = ctx.epoch
             self._cond.notify_all()
         if self._thread is None:
@@ -171,16 +174,24 @@ class ClusterExchange:
         if ctx.num_batches > ctx.start:
             self.before_plan(ctx.epoch, min(ctx.start + self._ahead, ctx.num_batches - 1))
 
+    def _horizon(self, batch: int) -> int:
+        """The last window the exchange may run while ``batch`` is the last assembled."""
+        return self.schedule.window_of(max(batch + self._ahead + 2, 0))
+
     def before_plan(self, epoch: int, batch: int) -> None:
         """Wait until the window of ``batch`` has been exchanged (or the timeout passed)."""
+        logger.debug("before_plan %d %d cursor %s", epoch, batch, self._cursor)
         target = (epoch, self.schedule.window_of(batch))
         deadline = time.monotonic() + 2 * self._timeout + 5.0
         with self._cond:
             if self._begun is None or epoch > self._begun:
                 return  # a task for an epoch not begun (persistent workers): see before_epoch
-            if self._want < (epoch, batch):
-                self._want = (epoch, batch)
-                self._cond.notify_all()
+            done_e, done_b = self._done
+            if epoch == done_e and target[1] > self._horizon(done_b - 1):
+                # Planned far ahead (workers' prefetch): a peer one batch behind may not
+                # be allowed this window yet, and waiting for it could stall both (the
+                # model's collectives keep ranks in step); not waited for.
+                return
             if self._late is not None and target <= self._late:
                 return  # waited for this window already
             while not self._closed and self._cursor is not None and self._cursor <= target:
@@ -200,6 +211,9 @@ class ClusterExchange:
 
     def after_assemble(self, batch: dict[str, Any], ctx: Any) -> dict[str, Any]:
         w = self.schedule.window_of(ctx.batch)
+        with self._cond:
+            self._done = max(self._done, (ctx.epoch, ctx.batch))
+            self._cond.notify_all()
         if ctx.batch == self.schedule.last_batch(ctx.epoch, w):
             with self._cond:
                 self._consumed[ctx.epoch] = max(self._consumed.get(ctx.epoch, 0), w + 1)
@@ -248,10 +262,10 @@ class ClusterExchange:
         e, w = cur
         if w >= self.schedule.windows(e):
             return False
-        want_e, want_b = self._want
-        if e < want_e:
+        done_e, done_b = self._done
+        if e < done_e:
             return True
-        return e == want_e and w <= self.schedule.window_of(max(want_b, 0) + self._ahead)
+        return e == done_e and w <= self._horizon(done_b)
 
     def _run(self) -> None:
         try:
@@ -262,6 +276,7 @@ class ClusterExchange:
                 self._clean_up()
                 if pos == (-1, -1):
                     continue
+                logger.debug("exchange window %s of rank %d", pos, self.topology.rank)
                 self._exchange(*pos)
                 with self._cond:
                     if self._cursor == pos:
