@@ -32,6 +32,7 @@ the cache through the node-shared tiers.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import operator
 import time
@@ -52,6 +53,7 @@ from mmcache.loader.assemble import BatchAssembler
 from mmcache.loader.augmenting import AugmentHook
 from mmcache.loader.counters import EpochCounter, HitRateWatch, epoch_scalars
 from mmcache.loader.hooks import BatchContext, EpochContext, Hooks, LoaderHook
+from mmcache.loader.state import STATE_VERSION, read_state
 from mmcache.loader.stream import (
     BatchOrder,
     BatchPlanStream,
@@ -72,22 +74,6 @@ from mmcache.writeback import flush_all
 __all__ = ["BatchContext", "DataLoader", "EpochContext", "LoaderHook"]
 
 logger = logging.getLogger(__name__)
-
-_STATE_VERSION = 3  # 2: the ids digest, distributed_drop_last; 3: the global position
-#: What fixes the order of the batches: a state to resume must match the loader in each.
-_STATE_ORDER = (
-    "seed",
-    "shuffle",
-    "size",
-    "ids",
-    "rank",
-    "world_size",
-    "batch_size",
-    "drop_last",
-    "distributed_drop_last",
-)
-#: What a version-3 state must match: the order of every epoch, whatever the world size.
-_STATE_GLOBAL = tuple(n for n in _STATE_ORDER if n not in ("rank", "world_size"))
 
 #: Batches assembled ahead on the helper thread: the next one, while the training
 #: step runs. More would keep more batch buffers in flight (colder caches) and,
@@ -346,7 +332,7 @@ class DataLoader:
             per_rank = self._position * self.batch_size * self.sampler.world_size
             consumed = min(start + per_rank, stop)
         return {
-            "version": _STATE_VERSION,
+            "version": STATE_VERSION,
             "epoch": self._epoch,
             "position": self._position,
             "seed": self.sampler.seed,
@@ -379,69 +365,17 @@ class DataLoader:
         continue. Versions 1 and 2 (saved before) resume on the same rank and
         world size only.
         """
-        if not isinstance(state, dict):
-            raise ConfigError(
-                f"a loader state is a dict (from state_dict()), got {type(state).__name__}"
-            )
-        mine = self.state_dict()
-        if state.get("version") == 1:  # saved before the ids digest: order not checkable
-            logger.warning(
-                "loader state version 1 has no digest of the dataset's ids: resuming "
-                "without checking that the manifest lists the same ids in the same order"
-            )
-            state = {**state, "version": 2, "ids": mine["ids"]}
-            # Its drop_last also trimmed across ranks (distributed_drop_last), which
-            # changes nothing in a single process.
-            alone = state.get("world_size") == 1
-            state["distributed_drop_last"] = (
-                mine["distributed_drop_last"] if alone else state.get("drop_last")
-            )
-        if state.get("version") == _STATE_VERSION:
-            self._load_global(state, mine)
-            return
-        if state.get("version") != 2:
-            raise ConfigError(
-                f"unsupported loader state version {state.get('version')!r} (this mmcache "
-                f"reads 1, 2 and {_STATE_VERSION}): it was saved by another mmcache version"
-            )
-        self._check_order(state, mine, _STATE_ORDER)
-        self._order.resume_span(0, None)
-        epoch = _state_int(state, "epoch", 0, None)
-        position = _state_int(state, "position", 0, len(self._epoch_batches(epoch)))
-        self._epoch, self._position = epoch, position
+        order = self._order.order
+        resume = read_state(
+            state,
+            self.state_dict(),
+            world_size=self.sampler.world_size,
+            count=lambda e: len(dataclasses.replace(order, spans={}).batches(e)),
+        )
+        self._order.resume_span(resume.epoch, resume.span)
+        self._epoch, self._position = resume.epoch, resume.position
         self._resumed = True  # set_epoch(epoch) keeps the position
         self._chosen = False
-
-    def _load_global(self, state: dict[str, Any], mine: dict[str, Any]) -> None:
-        """Resume a version-3 state: by batch position on the same world size and
-        whole epoch, else by global position (:meth:`load_state_dict`)."""
-        self._check_order(state, mine, _STATE_GLOBAL)
-        epoch = _state_int(state, "epoch", 0, None)
-        same = state.get("world_size") == self.sampler.world_size
-        if same and state.get("span") is None:
-            self._order.resume_span(epoch, None)
-            position = _state_int(state, "position", 0, len(self._epoch_batches(epoch)))
-        else:
-            stop = _state_int(state, "stop", 0, self.sampler.size)
-            consumed = _state_int(state, "consumed", 0, stop)
-            self._order.resume_span(epoch, (consumed, stop))
-            position = 0
-        self._epoch, self._position = epoch, position
-        self._resumed = True
-        self._chosen = False
-
-    @staticmethod
-    def _check_order(state: dict[str, Any], mine: dict[str, Any], names: tuple[str, ...]) -> None:
-        for name in names:
-            if name not in state:
-                raise ConfigError(f"cannot resume: the loader state has no {name!r}")
-            if state[name] != mine[name]:
-                what = "the dataset's ids in order" if name == "ids" else name
-                raise ConfigError(
-                    f"cannot resume: state has {name}={state[name]!r} but this loader has "
-                    f"{mine[name]!r} ({what} differs); the order (and so the remaining "
-                    "batches) would differ"
-                )
 
     def close(self) -> None:
         """Stop the worker processes (persistent ones included) and the stat prefetcher
@@ -629,10 +563,3 @@ class DataLoader:
             epoch, j, indices, sampler.seed, sampler.rank, sampler.world_size, guessed
         )
         return self._hooks.after_assemble(batch, ctx)
-
-
-def _state_int(state: dict[str, Any], name: str, low: int, high: int | None) -> int:
-    """``state[name]`` checked to be an int in ``[low, high]`` (ConfigError otherwise)."""
-    if name not in state:
-        raise ConfigError(f"cannot resume: the loader state has no {name!r}")
-    return check_int(f"cannot resume: state {name}", state[name], minimum=low, maximum=high)
