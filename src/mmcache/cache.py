@@ -67,6 +67,7 @@ logger = logging.getLogger(__name__)
 Sample = dict[str, np.ndarray]
 KeyLike = bytes | str
 Fallback = Literal["raise", "uncached"]
+Scope = Literal["node", "cluster"]
 OpenedAs = Literal["owner", "worker", "inspect"]
 
 
@@ -131,6 +132,12 @@ class Cache:
             4 KiB of its budget, at least 1024); raise it for many small
             samples (tokens only, pooled features): a warning says when the
             index is full while bytes are free.
+        scope: ``"node"`` (default): each node caches alone. ``"cluster"``: with
+            ``torch.distributed`` initialised, a :class:`~mmcache.DataLoader` over
+            this cache gives each sample one home node and sends it ahead to the
+            nodes that read it (see :mod:`mmcache.cluster`); without it, as "node".
+        peer_timeout: seconds the cluster exchange waits for a peer before it drops
+            it and produces that peer's samples locally.
     """
 
     def __init__(
@@ -146,8 +153,18 @@ class Cache:
         fallback: Fallback = "raise",
         mode: int = 0o600,
         memory_entries: int | None = None,
+        scope: Scope = "node",
+        peer_timeout: float = 60.0,
         _opened_as: OpenedAs = "owner",
     ) -> None:
+        if scope not in ("node", "cluster"):
+            raise ConfigError(f"scope must be 'node' or 'cluster', got {scope!r}")
+        if isinstance(peer_timeout, bool) or not isinstance(peer_timeout, (int, float)):
+            raise ConfigError(f"peer_timeout must be seconds (a number), got {peer_timeout!r}")
+        if not peer_timeout > 0:
+            raise ConfigError(f"peer_timeout must be > 0 seconds, got {peer_timeout!r}")
+        self.scope: Scope = scope
+        self.peer_timeout = float(peer_timeout)
         if not isinstance(mode, int) or mode & ~0o666 or (mode & 0o600) != 0o600:
             raise ConfigError(
                 f"mode must be a file permission mask within 0o666 that includes 0o600, "
@@ -313,6 +330,8 @@ class Cache:
             "fallback": self.fallback,
             "mode": self.mode,
             "memory_entries": self.memory_entries,
+            "scope": self.scope,
+            "peer_timeout": self.peer_timeout,
             "opened_as": "inspect" if self._inspect else "worker",
         }
 
@@ -328,6 +347,8 @@ class Cache:
             fallback=state["fallback"],
             mode=state.get("mode", 0o600),
             memory_entries=state.get("memory_entries"),
+            scope=state.get("scope", "node"),
+            peer_timeout=state.get("peer_timeout", 60.0),
             _opened_as=state.get("opened_as", "worker"),
         )
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import xxhash
 
+from mmcache.dist import NODE_ENV
 from mmcache.errors import CacheError, ConfigError
 from mmcache.policies import policy_names
 from mmcache.units import parse_duration, parse_size
@@ -37,8 +38,12 @@ def memory_name(root: Path) -> str:
 
     No uid in it: the store's directory says whose it is (``/dev/shm/mmcache-u<uid>/``,
     or ``mmcache-g<gid>/`` shared by a group, where every member must find one name).
+    With ``$MMCACHE_NODE`` set the node's name is hashed in too, so that several
+    "nodes" on one machine (``scope="cluster"`` tests) never share a memory tier.
     """
-    return xxhash.xxh3_64_hexdigest(str(root).encode())
+    node = os.environ.get(NODE_ENV)
+    text = str(root) if not node else f"{root}\0node={node}"
+    return xxhash.xxh3_64_hexdigest(text.encode())
 
 
 def memory_group(root: Path, mode: int) -> int | None:

@@ -12,11 +12,23 @@ Thread-safe (reads only).
 
 from __future__ import annotations
 
+import os
+import socket
+
 import torch
 
 from mmcache.errors import ConfigError
 
-__all__ = ["dist_initialized", "rank_and_world", "shard_bounds"]
+__all__ = ["NODE_ENV", "dist_initialized", "node_name", "rank_and_world", "shard_bounds"]
+
+#: The environment variable that names this node (default: the hostname): two
+#: "nodes" on one machine (tests) get separate shared-memory tiers by it.
+NODE_ENV = "MMCACHE_NODE"
+
+
+def node_name() -> str:
+    """This process's node: ``$MMCACHE_NODE`` when set (non-empty), else the hostname."""
+    return os.environ.get(NODE_ENV) or socket.gethostname()
 
 
 def dist_initialized() -> bool:

@@ -14,6 +14,14 @@ then rank ``r`` takes positions ``r, r + world, r + 2*world, ...``. This
 ``drop_last`` is DistributedSampler's (the loader's ``distributed_drop_last``),
 not the DataLoader's, which drops each rank's last partial batch.
 
+Elastic resume (:meth:`EpochSampler.span_indices`): after ``p`` batches of
+``b`` per rank, the ranks together have consumed positions ``[0, p*b*world)``
+of the epoch's order, a prefix. What remains, ``permutation(e)[start:stop]``
+(``stop``: :meth:`EpochSampler.epoch_stop`, the padding left out), is split over
+any other world size the same way: padded by repeating its own first elements
+(``drop_last=False``) or cut (``drop_last=True``) to a multiple of the new
+world size, so every rank has the same number of samples.
+
 >>> EpochSampler(5, seed=0, shuffle=False).indices(0).tolist()
 [0, 1, 2, 3, 4]
 >>> a = EpochSampler(10, seed=3, rank=0, world_size=2).indices(1)
@@ -70,8 +78,29 @@ class EpochSampler:
 
     def indices(self, epoch: int) -> npt.NDArray[np.int64]:
         """This rank's indices for ``epoch``, in order."""
-        perm = self.permutation(epoch)
-        total = self.num_samples() * self.world_size
+        return self._split(self.permutation(epoch), self.num_samples())
+
+    def epoch_stop(self) -> int:
+        """Positions of the epoch's order the ranks read, padding left out: ``size``,
+        or fewer under ``drop_last`` (the rest is never read this epoch)."""
+        return min(self.num_samples() * self.world_size, self.size)
+
+    def span_num_samples(self, start: int, stop: int) -> int:
+        """Samples per rank of the part ``[start, stop)`` of an epoch's order."""
+        n = max(0, stop - start)
+        return n // self.world_size if self.drop_last else -(-n // self.world_size)
+
+    def span_indices(self, epoch: int, start: int, stop: int) -> npt.NDArray[np.int64]:
+        """This rank's indices of ``permutation(epoch)[start:stop]`` (the rest of an
+        epoch resumed under another world size), split as :meth:`indices` splits a
+        whole epoch."""
+        if not 0 <= start <= stop <= self.size:
+            raise ConfigError(f"need 0 <= start <= stop <= {self.size}, got {start}, {stop}")
+        part = self.permutation(epoch)[start:stop]
+        return self._split(part, self.span_num_samples(start, stop))
+
+    def _split(self, perm: npt.NDArray[np.int64], per_rank: int) -> npt.NDArray[np.int64]:
+        total = per_rank * self.world_size
         if total > perm.shape[0] and perm.shape[0] > 0:
             reps = -(-total // perm.shape[0])
             perm = np.tile(perm, reps)

@@ -95,6 +95,12 @@ def test_resume_mid_epoch_yields_exactly_the_rest(cache_root: Path) -> None:
         plain = DataLoader(src, cache=cache, batch_size=4, seed=1)
         with pytest.raises(ConfigError, match="batching"):
             plain.load_state_dict(state)
+        # grouped plans are per world size: an elastic resume of them is refused clearly
+        wider = DataLoader(
+            src, cache=cache, batch_size=4, group_by_length=True, seed=1, rank=0, world_size=2
+        )
+        with pytest.raises(ConfigError, match="same world size only"):
+            wider.load_state_dict(state)
 
 
 def test_group_by_length_needs_lengths() -> None:

@@ -32,6 +32,7 @@ the cache through the node-shared tiers.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import operator
 import time
@@ -45,6 +46,7 @@ import torch
 
 from mmcache.cache import Cache
 from mmcache.checks import check_int
+from mmcache.cluster.hook import cluster_exchange
 from mmcache.dist import rank_and_world
 from mmcache.errors import ConfigError
 from mmcache.loader.assemble import BatchAssembler
@@ -53,6 +55,7 @@ from mmcache.loader.batching import plan_batching
 from mmcache.loader.counters import EpochCounter, HitRateWatch, epoch_scalars
 from mmcache.loader.hooks import BatchContext, EpochContext, Hooks, LoaderHook
 from mmcache.loader.packing import PackSpec
+from mmcache.loader.state import STATE_VERSION, check_batching, read_state
 from mmcache.loader.stream import (
     BatchPlanStream,
     EpochOrder,
@@ -72,20 +75,6 @@ from mmcache.writeback import flush_all
 __all__ = ["BatchContext", "DataLoader", "EpochContext", "LoaderHook", "PackSpec"]
 
 logger = logging.getLogger(__name__)
-
-_STATE_VERSION = 2  # 2: the ids digest, distributed_drop_last
-#: What fixes the order of the batches: a state to resume must match the loader in each.
-_STATE_ORDER = (
-    "seed",
-    "shuffle",
-    "size",
-    "ids",
-    "rank",
-    "world_size",
-    "batch_size",
-    "drop_last",
-    "distributed_drop_last",
-)
 
 #: Batches assembled ahead on the helper thread: the next one, while the training
 #: step runs. More would keep more batch buffers in flight (colder caches) and,
@@ -245,9 +234,14 @@ class DataLoader:
         self.augment = augment
         if isinstance(hooks, (str, bytes)) or not isinstance(hooks, Sequence):
             raise ConfigError(f"hooks must be a list of hook objects, got {type(hooks).__name__}")
-        first: list[LoaderHook] = [AugmentHook(augment, device)] if augment is not None else []
+        first: list[Any] = [AugmentHook(augment, device)] if augment is not None else []
         if batching.hook is not None:  # SFT padding or packing: before any other hook
             first.insert(0, batching.hook)
+        #: The cluster exchange (``Cache(scope="cluster")`` under torch.distributed), or None.
+        self.exchange = cluster_exchange(cache, dataset, self._order, seed)
+        if self.exchange is not None:
+            first.append(self.exchange)
+            weakref.finalize(self, self.exchange.close)
         self._hooks = Hooks([*first, *hooks])
         persistent = persistent_workers and num_workers > 0
         # Holds back workers' tasks of epochs not begun yet (only persistent workers get
@@ -268,6 +262,8 @@ class DataLoader:
         )
         weakref.finalize(self, self._warm.close)
         self._state = StreamState()  # where the workers' stream is (shared explicitly)
+        if self._hooks.plan:
+            self._state.before_plan = self._hooks.before_plan
         self._workers: MissWorkers | None = None
         if num_workers > 0:
             warm = self._warm
@@ -326,6 +322,7 @@ class DataLoader:
         if not (self._resumed and epoch == self._epoch):
             self._position = 0
             self._resumed = False
+            self._order.resume_span(epoch, None)  # a resumed epoch's rest no more
         self._epoch = epoch
         self._chosen = True
 
@@ -335,11 +332,27 @@ class DataLoader:
         Independent of ``num_workers`` (the order never depends on it). ``ids`` is
         a digest of the dataset's ids in order (the source's ``ids_digest``), so a
         reordered manifest of the same length is refused on resume.
+
+        Elastic: ``consumed`` is the global position, the samples of the epoch's
+        order that all ranks together have consumed (ranks step together, as DDP
+        makes them: every rank's state holds the same ``consumed``; save any
+        one), ``stop`` where the epoch's order ends, ``span`` the part of it this
+        run was given (a resumed epoch) or None. A loader of another world size
+        resumes from it with exactly the rest of the epoch (see
+        :meth:`load_state_dict`).
         """
         if self._ids is None:
             self._ids = self.dataset.ids_digest()
+        span = self._order.span(self._epoch)
+        start, stop = span if span is not None else (0, self.sampler.epoch_stop())
+        batches = self._epoch_batches(self._epoch)
+        if self._position >= len(batches):
+            consumed = stop
+        else:
+            per_rank = self._position * self.batch_size * self.sampler.world_size
+            consumed = min(start + per_rank, stop)
         return {
-            "version": _STATE_VERSION,
+            "version": STATE_VERSION,
             "epoch": self._epoch,
             "position": self._position,
             "seed": self.sampler.seed,
@@ -352,6 +365,9 @@ class DataLoader:
             "drop_last": self.drop_last,
             "distributed_drop_last": self.sampler.drop_last,
             "batching": self._batching,
+            "consumed": consumed,
+            "stop": stop,
+            "span": None if span is None else list(span),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -359,48 +375,31 @@ class DataLoader:
 
         Raises :class:`ConfigError` naming the key for a missing, mistyped or
         out-of-range value, or one that differs from this loader's (another seed,
-        dataset order, batch size, rank...); nothing is restored then.
+        dataset order, batch size...); nothing is restored then.
+
+        A version-3 state (this mmcache's) may come from another world size (or
+        rank): the rest of its epoch, positions ``[consumed, stop)`` of the
+        epoch's order, is split over this loader's world size (padded or cut to
+        equal parts as ``distributed_drop_last`` says, see
+        :mod:`mmcache.sampler`), then the next epochs follow as if never
+        interrupted. With the same world size the same batches as before
+        continue. Versions 1 and 2 (saved before) resume on the same rank and
+        world size only.
         """
         if not isinstance(state, dict):
             raise ConfigError(
                 f"a loader state is a dict (from state_dict()), got {type(state).__name__}"
             )
-        mine = self.state_dict()
-        if state.get("version") == 1:  # saved before the ids digest: order not checkable
-            logger.warning(
-                "loader state version 1 has no digest of the dataset's ids: resuming "
-                "without checking that the manifest lists the same ids in the same order"
-            )
-            state = {**state, "version": _STATE_VERSION, "ids": mine["ids"]}
-            # Its drop_last also trimmed across ranks (distributed_drop_last), which
-            # changes nothing in a single process.
-            alone = state.get("world_size") == 1
-            state["distributed_drop_last"] = (
-                mine["distributed_drop_last"] if alone else state.get("drop_last")
-            )
-        if state.get("version") != _STATE_VERSION:
-            raise ConfigError(
-                f"unsupported loader state version {state.get('version')!r} (this mmcache "
-                f"reads 1 and {_STATE_VERSION}): it was saved by another mmcache version"
-            )
-        for name in _STATE_ORDER:
-            if name not in state:
-                raise ConfigError(f"cannot resume: the loader state has no {name!r}")
-            if state[name] != mine[name]:
-                what = "the dataset's ids in order" if name == "ids" else name
-                raise ConfigError(
-                    f"cannot resume: state has {name}={state[name]!r} but this loader has "
-                    f"{mine[name]!r} ({what} differs); the order (and so the remaining "
-                    "batches) would differ"
-                )
-        if (batching := state.get("batching", "plain")) != self._batching:  # "plain": older
-            raise ConfigError(
-                f"cannot resume: state has batching={batching!r} but this loader has "
-                f"{self._batching!r} (group_by_length / pack differ): other batches"
-            )
-        epoch = _state_int(state, "epoch", 0, None)
-        position = _state_int(state, "position", 0, len(self._epoch_batches(epoch)))
-        self._epoch, self._position = epoch, position
+        check_batching(state, self._batching, self.sampler.world_size)
+        order = self._order.order
+        resume = read_state(
+            state,
+            self.state_dict(),
+            world_size=self.sampler.world_size,
+            count=lambda e: len(dataclasses.replace(order, spans={}).batches(e)),
+        )
+        self._order.resume_span(resume.epoch, resume.span)
+        self._epoch, self._position = resume.epoch, resume.position
         self._resumed = True  # set_epoch(epoch) keeps the position
         self._chosen = False
 
@@ -415,6 +414,8 @@ class DataLoader:
         self._stop_workers()
         self._helper.close()
         self._warm.close()
+        if self.exchange is not None:
+            self.exchange.close()
 
     def _stop_workers(self) -> None:
         stream, self._stream = self._stream, None
@@ -588,10 +589,3 @@ class DataLoader:
             epoch, j, indices, sampler.seed, sampler.rank, sampler.world_size, guessed
         )
         return self._hooks.after_assemble(batch, ctx)
-
-
-def _state_int(state: dict[str, Any], name: str, low: int, high: int | None) -> int:
-    """``state[name]`` checked to be an int in ``[low, high]`` (ConfigError otherwise)."""
-    if name not in state:
-        raise ConfigError(f"cannot resume: the loader state has no {name!r}")
-    return check_int(f"cannot resume: state {name}", state[name], minimum=low, maximum=high)

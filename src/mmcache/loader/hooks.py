@@ -82,6 +82,9 @@ class LoaderHook:
     def after_assemble(self, batch: dict[str, Any], ctx: BatchContext) -> dict[str, Any]:
         return batch
 
+    def before_plan(self, epoch: int, batch: int) -> None:
+        return None
+
 
 class Hooks:
     """The hooks of one loader, in order; empty (false) when there are none."""
@@ -91,13 +94,17 @@ class Hooks:
             raise ConfigError(f"hooks must be a list of hook objects, got {type(hooks).__name__}")
         before: list[Callable[[EpochContext], None]] = []
         after: list[Callable[[dict[str, Any], BatchContext], dict[str, Any]]] = []
+        plan: list[Callable[[int, int], None]] = []
         for hook in hooks:
             b = _own(hook, "before_epoch")
             a = _own(hook, "after_assemble")
-            if b is None and a is None and not isinstance(hook, LoaderHook):
+            p = _own(hook, "before_plan")
+            if p is not None:
+                plan.append(p)
+            if b is None and a is None and p is None and not isinstance(hook, LoaderHook):
                 raise ConfigError(
-                    f"a loader hook needs a before_epoch or after_assemble method, got "
-                    f"{type(hook).__name__}"
+                    f"a loader hook needs a before_epoch or after_assemble method (or "
+                    f"before_plan), got {type(hook).__name__}"
                 )
             if b is not None:
                 before.append(b)
@@ -105,14 +112,24 @@ class Hooks:
                 after.append(a)
         self._before = tuple(before)
         self._after = tuple(after)
+        self._plan = tuple(plan)
 
     @property
     def after(self) -> bool:
         """Whether any hook runs after assembly (else no context is made)."""
         return bool(self._after)
 
+    @property
+    def plan(self) -> bool:
+        """Whether any hook runs before a batch is planned."""
+        return bool(self._plan)
+
     def __bool__(self) -> bool:
-        return bool(self._before or self._after)
+        return bool(self._before or self._after or self._plan)
+
+    def before_plan(self, epoch: int, batch: int) -> None:
+        for hook in self._plan:
+            hook(epoch, batch)
 
     def before_epoch(self, ctx: EpochContext) -> None:
         for hook in self._before:

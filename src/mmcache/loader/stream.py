@@ -31,7 +31,7 @@ import collections
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
@@ -74,9 +74,20 @@ class BatchOrder:
     sampler: EpochSampler
     batch_size: int
     drop_last: bool
+    #: epoch -> ``(start, stop)``: the part of its order that remains (an epoch
+    #: resumed under another world size, see :meth:`EpochSampler.span_indices`).
+    spans: dict[int, tuple[int, int]] = field(default_factory=dict, compare=False)
+
+    def for_rank(self, rank: int) -> BatchOrder:
+        """The same order as another rank of the job sees it (spans included)."""
+        return replace(self, sampler=replace(self.sampler, rank=rank), spans=dict(self.spans))
 
     def batches(self, epoch: int) -> list[np.ndarray]:
-        order = self.sampler.indices(epoch)
+        span = self.spans.get(epoch)
+        if span is None:
+            order = self.sampler.indices(epoch)
+        else:
+            order = self.sampler.span_indices(epoch, *span)
         bs = self.batch_size
         stop = len(order) - len(order) % bs if self.drop_last else len(order)
         return [order[i : i + bs] for i in range(0, stop, bs)]
@@ -90,6 +101,17 @@ class EpochOrder:
         self.order = order
         self._memo: dict[int, list[np.ndarray]] = {}
         self._lock = threading.Lock()
+
+    def resume_span(self, epoch: int, span: tuple[int, int] | None) -> None:
+        """Make ``epoch`` the part ``span`` of its order (None: the whole epochs again)."""
+        with self._lock:
+            self.order.spans.clear()
+            if span is not None:
+                self.order.spans[epoch] = span
+            self._memo.clear()
+
+    def span(self, epoch: int) -> tuple[int, int] | None:
+        return self.order.spans.get(epoch)
 
     def batches(self, epoch: int) -> list[np.ndarray]:
         with self._lock:
@@ -109,13 +131,16 @@ class StreamState:
 
     ``start``: (epoch, batch) where the workers' next stream starts; ``gate``: the
     gate value its tasks count from; ``stop``: where the last stream ended (None:
-    it runs on, or never started); ``warm``: the last batch planned had no misses.
+    it runs on, or never started); ``warm``: the last batch planned had no misses;
+    ``before_plan``: called with (epoch, batch) before a batch is planned (the
+    loader's ``before_plan`` hooks; None: none).
     """
 
     start: tuple[int, int] = (0, 0)
     gate: int = 0
     stop: tuple[int, int] | None = None
     warm: bool = False
+    before_plan: Callable[[int, int], None] | None = None
 
 
 class WorkerTaskSampler:
@@ -159,6 +184,9 @@ class WorkerTaskSampler:
                 gate = gate + 1 if gate else base + 1
                 batches = self._order.batches(epoch)
             task = batches[j : j + group]
+            if state.before_plan is not None:
+                for k in range(j, j + len(task)):
+                    state.before_plan(epoch, k)
             yield [WorkerTask(gate, b) for b in task]
             j += len(task)
             group = min(2 * group, _WARM_GROUP) if state.warm else 1
@@ -296,6 +324,8 @@ class BatchPlanStream:
         batches = self._order.batches(epoch)
         indices = batches[j]
         plan = None
+        if self._state.before_plan is not None:  # (the workers' task sampler calls it too)
+            self._state.before_plan(epoch, j)
         if self.mode(epoch) is PlanMode.GUESS:
             plan = self._warm.guess(epoch, indices)  # None: the epoch is guessed no more
         if plan is None and self._mode is PlanMode.LOCAL:

@@ -1,0 +1,50 @@
+"""Whether a loader gets a :class:`~mmcache.cluster.exchange.ClusterExchange`, and its inputs.
+
+The loader's one call into this package: a cache with ``scope="cluster"`` under
+an initialised ``torch.distributed`` gets an exchange fed by the loader's own
+batch order (every rank's batches, resumed spans included); otherwise None.
+Called once per loader in the training process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import numpy as np
+
+from mmcache.cache import Cache
+from mmcache.cluster.exchange import ClusterExchange
+from mmcache.dist import dist_initialized
+from mmcache.sources.base import SampleSource
+
+__all__ = ["cluster_exchange"]
+
+logger = logging.getLogger(__name__)
+
+#: ``nccl`` makes the exchange's own group an NCCL one (GPUs; untested here), default gloo.
+BACKEND_ENV = "MMCACHE_EXCHANGE_BACKEND"
+
+
+def cluster_exchange(
+    cache: Cache | None, dataset: SampleSource, order: Any, seed: int
+) -> ClusterExchange | None:
+    """The exchange of a loader over ``cache`` (None unless ``scope="cluster"`` applies).
+
+    ``order``: the loader's :class:`~mmcache.loader.stream.EpochOrder` (its
+    ``order.for_rank(r).batches(e)`` gives rank ``r``'s batches).
+    """
+    if cache is None or cache.scope != "cluster":
+        return None
+    if not dist_initialized():
+        logger.info('scope="cluster" without torch.distributed initialised: caching per node')
+        return None
+
+    def batches(rank: int, epoch: int) -> list[np.ndarray]:
+        return list(order.order.for_rank(rank).batches(epoch))
+
+    backend = os.environ.get(BACKEND_ENV, "gloo")
+    return ClusterExchange(
+        cache, dataset, batches, seed=seed, timeout=cache.peer_timeout, backend=backend
+    )

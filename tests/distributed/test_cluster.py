@@ -1,0 +1,221 @@
+"""``scope="cluster"`` under torchrun: two "nodes" on this machine, two ranks each (gloo).
+
+Each node is a ``torchrun --nnodes 2 --node-rank K`` launcher with its own
+``MMCACHE_NODE`` (so its own shared-memory tier), started from here; every rank
+runs ``cluster_worker.py`` and writes what it saw. The memory budget of a node is
+half the data (plus room for what is in flight): after the first epoch no sample
+is decoded anywhere, every rank's batches are bitwise the single-process uncached
+run's, and each node's memory holds half the data once settled. When one node's processes die
+or freeze mid-epoch, the other finishes with local production.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+from mmcache.cacheroot import memory_name  # noqa: E402
+from mmcache.dataset import MultimodalDataset  # noqa: E402
+from mmcache.loader import DataLoader  # noqa: E402
+from mmcache.pipeline import ImageSpec, Pipeline  # noqa: E402
+from mmcache.stores.memory import store_dir  # noqa: E402
+from mmcache.synth import make_dataset  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
+
+N = 192
+BATCH = 4
+SIZE = 32
+EPOCHS = 3
+NODES = ("node0", "node1")
+WORKER = Path(__file__).with_name("cluster_worker.py")
+#: Bytes of the memory tier per entry of a 32 px image (3.2 KB and its index row).
+ENTRY = 3300
+#: Entries in flight on a node: 2 ranks x up to 3 windows received and not consumed
+#: (2 batches ahead of the one planned) x the 4 of a window's 8 samples homed on the
+#: other node, and 8 to spare.
+IN_FLIGHT = 2 * 3 * 4 + 8
+#: Half the data, plus room for what is in flight (66.7% of the data's bytes here;
+#: the in-flight part is a smaller share of a larger dataset).
+BUDGET = (N // 2 + IN_FLIGHT) * ENTRY
+
+
+@pytest.fixture(scope="module")
+def manifest(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_dataset(tmp_path_factory.mktemp("cluster-data"), N, seed=1)
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Iterator[Path]:
+    """One cache root path for both nodes (as on a shared file system); the shared
+    memory of both node names is removed afterwards."""
+    path = tmp_path / "cache"
+    yield path
+    for node in NODES:
+        os.environ["MMCACHE_NODE"] = node
+        try:
+            name = memory_name(path.absolute())
+        finally:
+            del os.environ["MMCACHE_NODE"]
+        for f in glob.glob(f"{store_dir()}/mmcache-{name}*"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _digest(batch: dict[str, Any]) -> str:
+    h = hashlib.sha1()
+    h.update("\n".join(batch["id"]).encode())
+    h.update(batch["image"].numpy().tobytes())
+    return h.hexdigest()
+
+
+def _launch(
+    manifest: Path, root: Path, out: Path, *extra: str, nodes: int = 2, per_node: int = 2,
+    wait_for: int | None = None, timeout: float = 90.0, batch: int = BATCH,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Start ``nodes`` torchrun launchers and return the ranks' results (rank order).
+
+    Stops waiting once ``wait_for`` result files exist (a run where a node dies:
+    torchrun's exit barrier would wait for it), then kills every launcher's group.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+    procs = []
+    for k in range(nodes):
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
+            "--nproc-per-node", str(per_node), "--node-rank", str(k),
+            "--rdzv-endpoint", f"127.0.0.1:{port}", str(WORKER),
+            "--manifest", str(manifest), "--root", str(root), "--budget", str(BUDGET),
+            "--batch", str(batch), "--size", str(SIZE), "--epochs", str(EPOCHS),
+            "--out", str(out), *extra,
+        ]  # fmt: skip
+        log = open(out / f"launcher{k}.log", "w")  # noqa: SIM115 - closed below
+        procs.append(
+            (subprocess.Popen(
+                cmd, env={**env, "MMCACHE_NODE": NODES[k]}, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True,
+            ), log)
+        )  # fmt: skip
+    want = nodes * per_node if wait_for is None else wait_for
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            done = len(list(out.glob("rank*.json")))
+            if done >= want and (
+                wait_for is not None or all(p.poll() is not None for p, _ in procs)
+            ):
+                break
+            time.sleep(0.2)
+        else:
+            logs = "\n".join((out / f"launcher{k}.log").read_text()[-3000:] for k in range(nodes))
+            pytest.fail(f"torchrun run did not finish in {timeout:.0f} s:\n{logs}")
+    finally:
+        for pid in out.glob("pid*"):  # workers run in their own process groups
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid.read_text()), signal.SIGKILL)
+        for p, log in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+            log.close()
+    return sorted(
+        (json.loads(f.read_text()) for f in out.glob("rank*.json")), key=lambda r: r["rank"]
+    )
+
+
+def _reference(manifest: Path, world: int) -> list[list[list[str]]]:
+    """Each rank's batch digests per epoch, single process, no cache."""
+    ds = MultimodalDataset(manifest, pipeline=Pipeline(image=ImageSpec(size=SIZE)))
+    out = []
+    for r in range(world):
+        loader = DataLoader(ds, cache=None, batch_size=BATCH, seed=7, rank=r, world_size=world)
+        epochs = []
+        for e in range(EPOCHS):
+            loader.set_epoch(e)
+            epochs.append([_digest(b) for b in loader])
+        out.append(epochs)
+    return out
+
+
+def test_two_nodes_hold_half_each_and_decode_nothing_after_the_first_epoch(
+    manifest: Path, root: Path, tmp_path: Path
+) -> None:
+    results = _launch(manifest, root, tmp_path / "out", "--lockstep")
+    want = _reference(manifest, 4)
+    assert [r["node"] for r in results] == ["node0", "node0", "node1", "node1"]
+    for r in results:
+        got = [e["batches"] for e in r["epochs"]]
+        assert got == want[r["rank"]]  # bitwise the uncached single-process batches
+    assert sum(r["epochs"][0]["produced"] for r in results) == N  # cold: each once
+    for e in range(1, EPOCHS):
+        assert [r["epochs"][e]["produced"] for r in results] == [0, 0, 0, 0]
+        for r in results:  # half the data per node: no duplicates once settled
+            assert r["epochs"][e]["memory_items"] == N // 2
+    last = results[0]["epochs"][-1]["exchange"]
+    assert last["received"] > 0 and last["sent_home"] > 0 and last["peer_failures"] == 0
+
+
+def test_a_node_that_dies_mid_epoch_leaves_the_other_to_finish_with_local_production(
+    manifest: Path, root: Path, tmp_path: Path
+) -> None:
+    # node1's first rank is killed, its second frozen (a silent peer: its connections
+    # stay open), both before batch 1 of epoch 1; node0 times out on it (4 s) and goes on.
+    results = _launch(
+        manifest, root, tmp_path / "out", "--kill-node", "node1", "--kill-at", "1:1",
+        "--timeout", "4", wait_for=2,
+    )  # fmt: skip
+    want = _reference(manifest, 4)
+    assert [r["rank"] for r in results] == [0, 1]
+    for r in results:
+        assert [e["batches"] for e in r["epochs"]] == want[r["rank"]]  # every epoch finished
+        ex = r["epochs"][-1]["exchange"]
+        assert sorted(ex["dead_peers"]) == [2, 3] and ex["peer_failures"] == 2
+        # node1's share of what this rank reads after the failure is produced here
+        assert sum(e["produced"] for e in r["epochs"][1:]) > 0
+
+
+def test_stopped_at_40_percent_with_4_ranks_resumed_with_2_gives_exactly_the_rest(
+    manifest: Path, root: Path, tmp_path: Path
+) -> None:
+    # 192 samples, 4 ranks, batches of 4: 5 batches each is 80 samples (42%).
+    stopped = _launch(manifest, root, tmp_path / "stop", "--stop-at", "0:5")
+    states = [r["state"] for r in stopped]
+    assert {s["consumed"] for s in states} == {80} and {s["world_size"] for s in states} == {4}
+    (tmp_path / "state.json").write_text(json.dumps(states[0]))
+    resumed = _launch(
+        manifest, root, tmp_path / "resume", "--resume", str(tmp_path / "state.json"),
+        "--epochs", "1", nodes=1,
+    )  # fmt: skip
+    ds = MultimodalDataset(manifest, pipeline=Pipeline(image=ImageSpec(size=SIZE)))
+    alone = DataLoader(ds, cache=None, batch_size=BATCH, seed=7)
+    alone.set_epoch(0)
+    whole = [i for b in alone for i in b["id"]]
+    before = sorted(i for r in stopped for i in r["epochs"][0]["ids"])
+    after = [r["epochs"][0]["ids"] for r in resumed]
+    assert before == sorted(whole[:80])
+    assert len(after) == 2 and len(after[0]) == len(after[1]) == 56  # 112 left, 56 each
+    assert sorted(after[0] + after[1]) == sorted(whole[80:])
