@@ -53,6 +53,7 @@ from mmcache.registry import FingerprintRegistry
 from mmcache.stats import CacheStats
 from mmcache.stores.base import BatchReader, Store, dir_mode
 from mmcache.stores.disk import DiskStore
+from mmcache.stores.gathering import TieredReader
 from mmcache.stores.memory import MemoryStore, store_exists
 from mmcache.stores.tiered import Accepted, Tier, TieredStore
 from mmcache.units import parse_duration, parse_size
@@ -239,6 +240,7 @@ class Cache:
         disk = DiskStore(
             self.root / "disk", capacity=self.disk_budget, policy=self.policy, mode=self.mode
         )
+        disk.enable_gather(codec.verify)  # disk hits gathered in the training process, verified
         if self._opened_as == "owner":
             write_config(self.root, self._options(), mode=self.mode)
         try:
@@ -354,16 +356,18 @@ class Cache:
 
     @property
     def reader(self) -> BatchReader | None:
-        """The first tier when it can gather whole batches in this process (a
-        :class:`~mmcache.stores.base.BatchReader`), else None.
+        """The tiers that can gather whole batches in this process (a
+        :class:`~mmcache.stores.base.BatchReader`: the first such tier alone, or a
+        :class:`~mmcache.stores.gathering.TieredReader` over memory then disk), else None.
 
         What the loader gathers cached batches from; everything else (misses,
         promotion, writes) goes through the cache's own methods, so the loader
         never names a tier.
         """
-        for tier in self._store.tiers:
-            return tier if tier.supports_gather and isinstance(tier, BatchReader) else None
-        return None
+        able = [t for t in self._store.tiers if t.supports_gather and isinstance(t, BatchReader)]
+        if not able:
+            return None
+        return able[0] if len(able) == 1 else TieredReader(able)
 
     # -- reads ----------------------------------------------------------------------------
     def _expired(self, ctime: float) -> bool:

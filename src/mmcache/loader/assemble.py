@@ -2,7 +2,8 @@
 
 Given a :class:`~mmcache.loader.tasks.BatchPlan`, the planned hits (and the
 rows a worker put in the first tier instead of sending them) are gathered
-straight from shared memory into the batch tensors
+straight from the cache's reader (shared memory, then the disk tier's map)
+into the batch tensors
 (:func:`~mmcache.loader.gather.gather_hits`), then the rows a worker sent are
 copied in. A row that cannot be served as planned is made again here by one
 fallback (:meth:`BatchAssembler._redo`): a planned hit evicted or expired in
@@ -39,11 +40,13 @@ from mmcache.loader.tasks import BatchPlan, SampleOrigin, WorkerPlanner
 from mmcache.loader.varying import compatible, finish_rows, read_other_shapes, varying_fields
 from mmcache.sources.base import SampleSource
 from mmcache.stores.base import BatchReader, Store
+from mmcache.stores.gathering import TieredReader, reader_names
 
 __all__ = ["BatchAssembler"]
 
-_MEMORY, _PRODUCED, _REJECTED = (
+_MEMORY, _LOWER, _PRODUCED, _REJECTED = (
     SampleOrigin.MEMORY_HIT,
+    SampleOrigin.DISK_HIT,
     SampleOrigin.PRODUCED,
     SampleOrigin.REJECTED,
 )
@@ -83,12 +86,17 @@ class BatchAssembler:
         self._cache = cache
         self._planner = planner
         self.pin_memory = pin_memory
-        #: The first tier, when it gathers whole batches (else every row comes from workers).
+        #: The tiers that gather whole batches (else every row comes from workers).
         self.reader: BatchReader | None = cache.reader if cache is not None else None
-        # The same tier as a Store: its get (a verified read) and discard.
+        # The same tiers as Stores (their get, a verified read, and discard), and the
+        # one Store face over them (the first tier, or the cache's tier list).
+        self._names: tuple[str, ...] = ()
+        self._stores: tuple[Store, ...] = ()
         self._first: Store | None = None
         if cache is not None and self.reader is not None:
-            self._first = cache.tiers[self.reader.name]
+            self._names = reader_names(self.reader)
+            self._stores = tuple(cache.tiers[name] for name in self._names)
+            self._first = self._stores[0] if len(self._stores) == 1 else cache.store
         # Guards the layout and the buffer pool: batches are assembled on two threads.
         self._lock = threading.Lock()
         self._layout: codec.Header | None = None
@@ -116,9 +124,10 @@ class BatchAssembler:
         n = len(plan.indices)
         out = self._allocate(layout, n)
         rows = np.arange(n, dtype=np.int64)
-        found, own = self._gather(reader, layout, plan.keys, rows, out, count=False)
+        found, own, served = self._gather(reader, layout, plan.keys, rows, out, count=False)
         if not found.all():
             return None
+        plan.served = served
         batch: dict[str, Any] = {
             "id": self._source.ids(plan.indices),
             "key": _hex_rows(plan.keys),
@@ -129,11 +138,22 @@ class BatchAssembler:
             finish_rows(batch, out, own, self.varying, list(range(n)))
         return batch
 
-    def count_guess(self, n: int, counter: EpochCounter) -> None:
-        """Count a served guessed batch of ``n`` rows: all hits in the first tier."""
-        if self.reader is not None:
-            self.reader.count_reads(hits=n)  # gathered with count=False
-            counter.count_hits(self.reader.name, n)
+    def count_guess(self, plan: BatchPlan, counter: EpochCounter) -> None:
+        """Count a served guessed batch: all hits, each in the tier that served it."""
+        reader, n = self.reader, len(plan.indices)
+        if reader is None:
+            return
+        served = plan.served
+        if served is None or len(self._names) == 1:
+            reader.count_reads(hits=n)  # gathered with count=False
+            counter.count_hits(reader.name, n)
+            return
+        if isinstance(reader, TieredReader):
+            reader.count_served(served)  # gathered with count=False
+        counter.count(
+            [_MEMORY if i == 0 else _LOWER for i in served.tolist()],
+            [self._names[i] for i in served.tolist()],
+        )
 
     # -- a planned batch -----------------------------------------------------------------
     def assemble(
@@ -180,9 +200,11 @@ class BatchAssembler:
             return None
         out = self._allocate(layout, n)
         found = np.zeros(n, dtype=bool)
+        served = np.zeros(n, dtype=np.int8)
         if len(hit_rows) and self.reader is not None:
-            ok, own = self._gather(self.reader, layout, plan.keys[hit_rows], hit_rows, out)
+            ok, own, got = self._gather(self.reader, layout, plan.keys[hit_rows], hit_rows, out)
             found[hit_rows] = ok
+            served[hit_rows] = got
             for i, sample in own.items():  # entries of other shapes (varying fields)
                 samples[int(hit_rows[i])] = sample
         for rr in hit_rows[~found[hit_rows]]:
@@ -190,9 +212,10 @@ class BatchAssembler:
             # a worker produced this epoch stays a miss, even when it is fetched again
             # (from disk) because it was evicted before the gather.
             self._redo(plan, int(rr), rows, counter, cached=True, late=True)
-        first = self.reader.name if self.reader is not None else ""
-        for rr in planned[found[planned]]:
-            origins[int(rr)], tiers[int(rr)] = _MEMORY, first
+        names = self._names
+        for rr in planned[found[planned]].tolist():
+            i = int(served[rr])
+            origins[rr], tiers[rr] = (_MEMORY if i == 0 else _LOWER), names[max(i, 0)]
         for r in list(samples):
             if origins[r] is not _PRODUCED and not self._matches(layout, samples[r]):
                 # A cached entry of another layout under this key: damaged. Drop it
@@ -277,15 +300,14 @@ class BatchAssembler:
         for r, sample in rows.samples.items():
             if rows.origins[r] is _PRODUCED:
                 return codec.read_header(codec.encode(sample))
-        first = self._first
-        if first is not None:
-            for r in hit_rows:
-                raw = first.get(plan.keys[r].tobytes())
+        for r in hit_rows:
+            for store in self._stores:
+                raw = store.get(plan.keys[r].tobytes())
                 if raw is None:
                     continue
                 if codec.verify(raw):
                     return codec.read_header(raw)
-                first.discard(plan.keys[r].tobytes(), why="corrupt")  # never served, and dropped
+                store.discard(plan.keys[r].tobytes(), why="corrupt")  # never served, and dropped
         for sample in rows.samples.values():  # from a lower tier (verified) via a worker
             return codec.read_header(codec.encode(sample))
         return None
@@ -311,15 +333,16 @@ class BatchAssembler:
         out: dict[str, torch.Tensor],
         *,
         count: bool = True,
-    ) -> tuple[np.ndarray, dict[int, dict[str, np.ndarray]]]:
-        """Copy the hits' fields from the first tier into ``out``: the found mask, and
+    ) -> tuple[np.ndarray, dict[int, dict[str, np.ndarray]], np.ndarray]:
+        """Copy the hits' fields from the reader's tiers into ``out``: the found mask,
         the samples (by position in ``keys``) of entries of other shapes in varying
-        fields, read on their own (see :mod:`~mmcache.loader.varying`). Any other entry
-        of another layout, or expired, is dropped so nobody else serves it."""
+        fields, read on their own (see :mod:`~mmcache.loader.varying`), and the index
+        of the tier that served each key. Any other entry of another layout, or
+        expired, is dropped (from every tier) so nobody else serves it."""
         got = gather_hits(
             reader, layout, keys, rows, out, ttl_cutoff=self._ttl_cutoff(), count=count
         )
-        ok, corrupt = got.ok, got.corrupt
+        ok, corrupt, served = got.ok, got.corrupt, np.maximum(got.tier, 0).astype(np.int8)
         own: dict[int, dict[str, np.ndarray]] = {}
         # An entry of another shape fails the layout check, or, when it is shorter than
         # the layout's ranges, is not found at all: both are read on their own.
@@ -331,12 +354,13 @@ class BatchAssembler:
                 ok[at[i]] = True
                 own[int(at[i])] = sample
             corrupt[at[bad]] = True
-        if self._first is not None and (corrupt.any() or got.expired.any()):
-            for i in np.flatnonzero(corrupt).tolist():
-                self._first.discard(keys[i].tobytes(), why="corrupt")
-            for i in np.flatnonzero(got.expired).tolist():
-                self._first.discard(keys[i].tobytes(), why="expired")
-        return ok, own
+        if corrupt.any() or got.expired.any():
+            for store in self._stores:
+                for i in np.flatnonzero(corrupt).tolist():
+                    store.discard(keys[i].tobytes(), why="corrupt")
+                for i in np.flatnonzero(got.expired).tolist():
+                    store.discard(keys[i].tobytes(), why="expired")
+        return ok, own, served
 
     def _ttl_cutoff(self) -> float | None:
         if self._cache is None or self._cache.ttl is None:

@@ -61,6 +61,8 @@ _WARM_GROUP = 8
 #: Epochs whose batches are remembered (the consumer, the stream and the sampler
 #: may be in two consecutive epochs).
 _MEMO_EPOCHS = 3
+#: Batches of a guessed epoch whose cache pages are asked for ahead of their gather.
+_READ_AHEAD = 4
 
 
 @dataclass(frozen=True)
@@ -298,6 +300,12 @@ class BatchPlanStream:
         plan = None
         if self.mode(epoch) is PlanMode.GUESS:
             plan = self._warm.guess(epoch, indices)  # None: the epoch is guessed no more
+            if plan is not None:  # the pages of the batches to come, asked for in order
+                for k in range(_READ_AHEAD + 1) if j == 0 else (_READ_AHEAD,):
+                    if j + k < len(batches):
+                        ahead = self._warm.learnt.guess(batches[j + k], 0)
+                        if ahead is not None:
+                            self._planner.read_ahead(ahead.keys)
         if plan is None and self._mode is PlanMode.LOCAL:
             plan = self._planner.plan(indices, produce=False)
             if plan is None:  # after a miss the workers plan and produce the rest

@@ -72,6 +72,7 @@ from mmcache.stores.disk.env import (
     is_failed_write,
     release_handle,
 )
+from mmcache.stores.disk.gather import DiskGather
 from mmcache.stores.disk.maintenance import (
     CompactReport,
     compact_copy,
@@ -91,7 +92,7 @@ logger = logging.getLogger(__name__)
 _PUT_MANY_TXN_BYTES = 1 * MiB
 
 
-class DiskStore(Store):
+class DiskStore(DiskGather, Store):
     """Persistent byte store in an LMDB environment at ``path``, with a hard byte budget.
 
     ``capacity`` is the budget for payload bytes (an int or e.g. ``"50GiB"``),
