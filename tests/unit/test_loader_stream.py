@@ -299,6 +299,9 @@ class _FakeWarm:
     def learn(self, plan: Any) -> None:
         self.learnt.append(int(plan.indices[0]))
 
+    def known_keys(self, indices: np.ndarray) -> None:
+        return None  # nothing to read ahead
+
     def restart_prefetcher(self) -> None:
         pass
 

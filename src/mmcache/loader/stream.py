@@ -303,9 +303,9 @@ class BatchPlanStream:
             if plan is not None:  # the pages of the batches to come, asked for in order
                 for k in range(_READ_AHEAD + 1) if j == 0 else (_READ_AHEAD,):
                     if j + k < len(batches):
-                        ahead = self._warm.learnt.guess(batches[j + k], 0)
+                        ahead = self._warm.known_keys(batches[j + k])
                         if ahead is not None:
-                            self._planner.read_ahead(ahead.keys)
+                            self._planner.read_ahead(ahead)
         if plan is None and self._mode is PlanMode.LOCAL:
             plan = self._planner.plan(indices, produce=False)
             if plan is None:  # after a miss the workers plan and produce the rest

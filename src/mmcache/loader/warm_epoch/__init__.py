@@ -177,6 +177,11 @@ class WarmEpochs:
             self.stop_guessing(epoch)
         return plan
 
+    def known_keys(self, indices: np.ndarray) -> np.ndarray | None:
+        """The learnt keys (``uint8 [n, 16]``) of ``indices``, or None if one is unknown."""
+        plan = self.learnt.guess(indices, 0)
+        return None if plan is None else plan.keys
+
     def stop_guessing(self, epoch: int) -> None:
         """A guess of ``epoch`` failed: its other batches are planned as usual."""
         self.guessed.pop(epoch, None)
