@@ -83,9 +83,7 @@ def dd_bandwidth(path: Path) -> float:
     """The device's sequential read bandwidth (bytes/s) of ``path``, its pages dropped."""
     drop_pages(path.parent)
     t0 = time.perf_counter()
-    subprocess.run(
-        ["dd", f"if={path}", "of=/dev/null", "bs=4M"], check=True, capture_output=True
-    )
+    subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=4M"], check=True, capture_output=True)
     return path.stat().st_size / (time.perf_counter() - t0)
 
 
@@ -168,9 +166,7 @@ def peer_row(
         "cold": eps[0]["samples"] / eps[0]["s"],
         "warm": sum(e["samples"] for e in eps[1:]) / warm_s if warm_s else float("nan"),
         "epochs": len(eps),
-        "pss": max(r.get("peak_pss", {}).values(), default=0)
-        if isinstance(r.get("peak_pss"), dict)
-        else r.get("peak_pss", 0),
+        "pss": max((r.get("peak_pss_bytes") or {}).values(), default=0),
         "page_cache": None,
     }
 
@@ -218,9 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     bw_before = dd_bandwidth(probe)
     probe.unlink()
     rows.append(
-        mm_row(
-            "(e) memory-25% + disk-100%", ds, root, args, memory=entry * args.n // 4, disk=full
-        )
+        mm_row("(e) memory-25% + disk-100%", ds, root, args, memory=entry * args.n // 4, disk=full)
     )
     if not args.skip_peers:
         for system in ("hf-datasets-arrow", "litdata"):
@@ -229,10 +223,14 @@ def main(argv: list[str] | None = None) -> int:
     b = next(r["warm"] for r in rows if r["row"].startswith("(b)"))
     a = next(r["warm"] for r in rows if r["row"].startswith("(a)"))
     entry_mb = entry * args.n / 1e6
-    print(f"\n{args.n} samples ({entry_mb:.0f} MB cached), {args.workers} workers, "
-          f"batch {args.batch_size}; dd sequential read: {bw_before / 1e6:.0f} MB/s")
-    print("| row | cold samples/s | warm samples/s | warm vs (b) | warm vs (a) | "
-          "warm MB/s | peak PSS MB | page cache MB |")
+    print(
+        f"\n{args.n} samples ({entry_mb:.0f} MB cached), {args.workers} workers, "
+        f"batch {args.batch_size}; dd sequential read: {bw_before / 1e6:.0f} MB/s"
+    )
+    print(
+        "| row | cold samples/s | warm samples/s | warm vs (b) | warm vs (a) | "
+        "warm MB/s | peak PSS MB | page cache MB |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         if "warm" not in r:
@@ -244,8 +242,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['warm'] / a:.1f} | {r['warm'] * entry / 1e6:.0f} | {r['pss'] / 1e6:.0f} | {pc} |"
         )
     d = next(r for r in rows if r["row"].startswith("(d)"))
-    print(f"\n(d) reads {d['warm'] * entry / 1e6:.0f} MB/s = "
-          f"{d['warm'] * entry / bw_before:.2f} of dd's {bw_before / 1e6:.0f} MB/s")
+    print(
+        f"\n(d) reads {d['warm'] * entry / 1e6:.0f} MB/s = "
+        f"{d['warm'] * entry / bw_before:.2f} of dd's {bw_before / 1e6:.0f} MB/s"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "dd": bw_before}, indent=1))
     return 0

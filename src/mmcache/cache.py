@@ -42,6 +42,7 @@ import numpy as np
 from mmcache import codec, sizing
 from mmcache.cacheroot import memory_group, read_config, write_config
 from mmcache.cacheroot import memory_name as _memory_name
+from mmcache.codec.compact import parse_disk_form
 from mmcache.errors import CacheError, ConfigError
 from mmcache.keys import as_key
 from mmcache.maintenance import GcReport, VerifyReport
@@ -53,6 +54,7 @@ from mmcache.registry import FingerprintRegistry
 from mmcache.stats import CacheStats
 from mmcache.stores.base import BatchReader, Store, dir_mode
 from mmcache.stores.disk import DiskStore
+from mmcache.stores.disk.formed import FormedDiskStore
 from mmcache.stores.gathering import TieredReader
 from mmcache.stores.memory import MemoryStore, store_exists
 from mmcache.stores.tiered import Accepted, Tier, TieredStore
@@ -132,6 +134,12 @@ class Cache:
             4 KiB of its budget, at least 1024); raise it for many small
             samples (tokens only, pooled features): a warning says when the
             index is full while bytes are free.
+        disk_form: how the disk tier stores entries (:mod:`mmcache.codec.compact`):
+            ``"raw"`` (default; its hits are gathered in the training process),
+            ``"zstd"`` (lossless) or ``"jpeg:Q"`` (images re-encoded as JPEG of
+            quality Q: lossy, several times fewer bytes; decoded by the workers).
+            Each form lives in its own folder (``disk/``, ``disk-zstd/``,
+            ``disk-jpeg90/``), so entries of two forms never mix.
     """
 
     def __init__(
@@ -147,6 +155,7 @@ class Cache:
         fallback: Fallback = "raise",
         mode: int = 0o600,
         memory_entries: int | None = None,
+        disk_form: str = "raw",
         _opened_as: OpenedAs = "owner",
     ) -> None:
         if not isinstance(mode, int) or mode & ~0o666 or (mode & 0o600) != 0o600:
@@ -164,6 +173,7 @@ class Cache:
         self.temporary = temporary
         self.fallback: Fallback = fallback
         self.memory_entries = memory_entries
+        self.disk_form = parse_disk_form(disk_form)
         #: Tiers that could not be opened (fallback="uncached"), with the reason.
         self.degraded: dict[str, str] = {}
         # "owner": a caller creating or configuring the cache; its budgets are recorded
@@ -237,16 +247,29 @@ class Cache:
     def _open_disk(self) -> Store:
         if self.disk_budget is None:  # pragma: no cover - only opened when wanted
             raise CacheError("no disk budget")
-        disk = DiskStore(
-            self.root / "disk", capacity=self.disk_budget, policy=self.policy, mode=self.mode
-        )
-        disk.enable_gather(codec.verify)  # disk hits gathered in the training process, verified
+        disk = self._new_disk(self.disk_budget)
         if self._opened_as == "owner":
             write_config(self.root, self._options(), mode=self.mode)
         try:
             self.registry = FingerprintRegistry(self.root / "fingerprints", mode=self.mode)
         except OSError as exc:
             logger.debug("no fingerprint registry in %s: %s", self.root, exc)
+        return disk
+
+    def _new_disk(self, capacity: int) -> DiskStore:
+        """The disk tier in its form's folder; a raw one gathers (verified) in the
+        training process."""
+        form = self.disk_form
+        if form.kind != "raw":
+            return FormedDiskStore(
+                self.root / f"disk-{form.tag}",
+                form=form,
+                capacity=capacity,
+                policy=self.policy,
+                mode=self.mode,
+            )
+        disk = DiskStore(self.root / "disk", capacity=capacity, policy=self.policy, mode=self.mode)
+        disk.enable_gather(codec.verify)
         return disk
 
     def _open_memory(self) -> Store | None:
@@ -315,6 +338,7 @@ class Cache:
             "fallback": self.fallback,
             "mode": self.mode,
             "memory_entries": self.memory_entries,
+            "disk_form": str(self.disk_form),
             "opened_as": "inspect" if self._inspect else "worker",
         }
 
@@ -330,6 +354,7 @@ class Cache:
             fallback=state["fallback"],
             mode=state.get("mode", 0o600),
             memory_entries=state.get("memory_entries"),
+            disk_form=state.get("disk_form", "raw"),
             _opened_as=state.get("opened_as", "worker"),
         )
 
@@ -528,7 +553,7 @@ class Cache:
         limit = parse_size(capacity)
         items = len(disk)
         disk.close()
-        fresh = DiskStore(self.root / "disk", capacity=limit, policy=self.policy, mode=self.mode)
+        fresh = self._new_disk(limit)
         self._store.replace(DiskStore.name, fresh)
         self.disk_budget = limit
         write_config(self.root, self._options(), mode=self.mode, changes={"disk": limit})

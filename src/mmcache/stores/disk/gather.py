@@ -104,14 +104,18 @@ class DiskGather:
     _counters: CounterFile
     name: str
 
-    # Provided by DiskStore.
+    # Provided by DiskStore (declared here for the type checker).
     def _env(self) -> EnvHandle:  # pragma: no cover - overridden
         raise NotImplementedError
 
-    def _count_reads(self, keys: Sequence[bytes], found: Sequence[bool]) -> None:  # pragma: no cover
+    def _count_reads(
+        self, keys: Sequence[bytes], found: Sequence[bool]
+    ) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
 
-    def discard(self, key: bytes, *, why: Literal["corrupt", "expired"]) -> bool:  # pragma: no cover
+    def discard(
+        self, key: bytes, *, why: Literal["corrupt", "expired"]
+    ) -> bool:  # pragma: no cover - overridden
         raise NotImplementedError
 
     def enable_gather(self, check: EntryCheck) -> None:
