@@ -45,13 +45,16 @@ _JPEG_PREFIX = "\x00jpeg:"  # a JPEG-packed image field: "\x00jpeg:<name>"
 _FORM_RE = re.compile(r"^(raw|zstd|jpeg:(\d{1,3}))$")
 
 
-def _need(module: str) -> Any:
+def _missing(module: str, exc: ImportError) -> ConfigError:
+    return ConfigError(f"disk_form needs the {module!r} package: pip install 'mmcache[compact]'")
+
+
+def _zstd() -> Any:
     try:
-        return __import__(module)
+        import zstandard
     except ImportError as exc:
-        raise ConfigError(
-            f"disk_form needs the {module!r} package: pip install 'mmcache[compact]'"
-        ) from exc
+        raise _missing("zstandard", exc) from exc
+    return zstandard
 
 
 def jpeg_backend() -> Literal["simplejpeg", "pillow"]:
@@ -114,12 +117,10 @@ class DiskForm:
             return bytes(raw)
         header = codec.read_header(raw)
         if self.kind == "zstd":
-            zstd = _need("zstandard")
+            zstd = _zstd()
             frame = zstd.ZstdCompressor(level=ZSTD_LEVEL).compress(bytes(raw))
             body = {_ZSTD_FIELD: np.frombuffer(frame, dtype=np.uint8)}
             return codec.encode(body, ctime=header.ctime, cost=header.cost)
-        if jpeg_backend() == "simplejpeg":
-            _need("simplejpeg")
         sample = codec.decode(raw, verify=False)
         out: dict[str, np.ndarray] = {}
         bf16 = {f.name for f in header.fields if f.logical_dtype == "bfloat16"}
@@ -142,7 +143,7 @@ class DiskForm:
             frame = body.get(_ZSTD_FIELD)
             if frame is None or len(body) != 1:
                 raise CorruptEntryError("not a zstd-form entry")
-            zstd = _need("zstandard")
+            zstd = _zstd()
             try:
                 return bytes(zstd.ZstdDecompressor().decompress(frame.tobytes()))
             except zstd.ZstdError as exc:
@@ -174,11 +175,9 @@ def parse_disk_form(form: str | DiskForm) -> DiskForm:
     if m.group(1) == "raw":
         return DiskForm("raw")
     if m.group(1) == "zstd":
-        _need("zstandard")
+        _zstd()
         return DiskForm("zstd")
     q = int(m.group(2))
     if not 1 <= q <= 100:
         raise ConfigError(f"disk_form 'jpeg:Q' needs 1 <= Q <= 100, got {form!r}")
-    if jpeg_backend() == "pillow":
-        _need("PIL")
     return DiskForm("jpeg", q)
