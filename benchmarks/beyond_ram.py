@@ -43,10 +43,13 @@ sys.path.insert(0, str(HERE / "peers"))
 
 import bench  # noqa: E402  (benchmarks/peers: the data and the peers' harness)
 
+from mmcache import codec  # noqa: E402
 from mmcache.cache import Cache  # noqa: E402
+from mmcache.codec.compact import parse_disk_form  # noqa: E402
 from mmcache.dataset import MultimodalDataset  # noqa: E402
 from mmcache.loader import DataLoader  # noqa: E402
 from mmcache.pipeline import ImageSpec, Pipeline, TextSpec  # noqa: E402
+from mmcache.stores.disk.formed import FormedDiskStore  # noqa: E402
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -97,12 +100,15 @@ def mm_row(
     disk: int | None,
     drop: bool = False,
     uncached: bool = False,
+    form: str = "raw",
 ) -> dict[str, Any]:
     monitor = bench.Monitor(os.getpid(), bench._shm_names())
     monitor.phase = name
     monitor.start()
     shutil.rmtree(root, ignore_errors=True)
-    cache = None if uncached else Cache(root, memory=memory, disk=disk, temporary=True)
+    cache = (
+        None if uncached else Cache(root, memory=memory, disk=disk, temporary=True, disk_form=form)
+    )
     epochs: list[tuple[float, int, dict[str, int]]] = []
     try:
         loader = DataLoader(
@@ -122,8 +128,20 @@ def mm_row(
             if uncached and e >= 2:
                 break
         tiers = [dict(s.tier_hits) for s in loader.stats().epochs]
-        files = root / "disk" / "data.mdb"
+        folder = "disk" if form == "raw" else f"disk-{parse_disk_form(form).tag}"
+        files = root / folder / "data.mdb"
         resident = resident_bytes(files) if files.exists() else 0
+        stored = cache.disk.nbytes() if cache is not None and cache.disk is not None else 0
+        unpack_us = 0.0
+        if form != "raw" and cache is not None and cache.disk is not None:
+            disk = cache.disk
+            assert isinstance(disk, FormedDiskStore)
+            keys = [ds.key(i) for i in range(min(50, len(ds)))]
+            packed = [disk.form.pack(codec.encode(ds.produce(i))) for i in range(len(keys))]
+            t0 = time.perf_counter()
+            for p in packed:
+                disk.form.unpack(p)
+            unpack_us = (time.perf_counter() - t0) / len(packed) * 1e6
     finally:
         if cache is not None:
             if cache.memory is not None:
@@ -141,6 +159,8 @@ def mm_row(
         "pss": monitor.peak_pss.get(name, 0),
         "page_cache": resident,
         "tier_hits_last": tiers[-1] if tiers else {},
+        "disk_bytes_per_sample": stored / max(len(ds), 1),
+        "unpack_us": unpack_us,
     }
 
 
@@ -216,6 +236,12 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(
         mm_row("(e) memory-25% + disk-100%", ds, root, args, memory=entry * args.n // 4, disk=full)
     )
+    for form in ("zstd", "jpeg:90"):
+        rows.append(
+            mm_row(
+                f"(f) disk-only, disk_form={form}", ds, root, args, memory=0, disk=full, form=form
+            )
+        )
     if not args.skip_peers:
         for system in ("hf-datasets-arrow", "litdata"):
             with contextlib.suppress(Exception):
@@ -241,6 +267,16 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['row']} | {r['cold']:.0f} | {r['warm']:.0f} | {r['warm'] / b:.2f} | "
             f"{r['warm'] / a:.1f} | {r['warm'] * entry / 1e6:.0f} | {r['pss'] / 1e6:.0f} | {pc} |"
         )
+    print("\n| disk form | bytes/sample | decode us/sample | samples in 10 GiB | warm samples/s |")
+    print("|---|---:|---:|---:|---:|")
+    for r in rows:
+        if r["row"].startswith(("(c)", "(f)")):
+            per = r["disk_bytes_per_sample"] or entry
+            form = r["row"].split("disk_form=")[-1] if "(f)" in r["row"] else "raw"
+            print(
+                f"| {form} | {per:.0f} | {r['unpack_us']:.0f} | {(10 << 30) / per:,.0f} | "
+                f"{r['warm']:.0f} |"
+            )
     d = next(r for r in rows if r["row"].startswith("(d)"))
     print(
         f"\n(d) reads {d['warm'] * entry / 1e6:.0f} MB/s = "

@@ -2,8 +2,9 @@
 
 A *batch plan* (:class:`BatchPlan`) is the one meaning of "plan" in the
 loader: a batch's dataset indices, cache keys, which rows the cache's first
-tier (the :class:`~mmcache.stores.base.BatchReader`, the node-shared memory
-tier) held when planned, and a result for every other row.
+tiers the training process gathers from (the :class:`~mmcache.stores.base.BatchReader`:
+the node-shared memory tier, then the disk tier's map) held when planned, and a
+result for every other row.
 
 Plans are made by the worker processes of a plain ``torch.utils.data.DataLoader``
 over a :class:`WorkerPlanner` (fork or spawn, persistent or not, with the

@@ -38,7 +38,9 @@ The package, by what each module owns: :mod:`.env` the LMDB environment
 its files, :mod:`.counters` the node-wide stats file, :mod:`.snapshot` the
 totals and meta records and the victims chosen from them, :mod:`.writes` what a
 write transaction changes (and the buffered reads it records),
-:mod:`.maintenance` verify, repair and compaction. The store never deletes
+:mod:`.maintenance` verify, repair and compaction, :mod:`.gather` the batch
+gathers of the training process (zero-copy, verified) and their read-ahead,
+:mod:`.formed` a tier whose values are stored in a compact form. The store never deletes
 files (:meth:`DiskStore.compact` renames a copy over ``data.mdb``). Every
 method is thread-safe and process-safe, except that the buffer lent by
 :meth:`DiskStore.view` is valid only inside its ``with`` block.
