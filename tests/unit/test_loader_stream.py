@@ -277,6 +277,9 @@ class _FakePlanner:
     def produced(self, indices: np.ndarray) -> Any:
         return self.plan(indices)
 
+    def reads_ahead(self) -> bool:
+        return False
+
 
 class _FakeWarm:
     def __init__(self, guessed: set[int]) -> None:

@@ -300,7 +300,7 @@ class BatchPlanStream:
         plan = None
         if self.mode(epoch) is PlanMode.GUESS:
             plan = self._warm.guess(epoch, indices)  # None: the epoch is guessed no more
-            if plan is not None:  # the pages of the batches to come, asked for in order
+            if plan is not None and self._planner.reads_ahead():  # the next batches' pages
                 for k in range(_READ_AHEAD + 1) if j == 0 else (_READ_AHEAD,):
                     if j + k < len(batches):
                         ahead = self._warm.known_keys(batches[j + k])

@@ -258,6 +258,11 @@ class WorkerPlanner(torch.utils.data.Dataset[PackedPlan]):
                 self.cache.lookup(key)
         self.read_ahead(keys)
 
+    def reads_ahead(self) -> bool:
+        """Whether :meth:`read_ahead` does anything (a tier that can ``prefetch``)."""
+        reader = self._first_tier()
+        return reader is not None and getattr(reader, "prefetch", None) is not None
+
     def read_ahead(self, keys: np.ndarray) -> None:
         """Ask the reader's tiers that can (``prefetch``) to read ``keys``' pages ahead."""
         reader = self._first_tier()
