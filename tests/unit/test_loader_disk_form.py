@@ -80,12 +80,14 @@ def test_jpeg_form_is_within_its_bound_identical_across_runs_and_smaller(
         assert x["image"].shape == y["image"].shape and x["image"].dtype == torch.uint8
         assert _psnr(x["image"], y["image"]) >= JPEG90_MIN_PSNR
         assert torch.equal(x["image"], z["image"])  # deterministic decode
-    with Cache(cache_root, memory=0, disk="64MiB", disk_form="jpeg:90") as jpeg:
-        with Cache(tmp_path / "raw", memory=0, disk="64MiB") as raw:
-            for i in range(len(ds)):
-                raw.put(ds.key(i), ds.produce(i))
-            assert jpeg.disk is not None and raw.disk is not None
-            assert jpeg.disk.nbytes() * 2 < raw.disk.nbytes()  # 64 px noise: >= 2x here
+    with (
+        Cache(cache_root, memory=0, disk="64MiB", disk_form="jpeg:90") as jpeg,
+        Cache(tmp_path / "raw", memory=0, disk="64MiB") as raw,
+    ):
+        for i in range(len(ds)):
+            raw.put(ds.key(i), ds.produce(i))
+        assert jpeg.disk is not None and raw.disk is not None
+        assert jpeg.disk.nbytes() * 2 < raw.disk.nbytes()  # 64 px noise: >= 2x here
 
 
 def test_forms_never_mix(ds: MultimodalDataset, cache_root: Path) -> None:
