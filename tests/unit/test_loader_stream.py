@@ -280,6 +280,9 @@ class _FakePlanner:
     def reads_ahead(self) -> bool:
         return False
 
+    def read_ahead(self, keys: np.ndarray) -> None:
+        pass
+
 
 class _FakeWarm:
     def __init__(self, guessed: set[int]) -> None:

@@ -25,7 +25,7 @@ import ctypes.util
 import logging
 import mmap
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -46,18 +46,21 @@ _PAGE = mmap.PAGESIZE
 _MADV_WILLNEED = getattr(mmap, "MADV_WILLNEED", 3)
 
 
-def _libc_madvise() -> Callable[[int, int, int], int] | None:
+def _libc() -> tuple[Any, Any] | None:
+    """libc's ``madvise`` and ``mincore``, or None off Linux/glibc."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        fn = libc.madvise
+        madvise, mincore = libc.madvise, libc.mincore
     except (OSError, AttributeError):  # pragma: no cover - not Linux/glibc
         return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    mincore.restype = ctypes.c_int
+    return madvise, mincore
 
 
-_madvise = _libc_madvise()
+_calls = _libc()
 
 
 def key_list(keys: Keys) -> list[bytes]:
@@ -202,12 +205,15 @@ class DiskGather:
         self._counters.add((Counter.HITS, hits), (Counter.MISSES, misses))
 
     def prefetch(self, keys: Keys) -> int:
-        """Ask the kernel to read the pages of ``keys``' entries ahead
-        (``MADV_WILLNEED``); returns the bytes asked for. Never blocks on I/O."""
-        if _madvise is None:  # pragma: no cover - not Linux/glibc
+        """Ask the kernel to read ahead the pages of ``keys``' entries that are not in
+        the page cache (``mincore``, then ``MADV_WILLNEED`` on the entries that need
+        it); returns the bytes asked for. Never blocks on I/O."""
+        if _calls is None:  # pragma: no cover - not Linux/glibc
             return 0
+        madvise, mincore = _calls
         ks = key_list(keys)
         asked = 0
+        vec = np.zeros(0, dtype=np.uint8)
         try:
             h = self._env()
             with Txn(h, buffers=True) as txn:
@@ -219,7 +225,12 @@ class DiskGather:
                     addr = np.frombuffer(buf, dtype=np.uint8).ctypes.data
                     start = addr - addr % _PAGE
                     length = addr + len(buf) - start
-                    if _madvise(start, length, _MADV_WILLNEED) == 0:
+                    pages = -(-length // _PAGE)
+                    if vec.shape[0] < pages:
+                        vec = np.zeros(pages, dtype=np.uint8)
+                    if mincore(start, length, vec.ctypes.data) == 0 and (vec[:pages] & 1).all():
+                        continue  # resident already: nothing to read
+                    if madvise(start, length, _MADV_WILLNEED) == 0:
                         asked += len(buf)
         except CacheError as exc:  # a hint only: a failure costs page faults later
             logger.debug("disk-tier prefetch failed: %s", exc)
