@@ -214,6 +214,10 @@ def peer_row(
     }
 
 
+def _psnr_text(db: float) -> str:
+    return "lossless" if db > 100 else f"{db:.1f} dB"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=3000)
@@ -301,11 +305,12 @@ def main(argv: list[str] | None = None) -> int:
             form = r["row"].split("disk_form=")[-1] if "(f)" in r["row"] else "raw"
             print(
                 f"| {form} | {per:.0f} | {r['unpack_us']:.0f} | {(10 << 30) / per:,.0f} | "
-                f"{r['warm']:.0f} | {r['psnr_db']:.1f} dB |"
+                f"{r['warm']:.0f} | {_psnr_text(r['psnr_db'])} |"
             )
     d = next(r for r in rows if r["row"].startswith("(d)"))
+    print(f"\n(d) the cache file's resident bytes after each drop: {d['resident_after_drop']}")
     print(
-        f"\n(d) reads {d['warm'] * entry / 1e6:.0f} MB/s = "
+        f"(d) reads {d['warm'] * entry / 1e6:.0f} MB/s = "
         f"{d['warm'] * entry / bw_before:.2f} of dd's {bw_before / 1e6:.0f} MB/s"
     )
     if args.json:
