@@ -315,3 +315,13 @@ def test_kill_during_promotion_leaves_both_tiers_consistent(
     if cache.memory is not None:
         cache.memory.unlink()  # type: ignore[attr-defined]
     cache.close()
+
+
+def test_checksum_matches_catches_every_flipped_byte() -> None:
+    raw = codec.encode({"image": np.arange(3 * 8 * 8, dtype=np.uint8).reshape(3, 8, 8)})
+    assert codec.checksum_matches(raw)
+    for i in range(len(raw)):
+        bad = bytearray(raw)
+        bad[i] ^= 0x01
+        assert not codec.checksum_matches(bytes(bad)), i
+    assert not codec.checksum_matches(raw[:-1]) and not codec.checksum_matches(raw[:10])
