@@ -42,6 +42,7 @@ import numpy as np
 from mmcache import codec, sizing
 from mmcache.cacheroot import memory_group, read_config, write_config
 from mmcache.cacheroot import memory_name as _memory_name
+from mmcache.codec.compact import parse_disk_form
 from mmcache.errors import CacheError, ConfigError
 from mmcache.keys import as_key
 from mmcache.maintenance import GcReport, VerifyReport
@@ -53,6 +54,8 @@ from mmcache.registry import FingerprintRegistry
 from mmcache.stats import CacheStats
 from mmcache.stores.base import BatchReader, Store, dir_mode
 from mmcache.stores.disk import DiskStore
+from mmcache.stores.disk.formed import FormedDiskStore
+from mmcache.stores.gathering import TieredReader
 from mmcache.stores.memory import MemoryStore, store_exists
 from mmcache.stores.tiered import Accepted, Tier, TieredStore
 from mmcache.units import parse_duration, parse_size
@@ -138,6 +141,12 @@ class Cache:
             nodes that read it (see :mod:`mmcache.cluster`); without it, as "node".
         peer_timeout: seconds the cluster exchange waits for a peer before it drops
             it and produces that peer's samples locally.
+        disk_form: how the disk tier stores entries (:mod:`mmcache.codec.compact`):
+            ``"raw"`` (default; its hits are gathered in the training process),
+            ``"zstd"`` (lossless) or ``"jpeg:Q"`` (images re-encoded as JPEG of
+            quality Q: lossy, several times fewer bytes; decoded by the workers).
+            Each form lives in its own folder (``disk/``, ``disk-zstd/``,
+            ``disk-jpeg90/``), so entries of two forms never mix.
     """
 
     def __init__(
@@ -155,6 +164,7 @@ class Cache:
         memory_entries: int | None = None,
         scope: Scope = "node",
         peer_timeout: float = 60.0,
+        disk_form: str = "raw",
         _opened_as: OpenedAs = "owner",
     ) -> None:
         if scope not in ("node", "cluster"):
@@ -180,6 +190,7 @@ class Cache:
         self.temporary = temporary
         self.fallback: Fallback = fallback
         self.memory_entries = memory_entries
+        self.disk_form = parse_disk_form(disk_form)
         #: Tiers that could not be opened (fallback="uncached"), with the reason.
         self.degraded: dict[str, str] = {}
         # "owner": a caller creating or configuring the cache; its budgets are recorded
@@ -253,15 +264,29 @@ class Cache:
     def _open_disk(self) -> Store:
         if self.disk_budget is None:  # pragma: no cover - only opened when wanted
             raise CacheError("no disk budget")
-        disk = DiskStore(
-            self.root / "disk", capacity=self.disk_budget, policy=self.policy, mode=self.mode
-        )
+        disk = self._new_disk(self.disk_budget)
         if self._opened_as == "owner":
             write_config(self.root, self._options(), mode=self.mode)
         try:
             self.registry = FingerprintRegistry(self.root / "fingerprints", mode=self.mode)
         except OSError as exc:
             logger.debug("no fingerprint registry in %s: %s", self.root, exc)
+        return disk
+
+    def _new_disk(self, capacity: int) -> DiskStore:
+        """The disk tier in its form's folder; a raw one gathers (verified) in the
+        training process."""
+        form = self.disk_form
+        if form.kind != "raw":
+            return FormedDiskStore(
+                self.root / f"disk-{form.tag}",
+                form=form,
+                capacity=capacity,
+                policy=self.policy,
+                mode=self.mode,
+            )
+        disk = DiskStore(self.root / "disk", capacity=capacity, policy=self.policy, mode=self.mode)
+        disk.enable_gather(codec.checksum_matches)  # the loader checks the layout itself
         return disk
 
     def _open_memory(self) -> Store | None:
@@ -332,6 +357,7 @@ class Cache:
             "memory_entries": self.memory_entries,
             "scope": self.scope,
             "peer_timeout": self.peer_timeout,
+            "disk_form": str(self.disk_form),
             "opened_as": "inspect" if self._inspect else "worker",
         }
 
@@ -349,6 +375,7 @@ class Cache:
             memory_entries=state.get("memory_entries"),
             scope=state.get("scope", "node"),
             peer_timeout=state.get("peer_timeout", 60.0),
+            disk_form=state.get("disk_form", "raw"),
             _opened_as=state.get("opened_as", "worker"),
         )
 
@@ -375,16 +402,18 @@ class Cache:
 
     @property
     def reader(self) -> BatchReader | None:
-        """The first tier when it can gather whole batches in this process (a
-        :class:`~mmcache.stores.base.BatchReader`), else None.
+        """The tiers that can gather whole batches in this process (a
+        :class:`~mmcache.stores.base.BatchReader`: the first such tier alone, or a
+        :class:`~mmcache.stores.gathering.TieredReader` over memory then disk), else None.
 
         What the loader gathers cached batches from; everything else (misses,
         promotion, writes) goes through the cache's own methods, so the loader
         never names a tier.
         """
-        for tier in self._store.tiers:
-            return tier if tier.supports_gather and isinstance(tier, BatchReader) else None
-        return None
+        able = [t for t in self._store.tiers if t.supports_gather and isinstance(t, BatchReader)]
+        if not able:
+            return None
+        return able[0] if len(able) == 1 else TieredReader(able)
 
     # -- reads ----------------------------------------------------------------------------
     def _expired(self, ctime: float) -> bool:
@@ -545,7 +574,7 @@ class Cache:
         limit = parse_size(capacity)
         items = len(disk)
         disk.close()
-        fresh = DiskStore(self.root / "disk", capacity=limit, policy=self.policy, mode=self.mode)
+        fresh = self._new_disk(limit)
         self._store.replace(DiskStore.name, fresh)
         self.disk_budget = limit
         write_config(self.root, self._options(), mode=self.mode, changes={"disk": limit})

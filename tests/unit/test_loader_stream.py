@@ -277,6 +277,12 @@ class _FakePlanner:
     def produced(self, indices: np.ndarray) -> Any:
         return self.plan(indices)
 
+    def reads_ahead(self) -> bool:
+        return False
+
+    def read_ahead(self, keys: np.ndarray) -> None:
+        pass
+
 
 class _FakeWarm:
     def __init__(self, guessed: set[int]) -> None:
@@ -298,6 +304,9 @@ class _FakeWarm:
 
     def learn(self, plan: Any) -> None:
         self.learnt.append(int(plan.indices[0]))
+
+    def known_keys(self, indices: np.ndarray) -> None:
+        return None  # nothing to read ahead
 
     def restart_prefetcher(self) -> None:
         pass

@@ -97,6 +97,7 @@ __all__ = [
     "Header",
     "HeaderField",
     "Sample",
+    "checksum_matches",
     "decode",
     "encode",
     "encode_into",
@@ -441,6 +442,24 @@ def _checksum_ok(view: memoryview, header: Header) -> bool:
     hasher = xxhash.xxh3_64(view[:_CHECKSUM_START])
     hasher.update(view[_CHECKSUM_END:])
     return bool(hasher.intdigest() == header.checksum)
+
+
+_SUM_AND_LENGTH = struct.Struct("<QQ")  # the checksum [8, 16) and the length [16, 24)
+
+
+def checksum_matches(buf: bytes | bytearray | memoryview) -> bool:
+    """Whether ``buf``'s stored length and xxh3 checksum match its bytes, without parsing
+    the field table: the integrity check of a batch gather, whose caller compares the
+    header and field table with the batch layout itself (the checksum covers them)."""
+    view = _byte_view(buf)
+    if len(view) < HEADER_SIZE:
+        return False
+    checksum, length = _SUM_AND_LENGTH.unpack_from(view, _CHECKSUM_START)
+    if length != len(view):
+        return False
+    hasher = xxhash.xxh3_64(view[:_CHECKSUM_START])
+    hasher.update(view[_CHECKSUM_END:])
+    return bool(hasher.intdigest() == checksum)
 
 
 def read_header(buf: bytes | bytearray | memoryview) -> Header:

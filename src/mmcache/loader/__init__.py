@@ -563,7 +563,7 @@ class DataLoader:
         if plan.guessed:
             batch = assembler.gather_guess(plan)
             if batch is not None and self._warm.verified(plan):
-                assembler.count_guess(len(plan.indices), stats)
+                assembler.count_guess(plan, stats)
                 if self._hooks.after:
                     batch = self._after_assemble(batch, epoch, j, plan.indices, guessed=True)
                 return batch

@@ -2,7 +2,8 @@
 
 Given a :class:`~mmcache.loader.tasks.BatchPlan`, the planned hits (and the
 rows a worker put in the first tier instead of sending them) are gathered
-straight from shared memory into the batch tensors
+straight from the cache's reader (shared memory, then the disk tier's map)
+into the batch tensors
 (:func:`~mmcache.loader.gather.gather_hits`), then the rows a worker sent are
 copied in. A row that cannot be served as planned is made again here by one
 fallback (:meth:`BatchAssembler._redo`): a planned hit evicted or expired in
@@ -46,11 +47,13 @@ from mmcache.loader.varying import (
 )
 from mmcache.sources.base import SampleSource
 from mmcache.stores.base import BatchReader, Store
+from mmcache.stores.gathering import TieredReader, reader_names
 
 __all__ = ["BatchAssembler"]
 
-_MEMORY, _PRODUCED, _REJECTED = (
+_MEMORY, _LOWER, _PRODUCED, _REJECTED = (
     SampleOrigin.MEMORY_HIT,
+    SampleOrigin.DISK_HIT,
     SampleOrigin.PRODUCED,
     SampleOrigin.REJECTED,
 )
@@ -90,12 +93,17 @@ class BatchAssembler:
         self._cache = cache
         self._planner = planner
         self.pin_memory = pin_memory
-        #: The first tier, when it gathers whole batches (else every row comes from workers).
+        #: The tiers that gather whole batches (else every row comes from workers).
         self.reader: BatchReader | None = cache.reader if cache is not None else None
-        # The same tier as a Store: its get (a verified read) and discard.
+        # The same tiers as Stores (their get, a verified read, and discard), and the
+        # one Store face over them (the first tier, or the cache's tier list).
+        self._names: tuple[str, ...] = ()
+        self._stores: tuple[Store, ...] = ()
         self._first: Store | None = None
         if cache is not None and self.reader is not None:
-            self._first = cache.tiers[self.reader.name]
+            self._names = reader_names(self.reader)
+            self._stores = tuple(cache.tiers[name] for name in self._names)
+            self._first = self._stores[0] if len(self._stores) == 1 else cache.store
         # Guards the layout and the buffer pool: batches are assembled on two threads.
         self._lock = threading.Lock()
         self._layout: codec.Header | None = None
@@ -129,10 +137,11 @@ class BatchAssembler:
         n = len(plan.indices)
         out = self._allocate(layout, n)
         rows = np.arange(n, dtype=np.int64)
-        found, own = self._gather(reader, layout, plan.keys, rows, out, count=False)
-        self._counted.rows = len(own)  # read one by one: the tier counted those hits
+        found, own, served = self._gather(reader, layout, plan.keys, rows, out, count=False)
+        self._counted.own = list(own)  # read one by one: the tier counted those hits
         if not found.all():
             return None
+        plan.served = served
         batch: dict[str, Any] = {
             "id": self._source.ids(plan.indices),
             "key": _hex_rows(plan.keys),
@@ -146,12 +155,27 @@ class BatchAssembler:
         present_channels_last(batch, self.channels_last)
         return batch
 
-    def count_guess(self, n: int, counter: EpochCounter) -> None:
-        """Count a served guessed batch of ``n`` rows: all hits in the first tier."""
-        if self.reader is not None:
-            counted, self._counted.rows = getattr(self._counted, "rows", 0), 0
-            self.reader.count_reads(hits=n - counted)  # gathered with count=False
-            counter.count_hits(self.reader.name, n)
+    def count_guess(self, plan: BatchPlan, counter: EpochCounter) -> None:
+        """Count a served guessed batch: all hits, each in the tier that served it (the
+        rows read one by one, entries of other shapes, the tier counted already)."""
+        reader, n = self.reader, len(plan.indices)
+        own: list[int] = getattr(self._counted, "own", [])
+        self._counted.own = []
+        if reader is None:
+            return
+        served = plan.served
+        if served is None or len(self._names) == 1:
+            reader.count_reads(hits=n - len(own))  # gathered with count=False
+            counter.count_hits(reader.name, n)
+            return
+        if isinstance(reader, TieredReader):
+            uncounted = np.ones(n, dtype=bool)
+            uncounted[own] = False
+            reader.count_served(served[uncounted])  # gathered with count=False
+        counter.count(
+            [_MEMORY if i == 0 else _LOWER for i in served.tolist()],
+            [self._names[i] for i in served.tolist()],
+        )
 
     # -- a planned batch -----------------------------------------------------------------
     def assemble(
@@ -198,9 +222,11 @@ class BatchAssembler:
             return None
         out = self._allocate(layout, n)
         found = np.zeros(n, dtype=bool)
+        served = np.zeros(n, dtype=np.int8)
         if len(hit_rows) and self.reader is not None:
-            ok, own = self._gather(self.reader, layout, plan.keys[hit_rows], hit_rows, out)
+            ok, own, got = self._gather(self.reader, layout, plan.keys[hit_rows], hit_rows, out)
             found[hit_rows] = ok
+            served[hit_rows] = got
             for i, sample in own.items():  # entries of other shapes (varying fields)
                 samples[int(hit_rows[i])] = sample
         for rr in hit_rows[~found[hit_rows]]:
@@ -208,9 +234,10 @@ class BatchAssembler:
             # a worker produced this epoch stays a miss, even when it is fetched again
             # (from disk) because it was evicted before the gather.
             self._redo(plan, int(rr), rows, counter, cached=True, late=True)
-        first = self.reader.name if self.reader is not None else ""
-        for rr in planned[found[planned]]:
-            origins[int(rr)], tiers[int(rr)] = _MEMORY, first
+        names = self._names
+        for rr in planned[found[planned]].tolist():
+            i = int(served[rr])
+            origins[rr], tiers[rr] = (_MEMORY if i == 0 else _LOWER), names[max(i, 0)]
         for r in list(samples):
             if origins[r] is not _PRODUCED and not self._matches(layout, samples[r]):
                 # A cached entry of another layout under this key: damaged. Drop it
@@ -296,15 +323,14 @@ class BatchAssembler:
         for r, sample in rows.samples.items():
             if rows.origins[r] is _PRODUCED:
                 return codec.read_header(codec.encode(sample))
-        first = self._first
-        if first is not None:
-            for r in hit_rows:
-                raw = first.get(plan.keys[r].tobytes())
+        for r in hit_rows:
+            for store in self._stores:
+                raw = store.get(plan.keys[r].tobytes())
                 if raw is None:
                     continue
                 if codec.verify(raw):
                     return codec.read_header(raw)
-                first.discard(plan.keys[r].tobytes(), why="corrupt")  # never served, and dropped
+                store.discard(plan.keys[r].tobytes(), why="corrupt")  # never served, and dropped
         for sample in rows.samples.values():  # from a lower tier (verified) via a worker
             return codec.read_header(codec.encode(sample))
         return None
@@ -330,13 +356,15 @@ class BatchAssembler:
         out: dict[str, torch.Tensor],
         *,
         count: bool = True,
-    ) -> tuple[np.ndarray, dict[int, dict[str, np.ndarray]]]:
-        """Copy the hits' fields from the first tier into ``out``: the found mask, and
+    ) -> tuple[np.ndarray, dict[int, dict[str, np.ndarray]], np.ndarray]:
+        """Copy the hits' fields from the reader's tiers into ``out``: the found mask,
         the samples (by position in ``keys``) of entries of other shapes in varying
-        fields, read on their own (see :mod:`~mmcache.loader.varying`). Any other entry
-        of another layout, or expired, is dropped so nobody else serves it."""
+        fields, read on their own (see :mod:`~mmcache.loader.varying`), and the index
+        of the tier that served each key. Any other entry of another layout, or
+        expired, is dropped (from every tier) so nobody else serves it."""
         n = len(keys)
         cutoff = self._ttl_cutoff()
+        served = np.zeros(n, dtype=np.int8)  # the first tier, unless the gather says other
         if self.varying and self._first is not None and not self._fixed_pays:
             # Most rows lately were of other shapes: the fixed-slot gather would copy
             # ranges only to find they do not match; read every row on its own.
@@ -346,6 +374,7 @@ class BatchAssembler:
         else:
             got = gather_hits(reader, layout, keys, rows, out, ttl_cutoff=cutoff, count=count)
             ok, corrupt, expired = got.ok, got.corrupt, got.expired.copy()
+            served = np.maximum(got.tier, 0).astype(np.int8)
             if self.varying and n:
                 self._fixed_pays = bool(ok.sum() * 2 >= n)
         own: dict[int, dict[str, np.ndarray]] = {}
@@ -362,12 +391,13 @@ class BatchAssembler:
                 own[int(at[i])] = sample
             corrupt[at[bad]] = True
             expired[at[late]] = True
-        if self._first is not None and (corrupt.any() or expired.any()):
-            for i in np.flatnonzero(corrupt).tolist():
-                self._first.discard(keys[i].tobytes(), why="corrupt")
-            for i in np.flatnonzero(expired).tolist():
-                self._first.discard(keys[i].tobytes(), why="expired")
-        return ok, own
+        if corrupt.any() or expired.any():
+            for store in self._stores:
+                for i in np.flatnonzero(corrupt).tolist():
+                    store.discard(keys[i].tobytes(), why="corrupt")
+                for i in np.flatnonzero(expired).tolist():
+                    store.discard(keys[i].tobytes(), why="expired")
+        return ok, own, served
 
     def _ttl_cutoff(self) -> float | None:
         if self._cache is None or self._cache.ttl is None:

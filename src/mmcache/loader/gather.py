@@ -1,7 +1,8 @@
-"""The hit path: gather a batch's cached entries from the first tier into batch tensors.
+"""The hit path: gather a batch's cached entries from the cache's reader into batch tensors.
 
 All byte ranges of all keys of a batch are copied under one shared lock
-(:meth:`~mmcache.stores.base.BatchReader.gather_ranges`), so an entry
+(:meth:`~mmcache.stores.base.BatchReader.gather_ranges`; over memory then
+disk, :class:`~mmcache.stores.gathering.TieredReader`), so an entry
 evicted and replaced by another process in between can never mix into the
 batch; which ranges, and how their headers are checked, is
 :mod:`mmcache.loader.batchlayout`'s. Hits never travel through a worker.
@@ -27,17 +28,21 @@ import torch
 from mmcache import codec
 from mmcache.loader.batchlayout import byte_ranges, expired_rows, head_matches
 from mmcache.stores.base import BatchReader
+from mmcache.stores.gathering import gather_sources
 
 __all__ = ["BufferPool", "Gathered", "gather_hits"]
 
 
 class Gathered(NamedTuple):
     """What :func:`gather_hits` found, per key: ``ok`` (copied into the batch),
-    ``corrupt`` (present with another layout: damaged) and ``expired`` (TTL)."""
+    ``corrupt`` (present with another layout: damaged), ``expired`` (TTL) and
+    ``tier`` (the index of the reader's tier that held it, ``-1``: none;
+    :func:`~mmcache.stores.gathering.reader_names`)."""
 
     ok: np.ndarray
     corrupt: np.ndarray
     expired: np.ndarray
+    tier: np.ndarray
 
 
 def gather_hits(
@@ -74,7 +79,8 @@ def gather_hits(
             dst = np.empty((n, stop - start), dtype=np.uint8)
             seg_bufs.append(dst)
         targets.append((start, stop - start, dst))
-    found = np.asarray(reader.gather_ranges(keys, targets, count=count), dtype=bool)
+    tier = gather_sources(reader, keys, targets, count=count)
+    found = tier >= 0
     head = seg_bufs[0][:, : ranges.table_end]
     foreign = found & ~head_matches(head, ranges)
     ok = found & ~foreign
@@ -101,7 +107,7 @@ def gather_hits(
                 out[name].numpy()[...] = arr
             else:
                 out[name].numpy()[sel_rows] = arr
-    return Gathered(ok, foreign, expired)
+    return Gathered(ok, foreign, expired, tier)
 
 
 class BufferPool:

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mmcache.loader.readahead import ReadAhead
 from mmcache.loader.tasks import BatchPlan, PackedPlan, WorkerPlanner, WorkerTask
 from mmcache.loader.warm_epoch import WarmEpochs
 from mmcache.loader.warm_epoch.gate import EpochGate
@@ -61,6 +62,8 @@ _WARM_GROUP = 8
 #: Epochs whose batches are remembered (the consumer, the stream and the sampler
 #: may be in two consecutive epochs).
 _MEMO_EPOCHS = 3
+#: Batches of a guessed epoch whose cache pages are asked for ahead of their gather.
+_READ_AHEAD = 4
 
 
 @dataclass(frozen=True)
@@ -294,6 +297,7 @@ class BatchPlanStream:
         self._workers = workers
         self._warm = warm
         self._gate = workers.gate if workers is not None else None
+        self._ahead = ReadAhead(planner.read_ahead)  # the next batches' pages, off the loop
         self._first_epoch = epoch  # of the workers' current stream
         self._base = 0  # the gate value its tasks count from
         self._plans: Iterator[list[PackedPlan]] | None = None
@@ -328,6 +332,12 @@ class BatchPlanStream:
             self._state.before_plan(epoch, j)
         if self.mode(epoch) is PlanMode.GUESS:
             plan = self._warm.guess(epoch, indices)  # None: the epoch is guessed no more
+            if plan is not None and self._planner.reads_ahead():  # the next batches' pages
+                for k in range(_READ_AHEAD + 1) if j == 0 else (_READ_AHEAD,):
+                    if j + k < len(batches):
+                        ahead = self._warm.known_keys(batches[j + k])
+                        if ahead is not None:
+                            self._ahead.submit(ahead)
         if plan is None and self._mode is PlanMode.LOCAL:
             plan = self._planner.plan(indices, produce=False)
             if plan is None:  # after a miss the workers plan and produce the rest
@@ -375,6 +385,7 @@ class BatchPlanStream:
             gate.open_to(self._base + epoch - self._first_epoch)
 
     def close(self) -> None:
+        self._ahead.close()
         if self._plans is not None and self._gate is not None:
             self._gate.open_all()  # tasks held for epochs that will not come
         self._plans = None  # a non-persistent torch iterator stops its workers when dropped

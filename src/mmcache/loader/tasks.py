@@ -2,8 +2,9 @@
 
 A *batch plan* (:class:`BatchPlan`) is the one meaning of "plan" in the
 loader: a batch's dataset indices, cache keys, which rows the cache's first
-tier (the :class:`~mmcache.stores.base.BatchReader`, the node-shared memory
-tier) held when planned, and a result for every other row.
+tiers the training process gathers from (the :class:`~mmcache.stores.base.BatchReader`:
+the node-shared memory tier, then the disk tier's map) held when planned, and a
+result for every other row.
 
 Plans are made by the worker processes of a plain ``torch.utils.data.DataLoader``
 over a :class:`WorkerPlanner` (fork or spawn, persistent or not, with the
@@ -92,6 +93,8 @@ class BatchPlan:
     # a stat here) shows every file unchanged this epoch. ``round``: the check round.
     guessed: bool = False
     round: int = 0
+    # A gathered guess: the index of the reader's tier that served each row.
+    served: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -231,6 +234,7 @@ class WorkerPlanner(torch.utils.data.Dataset[PackedPlan]):
         reader = self._first_tier()
         if reader is not None:
             planned = reader.contains_many(keys)
+            self.ahead(keys)
         else:
             planned = np.zeros(len(indices), dtype=bool)
         if not produce and not planned.all():
@@ -239,6 +243,32 @@ class WorkerPlanner(torch.utils.data.Dataset[PackedPlan]):
             self.run(int(indices[r]), keys[r].tobytes()) for r in np.flatnonzero(~planned).tolist()
         ]
         return BatchPlan(indices, keys, planned, results, stamps)
+
+    def ahead(self, keys: np.ndarray) -> None:
+        """Ahead of a batch's gather (planning runs batches ahead, in the epoch's order):
+        promote into the first tier the entries only a lower tier holds, while it has
+        room (``promotable``; the verified ``cache.lookup`` offers each to its policy),
+        and ask the lower tiers to read the rest's pages ahead (``prefetch``)."""
+        reader = self._first_tier()
+        if reader is None or self.cache is None:
+            return
+        promotable = getattr(reader, "promotable", None)
+        if promotable is not None:
+            for key in promotable(keys):
+                self.cache.lookup(key)
+        self.read_ahead(keys)
+
+    def reads_ahead(self) -> bool:
+        """Whether :meth:`read_ahead` does anything (a tier that can ``prefetch``)."""
+        reader = self._first_tier()
+        return reader is not None and getattr(reader, "prefetch", None) is not None
+
+    def read_ahead(self, keys: np.ndarray) -> None:
+        """Ask the reader's tiers that can (``prefetch``) to read ``keys``' pages ahead."""
+        reader = self._first_tier()
+        prefetch = getattr(reader, "prefetch", None) if reader is not None else None
+        if prefetch is not None:
+            prefetch(keys)
 
     def produced(self, indices: np.ndarray) -> BatchPlan:
         """:meth:`plan` with every missing row produced."""

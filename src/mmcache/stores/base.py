@@ -95,7 +95,7 @@ class Store(ABC):
     name: str = "store"
     #: Whether the store is also a :class:`BatchReader` (copies byte ranges of a batch of
     #: entries straight into caller arrays, in the reading process). The loader gathers
-    #: cached batches from the cache's first tier only when it says so.
+    #: cached batches from every tier that says so (``Cache.reader``: memory, then disk).
     supports_gather: bool = False
 
     @abstractmethod
@@ -190,7 +190,7 @@ class Store(ABC):
 class BatchReader(Protocol):
     """A tier the loader can gather whole batches from, in the training process.
 
-    What the loader needs of the cache's first tier (``Cache.reader``): copy the
+    What the loader needs of the tiers it gathers from (``Cache.reader``): copy the
     same byte ranges of many entries into preallocated arrays under one read
     lock (no per-sample Python, no pickling through worker pipes), ask which
     keys are present, and count hits it decided to serve. Implementations are

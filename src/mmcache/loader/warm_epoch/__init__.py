@@ -39,6 +39,8 @@ from mmcache.loader.tasks import STAMP_WORDS, BatchPlan
 from mmcache.loader.warm_epoch.board import FileCheckBoard
 from mmcache.loader.warm_epoch.prefetch import StatPrefetcher
 from mmcache.sources.base import SampleSource, StampKind
+from mmcache.stores.base import BatchReader
+from mmcache.stores.gathering import TieredReader
 
 __all__ = ["LearntKeys", "WarmEpochs"]
 
@@ -144,7 +146,7 @@ class WarmEpochs:
         reader = self._cache.reader if self._cache is not None else None
         if entry is None or self._cache is None or reader is None:
             return False
-        if self._cache.tiers[reader.name].capacity() < entry * self._n:
+        if _capacity(self._cache, reader) < entry * self._n:
             return False
         return not beginning or self.learnt.count() >= self._num_samples
 
@@ -174,6 +176,11 @@ class WarmEpochs:
         if plan is None:
             self.stop_guessing(epoch)
         return plan
+
+    def known_keys(self, indices: np.ndarray) -> np.ndarray | None:
+        """The learnt keys (``uint8 [n, 16]``) of ``indices``, or None if one is unknown."""
+        plan = self.learnt.guess(indices, 0)
+        return None if plan is None else plan.keys
 
     def stop_guessing(self, epoch: int) -> None:
         """A guess of ``epoch`` failed: its other batches are planned as usual."""
@@ -207,3 +214,10 @@ class WarmEpochs:
         """Stop the prefetcher. Idempotent."""
         if self._prefetcher is not None:
             self._prefetcher.close()
+
+
+def _capacity(cache: Cache, reader: BatchReader) -> int:
+    """The budget the reader serves batches from (the largest of its tiers')."""
+    if isinstance(reader, TieredReader):
+        return reader.capacity()
+    return cache.tiers[reader.name].capacity()

@@ -38,7 +38,9 @@ The package, by what each module owns: :mod:`.env` the LMDB environment
 its files, :mod:`.counters` the node-wide stats file, :mod:`.snapshot` the
 totals and meta records and the victims chosen from them, :mod:`.writes` what a
 write transaction changes (and the buffered reads it records),
-:mod:`.maintenance` verify, repair and compaction. The store never deletes
+:mod:`.maintenance` verify, repair and compaction, :mod:`.gather` the batch
+gathers of the training process (zero-copy, verified) and their read-ahead,
+:mod:`.formed` a tier whose values are stored in a compact form. The store never deletes
 files (:meth:`DiskStore.compact` renames a copy over ``data.mdb``). Every
 method is thread-safe and process-safe, except that the buffer lent by
 :meth:`DiskStore.view` is valid only inside its ``with`` block.
@@ -72,6 +74,7 @@ from mmcache.stores.disk.env import (
     is_failed_write,
     release_handle,
 )
+from mmcache.stores.disk.gather import DiskGather
 from mmcache.stores.disk.maintenance import (
     CompactReport,
     compact_copy,
@@ -91,7 +94,7 @@ logger = logging.getLogger(__name__)
 _PUT_MANY_TXN_BYTES = 1 * MiB
 
 
-class DiskStore(Store):
+class DiskStore(DiskGather, Store):
     """Persistent byte store in an LMDB environment at ``path``, with a hard byte budget.
 
     ``capacity`` is the budget for payload bytes (an int or e.g. ``"50GiB"``),

@@ -479,12 +479,13 @@ class Txn:
     catch one exception type, an ``OSError``.
     """
 
-    __slots__ = ("_handle", "_in_flight", "_txn", "_write")
+    __slots__ = ("_buffers", "_handle", "_in_flight", "_txn", "_write")
 
-    def __init__(self, handle: EnvHandle, *, write: bool = False) -> None:
+    def __init__(self, handle: EnvHandle, *, write: bool = False, buffers: bool = False) -> None:
         self._handle = handle
         self._in_flight = handle.in_flight  # the one entered, even if a fork replaces it
         self._write = write
+        self._buffers = buffers  # values as zero-copy buffers, valid inside the block
         self._txn: lmdb.Transaction[Any] | None = None
 
     def __enter__(self) -> lmdb.Transaction[Any]:
@@ -492,7 +493,11 @@ class Txn:
         while True:
             self._in_flight.__enter__()
             try:
-                self._txn = self._handle.require().begin(write=self._write)
+                env = self._handle.require()
+                if self._buffers:
+                    self._txn = env.begin(write=self._write, buffers=True)
+                else:
+                    self._txn = env.begin(write=self._write)
                 return self._txn
             except lmdb.MapResizedError as exc:
                 self._in_flight.__exit__()

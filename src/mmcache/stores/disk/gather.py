@@ -1,0 +1,237 @@
+"""The disk tier as a :class:`~mmcache.stores.base.BatchReader`: batches gathered from LMDB's map.
+
+LMDB hands out zero-copy buffers into its memory map (``begin(buffers=True)``),
+so a disk hit whose pages are in the page cache costs what a memory-tier hit
+does: a ``memcpy`` of its byte ranges into the batch, plus the entry's xxh3
+checksum (disk bytes can rot, and LMDB does not checksum its pages; the check
+is injected by the cache, :meth:`DiskGather.enable_gather`, so the store stays
+bytes-only). One read transaction per call, closed before the call returns:
+a read transaction held across a training step would keep LMDB from reusing
+the pages writers free (the file would grow).
+
+:meth:`DiskGather.prefetch` asks the kernel for the pages of entries about to
+be gathered (``madvise(MADV_WILLNEED)`` on their ranges of the map, found from
+the zero-copy buffer's address): a cold page cache is then read ahead, in the
+batches' order, at the device's bandwidth instead of one 4 KiB fault at a time.
+
+Thread/process safety: as the rest of :class:`~mmcache.stores.disk.DiskStore`
+(each call opens its own read transaction; the buffers never leave it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import mmap
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from mmcache.errors import CacheError
+from mmcache.stores.base import KEY_SIZE, Keys
+from mmcache.stores.disk.counters import Counter, CounterFile
+from mmcache.stores.disk.env import EnvHandle, Txn
+
+__all__ = ["DiskGather", "EntryCheck"]
+
+logger = logging.getLogger(__name__)
+
+#: The read check of a gathered entry: whether its bytes are intact (``codec.verify``).
+EntryCheck = Callable[[memoryview], bool]
+
+_PAGE = mmap.PAGESIZE
+_MADV_WILLNEED = getattr(mmap, "MADV_WILLNEED", 3)
+
+
+def _libc() -> tuple[Any, Any] | None:
+    """libc's ``madvise`` and ``mincore``, or None off Linux/glibc."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        madvise, mincore = libc.madvise, libc.mincore
+    except (OSError, AttributeError):  # pragma: no cover - not Linux/glibc
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    mincore.restype = ctypes.c_int
+    return madvise, mincore
+
+
+_calls = _libc()
+
+
+def key_list(keys: Keys) -> list[bytes]:
+    """``keys`` (16-byte ``bytes`` each, or ``uint8 [n, 16]``) as a list of bytes."""
+    if isinstance(keys, np.ndarray):
+        if keys.dtype != np.uint8 or keys.ndim != 2 or keys.shape[1] != KEY_SIZE:
+            raise ValueError(f"keys as an array must be uint8 [n, {KEY_SIZE}], got {keys.shape}")
+        flat = np.ascontiguousarray(keys).tobytes()
+        return [flat[i : i + KEY_SIZE] for i in range(0, len(flat), KEY_SIZE)]
+    out = list(keys)
+    for k in out:
+        if not isinstance(k, bytes) or len(k) != KEY_SIZE:
+            raise ValueError(f"store keys are {KEY_SIZE}-byte digests, got {k!r}")
+    return out
+
+
+def _check_targets(n: int, targets: Sequence[tuple[int, int, npt.NDArray[np.uint8]]]) -> int:
+    end = 0
+    for offset, length, out in targets:
+        if offset < 0 or length < 0:
+            raise ValueError(f"offset and length must be >= 0, got {offset}, {length}")
+        if (
+            not isinstance(out, np.ndarray)
+            or out.dtype != np.uint8
+            or out.ndim != 2
+            or out.shape[0] < n
+            or out.shape[1] != length
+            or not out.flags.writeable
+        ):
+            raise ValueError(f"out must be a writeable uint8 array of shape [>={n}, {length}]")
+        end = max(end, offset + length)
+    return end
+
+
+class DiskGather:
+    """The batch-reading half of :class:`~mmcache.stores.disk.DiskStore` (a mixin).
+
+    Gathering is off until the owner installs the entry check
+    (:meth:`enable_gather`): an unverified disk read is never served.
+    """
+
+    supports_gather: bool = False
+    _gather_check: EntryCheck | None = None
+    _counters: CounterFile
+    name: str
+
+    # Provided by DiskStore (declared here for the type checker).
+    def _env(self) -> EnvHandle:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def _count_reads(
+        self, keys: Sequence[bytes], found: Sequence[bool]
+    ) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def discard(
+        self, key: bytes, *, why: Literal["corrupt", "expired"]
+    ) -> bool:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def enable_gather(self, check: EntryCheck) -> None:
+        """Let the loader gather from this store; every entry gathered must pass ``check``."""
+        self._gather_check = check
+        self.supports_gather = True
+
+    def gather_ranges(
+        self,
+        keys: Keys,
+        targets: Sequence[tuple[int, int, npt.NDArray[np.uint8]]],
+        *,
+        count: bool = True,
+    ) -> npt.NDArray[np.bool_]:
+        """:meth:`~mmcache.stores.base.BatchReader.gather_ranges`: key ``i`` into row ``i``."""
+        ks = key_list(keys)
+        return self.gather_rows(ks, np.arange(len(ks), dtype=np.int64), targets, count=count)
+
+    def gather_rows(
+        self,
+        keys: Keys,
+        rows: npt.NDArray[np.int64],
+        targets: Sequence[tuple[int, int, npt.NDArray[np.uint8]]],
+        *,
+        count: bool = True,
+    ) -> npt.NDArray[np.bool_]:
+        """Copy the ranges of key ``j`` into row ``rows[j]`` of each target; the found mask.
+
+        Every key is read in one read transaction, closed before this returns. An
+        entry that fails the check is not served: it is discarded (counted
+        ``corrupt``, logged) and reads as absent, so the caller produces it again.
+        """
+        ks = key_list(keys)
+        n = len(ks)
+        found = np.zeros(n, dtype=bool)
+        check = self._gather_check
+        if n == 0 or check is None:
+            return found
+        if len(rows) != n:
+            raise ValueError(f"{n} keys but {len(rows)} rows")
+        end = _check_targets(int(np.max(rows)) + 1, targets)
+        corrupt: list[bytes] = []
+        try:
+            h = self._env()
+            with Txn(h, buffers=True) as txn:
+                db = h.data
+                for j, key in enumerate(ks):
+                    buf = txn.get(key, db=db)
+                    if buf is None or len(buf) < end:
+                        continue
+                    if not check(buf):
+                        corrupt.append(key)
+                        continue
+                    src = np.frombuffer(buf, dtype=np.uint8)
+                    r = int(rows[j])
+                    for offset, length, out in targets:
+                        out[r] = src[offset : offset + length]
+                    found[j] = True
+        except CacheError as exc:
+            logger.warning("disk-tier gather failed, its reads are misses: %s", exc)
+            found[:] = False
+        for key in corrupt:
+            logger.error("corrupt disk-tier entry %s dropped (checksum mismatch)", key.hex())
+            self.discard(key, why="corrupt")
+        if count:
+            self._count_reads(ks, found.tolist())
+        return found
+
+    def contains_many(self, keys: Keys) -> npt.NDArray[np.bool_]:
+        """Presence of each key, in one read transaction (no hit/miss counted)."""
+        ks = key_list(keys)
+        out = np.zeros(len(ks), dtype=bool)
+        if not ks:
+            return out
+        h = self._env()
+        with Txn(h) as txn:
+            meta = h.meta
+            for j, key in enumerate(ks):
+                out[j] = txn.get(key, db=meta) is not None
+        return out
+
+    def count_reads(self, *, hits: int = 0, misses: int = 0) -> None:
+        """Add to the node-wide hit and miss counters (after ``count=False`` gathers)."""
+        self._counters.add((Counter.HITS, hits), (Counter.MISSES, misses))
+
+    def prefetch(self, keys: Keys) -> int:
+        """Ask the kernel to read ahead the pages of ``keys``' entries that are not in
+        the page cache (``mincore``, then ``MADV_WILLNEED`` on the entries that need
+        it); returns the bytes asked for. Never blocks on I/O."""
+        if _calls is None:  # pragma: no cover - not Linux/glibc
+            return 0
+        madvise, mincore = _calls
+        ks = key_list(keys)
+        asked = 0
+        vec = np.zeros(0, dtype=np.uint8)
+        try:
+            h = self._env()
+            with Txn(h, buffers=True) as txn:
+                db = h.data
+                for key in ks:
+                    buf = txn.get(key, db=db)
+                    if buf is None or not len(buf):
+                        continue
+                    addr = np.frombuffer(buf, dtype=np.uint8).ctypes.data
+                    start = addr - addr % _PAGE
+                    length = addr + len(buf) - start
+                    pages = -(-length // _PAGE)
+                    if vec.shape[0] < pages:
+                        vec = np.zeros(pages, dtype=np.uint8)
+                    if mincore(start, length, vec.ctypes.data) == 0 and (vec[:pages] & 1).all():
+                        continue  # resident already: nothing to read
+                    if madvise(start, length, _MADV_WILLNEED) == 0:
+                        asked += len(buf)
+        except CacheError as exc:  # a hint only: a failure costs page faults later
+            logger.debug("disk-tier prefetch failed: %s", exc)
+        return asked
