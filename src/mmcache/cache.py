@@ -9,12 +9,9 @@ tier's policy admits it. A write (:meth:`Cache.put`) encodes the sample once
 this run, disk for the next runs; :func:`mmcache.writeback.write_behind` defers
 the disk half to a background thread.
 
-Verification: entries read from disk are checked against their xxhash
-checksum (disk bytes can rot, and LMDB does not checksum its pages); entries
-read from the memory tier are not, because they were verified or produced
-when they entered it, and checking every read would cost a large part of the
-gather speed; :meth:`Cache.verify` (``mmcache verify``) checks both tiers
-(:mod:`mmcache.maintenance`).
+Verification: disk reads are checked against their xxhash checksum (LMDB does
+not checksum its pages); memory reads are not (verified or produced on entry;
+checking would cost much of the gather speed); ``mmcache verify`` checks both.
 
 TTL: every entry carries its creation time from ``clock`` (default
 ``time.time``: persisted entries outlive the process, so a monotonic clock,
