@@ -71,8 +71,7 @@ Scope = Literal["node", "cluster"]
 OpenedAs = Literal["owner", "worker", "inspect"]
 
 
-def _to_key(key: KeyLike) -> bytes:
-    return as_key(key)  # 16 bytes and 32 hex as they are, any other str/bytes hashed
+_to_key = as_key  # 16 bytes and 32 hex as they are, any other str/bytes hashed
 
 
 @dataclass(frozen=True)
