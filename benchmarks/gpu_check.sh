@@ -10,6 +10,9 @@
 #   1. the CUDA tests (those that skip without CUDA: augment on cuda, the GPU tiers)
 #   2. benchmarks/augment.py --device cuda   (random crops after the cache, on the GPU)
 #   3. benchmarks/features.py --gpu          (FeatureCache GPU tier, ViT-L/14 fp16)
+#   4. benchmarks/cluster.py --quick with MMCACHE_EXCHANGE_BACKEND=nccl (the cluster
+#      exchange over NCCL, payloads in pinned memory), only with 2+ GPUs: NCCL refuses
+#      two ranks on one device, so one lent GPU cannot check it
 # Set QUICK=1 for smaller runs (a machine with little time left).
 set -u
 cd "$(dirname "$0")/.."
@@ -67,6 +70,15 @@ else
     step "augment on cuda" "$PY" benchmarks/augment.py --device cuda --n 2048 \
         --out benchmarks/results/augment-cuda.md
     step "FeatureCache GPU tier" "$PY" benchmarks/features.py --gpu
+fi
+
+gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+if [ "$gpus" -ge 2 ]; then
+    step "cluster exchange over NCCL" env MMCACHE_EXCHANGE_BACKEND=nccl \
+        "$PY" benchmarks/cluster.py --quick --out benchmarks/results/cluster-nccl.json
+else
+    echo
+    echo "== cluster exchange over NCCL: skipped ($gpus GPU; NCCL needs one device per rank)"
 fi
 
 echo
