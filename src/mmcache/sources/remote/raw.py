@@ -1,0 +1,87 @@
+"""The raw-bytes tier: remote objects' bytes (whole objects or byte ranges of shards) kept
+on local disk, keyed by URL + version stamp (ETag), under their own byte budget.
+
+A :class:`RawTier` is a :class:`~mmcache.stores.disk.DiskStore` (LMDB, the repo's
+policies, a hard budget) in its own directory, usually ``<cache root>/raw``. A key is
+the digest of ``(url, stamp, start, end)``: an object that changes gets a new ETag and
+so new keys, and its old bytes are never found again (they age out under the policy).
+So a run whose decoded samples do not fit the cache's budgets still reads from local
+disk after its first epoch, and goes on through an object-store outage on what it has.
+
+Thread- and process-safe (the DiskStore is); pickles as its configuration and reopens
+the environment in each process.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from mmcache import keys
+from mmcache.policies import Policy
+from mmcache.stores.disk import DiskStore
+from mmcache.units import parse_size
+
+__all__ = ["RawTier"]
+
+
+class RawTier:
+    """Raw bytes of remote objects on local disk (see the module docstring).
+
+    Args:
+        path: its directory (created; e.g. ``cache.root / "raw"``).
+        budget: bytes of payload it may hold (an int or ``"20GiB"``).
+        policy: admission/eviction policy by name or instance (``"lru"`` by default).
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], *, budget: int | str, policy: str | Policy = "lru"
+    ) -> None:
+        self.path = os.path.abspath(os.fspath(path))
+        self.budget = parse_size(budget)
+        self.policy = policy
+        self._store: DiskStore | None = None
+        self._pid = -1
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path, "budget": self.budget, "policy": self.policy}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._store = None
+        self._pid = -1
+
+    def __repr__(self) -> str:
+        return f"RawTier({self.path!r}, budget={self.budget})"
+
+    @property
+    def store(self) -> DiskStore:
+        """The DiskStore of this process (opened on first use)."""
+        if self._store is None or self._pid != os.getpid():
+            self._store = DiskStore(self.path, capacity=self.budget, policy=self.policy)
+            self._pid = os.getpid()
+        return self._store
+
+    @staticmethod
+    def key(url: str, stamp: str, start: int, end: int) -> bytes:
+        """The key of bytes ``[start, end)`` of version ``stamp`` of ``url``."""
+        return keys.digest("mmcache.raw", 1, url, stamp, start, end)
+
+    def get(self, url: str, stamp: str, start: int, end: int) -> bytes | None:
+        """The bytes if held, else ``None``."""
+        return self.store.get(self.key(url, stamp, start, end))
+
+    def contains(self, url: str, stamp: str, start: int, end: int) -> bool:
+        return self.store.contains(self.key(url, stamp, start, end))
+
+    def put(self, url: str, stamp: str, start: int, end: int, data: bytes) -> bool:
+        """Keep ``data``; False when the policy or the budget refuses it."""
+        return self.store.put(self.key(url, stamp, start, end), data)
+
+    def nbytes(self) -> int:
+        return self.store.nbytes()
+
+    def close(self) -> None:
+        if self._store is not None and self._pid == os.getpid():
+            self._store.close()
+        self._store = None
