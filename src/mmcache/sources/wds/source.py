@@ -143,6 +143,8 @@ class WebDatasetSource(torch.utils.data.Dataset[dict[str, Any] | None]):
         self._memo_ok = np.zeros(len(self), dtype=bool)
         self._state_path = self._make_state_path()
         self._state_mtime = -1
+        with contextlib.suppress(OSError):  # an older run's revalidations are not ours
+            self._state_mtime = os.stat(self._state_path).st_mtime_ns
 
     # -- opening -----------------------------------------------------------------------
     def _shard_stats(self) -> dict[int, tuple[int, str] | Exception]:
@@ -333,6 +335,16 @@ class WebDatasetSource(torch.utils.data.Dataset[dict[str, Any] | None]):
             return 0, 0
         return min(starts), max(ends)
 
+    def remote_span(self, index: int) -> tuple[str, str, int, int] | None:
+        """``(url, stamp, start, end)`` of sample ``index``'s bytes if its shard is remote
+        (what :class:`~mmcache.sources.remote.prefetch.RemotePrefetch` fetches), else ``None``."""
+        shard = int(self.columns.rows[index, C.SHARD])
+        loc = self.locations[shard]
+        start, end = self.span(index)
+        if not is_remote(loc) or end == start:
+            return None
+        return loc, self.shard_stamps[shard], start, end
+
     def read_span(self, index: int) -> bytes:
         """The bytes of :meth:`span` (raw tier, then the shard). Raises SampleError."""
         start, end = self.span(index)
@@ -447,32 +459,40 @@ class WebDatasetSource(torch.utils.data.Dataset[dict[str, Any] | None]):
         return list(out.values())
 
     # -- revalidation (remote shards) ----------------------------------------------------
-    def _make_state_path(self) -> str | None:
-        if not any(is_remote(loc) for loc in self.locations):
-            return None
+    def _make_state_path(self) -> str:
         base = self.index_dir or tempfile.gettempdir()
         name = keys.digest("mmcache.wds-state", *self.locations).hex()
         return os.path.join(base, f"state-{name}.json")
 
     def revalidate(self) -> list[str]:
-        """Check every remote shard's stamp (ETag) again, batched; index the changed ones
-        again and re-key their samples (here and, through the state file, in every other
-        process). Returns the URLs that changed. Raises :class:`RemoteError` when the
-        store cannot be reached (nothing changes then)."""
-        urls = [loc for loc in self.locations if is_remote(loc)]
-        if not urls:
-            return []
-        now = self.remote.stamps(urls)
+        """Check every shard's stamp again (a ``stat``; the ETags of remote shards batched),
+        index the changed ones again and re-key their samples, here and, through the
+        state file, in every other process. Returns the shards that changed. Raises
+        :class:`RemoteError` (after taking the shards it could check) when some could not
+        be checked: the store cannot be reached, or an object is gone."""
+        stats = self._shard_stats()
         changed = []
-        for url in urls:
-            s = self.locations.index(url)
-            size, stamp = now[url]
-            stamp = stamp or f"size={size}"
+        failure: Exception | None = None
+        for s, loc in enumerate(self.locations):
+            stat = stats[s]
+            if isinstance(stat, Exception):
+                failure = failure or stat
+                continue
+            size, stamp = stat
             if stamp != self.shard_stamps[s]:
-                self._apply(s, self._index(s, size, stamp))
-                changed.append(url)
-        if changed and self._state_path is not None:
+                try:
+                    index = self._index(s, size, stamp)
+                except (OSError, RemoteError, EOFError, tarfile.TarError) as exc:
+                    failure = failure or exc
+                    continue
+                self._apply(s, index)
+                changed.append(loc)
+        if changed:
             self._write_state()
+        if failure is not None:
+            if isinstance(failure, RemoteError):
+                raise failure
+            raise RemoteError(getattr(failure, "filename", None) or "?", None, True, str(failure))
         return changed
 
     def _apply(self, s: int, index: ShardIndex) -> None:
@@ -493,11 +513,14 @@ class WebDatasetSource(torch.utils.data.Dataset[dict[str, Any] | None]):
         self.columns = SampleColumns(rows, self.columns.id_buf, self.columns.id_off)
         self.shard_stamps[s] = index.stamp
         self._sizes[s] = index.size
+        fd = self._fds.pop(s, None) if self._fd_pid == os.getpid() else None
+        if fd is not None:  # a replaced file: the next read opens the new one
+            with contextlib.suppress(OSError):
+                os.close(fd)
         logger.warning("shard %s changed (now %s): its samples are read again", index.location,
                        index.stamp)
 
     def _write_state(self) -> None:
-        assert self._state_path is not None
         os.makedirs(os.path.dirname(self._state_path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self._state_path), prefix=".tmp-")
         with os.fdopen(fd, "w", encoding="utf-8") as out:
@@ -511,8 +534,6 @@ class WebDatasetSource(torch.utils.data.Dataset[dict[str, Any] | None]):
 
     def _refresh(self) -> None:
         """Take the shard stamps another process revalidated (one ``stat`` when none did)."""
-        if self._state_path is None:
-            return
         try:
             mtime = os.stat(self._state_path).st_mtime_ns
         except OSError:
