@@ -120,7 +120,9 @@ def test_an_overwritten_object_is_fetched_again(
     src = source(urls, small_pipeline, s3, tmp_path, raw=raw)
     cache = Cache(cache_root, memory="64MiB", disk="64MiB")
     try:
-        loader = DataLoader(src, cache=cache, batch_size=5, shuffle=False, hooks=[RemotePrefetch(src)])
+        loader = DataLoader(
+            src, cache=cache, batch_size=5, shuffle=False, hooks=[RemotePrefetch(src)]
+        )
         list(loader)
         list(loader)  # warm: served by the cache
         keys_before = src.key_rows(range(N)).copy()
@@ -141,7 +143,7 @@ def test_an_overwritten_object_is_fetched_again(
 
 def test_a_404_under_raise_and_skip(s3, local_shards, small_pipeline, tmp_path):
     urls = upload(s3, local_shards)
-    with pytest.raises(ManifestError, match="s3://data/wds/nope.tar") as info:
+    with pytest.raises(ManifestError, match=r"s3://data/wds/nope\.tar") as info:
         source([*urls, "s3://data/wds/nope.tar"], small_pipeline, s3, tmp_path)
     assert "404" in str(info.value)
     strict = source(urls, small_pipeline, s3, tmp_path)

@@ -101,7 +101,7 @@ class TestWebDatasetContract(SourceContract):
 
 
 def test_shards_equal_loose_files_bitwise(shards: Any, small_pipeline: Pipeline, tmp_path: Path):
-    manifest, paths = shards
+    manifest, _paths = shards
     files = MultimodalDataset(manifest, pipeline=small_pipeline)
     src = WebDatasetSource(
         str(tmp_path / "shards" / "{00000..00002}.tar"),
@@ -245,8 +245,7 @@ def test_a_member_that_is_not_an_image(tmp_path: Path, small_pipeline: Pipeline)
 def test_image_without_text_and_text_without_image(tmp_path: Path, small_pipeline: Pipeline):
     path = write_tar(
         tmp_path / "t.tar",
-        [("img.jpg", _jpeg(0)), ("txt.txt", b"only a caption")]
-        + sample_members("ok", 2),
+        [("img.jpg", _jpeg(0)), ("txt.txt", b"only a caption"), *sample_members("ok", 2)],
     )
     src = WebDatasetSource(path, pipeline=small_pipeline, index_dir=False)
     assert src.ids([0, 1, 2]) == ["img", "txt", "ok"]
@@ -306,14 +305,14 @@ def test_an_unreadable_shard(
 def test_not_a_tar(tmp_path: Path, small_pipeline: Pipeline):
     bad = tmp_path / "bad.tar"
     bad.write_bytes(b"\x89PNG not a tar at all" * 100)
-    with pytest.raises(ManifestError, match="bad.tar"):
+    with pytest.raises(ManifestError, match=r"bad\.tar"):
         WebDatasetSource(bad, pipeline=small_pipeline, index_dir=False)
 
 
 def test_a_changed_local_shard_is_rekeyed_on_revalidate(
     shards: Any, small_pipeline: Pipeline, tmp_path: Path
 ):
-    manifest, paths = shards
+    _manifest, paths = shards
     src = WebDatasetSource(paths, pipeline=small_pipeline, index_dir=tmp_path / "idx")
     before = src.key_rows(range(12)).copy()
     image_before = src.produce(0)["image"]

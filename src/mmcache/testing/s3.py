@@ -25,7 +25,7 @@ from typing import Any
 
 __all__ = ["DelayProxy", "S3Endpoint", "free_port", "moto_s3"]
 
-KEY = SECRET = "testing"
+KEY = SECRET = "testing"  # noqa: S105 - moto accepts any credentials
 REGION = "us-east-1"
 
 

@@ -165,7 +165,6 @@ def scan(
                     if wh is not None:
                         dims[member.name] = wh
     finally:
-        tar.members = []  # the headers were copied out; free them
         tar.close()
     return ShardIndex(
         location, stamp, size, tuple(names), tuple(offsets), tuple(sizes), dims, truncated

@@ -517,8 +517,9 @@ class WebDatasetSource(torch.utils.data.Dataset[dict[str, Any] | None]):
         if fd is not None:  # a replaced file: the next read opens the new one
             with contextlib.suppress(OSError):
                 os.close(fd)
-        logger.warning("shard %s changed (now %s): its samples are read again", index.location,
-                       index.stamp)
+        logger.warning(
+            "shard %s changed (now %s): its samples are read again", index.location, index.stamp
+        )
 
     def _write_state(self) -> None:
         os.makedirs(os.path.dirname(self._state_path), exist_ok=True)
@@ -550,7 +551,9 @@ class WebDatasetSource(torch.utils.data.Dataset[dict[str, Any] | None]):
             return
         stamps, sizes = state.get("stamps"), state.get("sizes")
         n = len(self.locations)
-        if not (isinstance(stamps, list) and isinstance(sizes, list) and len(stamps) == n == len(sizes)):
+        if not (
+            isinstance(stamps, list) and isinstance(sizes, list) and len(stamps) == n == len(sizes)
+        ):
             return
         for s, (stamp, size) in enumerate(zip(stamps, sizes, strict=True)):
             if isinstance(stamp, str) and stamp and stamp != self.shard_stamps[s]:

@@ -106,7 +106,9 @@ class SampleTable:
 
     @staticmethod
     def group(
-        index: ShardIndex, image_exts: Sequence[str], text_exts: Sequence[str],
+        index: ShardIndex,
+        image_exts: Sequence[str],
+        text_exts: Sequence[str],
         json_exts: Sequence[str],
     ) -> tuple[dict[str, dict[str, tuple[str, int, int]]], list[Problem]]:
         """``key -> {role: (member, offset, size)}`` of one shard (roles ``image``, ``text``,
