@@ -1,0 +1,252 @@
+"""Sources benchmark (issue 16): the same samples as loose files + JSONL, as WebDataset
+shards, and as shards on a local S3 server behind a 25 ms proxy, side by side.
+
+One run, the same COCO-sized synthetic samples (``mmcache.synth.make_dataset``), the
+same preprocessing (resize 256, crop 224, 32 tokens), batch size, workers and seed:
+
+- ``files``: ``MultimodalDataset`` over the JSONL manifest and the loose JPEGs;
+- ``wds``: ``WebDatasetSource`` over the same samples written as tar shards;
+- ``wds-s3``: the same shards uploaded to moto's S3 server (a separate process on
+  127.0.0.1) read through ``s3://`` behind a TCP proxy adding ``--latency`` (25 ms) to
+  every request, with a raw-bytes tier and ``RemotePrefetch`` (16 threads);
+- ``parquet``: left for the Parquet source (issue 16, tabular part): filled in when
+  ``mmcache.sources.parquet`` exists in the tree this runs from;
+- ``webdataset``: the webdataset library (1.0.2) reading the same shards in place with
+  the same preprocessing (no cache: every epoch is a cold one).
+
+Each mmcache row: a cold epoch (empty cache root and raw tier; shard indexes already
+built, as on any run after the first) and warm epochs (everything in the memory tier;
+median of ``--warm`` epochs), in samples/s, and the ratios the issue asks for.
+Nothing here is a pass/fail time.
+
+    .venv/bin/python benchmarks/sources.py              # 3,000 samples, ~3 min on 2 cores
+    .venv/bin/python benchmarks/sources.py --quick      # 300 samples
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import mmcache as mc
+from mmcache.cache import Cache
+from mmcache.sources.bytesproc import process_bytes
+from mmcache.sources.remote import RawTier
+from mmcache.sources.remote.prefetch import RemotePrefetch
+from mmcache.sources.wds import WebDatasetSource, write_shards
+from mmcache.testing.s3 import KEY, REGION, SECRET, DelayProxy, free_port
+
+torch.set_num_threads(1)
+
+
+@contextlib.contextmanager
+def moto_process() -> Iterator[str]:
+    """moto's S3 server in its own process (so that it does not share our GIL)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        import boto3
+
+        client = boto3.client(
+            "s3",
+            endpoint_url=url,
+            aws_access_key_id=KEY,
+            aws_secret_access_key=SECRET,
+            region_name=REGION,
+        )
+        for _ in range(100):
+            try:
+                client.list_buckets()
+                break
+            except Exception:  # not listening yet
+                time.sleep(0.1)
+        client.create_bucket(Bucket="data")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def epoch_rate(loader: Any) -> float:
+    t0 = time.perf_counter()
+    n = sum(len(b["id"]) for b in loader)
+    return n / (time.perf_counter() - t0)
+
+
+def run_mmcache(
+    name: str,
+    make: Callable[[Path], tuple[Any, list[Any]]],
+    tmp: Path,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    root = tmp / f"cache-{name}"
+    src, hooks = make(tmp / f"raw-{name}")
+    cache = Cache(root, memory="3GiB", disk=None, temporary=True)
+    try:
+        loader = mc.DataLoader(
+            src,
+            cache=cache,
+            batch_size=args.batch,
+            num_workers=args.workers,
+            persistent_workers=True,
+            seed=0,
+            hooks=hooks,
+        )
+        cold = epoch_rate(loader)
+        warm = [epoch_rate(loader) for _ in range(args.warm)]
+        del loader
+    finally:
+        cache.close()
+    return {"name": name, "cold": cold, "warm": statistics.median(warm), "warm_all": warm}
+
+
+def run_webdataset(shards: list[Path], pipe: mc.Pipeline, args: argparse.Namespace) -> Any:
+    try:
+        import webdataset as wds
+    except ImportError as exc:
+        return {"name": "webdataset", "error": str(exc)}
+
+    def prep(sample: dict[str, Any]) -> dict[str, Any]:
+        text = sample["txt"].decode("utf-8")
+        out = process_bytes(pipe, sample["jpg"], text, sample_id=sample["__key__"], path=None)
+        return {k: torch.from_numpy(v) for k, v in out.items()}
+
+    urls = [str(p) for p in shards]
+    ds = (
+        wds.WebDataset(urls, shardshuffle=len(urls), empty_check=False)
+        .shuffle(1000)
+        .map(prep)
+        .batched(args.batch, partial=True)
+    )
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=args.workers)
+    rates = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        n = sum(len(b["image"]) for b in loader)
+        rates.append(n / (time.perf_counter() - t0))
+    return {"name": "webdataset", "cold": rates[0], "warm": rates[1], "warm_all": rates[1:]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--n", type=int, default=3000)
+    ap.add_argument("--per-shard", type=int, default=500)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--warm", type=int, default=3)
+    ap.add_argument("--latency", type=float, default=0.025)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = ap.parse_args()
+    if args.quick:
+        args.n, args.per_shard, args.warm = 300, 100, 2
+
+    with tempfile.TemporaryDirectory(prefix="mmcache-sources-") as d:
+        tmp = Path(d)
+        manifest = mc.synth.make_dataset(tmp / "data", args.n, seed=0)
+        shards = write_shards(manifest, tmp / "shards", per_shard=args.per_shard)
+        tok = mc.train_tokenizer(mc.synth.synth_captions(2000), vocab_size=2048)
+        pipe = mc.Pipeline(
+            image=mc.ImageSpec(size=224, resize=256), text=mc.TextSpec(tok, max_length=32)
+        )
+        index = tmp / "wds-index"
+        rows: list[dict[str, Any]] = []
+
+        def files(_: Path) -> tuple[Any, list[Any]]:
+            return mc.MultimodalDataset(manifest, pipeline=pipe), []
+
+        def local(_: Path) -> tuple[Any, list[Any]]:
+            return WebDatasetSource(shards, pipeline=pipe, index_dir=index), []
+
+        rows.append(run_mmcache("files", files, tmp, args))
+        WebDatasetSource(shards, pipeline=pipe, index_dir=index)  # the indexes, once
+        rows.append(run_mmcache("wds", local, tmp, args))
+        try:
+            from mmcache.sources import parquet  # noqa: F401  (the tabular part of issue 16)
+        except ImportError:
+            rows.append({"name": "parquet", "error": "mmcache.sources.parquet not in this tree"})
+        with moto_process() as url:
+            import boto3
+
+            client = boto3.client(
+                "s3",
+                endpoint_url=url,
+                aws_access_key_id=KEY,
+                aws_secret_access_key=SECRET,
+                region_name=REGION,
+            )
+            for p in shards:
+                client.upload_file(str(p), "data", f"wds/{p.name}")
+            urls = [f"s3://data/wds/{p.name}" for p in shards]
+            port = int(url.rsplit(":", 1)[1])
+            with DelayProxy("127.0.0.1", port, delay=args.latency) as proxy:
+                options = {
+                    "key": KEY,
+                    "secret": SECRET,
+                    "client_kwargs": {"endpoint_url": proxy.url, "region_name": REGION},
+                }
+
+                def remote(raw_dir: Path) -> tuple[Any, list[Any]]:
+                    src = WebDatasetSource(
+                        urls,
+                        pipeline=pipe,
+                        index_dir=index,
+                        storage_options=options,
+                        raw=RawTier(raw_dir, budget="4GiB"),
+                    )
+                    return src, [RemotePrefetch(src, threads=16)]
+
+                remote(tmp / "raw-index-warmup")  # the indexes, once
+                rows.append(run_mmcache("wds-s3", remote, tmp, args))
+        rows.append(run_webdataset(shards, pipe, args))
+
+    by = {r["name"]: r for r in rows if "cold" in r}
+    ratios = {}
+    if {"files", "wds"} <= by.keys():
+        ratios["cold wds / files (target >= 0.95)"] = by["wds"]["cold"] / by["files"]["cold"]
+        ratios["warm wds / files (target 0.9-1.1)"] = by["wds"]["warm"] / by["files"]["warm"]
+    if {"wds", "wds-s3"} <= by.keys():
+        ratios["cold s3 / wds (target >= 0.8)"] = by["wds-s3"]["cold"] / by["wds"]["cold"]
+        ratios["warm s3 / wds (target 0.9-1.1)"] = by["wds-s3"]["warm"] / by["wds"]["warm"]
+    lines = [
+        f"n={args.n}, batch={args.batch}, workers={args.workers}, latency={args.latency * 1e3:.0f} ms",
+        "",
+        "| source | cold epoch (samples/s) | warm epoch (samples/s) |",
+        "|---|---:|---:|",
+    ]
+    for r in rows:
+        if "cold" in r:
+            lines.append(f"| {r['name']} | {r['cold']:.0f} | {r['warm']:.0f} |")
+        else:
+            lines.append(f"| {r['name']} | - | - ({r['error']}) |")
+    lines += ["", "| ratio | value |", "|---|---:|"]
+    lines += [f"| {k} | {v:.2f} |" for k, v in ratios.items()]
+    text = "\n".join(lines)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "sources-latest.md").write_text(text + "\n")
+    (args.out / "sources-latest.json").write_text(
+        json.dumps({"rows": rows, "ratios": ratios, "args": vars(args) | {"out": str(args.out)}})
+    )
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
