@@ -224,14 +224,16 @@ class Remote:
         info: dict[str, Any] = self.call(url, fresh)
         return info
 
-    def stamps(self, urls: Sequence[str]) -> dict[str, tuple[int, str | None]]:
+    def stamps(self, urls: Sequence[str]) -> dict[str, tuple[int, str | None] | RemoteError]:
         """``url -> (size, stamp)`` of many objects, batched: one fresh listing of each
-        directory holding several of them, ``info`` for the rest. Raises
-        :class:`RemoteError` (a permanent one for a missing object)."""
+        directory holding several of them, ``info`` for the rest; an object that cannot
+        be found or read maps to its permanent :class:`RemoteError` (404, 403). Raises
+        :class:`RemoteError` when the store cannot be reached (a transient error that
+        outlived the retries)."""
         by_dir: dict[str, list[str]] = {}
         for url in urls:
             by_dir.setdefault(url.rsplit("/", 1)[0], []).append(url)
-        out: dict[str, tuple[int, str | None]] = {}
+        out: dict[str, tuple[int, str | None] | RemoteError] = {}
         for directory, members in by_dir.items():
             if len(members) > 1:
                 fs, path = self.filesystem(directory)
@@ -241,7 +243,12 @@ class Remote:
                     entries: list[dict[str, Any]] = fs.ls(path, detail=True)
                     return entries
 
-                entries = self.call(directory, listing)
+                try:
+                    entries = self.call(directory, listing)
+                except RemoteError as err:
+                    if not err.permanent:
+                        raise
+                    entries = []  # not listable (no permission, not a directory): one by one
                 names = {fs._strip_protocol(e["name"]): e for e in entries}
                 for url in members:
                     entry = names.get(fs._strip_protocol(url))
@@ -249,6 +256,12 @@ class Remote:
                         out[url] = (int(entry.get("size") or 0), object_stamp(entry))
             for url in members:
                 if url not in out:
-                    info = self.info(url)
+                    try:
+                        info = self.info(url)
+                    except RemoteError as err:
+                        if not err.permanent:
+                            raise
+                        out[url] = err
+                        continue
                     out[url] = (int(info.get("size") or 0), object_stamp(info))
         return out

@@ -18,11 +18,13 @@ import os
 from typing import Any
 
 from mmcache import keys
+from mmcache.errors import SampleError
 from mmcache.policies import Policy
+from mmcache.sources.remote.fs import Remote, RemoteError
 from mmcache.stores.disk import DiskStore
 from mmcache.units import parse_size
 
-__all__ = ["RawTier"]
+__all__ = ["RawTier", "fetch_bytes"]
 
 
 class RawTier:
@@ -85,3 +87,32 @@ class RawTier:
         if self._store is not None and self._pid == os.getpid():
             self._store.close()
         self._store = None
+
+
+def fetch_bytes(
+    remote: Remote,
+    raw: RawTier | None,
+    url: str,
+    stamp: str,
+    start: int,
+    end: int,
+    *,
+    sample_id: str,
+) -> bytes:
+    """Bytes ``[start, end)`` of version ``stamp`` of ``url``: from ``raw`` if it holds
+    them, else one ranged GET (retried on transient errors) kept in ``raw``. Raises
+    :class:`~mmcache.errors.SampleError` naming the URL and the HTTP status."""
+    if raw is not None:
+        held = raw.get(url, stamp, start, end)
+        if held is not None:
+            return held
+    try:
+        data = remote.read(url, start, end)
+    except RemoteError as err:
+        status = f"HTTP {err.status}" if err.status is not None else "no response"
+        raise SampleError(
+            f"cannot fetch {url} ({status}): {err.reason}", sample_id=sample_id, path=url
+        ) from err
+    if raw is not None:
+        raw.put(url, stamp, start, end, data)
+    return data

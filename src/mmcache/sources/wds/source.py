@@ -49,7 +49,8 @@ from mmcache.sources.bytesproc import StagedProcessor, process_bytes
 from mmcache.sources.files import check_on_error
 from mmcache.sources.rejects import Reject, RejectLog
 from mmcache.sources.remote.fs import Remote, RemoteError, is_remote
-from mmcache.sources.remote.raw import RawTier
+from mmcache.sources.remote.raw import RawTier, fetch_bytes
+from mmcache.sources.remote.state import SharedStamps
 from mmcache.sources.wds.index import ShardIndex, load_or_build
 from mmcache.sources.wds.table import Problem, SampleColumns, SampleTable, expand_shards
 
@@ -141,33 +142,28 @@ class WebDatasetSource(torch.utils.data.Dataset[dict[str, Any] | None]):
         self._open_all()
         self._memo = np.zeros((len(self), 16), dtype=np.uint8)
         self._memo_ok = np.zeros(len(self), dtype=bool)
-        self._state_path = self._make_state_path()
-        self._state_mtime = -1
-        with contextlib.suppress(OSError):  # an older run's revalidations are not ours
-            self._state_mtime = os.stat(self._state_path).st_mtime_ns
+        self._state = SharedStamps(self._make_state_path())
 
     # -- opening -----------------------------------------------------------------------
     def _shard_stats(self) -> dict[int, tuple[int, str] | Exception]:
         """``shard number -> (size, stamp)``, or the error that kept it from being read."""
         out: dict[int, tuple[int, str] | Exception] = {}
         urls = [loc for loc in self.locations if is_remote(loc)]
-        remote: dict[str, tuple[int, str | None]] = {}
+        remote: dict[str, tuple[int, str | None] | RemoteError] = {}
         if urls:
             try:
                 remote = self.remote.stamps(urls)
-            except RemoteError as exc:
-                remote = {}
-                for url in urls:  # one by one, so that one bad object names itself
-                    try:
-                        remote.update(self.remote.stamps([url]))
-                    except RemoteError as one:
-                        out[self.locations.index(url)] = one
-                del exc
+            except RemoteError as err:  # the store cannot be reached
+                remote = dict.fromkeys(urls, err)
         for s, loc in enumerate(self.locations):
             if s in out:
                 continue
             if is_remote(loc):
-                size, stamp = remote[loc]
+                got = remote[loc]
+                if isinstance(got, RemoteError):
+                    out[s] = got
+                    continue
+                size, stamp = got
                 out[s] = (size, stamp or f"size={size}")
                 continue
             try:
@@ -375,20 +371,7 @@ class WebDatasetSource(torch.utils.data.Dataset[dict[str, Any] | None]):
     def fetch(self, url: str, stamp: str, start: int, end: int, *, sample_id: str) -> bytes:
         """Bytes ``[start, end)`` of version ``stamp`` of ``url``: from the raw tier, else one
         ranged GET (kept in the raw tier). SampleError naming the URL (and HTTP status)."""
-        if self.raw is not None:
-            held = self.raw.get(url, stamp, start, end)
-            if held is not None:
-                return held
-        try:
-            data = self.remote.read(url, start, end)
-        except RemoteError as err:
-            status = f"HTTP {err.status}" if err.status is not None else "no response"
-            raise SampleError(
-                f"cannot fetch {url} ({status}): {err.reason}", sample_id=sample_id, path=url
-            ) from err
-        if self.raw is not None:
-            self.raw.put(url, stamp, start, end, data)
-        return data
+        return fetch_bytes(self.remote, self.raw, url, stamp, start, end, sample_id=sample_id)
 
     def _fd(self, shard: int) -> int:
         if self._fd_pid != os.getpid():
@@ -522,50 +505,32 @@ class WebDatasetSource(torch.utils.data.Dataset[dict[str, Any] | None]):
         )
 
     def _write_state(self) -> None:
-        os.makedirs(os.path.dirname(self._state_path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self._state_path), prefix=".tmp-")
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            json.dump(
-                {"locations": self.locations, "stamps": self.shard_stamps, "sizes": self._sizes},
-                out,
-            )
-        os.replace(tmp, self._state_path)
-        with contextlib.suppress(OSError):
-            self._state_mtime = os.stat(self._state_path).st_mtime_ns
+        self._state.publish(
+            {"locations": self.locations, "stamps": self.shard_stamps, "sizes": self._sizes}
+        )
 
     def _refresh(self) -> None:
         """Take the shard stamps another process revalidated (one ``stat`` when none did)."""
-        try:
-            mtime = os.stat(self._state_path).st_mtime_ns
-        except OSError:
-            return
-        if mtime == self._state_mtime:
-            return
-        self._state_mtime = mtime
-        try:
-            with open(self._state_path, encoding="utf-8") as fh:
-                state = json.load(fh)
-        except (OSError, ValueError):
-            return
-        if not isinstance(state, dict) or state.get("locations") != self.locations:
+        state = self._state.poll()
+        if state is None or state.get("locations") != self.locations:
             return
         stamps, sizes = state.get("stamps"), state.get("sizes")
         n = len(self.locations)
-        if not (
-            isinstance(stamps, list) and isinstance(sizes, list) and len(stamps) == n == len(sizes)
-        ):
+        if not (isinstance(stamps, list) and isinstance(sizes, list)):
+            return
+        if not len(stamps) == n == len(sizes):
             return
         for s, (stamp, size) in enumerate(zip(stamps, sizes, strict=True)):
-            if isinstance(stamp, str) and stamp and stamp != self.shard_stamps[s]:
-                if not isinstance(size, int):
-                    continue
-                try:
-                    index = self._index(s, size, stamp)
-                except (RemoteError, OSError) as exc:
-                    logger.warning("cannot take the new version of %s: %s", self.locations[s], exc)
-                    continue
-                if index.stamp == stamp:
-                    self._apply(s, index)
+            if not (isinstance(stamp, str) and stamp and isinstance(size, int)):
+                continue
+            if stamp == self.shard_stamps[s]:
+                continue
+            try:
+                index = self._index(s, size, stamp)
+            except (RemoteError, OSError, EOFError, tarfile.TarError) as exc:
+                logger.warning("cannot take the new version of %s: %s", self.locations[s], exc)
+                continue
+            self._apply(s, index)
 
     # -- pickling ------------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
