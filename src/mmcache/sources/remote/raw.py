@@ -90,18 +90,12 @@ class RawTier:
 
 
 def fetch_bytes(
-    remote: Remote,
-    raw: RawTier | None,
-    url: str,
-    stamp: str,
-    start: int,
-    end: int,
-    *,
-    sample_id: str,
+    remote: Remote, raw: RawTier | None, span: tuple[str, str, int, int], *, sample_id: str
 ) -> bytes:
-    """Bytes ``[start, end)`` of version ``stamp`` of ``url``: from ``raw`` if it holds
+    """Bytes ``[start, end)`` of version ``stamp`` of ``url`` (``span``): from ``raw`` if it holds
     them, else one ranged GET (retried on transient errors) kept in ``raw``. Raises
     :class:`~mmcache.errors.SampleError` naming the URL and the HTTP status."""
+    url, stamp, start, end = span
     if raw is not None:
         held = raw.get(url, stamp, start, end)
         if held is not None:

@@ -31,7 +31,6 @@ numpy columns and small lists.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import tarfile
@@ -371,7 +370,7 @@ class WebDatasetSource(torch.utils.data.Dataset[dict[str, Any] | None]):
     def fetch(self, url: str, stamp: str, start: int, end: int, *, sample_id: str) -> bytes:
         """Bytes ``[start, end)`` of version ``stamp`` of ``url``: from the raw tier, else one
         ranged GET (kept in the raw tier). SampleError naming the URL (and HTTP status)."""
-        return fetch_bytes(self.remote, self.raw, url, stamp, start, end, sample_id=sample_id)
+        return fetch_bytes(self.remote, self.raw, (url, stamp, start, end), sample_id=sample_id)
 
     def _fd(self, shard: int) -> int:
         if self._fd_pid != os.getpid():
