@@ -52,6 +52,10 @@ from mmcache.policies import Policy, Residents, get_policy, policy_names, regist
 from mmcache.sampler import EpochSampler
 from mmcache.sources.base import SampleSource, StampKind
 from mmcache.sources.files import FileSource
+from mmcache.sources.remote import RawTier
+from mmcache.sources.remote.files import RemoteFileSource
+from mmcache.sources.remote.prefetch import RemotePrefetch
+from mmcache.sources.wds import WebDatasetSource
 from mmcache.stats import CacheStats, EpochStats, LoaderStats, TierStats
 from mmcache.stores.base import BatchReader, Store
 from mmcache.stores.disk import DiskStore
@@ -100,8 +104,11 @@ __all__ = [
     "MultimodalDataset",
     "Pipeline",
     "Policy",
+    "RawTier",
     "Records",
     "Reject",
+    "RemoteFileSource",
+    "RemotePrefetch",
     "Residents",
     "Sample",
     "SampleError",
@@ -114,6 +121,7 @@ __all__ = [
     "TieredStore",
     "VerifyReport",
     "WarmReport",
+    "WebDatasetSource",
     "__version__",
     "callable_fingerprint",
     "codec",
