@@ -230,3 +230,17 @@ def test_prefetch_needs_a_raw_tier(s3, local_shards, small_pipeline, tmp_path):
     src = source(upload(s3, local_shards), small_pipeline, s3, tmp_path)
     with pytest.raises(ConfigError, match="raw tier"):
         RemotePrefetch(src)
+
+
+def test_the_raw_tier_keeps_its_budget_and_keys_by_version(tmp_path):
+    raw = RawTier(tmp_path / "raw", budget="256KiB")
+    blob = bytes(range(256)) * 256  # 64 KiB
+    for i in range(10):
+        assert raw.put(f"s3://b/{i}.tar", "ETag=a", 0, len(blob), blob)
+    assert raw.nbytes() <= 256 * 1024
+    assert raw.get("s3://b/9.tar", "ETag=a", 0, len(blob)) == blob  # the newest stay (lru)
+    assert raw.get("s3://b/0.tar", "ETag=a", 0, len(blob)) is None
+    # another version, or another range, of the same object is another entry
+    assert raw.get("s3://b/9.tar", "ETag=b", 0, len(blob)) is None
+    assert raw.get("s3://b/9.tar", "ETag=a", 1, len(blob)) is None
+    raw.close()

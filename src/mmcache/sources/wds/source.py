@@ -138,6 +138,7 @@ class WebDatasetSource(torch.utils.data.Dataset[dict[str, Any] | None]):
         self._fd_pid = os.getpid()
         self.shard_stamps: list[str] = [""] * len(self.locations)
         self._sizes: list[int] = [0] * len(self.locations)
+        self._shard_ints: np.ndarray | None = None  # stamps() column 0 per shard, made lazily
         self._open_all()
         self._memo = np.zeros((len(self), 16), dtype=np.uint8)
         self._memo_ok = np.zeros(len(self), dtype=bool)
@@ -280,11 +281,12 @@ class WebDatasetSource(torch.utils.data.Dataset[dict[str, Any] | None]):
         idx = self._checked(indices)
         self._refresh()
         rows = self.columns.rows[idx]
-        shard_ids = np.array(
-            [self._stamp_int(s) for s in range(len(self.locations))], dtype=np.int64
-        )
+        if self._shard_ints is None:
+            self._shard_ints = np.array(
+                [self._stamp_int(s) for s in range(len(self.locations))], dtype=np.int64
+            )
         out = np.empty((idx.shape[0], 5), dtype=np.int64)
-        out[:, 0] = shard_ids[rows[:, C.SHARD]] if len(shard_ids) else 0
+        out[:, 0] = self._shard_ints[rows[:, C.SHARD]]
         out[:, 1:] = rows[:, [C.IMG_OFF, C.IMG_LEN, C.TXT_OFF, C.TXT_LEN]]
         return out
 
@@ -495,6 +497,7 @@ class WebDatasetSource(torch.utils.data.Dataset[dict[str, Any] | None]):
         self.columns = SampleColumns(rows, self.columns.id_buf, self.columns.id_off)
         self.shard_stamps[s] = index.stamp
         self._sizes[s] = index.size
+        self._shard_ints = None
         fd = self._fds.pop(s, None) if self._fd_pid == os.getpid() else None
         if fd is not None:  # a replaced file: the next read opens the new one
             with contextlib.suppress(OSError):
