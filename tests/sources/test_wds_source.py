@@ -324,3 +324,52 @@ def test_a_changed_local_shard_is_rekeyed_on_revalidate(
     assert not (after[:5] == before[:5]).all(axis=1).any()
     np.testing.assert_array_equal(after[5:], before[5:])
     assert not np.array_equal(src.produce(0)["image"], image_before)
+
+
+def test_warm_epochs_of_shards_are_guessed_and_a_changed_shard_is_not_served_stale(
+    shards: Any, small_pipeline: Pipeline, tmp_path: Path, cache_root: Path
+):
+    from mmcache.cache import Cache
+    from mmcache.loader import LoaderHook
+
+    _, paths = shards
+
+    class Seen(LoaderHook):
+        def __init__(self) -> None:
+            self.guessed: dict[int, list[bool]] = {}
+
+        def after_assemble(self, batch: dict[str, Any], ctx: Any) -> dict[str, Any]:
+            self.guessed.setdefault(ctx.epoch, []).append(ctx.guessed)
+            return batch
+
+    src = WebDatasetSource(paths, pipeline=small_pipeline, index_dir=tmp_path / "idx")
+    cache = Cache(cache_root, memory="32MiB", disk=None)
+    seen = Seen()
+    loader = DataLoader(
+        src,
+        cache=cache,
+        batch_size=4,
+        shuffle=False,
+        num_workers=1,
+        persistent_workers=True,
+        hooks=[seen],
+    )
+    try:
+        first = [b["image"].clone() for b in loader]
+        warm = [b["image"].clone() for b in loader]
+        assert seen.guessed[1] and all(seen.guessed[1]), "a warm epoch of shards is not guessed"
+        for a, b in zip(first, warm, strict=True):
+            assert bool((a == b).all())
+        # shard 0 replaced by other images under the same keys, then revalidated
+        other = make_dataset(tmp_path / "other", 5, seed=9)
+        write_shards(other, tmp_path / "new", per_shard=5)
+        os.replace(tmp_path / "new" / "00000.tar", paths[0])
+        assert src.revalidate() == [str(paths[0])]
+        after = [row for b in loader for row in b["image"]]
+        fresh = WebDatasetSource(paths[0], pipeline=small_pipeline, index_dir=False)
+        for j in range(5):
+            np.testing.assert_array_equal(after[j].numpy(), fresh.produce(j)["image"])
+        np.testing.assert_array_equal(after[5].numpy(), first[1][1].numpy())
+    finally:
+        loader.close()
+        cache.close()
