@@ -28,7 +28,7 @@ import torch
 
 from mmcache.errors import ConfigError, SampleError
 from mmcache.pipeline import Pipeline
-from mmcache.sources.base import OnError
+from mmcache.sources.base import OnError, SampleSource
 from mmcache.sources.files import FileSource, Sample, check_on_error
 from mmcache.sources.records import Records
 from mmcache.sources.rejects import Reject
@@ -60,6 +60,21 @@ class MultimodalDataset(FileSource, torch.utils.data.Dataset[dict[str, Any] | No
     """
 
     pipeline: Pipeline
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """``MultimodalDataset(source)`` with a source object (a ``WebDatasetSource``...)
+        returns that source as it is (each is a torch Dataset); a manifest makes a new one."""
+        first = args[0] if args else kwargs.get("manifest")
+        if first is not None and not isinstance(first, (str, os.PathLike, Records)):
+            if isinstance(first, SampleSource):
+                pipeline = kwargs.get("pipeline")
+                if pipeline is not None and pipeline.fingerprint() != first.fingerprint():
+                    raise ConfigError(
+                        "MultimodalDataset(source, pipeline=...): the pipeline differs from "
+                        "the source's own; give it to the source"
+                    )
+                return first
+        return super().__new__(cls)
 
     def __init__(
         self,

@@ -373,3 +373,17 @@ def test_warm_epochs_of_shards_are_guessed_and_a_changed_shard_is_not_served_sta
     finally:
         loader.close()
         cache.close()
+
+
+def test_multimodal_dataset_takes_a_source_object(shards: Any, small_pipeline: Pipeline):
+    import pickle
+
+    manifest, paths = shards
+    src = WebDatasetSource(paths, pipeline=small_pipeline, index_dir=False)
+    assert MultimodalDataset(src) is src
+    assert MultimodalDataset(src, pipeline=small_pipeline) is src
+    with pytest.raises(Exception, match="pipeline differs"):
+        MultimodalDataset(src, pipeline=Pipeline(image=small_pipeline.image))
+    ds = MultimodalDataset(manifest, pipeline=small_pipeline)  # a manifest: as before
+    assert isinstance(ds, MultimodalDataset)
+    assert pickle.loads(pickle.dumps(ds)).ids(range(3)) == ds.ids(range(3))
