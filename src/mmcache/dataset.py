@@ -65,15 +65,14 @@ class MultimodalDataset(FileSource, torch.utils.data.Dataset[dict[str, Any] | No
         """``MultimodalDataset(source)`` with a source object (a ``WebDatasetSource``...)
         returns that source as it is (each is a torch Dataset); a manifest makes a new one."""
         first = args[0] if args else kwargs.get("manifest")
-        if first is not None and not isinstance(first, (str, os.PathLike, Records)):
-            if isinstance(first, SampleSource):
-                pipeline = kwargs.get("pipeline")
-                if pipeline is not None and pipeline.fingerprint() != first.fingerprint():
-                    raise ConfigError(
-                        "MultimodalDataset(source, pipeline=...): the pipeline differs from "
-                        "the source's own; give it to the source"
-                    )
-                return first
+        if not isinstance(first, (str, os.PathLike, Records)) and isinstance(first, SampleSource):
+            pipeline = kwargs.get("pipeline")
+            if pipeline is not None and pipeline.fingerprint() != first.fingerprint():
+                raise ConfigError(
+                    "MultimodalDataset(source, pipeline=...): the pipeline differs from "
+                    "the source's own; give it to the source"
+                )
+            return first
         return super().__new__(cls)
 
     def __init__(
