@@ -18,7 +18,8 @@ same preprocessing (resize 256, crop 224, 32 tokens), batch size, workers and se
 
 Each mmcache row: a cold epoch (empty cache root and raw tier; shard indexes already
 built, as on any run after the first) and warm epochs (everything in the memory tier;
-median of ``--warm`` epochs), in samples/s, and the ratios the issue asks for.
+median of ``--warm`` epochs taken in turns, one of each row after another), in
+samples/s, and the ratios the issue asks for.
 Nothing here is a pass/fail time.
 
     .venv/bin/python benchmarks/sources.py              # 3,000 samples, ~3 min on 2 cores
@@ -92,31 +93,43 @@ def epoch_rate(loader: Any) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def run_mmcache(
-    name: str,
-    make: Callable[[Path], tuple[Any, list[Any]]],
-    tmp: Path,
-    args: argparse.Namespace,
-) -> dict[str, Any]:
-    root = tmp / f"cache-{name}"
-    src, hooks = make(tmp / f"raw-{name}")
-    cache = Cache(root, memory="3GiB", disk=None, temporary=True)
-    try:
-        loader = mc.DataLoader(
+class Run:
+    """One mmcache row: its loader and cache, kept open so that warm epochs of every row
+    can be taken in turns (the same machine noise for all)."""
+
+    def __init__(
+        self,
+        name: str,
+        make: Callable[[Path], tuple[Any, list[Any]]],
+        tmp: Path,
+        args: argparse.Namespace,
+    ) -> None:
+        self.name = name
+        src, hooks = make(tmp / f"raw-{name}")
+        self.cache = Cache(tmp / f"cache-{name}", memory="2GiB", disk=None, temporary=True)
+        self.loader = mc.DataLoader(
             src,
-            cache=cache,
+            cache=self.cache,
             batch_size=args.batch,
             num_workers=args.workers,
             persistent_workers=True,
             seed=0,
             hooks=hooks,
         )
-        cold = epoch_rate(loader)
-        warm = [epoch_rate(loader) for _ in range(args.warm)]
-        del loader
-    finally:
-        cache.close()
-    return {"name": name, "cold": cold, "warm": statistics.median(warm), "warm_all": warm}
+        self.cold = epoch_rate(self.loader)
+        self.warm: list[float] = []
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "cold": self.cold,
+            "warm": statistics.median(self.warm),
+            "warm_all": self.warm,
+        }
+
+    def close(self) -> None:
+        self.loader.close()
+        self.cache.close()
 
 
 def run_webdataset(shards: list[Path], pipe: mc.Pipeline, args: argparse.Namespace) -> Any:
@@ -154,7 +167,7 @@ def main() -> None:
     ap.add_argument("--per-shard", type=int, default=200)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--warm", type=int, default=3)
+    ap.add_argument("--warm", type=int, default=7)
     ap.add_argument("--latency", type=float, default=0.025)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -179,14 +192,15 @@ def main() -> None:
         def local(_: Path) -> tuple[Any, list[Any]]:
             return WebDatasetSource(shards, pipeline=pipe, index_dir=index), []
 
-        rows.append(run_mmcache("files", files, tmp, args))
+        runs = [Run("files", files, tmp, args)]
         WebDatasetSource(shards, pipeline=pipe, index_dir=index)  # the indexes, once
-        rows.append(run_mmcache("wds", local, tmp, args))
+        runs.append(Run("wds", local, tmp, args))
         try:
             from mmcache.sources import parquet  # noqa: F401  (the tabular part of issue 16)
         except ImportError:
             rows.append({"name": "parquet", "error": "mmcache.sources.parquet not in this tree"})
-        with moto_process() as url:
+        with contextlib.ExitStack() as stack:
+            url = stack.enter_context(moto_process())
             import boto3
 
             client = boto3.client(
@@ -201,27 +215,32 @@ def main() -> None:
             urls = [f"s3://data/wds/{p.name}" for p in shards]
             port = int(url.rsplit(":", 1)[1])
             for latency in (0.0, args.latency):
-                with DelayProxy("127.0.0.1", port, delay=latency) as proxy:
-                    options = {
-                        "key": KEY,
-                        "secret": SECRET,
-                        "client_kwargs": {"endpoint_url": proxy.url, "region_name": REGION},
-                    }
+                proxy = stack.enter_context(DelayProxy("127.0.0.1", port, delay=latency))
+                options = {
+                    "key": KEY,
+                    "secret": SECRET,
+                    "client_kwargs": {"endpoint_url": proxy.url, "region_name": REGION},
+                }
 
-                    def remote(raw_dir: Path, options: Any = options) -> tuple[Any, list[Any]]:
-                        src = WebDatasetSource(
-                            urls,
-                            pipeline=pipe,
-                            index_dir=index,
-                            storage_options=options,
-                            raw=RawTier(raw_dir, budget="4GiB"),
-                        )
-                        return src, [RemotePrefetch(src, threads=16)]
+                def remote(raw_dir: Path, options: Any = options) -> tuple[Any, list[Any]]:
+                    src = WebDatasetSource(
+                        urls,
+                        pipeline=pipe,
+                        index_dir=index,
+                        storage_options=options,
+                        raw=RawTier(raw_dir, budget="4GiB"),
+                    )
+                    return src, [RemotePrefetch(src, threads=16)]
 
-                    if latency == 0.0:
-                        remote(tmp / "raw-index-warmup")  # the indexes, once
-                    name = f"wds-s3-{latency * 1e3:.0f}ms"
-                    rows.append(run_mmcache(name, remote, tmp, args))
+                if latency == 0.0:
+                    remote(tmp / "raw-index-warmup")  # the indexes, once
+                runs.append(Run(f"wds-s3-{latency * 1e3:.0f}ms", remote, tmp, args))
+            for _ in range(args.warm):  # warm epochs in turns
+                for run in runs:
+                    run.warm.append(epoch_rate(run.loader))
+            rows = [run.row() for run in runs] + rows
+            for run in runs:
+                run.close()
         rows.append(run_webdataset(shards, pipe, args))
 
     by = {r["name"]: r for r in rows if "cold" in r}

@@ -43,6 +43,9 @@ __all__ = ["PrefetchSource", "RemotePrefetch"]
 
 logger = logging.getLogger(__name__)
 
+#: Spans remembered as held (a set of tuples: ~200 bytes each).
+_MAX_KNOWN = 5_000_000
+
 
 class PrefetchSource(Protocol):
     """What :class:`RemotePrefetch` needs of a source."""
@@ -85,6 +88,10 @@ class RemotePrefetch:
         #: Per epoch: GETs submitted, and whether the store could be revalidated.
         self.fetched = 0
         self.revalidated = True
+        # Spans held or fetched by this process in earlier epochs: a warm epoch skips them
+        # without asking the raw tier (a span evicted since is fetched by its worker).
+        # A changed object has a new stamp, hence new spans.
+        self._known: set[tuple[str, str, int, int]] = set()
 
     def before_epoch(self, ctx: Any) -> None:
         """Revalidate, then prefetch epoch ``ctx.epoch`` from batch ``ctx.start``."""
@@ -125,12 +132,15 @@ class RemotePrefetch:
         raw = self.source.raw
         assert raw is not None
         limit = threading.BoundedSemaphore(self.threads * 2)
-        seen: set[tuple[str, str, int, int]] = set()
+        seen = self._known
+        if len(seen) > _MAX_KNOWN:
+            seen.clear()
 
         def one(span: tuple[str, str, int, int], index: int) -> None:
             try:
                 if not raw.contains(*span):
                     self.source.fetch(*span, sample_id=self.source.sample_id(index))
+                seen.add(span)
             except (SampleError, RemoteError, OSError) as exc:  # the worker will report it
                 logger.debug("prefetch of %s failed: %s", span[0], exc)
             finally:
@@ -146,9 +156,11 @@ class RemotePrefetch:
                     break
                 for index in np.asarray(batch).tolist():
                     span = self.source.remote_span(int(index))
-                    if span is None or span in seen or raw.contains(*span):
+                    if span is None or span in seen:
                         continue
-                    seen.add(span)
+                    if raw.contains(*span):
+                        seen.add(span)
+                        continue
                     limit.acquire()
                     if stop.is_set():
                         limit.release()
