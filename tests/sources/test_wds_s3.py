@@ -161,7 +161,7 @@ def test_a_404_under_raise_and_skip(s3, local_shards, small_pipeline, tmp_path):
 def test_prefetch_hides_latency(s3, local_shards, small_pipeline, tmp_path):
     urls = upload(s3, local_shards)
     port = int(s3.url.rsplit(":", 1)[1])
-    with DelayProxy("127.0.0.1", port, delay=0.04) as proxy:
+    with DelayProxy("127.0.0.1", port, delay=0.1) as proxy:
         options = s3.storage_options(proxy.url)
 
         def cold(name: str, prefetch: bool) -> float:
@@ -186,8 +186,9 @@ def test_prefetch_hides_latency(s3, local_shards, small_pipeline, tmp_path):
         cold("warmup", False)  # the indexes and the connections
         sequential = cold("seq", False)
         ahead = cold("ahead", True)
-    # N round trips of >= 40 ms one after another against 16 at a time
-    assert sequential >= N * 0.04
+    # N round trips of >= 100 ms one after another against 16 at a time (the in-process
+    # moto server's own time per request is the same in both)
+    assert sequential >= N * 0.1
     assert ahead < 0.5 * sequential, (ahead, sequential)
 
 

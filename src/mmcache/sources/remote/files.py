@@ -99,9 +99,9 @@ class RemoteFileSource(FileSource):
         self._take(self.remote.stamps(urls) if urls else {})
         self._memo_rows = np.zeros((n, 16), dtype=np.uint8)
         self._memo_have = np.zeros(n, dtype=bool)
-        name = keys.digest("mmcache.remote-files", *urls).hex()
+        name = keys.digest("mmcache.remote-files", os.getuid(), *urls).hex()
         base = os.fspath(state_dir) if state_dir is not None else tempfile.gettempdir()
-        self._state = SharedStamps(os.path.join(base, f"mmcache-state-{name}.json"))
+        self._state = SharedStamps(os.path.join(base, f"mmcache-state-{os.getuid()}-{name}.json"))
 
     def _take(self, found: Mapping[str, tuple[int, str | None] | RemoteError]) -> list[int]:
         """Take new stamps; return the objects whose stamp changed."""

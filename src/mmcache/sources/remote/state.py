@@ -56,6 +56,8 @@ class SharedStamps:
             return None
         self._mtime = mtime
         try:
+            if os.stat(self.path).st_uid != os.getuid():  # only our own processes publish
+                return None
             with open(self.path, encoding="utf-8") as fh:
                 payload = json.load(fh)
         except (OSError, ValueError):

@@ -445,8 +445,8 @@ class WebDatasetSource(torch.utils.data.Dataset[dict[str, Any] | None]):
     # -- revalidation (remote shards) ----------------------------------------------------
     def _make_state_path(self) -> str:
         base = self.index_dir or tempfile.gettempdir()
-        name = keys.digest("mmcache.wds-state", *self.locations).hex()
-        return os.path.join(base, f"state-{name}.json")
+        name = keys.digest("mmcache.wds-state", os.getuid(), *self.locations).hex()
+        return os.path.join(base, f"mmcache-wds-state-{os.getuid()}-{name}.json")
 
     def revalidate(self) -> list[str]:
         """Check every shard's stamp again (a ``stat``; the ETags of remote shards batched),
