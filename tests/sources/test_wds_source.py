@@ -387,3 +387,13 @@ def test_multimodal_dataset_takes_a_source_object(shards: Any, small_pipeline: P
     ds = MultimodalDataset(manifest, pipeline=small_pipeline)  # a manifest: as before
     assert isinstance(ds, MultimodalDataset)
     assert pickle.loads(pickle.dumps(ds)).ids(range(3)) == ds.ids(range(3))
+
+
+def test_errors_name_the_text_member_of_a_configured_extension(
+    tmp_path: Path, small_pipeline: Pipeline
+):
+    path = write_tar(tmp_path / "a.tar", [("k.jpg", _jpeg(0)), ("k.caption", b"\xff\xfe bad")])
+    src = WebDatasetSource(path, pipeline=small_pipeline, text_exts=("caption",), index_dir=False)
+    with pytest.raises(SampleError, match="not UTF-8") as info:
+        src.produce(0)
+    assert info.value.path == f"{path}:k.caption"

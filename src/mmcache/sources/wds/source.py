@@ -51,7 +51,13 @@ from mmcache.sources.remote.fs import Remote, RemoteError, is_remote
 from mmcache.sources.remote.raw import RawTier, fetch_bytes
 from mmcache.sources.remote.state import SharedStamps
 from mmcache.sources.wds.index import ShardIndex, load_or_build
-from mmcache.sources.wds.table import Problem, SampleColumns, SampleTable, expand_shards
+from mmcache.sources.wds.table import (
+    Problem,
+    SampleColumns,
+    SampleTable,
+    expand_shards,
+    split_name,
+)
 
 __all__ = ["IMAGE_EXTS", "WebDatasetSource"]
 
@@ -320,7 +326,12 @@ class WebDatasetSource(torch.utils.data.Dataset[dict[str, Any] | None]):
 
     # -- produce -------------------------------------------------------------------------
     def member_name(self, index: int, role: str) -> str:
-        ext = self.image_exts[int(self.columns.rows[index, C.EXT])] if role == "image" else "txt"
+        """``key.ext`` of sample ``index``'s ``"image"`` or ``"text"`` member."""
+        row = self.columns.rows[index]
+        if role == "image":
+            ext = self.image_exts[int(row[C.EXT])]
+        else:
+            ext = self.text_exts[int(row[C.TXT_EXT])]
         return f"{self.columns.id(index)}.{ext}"
 
     def span(self, index: int) -> tuple[int, int]:
@@ -479,6 +490,11 @@ class WebDatasetSource(torch.utils.data.Dataset[dict[str, Any] | None]):
             raise RemoteError(getattr(failure, "filename", None) or "?", None, True, str(failure))
         return changed
 
+    @staticmethod
+    def _ext_number(member: tuple[str, int, int] | None, exts: tuple[str, ...]) -> int:
+        split = split_name(member[0]) if member is not None else None
+        return exts.index(split[1]) if split is not None and split[1] in exts else -1
+
     def _apply(self, s: int, index: ShardIndex) -> None:
         """Take version ``index`` of shard ``s``: its samples' rows from it (a key gone from
         the shard keeps no member: producing it raises)."""
@@ -493,6 +509,12 @@ class WebDatasetSource(torch.utils.data.Dataset[dict[str, Any] | None]):
                 txt[1] if txt else -1,
                 txt[2] if txt else -1,
             ]
+            rows[i, C.EXT] = self._ext_number(img, self.image_exts)
+            rows[i, C.TXT_EXT] = self._ext_number(txt, self.text_exts)
+            js = members.get("json")
+            rows[i, C.WIDTH], rows[i, C.HEIGHT] = (
+                index.dims.get(js[0], (-1, -1)) if js else (-1, -1)
+            )
             self._memo_ok[i] = False
         self.columns = SampleColumns(rows, self.columns.id_buf, self.columns.id_off)
         self.shard_stamps[s] = index.stamp

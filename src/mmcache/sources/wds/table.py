@@ -100,7 +100,7 @@ class SampleTable:
         self.image_exts = tuple(e.lower() for e in image_exts)
         self.text_exts = tuple(e.lower() for e in text_exts)
         self.json_exts = tuple(e.lower() for e in json_exts)
-        self._rows: list[tuple[int, int, int, int, int, int, int, int]] = []
+        self._rows: list[tuple[int, int, int, int, int, int, int, int, int]] = []
         self._ids: list[str] = []
         self._where: dict[str, int] = {}  # key -> shard number of its first occurrence
 
@@ -166,10 +166,13 @@ class SampleTable:
             txt = members.get("text")
             js = members.get("json")
             width, height = index.dims.get(js[0], (-1, -1)) if js is not None else (-1, -1)
-            ext = -1
+            ext = text_ext = -1
             if img is not None:
                 split = split_name(img[0])
                 ext = self.image_exts.index(split[1]) if split is not None else -1
+            if txt is not None:
+                split = split_name(txt[0])
+                text_ext = self.text_exts.index(split[1]) if split is not None else -1
             self._rows.append(
                 (
                     shard,
@@ -180,6 +183,7 @@ class SampleTable:
                     ext,
                     width,
                     height,
+                    text_ext,
                 )
             )
             self._ids.append(key)
@@ -187,7 +191,7 @@ class SampleTable:
 
     def finish(self) -> SampleColumns:
         """The table as numpy columns."""
-        rows = np.array(self._rows, dtype=np.int64).reshape(-1, 8)
+        rows = np.array(self._rows, dtype=np.int64).reshape(-1, 9)
         encoded = [s.encode("utf-8", "surrogatepass") for s in self._ids]
         lengths = np.array([len(b) for b in encoded], dtype=np.int64)
         id_off = np.zeros(len(encoded) + 1, dtype=np.int64)
@@ -197,11 +201,11 @@ class SampleTable:
 
 
 class SampleColumns:
-    """The finished table: ``rows`` int64 ``[n, 8]`` (shard, image offset, image size, text
-    offset, text size, image extension number, width, height; -1 where absent) and the
-    ids as one utf-8 buffer with offsets."""
+    """The finished table: ``rows`` int64 ``[n, 9]`` (shard, image offset, image size, text
+    offset, text size, image extension number, width, height, text extension number; -1
+    where absent) and the ids as one utf-8 buffer with offsets."""
 
-    SHARD, IMG_OFF, IMG_LEN, TXT_OFF, TXT_LEN, EXT, WIDTH, HEIGHT = range(8)
+    SHARD, IMG_OFF, IMG_LEN, TXT_OFF, TXT_LEN, EXT, WIDTH, HEIGHT, TXT_EXT = range(9)
 
     def __init__(self, rows: np.ndarray, id_buf: np.ndarray, id_off: np.ndarray) -> None:
         self.rows = rows
