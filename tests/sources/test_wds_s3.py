@@ -245,3 +245,27 @@ def test_the_raw_tier_keeps_its_budget_and_keys_by_version(tmp_path):
     assert raw.get("s3://b/9.tar", "ETag=b", 0, len(blob)) is None
     assert raw.get("s3://b/9.tar", "ETag=a", 1, len(blob)) is None
     raw.close()
+
+
+def test_a_miss_waits_for_a_running_prefetcher_instead_of_fetching_twice(tmp_path):
+    import threading
+
+    from mmcache.sources.remote.raw import fetch_bytes
+
+    url = "s3://b/00000.tar"
+    gets: list[tuple[int, int]] = []
+
+    class Counting(Remote):
+        def read(self, url: str, start: int, end: int) -> bytes:
+            gets.append((start, end))
+            return b"xyz"
+
+    raw = RawTier(tmp_path / "raw", budget="1MiB")
+    raw.heartbeat()  # a prefetcher runs and puts the bytes a little later
+    threading.Timer(0.05, lambda: raw.put(url, "ETag=e", 0, 3, b"abc")).start()
+    assert fetch_bytes(Counting(), raw, (url, "ETag=e", 0, 3), sample_id="k") == b"abc"
+    assert gets == []
+    raw.heartbeat_end()  # none runs: a miss is fetched at once
+    assert fetch_bytes(Counting(), raw, (url, "ETag=e", 3, 6), sample_id="k") == b"xyz"
+    assert gets == [(3, 6)]
+    raw.close()

@@ -202,8 +202,12 @@ class RemoteFileSource(FileSource):
             return None
         return self.urls[u], self.object_stamps[u], 0, int(self.object_sizes[u])
 
-    def fetch(self, url: str, stamp: str, start: int, end: int, *, sample_id: str) -> bytes:
-        return fetch_bytes(self.remote, self.raw, (url, stamp, start, end), sample_id=sample_id)
+    def fetch(
+        self, url: str, stamp: str, start: int, end: int, *, sample_id: str, wait: bool = True
+    ) -> bytes:
+        return fetch_bytes(
+            self.remote, self.raw, (url, stamp, start, end), sample_id=sample_id, wait=wait
+        )
 
     def produce(self, index: int) -> dict[str, np.ndarray]:
         """Fetch sample ``index``'s object (raw tier first) and run the pipeline on it."""

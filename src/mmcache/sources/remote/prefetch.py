@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -56,7 +57,9 @@ class PrefetchSource(Protocol):
 
     def remote_span(self, index: int) -> tuple[str, str, int, int] | None: ...
 
-    def fetch(self, url: str, stamp: str, start: int, end: int, *, sample_id: str) -> bytes: ...
+    def fetch(
+        self, url: str, stamp: str, start: int, end: int, *, sample_id: str, wait: bool = True
+    ) -> bytes: ...
 
     def revalidate(self) -> list[str]: ...
 
@@ -139,35 +142,46 @@ class RemotePrefetch:
         def one(span: tuple[str, str, int, int], index: int) -> None:
             try:
                 if not raw.contains(*span):
-                    self.source.fetch(*span, sample_id=self.source.sample_id(index))
+                    sid = self.source.sample_id(index)
+                    self.source.fetch(*span, sample_id=sid, wait=False)
                 seen.add(span)
             except (SampleError, RemoteError, OSError) as exc:  # the worker will report it
                 logger.debug("prefetch of %s failed: %s", span[0], exc)
             finally:
                 limit.release()
 
-        with ThreadPoolExecutor(self.threads, thread_name_prefix="mmcache-get") as pool:
-            pending: list[Future[None]] = []
-            for number, batch in enumerate(batches):
-                with self._cond:
-                    while not stop.is_set() and number > self._consumed + self.ahead:
-                        self._cond.wait(0.1)
-                if stop.is_set():
-                    break
-                for index in np.asarray(batch).tolist():
-                    span = self.source.remote_span(int(index))
-                    if span is None or span in seen:
-                        continue
-                    if raw.contains(*span):
-                        seen.add(span)
-                        continue
-                    limit.acquire()
+        beat = 0.0
+        try:
+            with ThreadPoolExecutor(self.threads, thread_name_prefix="mmcache-get") as pool:
+                pending: list[Future[None]] = []
+                for number, batch in enumerate(batches):
+                    if time.monotonic() - beat > 0.5:  # producers that miss wait for us
+                        raw.heartbeat()
+                        beat = time.monotonic()
+                    with self._cond:
+                        while not stop.is_set() and number > self._consumed + self.ahead:
+                            self._cond.wait(0.1)
                     if stop.is_set():
-                        limit.release()
                         break
-                    self.fetched += 1
-                    pending.append(pool.submit(one, span, int(index)))
-                pending = [f for f in pending if not f.done()]
+                    for index in np.asarray(batch).tolist():
+                        span = self.source.remote_span(int(index))
+                        if span is None or span in seen:
+                            continue
+                        if raw.contains(*span):
+                            seen.add(span)
+                            continue
+                        limit.acquire()
+                        if stop.is_set():
+                            limit.release()
+                            break
+                        self.fetched += 1
+                        pending.append(pool.submit(one, span, int(index)))
+                    pending = [f for f in pending if not f.done()]
+                    if time.monotonic() - beat > 0.5:
+                        raw.heartbeat()
+                        beat = time.monotonic()
+        finally:
+            raw.heartbeat_end()
 
     def close(self) -> None:
         """Stop the prefetch thread of the current epoch (waits for GETs in flight)."""

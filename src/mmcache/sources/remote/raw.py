@@ -14,7 +14,10 @@ the environment in each process.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
+from collections.abc import Callable
 from typing import Any
 
 from mmcache import keys
@@ -25,6 +28,12 @@ from mmcache.stores.disk import DiskStore
 from mmcache.units import parse_size
 
 __all__ = ["RawTier", "fetch_bytes"]
+
+#: A prefetcher that beat within this many seconds is running.
+_BEAT_S = 2.0
+#: How long a producer that misses waits for a running prefetcher, and how often it looks.
+_WAIT_S = 1.0
+_POLL_S = 0.005
 
 
 class RawTier:
@@ -80,6 +89,44 @@ class RawTier:
         """Keep ``data``; False when the policy or the budget refuses it."""
         return self.store.put(self.key(url, stamp, start, end), data)
 
+    # -- the prefetcher's heartbeat: a producer that misses waits for it a little ---------
+    @property
+    def _beat_path(self) -> str:
+        return os.path.join(self.path, "prefetching")
+
+    def heartbeat(self) -> None:
+        """Say that a prefetcher is fetching into this tier (called at least every second)."""
+        with contextlib.suppress(OSError):
+            os.makedirs(self.path, exist_ok=True)
+            with open(self._beat_path, "w", encoding="ascii") as fh:
+                fh.write(str(os.getpid()))
+
+    def heartbeat_end(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self._beat_path)
+
+    def prefetching(self, clock: Callable[[], float] = time.time) -> bool:
+        """Whether a prefetcher beat within the last ``_BEAT_S`` seconds (one ``stat``)."""
+        try:
+            return clock() - os.stat(self._beat_path).st_mtime < _BEAT_S
+        except OSError:
+            return False
+
+    def wait_for(
+        self, url: str, stamp: str, start: int, end: int, *, timeout: float = _WAIT_S
+    ) -> bytes | None:
+        """The bytes once a running prefetcher has put them, within ``timeout``; ``None``
+        when no prefetcher runs or it has not got them in time (the caller fetches)."""
+        if not self.prefetching():
+            return None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+            held = self.get(url, stamp, start, end)
+            if held is not None:
+                return held
+        return None
+
     def nbytes(self) -> int:
         return self.store.nbytes()
 
@@ -90,14 +137,23 @@ class RawTier:
 
 
 def fetch_bytes(
-    remote: Remote, raw: RawTier | None, span: tuple[str, str, int, int], *, sample_id: str
+    remote: Remote,
+    raw: RawTier | None,
+    span: tuple[str, str, int, int],
+    *,
+    sample_id: str,
+    wait: bool = True,
 ) -> bytes:
     """Bytes ``[start, end)`` of version ``stamp`` of ``url`` (``span``): from ``raw`` if it holds
-    them, else one ranged GET (retried on transient errors) kept in ``raw``. Raises
+    them (``wait``: or once a running prefetcher has put them there, within a second, so
+    that the producer and the prefetcher do not both GET them), else one ranged GET
+    (retried on transient errors) kept in ``raw``. Raises
     :class:`~mmcache.errors.SampleError` naming the URL and the HTTP status."""
     url, stamp, start, end = span
     if raw is not None:
         held = raw.get(url, stamp, start, end)
+        if held is None and wait:
+            held = raw.wait_for(url, stamp, start, end)
         if held is not None:
             return held
     try:

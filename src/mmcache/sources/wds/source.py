@@ -380,10 +380,14 @@ class WebDatasetSource(torch.utils.data.Dataset[dict[str, Any] | None]):
             return data
         return self.fetch(loc, self.shard_stamps[shard], start, end, sample_id=sid)
 
-    def fetch(self, url: str, stamp: str, start: int, end: int, *, sample_id: str) -> bytes:
+    def fetch(
+        self, url: str, stamp: str, start: int, end: int, *, sample_id: str, wait: bool = True
+    ) -> bytes:
         """Bytes ``[start, end)`` of version ``stamp`` of ``url``: from the raw tier, else one
         ranged GET (kept in the raw tier). SampleError naming the URL (and HTTP status)."""
-        return fetch_bytes(self.remote, self.raw, (url, stamp, start, end), sample_id=sample_id)
+        return fetch_bytes(
+            self.remote, self.raw, (url, stamp, start, end), sample_id=sample_id, wait=wait
+        )
 
     def _fd(self, shard: int) -> int:
         if self._fd_pid != os.getpid():
