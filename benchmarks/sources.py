@@ -17,9 +17,9 @@ same preprocessing (resize 256, crop 224, 32 tokens), batch size, workers and se
   the same preprocessing (no cache: every epoch is a cold one).
 
 Each mmcache row: cold epochs (empty cache root and raw tier; shard indexes already
-built, as on any run after the first; the mean of ``--cold``, the later ones in turns)
-and warm epochs (everything in the memory tier; median of ``--warm`` epochs taken in
-turns, one of each row after another), in samples/s, and the ratios the issue asks for.
+built, as on any run after the first; the mean of ``--cold``, the later ones in turns) and warm epochs (everything in the memory tier;
+median of ``--warm`` epochs taken in turns, one of each row after another), in
+samples/s, and the ratios the issue asks for.
 Nothing here is a pass/fail time.
 
     .venv/bin/python benchmarks/sources.py              # 3,000 samples, ~3 min on 2 cores
