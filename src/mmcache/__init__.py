@@ -57,6 +57,10 @@ from mmcache.sources.files import FileSource
 from mmcache.sources.hfdataset import HFDatasetSource
 from mmcache.sources.open import register_source_format
 from mmcache.sources.parquet import ParquetSource
+from mmcache.sources.remote import RawTier
+from mmcache.sources.remote.files import RemoteFileSource
+from mmcache.sources.remote.prefetch import RemotePrefetch
+from mmcache.sources.wds import WebDatasetSource
 from mmcache.stats import CacheStats, EpochStats, LoaderStats, TierStats
 from mmcache.stores.base import BatchReader, Store
 from mmcache.stores.disk import DiskStore
@@ -115,8 +119,11 @@ __all__ = [
     "ParquetSource",
     "Pipeline",
     "Policy",
+    "RawTier",
     "Records",
     "Reject",
+    "RemoteFileSource",
+    "RemotePrefetch",
     "Residents",
     "Sample",
     "SampleError",
@@ -131,6 +138,7 @@ __all__ = [
     "TieredStore",
     "VerifyReport",
     "WarmReport",
+    "WebDatasetSource",
     "__version__",
     "callable_fingerprint",
     "codec",

@@ -74,10 +74,26 @@ class MultimodalDataset(FileSource, torch.utils.data.Dataset[dict[str, Any] | No
 
     pipeline: Pipeline
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> MultimodalDataset:
-        # A Parquet file, an HF dataset, a source object...: a SourceDataset (the same
-        # face over any SampleSource). Subclasses and unpickling (no arguments) get cls.
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # A source object that is already a torch Dataset (a WebDatasetSource...) is
+        # returned as it is; a Parquet file, an HF dataset, any other source object...:
+        # a SourceDataset (the same face over any SampleSource). Subclasses and
+        # unpickling (no arguments) get cls.
         manifest = args[0] if args else kwargs.get("manifest")
+        if (
+            cls is MultimodalDataset
+            and not isinstance(manifest, (str, os.PathLike, Records, MultimodalDataset))
+            and isinstance(manifest, SampleSource)
+        ):
+            pipeline = kwargs.get("pipeline")
+            if pipeline is not None and pipeline.fingerprint() != manifest.fingerprint():
+                raise ConfigError(
+                    "MultimodalDataset(source, pipeline=...): the pipeline differs from "
+                    "the source's own (it was made with another pipeline); give the "
+                    "pipeline to the source"
+                )
+            if isinstance(manifest, torch.utils.data.Dataset):
+                return manifest
         if (
             cls is MultimodalDataset
             and manifest is not None

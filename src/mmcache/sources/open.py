@@ -237,6 +237,23 @@ def _staged(pipeline: Any) -> StagedProcessor:
     return staged
 
 
+def _sniff_wds(location: str, head: bytes) -> bool:
+    from mmcache.sources.wds import sniff
+
+    return sniff(location)
+
+
+def _open_wds(location: str, options: OpenOptions) -> SampleSource:
+    from mmcache.sources.wds import WebDatasetSource
+
+    return WebDatasetSource(
+        location,
+        pipeline=options.pipeline,
+        on_error=options.on_error,
+        storage_options=options.storage_options,
+    )
+
+
 def _never(location: str, head: bytes) -> bool:
     return False
 
@@ -244,5 +261,6 @@ def _never(location: str, head: bytes) -> bool:
 register_source_format("parquet", _sniff_parquet, _open_parquet)
 register_source_format("hf", _sniff_hf, _open_hf)
 register_source_format("coco", _sniff_coco, _open_coco)
+register_source_format("wds", _sniff_wds, _open_wds)
 register_source_format("llava", _never, _manifest_reader("llava"))
 register_source_format("jsonl", _never, _manifest_reader("jsonl"))

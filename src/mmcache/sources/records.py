@@ -27,6 +27,7 @@ import json
 import logging
 import operator
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,9 @@ import numpy.typing as npt
 import xxhash
 
 from mmcache.errors import ManifestError
+
+#: An image reference that is a URL (``scheme://``, but not a Windows drive ``C:\\``).
+_URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+://")
 
 __all__ = ["RecordReject", "Records", "RecordsBuilder"]
 
@@ -183,6 +187,8 @@ class Records:
         if not self._has_image[i]:
             return None
         ref = _field(self._image_buf, self._image_off, i).split("\x00", 1)[0]
+        if _URL_RE.match(ref):  # s3://, gs://, https://...: read through fsspec, never joined
+            return ref
         return os.path.normpath(os.path.join(self._base_dir, ref))
 
     def stat_paths(self, rows: npt.NDArray[np.integer[Any]]) -> list[bytes | None]:

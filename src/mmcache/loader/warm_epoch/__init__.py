@@ -13,8 +13,10 @@ reached are ``stat``-ed here. A batch whose guess fails (a file changed, an
 entry went, a key never learnt on this rank) is planned and produced here,
 and the rest of the epoch is planned as usual.
 
-Guessing runs only for ``StampKind.FILE`` sources (a ``stat`` re-checks a
-key), with workers (``num_workers=0`` starts no process) and a cache.
+Guessing runs for ``StampKind.FILE`` sources (a ``stat`` re-checks a key) and
+``StampKind.FIXED`` ones (a guessed batch is checked against the source's own keys,
+which change when a revalidated shard or object changed), with workers
+(``num_workers=0`` starts no process) and a cache.
 
 The sub-package also holds the other machinery that keeps epoch starts
 cheap: :mod:`~mmcache.loader.warm_epoch.gate` (persistent workers may hold
@@ -29,6 +31,7 @@ another thread writes it at most makes a guess fail.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -61,14 +64,17 @@ class LearntKeys:
         self._rows: np.ndarray | None = None  # uint8 [n, 48]: key, then the int64 stamp
         self._have: np.ndarray | None = None
 
-    def learn(self, plan: BatchPlan) -> None:
-        if plan.stamps is None:
+    def learn(self, plan: BatchPlan, *, fixed: bool = False) -> None:
+        """Remember the plan's keys (and file stamps; ``fixed``: a ``StampKind.FIXED``
+        source, whose plans carry none and whose guesses are checked by key)."""
+        if plan.stamps is None and not fixed:
             return  # keys of file contents (StampKind.CONTENT): nothing a stat can verify
         if self._rows is None or self._have is None:
             self._rows = np.zeros((self._n, 16 + 8 * STAMP_WORDS), dtype=np.uint8)
             self._have = np.zeros(self._n, dtype=bool)
         self._rows[plan.indices, :16] = plan.keys
-        self._rows[plan.indices, 16:] = np.ascontiguousarray(plan.stamps).view(np.uint8)
+        if plan.stamps is not None:
+            self._rows[plan.indices, 16:] = np.ascontiguousarray(plan.stamps).view(np.uint8)
         self._have[plan.indices] = True
 
     def count(self) -> int:
@@ -121,6 +127,10 @@ class WarmEpochs:
         self._rounds = 0  # check rounds handed out
         self._board: FileCheckBoard | None = None
         self._prefetcher: StatPrefetcher | None = None
+        # A FIXED source (shard members, rows) has nothing to stat: a guess is checked
+        # against the source's own keys (memoised; re-keyed when a shard changed).
+        self._fixed = num_workers > 0 and cache is not None and source.stamp_kind is StampKind.FIXED
+        self._key_lock = threading.Lock()  # key_rows is not thread-safe; verified() is
         if num_workers > 0 and cache is not None and source.stamp_kind is StampKind.FILE:
             self._board = FileCheckBoard(self._n, context)
             self._prefetcher = StatPrefetcher(self._board, source, order, context)
@@ -138,7 +148,7 @@ class WarmEpochs:
         samples must be known too (the workers' stream asks earlier, while the last
         plans of the epoch before are still coming).
         """
-        if self._prefetcher is None:
+        if self._prefetcher is None and not self._fixed:
             return False
         if warm:
             return True
@@ -188,7 +198,7 @@ class WarmEpochs:
 
     def learn(self, plan: BatchPlan) -> None:
         """Remember the keys of a plan that was not a guess."""
-        self.learnt.learn(plan)
+        self.learnt.learn(plan, fixed=self._fixed)
 
     def verified(self, guess: BatchPlan) -> bool:
         """Whether every file of a guessed plan is unchanged this epoch. Thread-safe.
@@ -196,6 +206,9 @@ class WarmEpochs:
         The board says so for the files the prefetcher has ``stat``-ed already in
         this round; the others are ``stat``-ed here.
         """
+        if self._fixed:
+            with self._key_lock:
+                return bool(np.array_equal(self._source.key_rows(guess.indices), guess.keys))
         board = self._board
         if board is None or guess.stamps is None:  # pragma: no cover - guess() needs both
             return False

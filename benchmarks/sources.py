@@ -1,0 +1,282 @@
+"""Sources benchmark (issue 16): the same samples as loose files + JSONL, as WebDataset
+shards, and as shards on a local S3 server behind a 25 ms proxy, side by side.
+
+One run, the same COCO-sized synthetic samples (``mmcache.synth.make_dataset``), the
+same preprocessing (resize 256, crop 224, 32 tokens), batch size, workers and seed:
+
+- ``files``: ``MultimodalDataset`` over the JSONL manifest and the loose JPEGs;
+- ``wds``: ``WebDatasetSource`` over the same samples written as tar shards;
+- ``wds-s3-25ms``: the same shards uploaded to moto's S3 server (a separate process on
+  127.0.0.1) read through ``s3://`` behind a TCP proxy adding ``--latency`` (25 ms) to
+  every request, with a raw-bytes tier and ``RemotePrefetch`` (16 threads); and
+  ``wds-s3-0ms``, the same through the proxy without delay: the ratio of the two says
+  how much of the latency the prefetch hides, whatever moto's own cost per request;
+- ``parquet``: left for the Parquet source (issue 16, tabular part): filled in when
+  ``mmcache.sources.parquet`` exists in the tree this runs from;
+- ``webdataset``: the webdataset library (1.0.2) reading the same shards in place with
+  the same preprocessing (no cache: every epoch is a cold one).
+
+Each mmcache row: a cold epoch (empty cache root and raw tier; shard indexes already
+built, as on any run after the first) and warm epochs (everything in the memory tier;
+median of ``--warm`` epochs taken in turns, one of each row after another), in
+samples/s, and the ratios the issue asks for.
+Nothing here is a pass/fail time.
+
+    .venv/bin/python benchmarks/sources.py              # 3,000 samples, ~3 min on 2 cores
+    .venv/bin/python benchmarks/sources.py --quick      # 300 samples
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import mmcache as mc
+from mmcache.cache import Cache
+from mmcache.sources.bytesproc import process_bytes
+from mmcache.sources.remote import RawTier
+from mmcache.sources.remote.prefetch import RemotePrefetch
+from mmcache.sources.wds import WebDatasetSource, write_shards
+from mmcache.testing.s3 import KEY, REGION, SECRET, DelayProxy, free_port
+
+torch.set_num_threads(1)
+
+
+@contextlib.contextmanager
+def moto_process() -> Iterator[str]:
+    """moto's S3 server in its own process (so that it does not share our GIL)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        import boto3
+
+        client = boto3.client(
+            "s3",
+            endpoint_url=url,
+            aws_access_key_id=KEY,
+            aws_secret_access_key=SECRET,
+            region_name=REGION,
+        )
+        for _ in range(100):
+            try:
+                client.list_buckets()
+                break
+            except Exception:  # not listening yet
+                time.sleep(0.1)
+        client.create_bucket(Bucket="data")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def epoch_rate(loader: Any) -> float:
+    t0 = time.perf_counter()
+    n = sum(len(b["id"]) for b in loader)
+    return n / (time.perf_counter() - t0)
+
+
+class Run:
+    """One mmcache row: its loader and cache, kept open so that warm epochs of every row
+    can be taken in turns (the same machine noise for all)."""
+
+    def __init__(
+        self,
+        name: str,
+        make: Callable[[Path], tuple[Any, list[Any]]],
+        tmp: Path,
+        args: argparse.Namespace,
+    ) -> None:
+        self.name = name
+        src, hooks = make(tmp / f"raw-{name}")
+        self.cache = Cache(tmp / f"cache-{name}", memory="2GiB", disk=None, temporary=True)
+        self.loader = mc.DataLoader(
+            src,
+            cache=self.cache,
+            batch_size=args.batch,
+            num_workers=args.workers,
+            persistent_workers=True,
+            seed=0,
+            hooks=hooks,
+        )
+        self.cold = epoch_rate(self.loader)
+        self.warm: list[float] = []
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "cold": self.cold,
+            "warm": statistics.median(self.warm),
+            "warm_all": self.warm,
+        }
+
+    def close(self) -> None:
+        self.loader.close()
+        self.cache.close()
+
+
+def run_webdataset(shards: list[Path], pipe: mc.Pipeline, args: argparse.Namespace) -> Any:
+    try:
+        import webdataset as wds
+    except ImportError as exc:
+        return {"name": "webdataset", "error": str(exc)}
+
+    def prep(sample: dict[str, Any]) -> dict[str, Any]:
+        text = sample["txt"].decode("utf-8")
+        out = process_bytes(pipe, sample["jpg"], text, sample_id=sample["__key__"], path=None)
+        return {k: torch.from_numpy(v) for k, v in out.items()}
+
+    urls = [str(p) for p in shards]
+    ds = (
+        wds.WebDataset(urls, shardshuffle=len(urls), empty_check=False)
+        .shuffle(1000)
+        .map(prep)
+        .batched(args.batch, partial=True)
+    )
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=args.workers)
+    rates = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        n = sum(len(b["image"]) for b in loader)
+        rates.append(n / (time.perf_counter() - t0))
+    return {"name": "webdataset", "cold": rates[0], "warm": rates[1], "warm_all": rates[1:]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--n", type=int, default=3000)
+    # 200 COCO-sized samples are ~14 MiB: moto serves ranged GETs of objects over ~16 MiB
+    # several times slower (it reads the whole object per request), real stores do not.
+    ap.add_argument("--per-shard", type=int, default=200)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--warm", type=int, default=7)
+    ap.add_argument("--latency", type=float, default=0.025)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = ap.parse_args()
+    if args.quick:
+        args.n, args.per_shard, args.warm = 300, 100, 2
+
+    with tempfile.TemporaryDirectory(prefix="mmcache-sources-") as d:
+        tmp = Path(d)
+        manifest = mc.synth.make_dataset(tmp / "data", args.n, seed=0)
+        shards = write_shards(manifest, tmp / "shards", per_shard=args.per_shard)
+        tok = mc.train_tokenizer(mc.synth.synth_captions(2000), vocab_size=2048)
+        pipe = mc.Pipeline(
+            image=mc.ImageSpec(size=224, resize=256), text=mc.TextSpec(tok, max_length=32)
+        )
+        index = tmp / "wds-index"
+        rows: list[dict[str, Any]] = []
+
+        def files(_: Path) -> tuple[Any, list[Any]]:
+            return mc.MultimodalDataset(manifest, pipeline=pipe), []
+
+        def local(_: Path) -> tuple[Any, list[Any]]:
+            return WebDatasetSource(shards, pipeline=pipe, index_dir=index), []
+
+        runs = [Run("files", files, tmp, args)]
+        WebDatasetSource(shards, pipeline=pipe, index_dir=index)  # the indexes, once
+        runs.append(Run("wds", local, tmp, args))
+        try:
+            from mmcache.sources import parquet  # noqa: F401  (the tabular part of issue 16)
+        except ImportError:
+            rows.append({"name": "parquet", "error": "mmcache.sources.parquet not in this tree"})
+        with contextlib.ExitStack() as stack:
+            url = stack.enter_context(moto_process())
+            import boto3
+
+            client = boto3.client(
+                "s3",
+                endpoint_url=url,
+                aws_access_key_id=KEY,
+                aws_secret_access_key=SECRET,
+                region_name=REGION,
+            )
+            for p in shards:
+                client.upload_file(str(p), "data", f"wds/{p.name}")
+            urls = [f"s3://data/wds/{p.name}" for p in shards]
+            port = int(url.rsplit(":", 1)[1])
+            for latency in (0.0, args.latency):
+                proxy = stack.enter_context(DelayProxy("127.0.0.1", port, delay=latency))
+                options = {
+                    "key": KEY,
+                    "secret": SECRET,
+                    "client_kwargs": {"endpoint_url": proxy.url, "region_name": REGION},
+                }
+
+                def remote(raw_dir: Path, options: Any = options) -> tuple[Any, list[Any]]:
+                    src = WebDatasetSource(
+                        urls,
+                        pipeline=pipe,
+                        index_dir=index,
+                        storage_options=options,
+                        raw=RawTier(raw_dir, budget="4GiB"),
+                    )
+                    return src, [RemotePrefetch(src, threads=16)]
+
+                if latency == 0.0:
+                    remote(tmp / "raw-index-warmup")  # the indexes, once
+                runs.append(Run(f"wds-s3-{latency * 1e3:.0f}ms", remote, tmp, args))
+            for _ in range(args.warm):  # warm epochs in turns
+                for run in runs:
+                    run.warm.append(epoch_rate(run.loader))
+            rows = [run.row() for run in runs] + rows
+            for run in runs:
+                run.close()
+        rows.append(run_webdataset(shards, pipe, args))
+
+    by = {r["name"]: r for r in rows if "cold" in r}
+    ratios = {}
+    if {"files", "wds"} <= by.keys():
+        ratios["cold wds / files (target >= 0.95)"] = by["wds"]["cold"] / by["files"]["cold"]
+        ratios["warm wds / files (target 0.9-1.1)"] = by["wds"]["warm"] / by["files"]["warm"]
+    s3 = f"wds-s3-{args.latency * 1e3:.0f}ms"
+    if {"wds", s3, "wds-s3-0ms"} <= by.keys():
+        ratios[f"cold {s3} / wds (target >= 0.8)"] = by[s3]["cold"] / by["wds"]["cold"]
+        ratios[f"cold {s3} / wds-s3-0ms (latency hidden: ~1)"] = (
+            by[s3]["cold"] / by["wds-s3-0ms"]["cold"]
+        )
+        ratios[f"warm {s3} / wds (target 0.9-1.1)"] = by[s3]["warm"] / by["wds"]["warm"]
+    lines = [
+        f"n={args.n}, per shard={args.per_shard}, batch={args.batch}, workers={args.workers}",
+        "",
+        "| source | cold epoch (samples/s) | warm epoch (samples/s) |",
+        "|---|---:|---:|",
+    ]
+    for r in rows:
+        if "cold" in r:
+            lines.append(f"| {r['name']} | {r['cold']:.0f} | {r['warm']:.0f} |")
+        else:
+            lines.append(f"| {r['name']} | - | - ({r['error']}) |")
+    lines += ["", "| ratio | value |", "|---|---:|"]
+    lines += [f"| {k} | {v:.2f} |" for k, v in ratios.items()]
+    text = "\n".join(lines)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "sources-latest.md").write_text(text + "\n")
+    (args.out / "sources-latest.json").write_text(
+        json.dumps({"rows": rows, "ratios": ratios, "args": vars(args) | {"out": str(args.out)}})
+    )
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

@@ -1,0 +1,250 @@
+"""``RemoteFileSource``: a JSONL/LLaVA manifest whose images are objects (``s3://``,
+``gs://``, ``http(s)://``), read whole through fsspec and the raw-bytes tier.
+
+The manifest is read as for :class:`~mmcache.sources.files.FileSource` (image
+references that are URLs are kept as they are); the images are objects, so the stamps
+are each object's version stamp (ETag, generation) and size, taken in one batch when the
+source is opened (one listing per directory of objects) and again by :meth:`revalidate`
+(once per epoch by :class:`~mmcache.sources.remote.prefetch.RemotePrefetch`):
+``StampKind.FIXED``. An overwritten object gets a new ETag, hence a new key, and its
+old bytes are never served (the raw tier is keyed by URL + ETag). Producing a sample
+fetches the whole object (raw tier first) and runs the pipeline on its bytes, exactly as
+the loose file would be (:func:`~mmcache.sources.bytesproc.process_bytes`).
+
+Thread/process safety: as :class:`FileSource`; the revalidated stamps reach copies in
+other processes through :class:`~mmcache.sources.remote.state.SharedStamps`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from mmcache import keys
+from mmcache.errors import ConfigError, SampleError
+from mmcache.sources.base import OnError, SampleSource, StampKind
+from mmcache.sources.bytesproc import StagedProcessor, process_bytes
+from mmcache.sources.files import FileSource, RecordProcessor
+from mmcache.sources.records import Records
+from mmcache.sources.remote.fs import Remote, RemoteError, is_remote
+from mmcache.sources.remote.raw import RawTier, fetch_bytes
+from mmcache.sources.remote.state import SharedStamps
+
+__all__ = ["RemoteFileSource"]
+
+logger = logging.getLogger(__name__)
+
+
+class RemoteFileSource(FileSource):
+    """Image-text samples of a manifest whose images are remote objects.
+
+    Args:
+        manifest: a seed JSONL or LLaVA JSON manifest (local), or :class:`Records`;
+            every image reference must be a URL.
+        pipeline: a :class:`mmcache.Pipeline`.
+        on_error: as :class:`FileSource` (a missing or forbidden object is a
+            SampleError naming the URL and the HTTP status).
+        storage_options: passed to fsspec.
+        raw: a :class:`RawTier` keeping the objects on local disk (``None``: none).
+        retries: retries of transient errors.
+        state_dir: where revalidated stamps are handed to other processes (default the
+            temporary directory).
+    """
+
+    stamp_kind: StampKind
+
+    def __init__(
+        self,
+        manifest: str | os.PathLike[str] | Records,
+        *,
+        pipeline: StagedProcessor,
+        on_error: OnError = "raise",
+        storage_options: Mapping[str, Any] | None = None,
+        raw: RawTier | None = None,
+        retries: int = 4,
+        state_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
+        if not isinstance(pipeline, StagedProcessor) or not isinstance(pipeline, RecordProcessor):
+            raise ConfigError(f"pipeline must be a mmcache.Pipeline, got {type(pipeline).__name__}")
+        super().__init__(manifest, pipeline=pipeline, on_error=on_error)
+        self.stamp_kind = StampKind.FIXED
+        self.staged = pipeline
+        self.remote = Remote(storage_options, retries=retries)
+        self.raw = raw
+        n = len(self.records)
+        urls: list[str] = []
+        row_url = np.full(n, -1, dtype=np.int64)
+        where: dict[str, int] = {}
+        for i in range(n):
+            path = self.records.image_path(i)
+            if path is None:
+                continue
+            if not is_remote(path):
+                raise ConfigError(
+                    f"RemoteFileSource: the image of {self.records.id(i)!r} is not a URL "
+                    f"({path}); use FileSource for local files"
+                )
+            row_url[i] = where.setdefault(path, len(where))
+            if row_url[i] == len(urls):
+                urls.append(path)
+        self.urls = urls
+        self.row_url = row_url
+        self.object_stamps: list[str] = [""] * len(urls)
+        self.object_sizes = np.full(len(urls), -1, dtype=np.int64)
+        self._take(self.remote.stamps(urls) if urls else {})
+        self._memo_rows = np.zeros((n, 16), dtype=np.uint8)
+        self._memo_have = np.zeros(n, dtype=bool)
+        name = keys.digest("mmcache.remote-files", os.getuid(), *urls).hex()
+        base = os.fspath(state_dir) if state_dir is not None else tempfile.gettempdir()
+        self._state = SharedStamps(os.path.join(base, f"mmcache-state-{os.getuid()}-{name}.json"))
+
+    def _take(self, found: Mapping[str, tuple[int, str | None] | RemoteError]) -> list[int]:
+        """Take new stamps; return the objects whose stamp changed."""
+        changed = []
+        for u, url in enumerate(self.urls):
+            got = found.get(url)
+            if got is None:
+                continue
+            if isinstance(got, RemoteError):
+                stamp, size = f"error:{got.status}", -1
+            else:
+                size, etag = got
+                stamp = etag or f"size={size}"
+            if stamp != self.object_stamps[u] or size != self.object_sizes[u]:
+                self.object_stamps[u] = stamp
+                self.object_sizes[u] = size
+                changed.append(u)
+        return changed
+
+    # -- which sample --------------------------------------------------------------------
+    def _refresh(self) -> None:
+        state = self._state.poll()
+        if state is None or state.get("urls") != self.urls:
+            return
+        stamps, sizes = state.get("stamps"), state.get("sizes")
+        if isinstance(stamps, list) and isinstance(sizes, list) and len(stamps) == len(sizes):
+            self._forget(self._take_lists(stamps, sizes))
+
+    def _take_lists(self, stamps: list[Any], sizes: list[Any]) -> list[int]:
+        changed = []
+        for u, (stamp, size) in enumerate(zip(stamps, sizes, strict=True)):
+            if isinstance(stamp, str) and isinstance(size, int) and stamp != self.object_stamps[u]:
+                self.object_stamps[u] = stamp
+                self.object_sizes[u] = size
+                changed.append(u)
+        return changed
+
+    def _forget(self, changed: Sequence[int]) -> None:
+        if changed and self._memo_have is not None:
+            self._memo_have[np.isin(self.row_url, np.asarray(changed, dtype=np.int64))] = False
+
+    def revalidate(self) -> list[str]:
+        """Check every object's stamp again (batched); re-key the samples of the changed
+        ones here and in every other process. Returns the changed URLs. Raises
+        :class:`RemoteError` when the store cannot be reached."""
+        changed = self._take(self.remote.stamps(self.urls)) if self.urls else []
+        if changed:
+            self._forget(changed)
+            self._state.publish(
+                {
+                    "urls": self.urls,
+                    "stamps": self.object_stamps,
+                    "sizes": self.object_sizes.tolist(),
+                }
+            )
+        return [self.urls[u] for u in changed]
+
+    def stamps(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        """``int64 [n, 2]``: a 63-bit digest of the object's stamp (ETag) and its size;
+        ``-2`` for a text-only record."""
+        idx = self._checked(indices)
+        self._refresh()
+        out = np.full((idx.shape[0], 2), -2, dtype=np.int64)
+        for j, i in enumerate(idx.tolist()):
+            u = int(self.row_url[i])
+            if u >= 0:
+                raw = keys.digest(self.urls[u], self.object_stamps[u])[:8]
+                out[j] = (int.from_bytes(raw, "little") & ((1 << 63) - 1), self.object_sizes[u])
+        return out
+
+    def key(self, index: int) -> bytes:
+        self._checked([index])
+        u = int(self.row_url[index])
+        stamp = "none" if u < 0 else f"obj:{self.object_stamps[u]}:{self.object_sizes[u]}"
+        return keys.sample_key(
+            self.records.id(index), stamp, self._fingerprint, self.records.text(index)
+        )
+
+    def key_rows(
+        self, indices: Sequence[int] | np.ndarray, *, stamps: np.ndarray | None = None
+    ) -> np.ndarray:
+        idx = self._checked(indices)
+        self._refresh()
+        if self._memo_have is None or self._memo_rows is None:
+            self._memo_rows = np.zeros((len(self.records), 16), dtype=np.uint8)
+            self._memo_have = np.zeros(len(self.records), dtype=bool)
+        for i in np.unique(idx[~self._memo_have[idx]]).tolist():
+            self._memo_rows[i] = np.frombuffer(self.key(i), dtype=np.uint8)
+            self._memo_have[i] = True
+        rows: np.ndarray = self._memo_rows[idx]
+        return rows
+
+    # -- produce -------------------------------------------------------------------------
+    def remote_span(self, index: int) -> tuple[str, str, int, int] | None:
+        """``(url, stamp, 0, size)`` of sample ``index``'s object (``None``: none)."""
+        u = int(self.row_url[index])
+        if u < 0 or self.object_sizes[u] < 0:
+            return None
+        return self.urls[u], self.object_stamps[u], 0, int(self.object_sizes[u])
+
+    def fetch(
+        self, url: str, stamp: str, start: int, end: int, *, sample_id: str, wait: bool = True
+    ) -> bytes:
+        return fetch_bytes(
+            self.remote, self.raw, (url, stamp, start, end), sample_id=sample_id, wait=wait
+        )
+
+    def produce(self, index: int) -> dict[str, np.ndarray]:
+        """Fetch sample ``index``'s object (raw tier first) and run the pipeline on it."""
+        self._checked([index])
+        self._refresh()
+        sid = self.records.id(index)
+        u = int(self.row_url[index])
+        data = None
+        if u >= 0:
+            url = self.urls[u]
+            if self.object_sizes[u] < 0:
+                stamp = self.object_stamps[u]
+                status = stamp.removeprefix("error:")
+                raise SampleError(
+                    f"cannot fetch {url} (HTTP {status}): the object was not found or is not "
+                    "readable",
+                    sample_id=sid,
+                    path=url,
+                )
+            span = self.remote_span(index)
+            if span is not None:
+                data = self.fetch(*span, sample_id=sid)
+        return process_bytes(
+            self.staged,
+            data,
+            self.records.text(index),
+            sample_id=sid,
+            path=self.urls[u] if u >= 0 else None,
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_memo_rows"] = state["_memo_have"] = None
+        return state
+
+
+if TYPE_CHECKING:
+
+    def _conforms(source: RemoteFileSource) -> SampleSource:
+        return source

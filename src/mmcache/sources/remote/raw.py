@@ -1,0 +1,168 @@
+"""The raw-bytes tier: remote objects' bytes (whole objects or byte ranges of shards) kept
+on local disk, keyed by URL + version stamp (ETag), under their own byte budget.
+
+A :class:`RawTier` is a :class:`~mmcache.stores.disk.DiskStore` (LMDB, the repo's
+policies, a hard budget) in its own directory, usually ``<cache root>/raw``. A key is
+the digest of ``(url, stamp, start, end)``: an object that changes gets a new ETag and
+so new keys, and its old bytes are never found again (they age out under the policy).
+So a run whose decoded samples do not fit the cache's budgets still reads from local
+disk after its first epoch, and goes on through an object-store outage on what it has.
+
+Thread- and process-safe (the DiskStore is); pickles as its configuration and reopens
+the environment in each process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from mmcache import keys
+from mmcache.errors import SampleError
+from mmcache.policies import Policy
+from mmcache.sources.remote.fs import Remote, RemoteError
+from mmcache.stores.disk import DiskStore
+from mmcache.units import parse_size
+
+__all__ = ["RawTier", "fetch_bytes"]
+
+#: A prefetcher that beat within this many seconds is running.
+_BEAT_S = 2.0
+#: How long a producer that misses waits for a running prefetcher, and how often it looks.
+_WAIT_S = 1.0
+_POLL_S = 0.005
+
+
+class RawTier:
+    """Raw bytes of remote objects on local disk (see the module docstring).
+
+    Args:
+        path: its directory (created; e.g. ``cache.root / "raw"``).
+        budget: bytes of payload it may hold (an int or ``"20GiB"``).
+        policy: admission/eviction policy by name or instance (``"lru"`` by default).
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], *, budget: int | str, policy: str | Policy = "lru"
+    ) -> None:
+        self.path = os.path.abspath(os.fspath(path))
+        self.budget = parse_size(budget)
+        self.policy = policy
+        self._store: DiskStore | None = None
+        self._pid = -1
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path, "budget": self.budget, "policy": self.policy}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._store = None
+        self._pid = -1
+
+    def __repr__(self) -> str:
+        return f"RawTier({self.path!r}, budget={self.budget})"
+
+    @property
+    def store(self) -> DiskStore:
+        """The DiskStore of this process (opened on first use)."""
+        if self._store is None or self._pid != os.getpid():
+            self._store = DiskStore(self.path, capacity=self.budget, policy=self.policy)
+            self._pid = os.getpid()
+        return self._store
+
+    @staticmethod
+    def key(url: str, stamp: str, start: int, end: int) -> bytes:
+        """The key of bytes ``[start, end)`` of version ``stamp`` of ``url``."""
+        return keys.digest("mmcache.raw", 1, url, stamp, start, end)
+
+    def get(self, url: str, stamp: str, start: int, end: int) -> bytes | None:
+        """The bytes if held, else ``None``."""
+        return self.store.get(self.key(url, stamp, start, end))
+
+    def contains(self, url: str, stamp: str, start: int, end: int) -> bool:
+        return self.store.contains(self.key(url, stamp, start, end))
+
+    def put(self, url: str, stamp: str, start: int, end: int, data: bytes) -> bool:
+        """Keep ``data``; False when the policy or the budget refuses it."""
+        return self.store.put(self.key(url, stamp, start, end), data)
+
+    # -- the prefetcher's heartbeat: a producer that misses waits for it a little ---------
+    @property
+    def _beat_path(self) -> str:
+        return os.path.join(self.path, "prefetching")
+
+    def heartbeat(self) -> None:
+        """Say that a prefetcher is fetching into this tier (called at least every second)."""
+        with contextlib.suppress(OSError):
+            os.makedirs(self.path, exist_ok=True)
+            with open(self._beat_path, "w", encoding="ascii") as fh:
+                fh.write(str(os.getpid()))
+
+    def heartbeat_end(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self._beat_path)
+
+    def prefetching(self, clock: Callable[[], float] = time.time) -> bool:
+        """Whether a prefetcher beat within the last ``_BEAT_S`` seconds (one ``stat``)."""
+        try:
+            return clock() - os.stat(self._beat_path).st_mtime < _BEAT_S
+        except OSError:
+            return False
+
+    def wait_for(
+        self, url: str, stamp: str, start: int, end: int, *, timeout: float = _WAIT_S
+    ) -> bytes | None:
+        """The bytes once a running prefetcher has put them, within ``timeout``; ``None``
+        when no prefetcher runs or it has not got them in time (the caller fetches)."""
+        if not self.prefetching():
+            return None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+            held = self.get(url, stamp, start, end)
+            if held is not None:
+                return held
+        return None
+
+    def nbytes(self) -> int:
+        return self.store.nbytes()
+
+    def close(self) -> None:
+        if self._store is not None and self._pid == os.getpid():
+            self._store.close()
+        self._store = None
+
+
+def fetch_bytes(
+    remote: Remote,
+    raw: RawTier | None,
+    span: tuple[str, str, int, int],
+    *,
+    sample_id: str,
+    wait: bool = True,
+) -> bytes:
+    """Bytes ``[start, end)`` of version ``stamp`` of ``url`` (``span``): from ``raw`` if it holds
+    them (``wait``: or once a running prefetcher has put them there, within a second, so
+    that the producer and the prefetcher do not both GET them), else one ranged GET
+    (retried on transient errors) kept in ``raw``. Raises
+    :class:`~mmcache.errors.SampleError` naming the URL and the HTTP status."""
+    url, stamp, start, end = span
+    if raw is not None:
+        held = raw.get(url, stamp, start, end)
+        if held is None and wait:
+            held = raw.wait_for(url, stamp, start, end)
+        if held is not None:
+            return held
+    try:
+        data = remote.read(url, start, end)
+    except RemoteError as err:
+        status = f"HTTP {err.status}" if err.status is not None else "no response"
+        raise SampleError(
+            f"cannot fetch {url} ({status}): {err.reason}", sample_id=sample_id, path=url
+        ) from err
+    if raw is not None:
+        raw.put(url, stamp, start, end, data)
+    return data

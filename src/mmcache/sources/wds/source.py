@@ -1,0 +1,589 @@
+"""``WebDatasetSource``: samples of WebDataset tar shards, read in place (local or remote),
+one sample's bytes per read through a member index.
+
+The shards' members are grouped by key as WebDataset groups them (``key.jpg|png|webp``,
+``key.txt``, ``key.json``; the extensions are options) into a columnar table
+(:mod:`~mmcache.sources.wds.table`) from each shard's member index
+(:mod:`~mmcache.sources.wds.index`: the tar headers, scanned once per shard version and
+kept in ``index_dir``). Producing sample ``i`` reads the byte span of its members (one
+``pread``, or one ranged GET of a remote shard) and runs the pipeline on those bytes
+(:func:`~mmcache.sources.bytesproc.process_bytes`): the result is bitwise the one of the
+same image and caption as loose files.
+
+Stamps (``StampKind.FIXED``): the shard's stamp (``size:mtime_ns`` of a local file, the
+ETag of an object, checked when the source is opened) plus the offsets and sizes of the
+sample's image and text members. Remote shards are checked again by :meth:`revalidate`
+(once per epoch by :class:`~mmcache.sources.remote.prefetch.RemotePrefetch`, batched):
+a changed shard is indexed again and its samples get new stamps and keys in every
+process (the new stamps go through a small state file that each process checks with one
+``stat`` per call), so nothing from the old version is served.
+
+Remote shards (``s3://``, ``gs://``, ``http(s)://`` through fsspec, ``storage_options``
+passed through) read through a :class:`~mmcache.sources.remote.raw.RawTier` when one is
+given (``raw=``): bytes already held are served from local disk, also while the store
+cannot be reached; only misses fail then, as SampleErrors naming the URL.
+
+Thread/process safety: read-only after construction except the key memo (one thread per
+process), the per-process file handles and the revalidated shard stamps; pickles as
+numpy columns and small lists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tarfile
+import tempfile
+from collections.abc import Mapping, Sequence
+from typing import IO, TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from mmcache import keys
+from mmcache.errors import ConfigError, ManifestError, SampleError
+from mmcache.sources.base import OnError, SampleSource, StampKind
+from mmcache.sources.bytesproc import StagedProcessor, process_bytes
+from mmcache.sources.files import check_on_error
+from mmcache.sources.rejects import Reject, RejectLog
+from mmcache.sources.remote.fs import Remote, RemoteError, is_remote
+from mmcache.sources.remote.raw import RawTier, fetch_bytes
+from mmcache.sources.remote.state import SharedStamps
+from mmcache.sources.wds.index import ShardIndex, load_or_build
+from mmcache.sources.wds.table import (
+    Problem,
+    SampleColumns,
+    SampleTable,
+    expand_shards,
+    split_name,
+)
+
+__all__ = ["IMAGE_EXTS", "WebDatasetSource"]
+
+logger = logging.getLogger(__name__)
+
+#: Default image extensions, in order of preference when a key has several.
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+C = SampleColumns
+
+
+def _default_index_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "mmcache", "wds-index")
+
+
+class WebDatasetSource(torch.utils.data.Dataset[dict[str, Any] | None]):
+    """Image-text samples of WebDataset tar shards (see the module docstring).
+
+    >>> src = WebDatasetSource("shards/{00000..00009}.tar", pipeline=pipe)  # doctest: +SKIP
+    >>> loader = mmcache.DataLoader(src, cache=cache, batch_size=64)        # doctest: +SKIP
+
+    Args:
+        shards: a path, glob, brace pattern or URL, or a list of them.
+        pipeline: a :class:`mmcache.Pipeline` (anything with ``stages`` and ``fingerprint``).
+        on_error: ``"raise"``: a bad shard (unreadable, duplicate keys) raises
+            :class:`ManifestError` at open, a bad sample :class:`SampleError` when
+            produced, each naming the shard, the member and the key; ``"skip"``: they
+            are left out, counted and listed by :meth:`rejects`.
+        image_exts, text_exts, json_exts: member extensions of each role (lower case;
+            the first listed wins when a key has several).
+        index_dir: where member indexes are kept (e.g. ``cache.root / "wds-index"``);
+            default ``$XDG_CACHE_HOME/mmcache/wds-index``; ``False``: not kept.
+        storage_options: for remote shards, passed to fsspec (``{"key": ..., "secret":
+            ..., "client_kwargs": {"endpoint_url": ...}}`` for S3).
+        raw: a :class:`RawTier` keeping remote bytes on local disk (``None``: none).
+        retries: retries of a transient remote error (5xx, timeouts, throttling).
+    """
+
+    stamp_kind: StampKind = StampKind.FIXED
+    on_error: OnError
+
+    def __init__(
+        self,
+        shards: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+        *,
+        pipeline: StagedProcessor,
+        on_error: OnError = "raise",
+        image_exts: Sequence[str] = IMAGE_EXTS,
+        text_exts: Sequence[str] = ("txt",),
+        json_exts: Sequence[str] = ("json",),
+        index_dir: str | os.PathLike[str] | bool | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        raw: RawTier | None = None,
+        retries: int = 4,
+    ) -> None:
+        self.on_error = check_on_error(on_error)
+        if not isinstance(pipeline, StagedProcessor):
+            raise ConfigError(
+                f"pipeline must be a mmcache.Pipeline (stages and fingerprint), "
+                f"got {type(pipeline).__name__}"
+            )
+        if raw is not None and not isinstance(raw, RawTier):
+            raise ConfigError(f"raw must be a RawTier or None, got {type(raw).__name__}")
+        for name, exts in (("image_exts", image_exts), ("text_exts", text_exts)):
+            if isinstance(exts, str) or not all(isinstance(e, str) and e for e in exts):
+                raise ConfigError(f"{name} must be a list of extensions, got {exts!r}")
+        self.pipeline = pipeline
+        self.locations = expand_shards(shards)
+        self.image_exts = tuple(e.lower().lstrip(".") for e in image_exts)
+        self.text_exts = tuple(e.lower().lstrip(".") for e in text_exts)
+        self.json_exts = tuple(e.lower().lstrip(".") for e in json_exts)
+        if index_dir is False:
+            self.index_dir: str | None = None
+        elif index_dir is None or index_dir is True:
+            self.index_dir = _default_index_dir()
+        else:
+            self.index_dir = os.path.abspath(os.fspath(index_dir))
+        self.remote = Remote(storage_options, retries=retries)
+        self.raw = raw
+        self._fingerprint = pipeline.fingerprint()
+        self._rejects = RejectLog()
+        self._open_rejects: list[Reject] = []
+        self._fds: dict[int, int] = {}
+        self._fd_pid = os.getpid()
+        self.shard_stamps: list[str] = [""] * len(self.locations)
+        self._sizes: list[int] = [0] * len(self.locations)
+        self._shard_ints: np.ndarray | None = None  # stamps() column 0 per shard, made lazily
+        self._open_all()
+        self._memo = np.zeros((len(self), 16), dtype=np.uint8)
+        self._memo_ok = np.zeros(len(self), dtype=bool)
+        self._state = SharedStamps(self._make_state_path())
+
+    # -- opening -----------------------------------------------------------------------
+    def _shard_stats(self) -> dict[int, tuple[int, str] | Exception]:
+        """``shard number -> (size, stamp)``, or the error that kept it from being read."""
+        out: dict[int, tuple[int, str] | Exception] = {}
+        urls = [loc for loc in self.locations if is_remote(loc)]
+        remote: dict[str, tuple[int, str | None] | RemoteError] = {}
+        if urls:
+            try:
+                remote = self.remote.stamps(urls)
+            except RemoteError as err:  # the store cannot be reached
+                remote = dict.fromkeys(urls, err)
+        for s, loc in enumerate(self.locations):
+            if s in out:
+                continue
+            if is_remote(loc):
+                got = remote[loc]
+                if isinstance(got, RemoteError):
+                    out[s] = got
+                    continue
+                size, stamp = got
+                out[s] = (size, stamp or f"size={size}")
+                continue
+            try:
+                st = os.stat(loc)
+                with open(loc, "rb"):  # permissions are checked here, not at the first read
+                    pass
+            except OSError as exc:
+                out[s] = exc
+                continue
+            out[s] = (st.st_size, f"{st.st_size}:{st.st_mtime_ns}")
+        return out
+
+    def _index(self, s: int, size: int, stamp: str) -> ShardIndex:
+        loc = self.locations[s]
+
+        def opener() -> IO[bytes]:
+            if is_remote(loc):
+                handle: IO[bytes] = self.remote.open(loc)
+                return handle
+            return open(loc, "rb")
+
+        return load_or_build(
+            location=loc,
+            stamp=stamp,
+            size=size,
+            opener=opener,
+            index_dir=self.index_dir,
+            json_exts=self.json_exts,
+        )
+
+    def _open_all(self) -> None:
+        table = SampleTable(
+            image_exts=self.image_exts, text_exts=self.text_exts, json_exts=self.json_exts
+        )
+        stats = self._shard_stats()
+        for s, loc in enumerate(self.locations):
+            stat = stats[s]
+            try:
+                if isinstance(stat, Exception):
+                    raise stat
+                size, stamp = stat
+                index = self._index(s, size, stamp)
+            except (OSError, RemoteError, EOFError) as exc:
+                self._problem(Problem(None, loc, None, f"cannot read the shard: {exc}"))
+                continue
+            except tarfile.TarError as exc:  # not a tar at all
+                self._problem(Problem(None, loc, None, f"not a tar file: {exc}"))
+                continue
+            self.shard_stamps[s] = stamp
+            self._sizes[s] = size
+            if index.truncated:
+                logger.warning(
+                    "shard %s is truncated: %d whole members kept", loc, len(index.names)
+                )
+            for problem in table.add_shard(s, index):
+                self._problem(problem)
+        self.columns = table.finish()
+
+    def _problem(self, problem: Problem) -> None:
+        member = f", member {problem.member}" if problem.member else ""
+        key = f", key {problem.key!r}" if problem.key else ""
+        if self.on_error == "raise":
+            raise ManifestError(
+                f"{problem.reason} (shard {problem.shard}{member}{key})",
+                path=problem.shard,
+                sample_id=problem.key,
+            )
+        sid = problem.key if problem.key is not None else f"<shard {problem.shard}>"
+        where = problem.shard if problem.member is None else f"{problem.shard}:{problem.member}"
+        self._open_rejects.append(Reject(sid, where, problem.reason))
+        logger.warning("skipped %s: %s", where, problem.reason)
+
+    # -- which sample ------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.columns)
+
+    def _checked(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        n = len(self)
+        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= n):
+            raise IndexError(f"sample index out of range for {n} samples")
+        return idx
+
+    def sample_id(self, index: int) -> str:
+        """The sample's WebDataset key (``__key__``)."""
+        self._checked([index])
+        return self.columns.id(index)
+
+    def ids(self, indices: Sequence[int] | np.ndarray) -> list[str]:
+        return [self.columns.id(int(i)) for i in self._checked(indices)]
+
+    def ids_digest(self) -> str:
+        return self.columns.ids_digest()
+
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    def describe(self) -> str:
+        return repr(self.pipeline)
+
+    @property
+    def varying_fields(self) -> frozenset[str]:
+        return frozenset(getattr(self.pipeline, "varying_fields", ()))
+
+    def image_sizes(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        """``int64 [n, 2]`` ``(width, height)`` of each sample from its ``.json`` member,
+        read when the shard was indexed (no image decoded); ``-1`` where unknown."""
+        rows = self.columns.rows[self._checked(indices)]
+        out: np.ndarray = rows[:, [C.WIDTH, C.HEIGHT]].copy()
+        return out
+
+    def stamps(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        """``int64 [n, 5]``: the shard's stamp (a 63-bit digest of it), the offset and size
+        of the image member and of the text member (``-1``: none)."""
+        idx = self._checked(indices)
+        self._refresh()
+        rows = self.columns.rows[idx]
+        if self._shard_ints is None:
+            self._shard_ints = np.array(
+                [self._stamp_int(s) for s in range(len(self.locations))], dtype=np.int64
+            )
+        out = np.empty((idx.shape[0], 5), dtype=np.int64)
+        out[:, 0] = self._shard_ints[rows[:, C.SHARD]]
+        out[:, 1:] = rows[:, [C.IMG_OFF, C.IMG_LEN, C.TXT_OFF, C.TXT_LEN]]
+        return out
+
+    def _stamp_int(self, shard: int) -> int:
+        raw = keys.digest(self.locations[shard], self.shard_stamps[shard])[:8]
+        return int.from_bytes(raw, "little") & ((1 << 63) - 1)
+
+    def key(self, index: int) -> bytes:
+        """The sample's 16-byte cache key: id, shard stamp, member offsets and sizes, pipeline."""
+        self._checked([index])
+        self._refresh()
+        row = self.columns.rows[index]
+        stamp = "wds:{}:{}".format(
+            self.shard_stamps[int(row[C.SHARD])],
+            ":".join(str(int(v)) for v in row[[C.IMG_OFF, C.IMG_LEN, C.TXT_OFF, C.TXT_LEN, C.EXT]]),
+        )
+        return keys.sample_key(self.columns.id(index), stamp, self._fingerprint, None)
+
+    def key_rows(
+        self, indices: Sequence[int] | np.ndarray, *, stamps: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Keys of ``indices`` as ``uint8 [n, 16]`` (memoised; a revalidated shard's
+        samples are keyed again). Not thread-safe."""
+        idx = self._checked(indices)
+        self._refresh()
+        for i in np.unique(idx[~self._memo_ok[idx]]).tolist():
+            self._memo[i] = np.frombuffer(self.key(i), dtype=np.uint8)
+            self._memo_ok[i] = True
+        rows: np.ndarray = self._memo[idx]
+        return rows
+
+    # -- produce -------------------------------------------------------------------------
+    def member_name(self, index: int, role: str) -> str:
+        """``key.ext`` of sample ``index``'s ``"image"`` or ``"text"`` member."""
+        row = self.columns.rows[index]
+        if role == "image":
+            ext = self.image_exts[int(row[C.EXT])]
+        else:
+            ext = self.text_exts[int(row[C.TXT_EXT])]
+        return f"{self.columns.id(index)}.{ext}"
+
+    def span(self, index: int) -> tuple[int, int]:
+        """The byte range ``[start, end)`` of the shard holding sample ``index``'s members."""
+        row = self.columns.rows[index]
+        starts = [int(row[o]) for o in (C.IMG_OFF, C.TXT_OFF) if row[o] >= 0]
+        ends = [int(row[o] + row[o + 1]) for o in (C.IMG_OFF, C.TXT_OFF) if row[o] >= 0]
+        if not starts:
+            return 0, 0
+        return min(starts), max(ends)
+
+    def remote_span(self, index: int) -> tuple[str, str, int, int] | None:
+        """``(url, stamp, start, end)`` of sample ``index``'s bytes if its shard is remote
+        (what :class:`~mmcache.sources.remote.prefetch.RemotePrefetch` fetches), else ``None``."""
+        shard = int(self.columns.rows[index, C.SHARD])
+        loc = self.locations[shard]
+        start, end = self.span(index)
+        if not is_remote(loc) or end == start:
+            return None
+        return loc, self.shard_stamps[shard], start, end
+
+    def read_span(self, index: int) -> bytes:
+        """The bytes of :meth:`span` (raw tier, then the shard). Raises SampleError."""
+        start, end = self.span(index)
+        shard = int(self.columns.rows[index, C.SHARD])
+        loc = self.locations[shard]
+        sid = self.columns.id(index)
+        if end == start:
+            return b""
+        if not is_remote(loc):
+            try:
+                data = os.pread(self._fd(shard), end - start, start)
+            except OSError as exc:
+                raise SampleError(
+                    f"cannot read shard {loc} (members of key {sid!r}): {exc.strerror or exc}",
+                    sample_id=sid,
+                    path=loc,
+                ) from exc
+            if len(data) != end - start:
+                raise SampleError(
+                    f"shard {loc} is shorter than its index says (key {sid!r}): it changed "
+                    "after it was opened",
+                    sample_id=sid,
+                    path=loc,
+                )
+            return data
+        return self.fetch(loc, self.shard_stamps[shard], start, end, sample_id=sid)
+
+    def fetch(
+        self, url: str, stamp: str, start: int, end: int, *, sample_id: str, wait: bool = True
+    ) -> bytes:
+        """Bytes ``[start, end)`` of version ``stamp`` of ``url``: from the raw tier, else one
+        ranged GET (kept in the raw tier). SampleError naming the URL (and HTTP status)."""
+        return fetch_bytes(
+            self.remote, self.raw, (url, stamp, start, end), sample_id=sample_id, wait=wait
+        )
+
+    def _fd(self, shard: int) -> int:
+        if self._fd_pid != os.getpid():
+            self._fds = {}
+            self._fd_pid = os.getpid()
+        fd = self._fds.get(shard)
+        if fd is None:
+            fd = self._fds[shard] = os.open(self.locations[shard], os.O_RDONLY)
+        return fd
+
+    def produce(self, index: int) -> dict[str, np.ndarray]:
+        """Read sample ``index``'s members and run the pipeline. Raises SampleError naming
+        the shard, the member and the key."""
+        self._checked([index])
+        self._refresh()
+        row = self.columns.rows[index]
+        shard = self.locations[int(row[C.SHARD])]
+        sid = self.columns.id(index)
+        data = self.read_span(index)
+        start = self.span(index)[0]
+        image = text = None
+        where = f"{shard}:{sid}"
+        if row[C.IMG_OFF] >= 0:
+            off = int(row[C.IMG_OFF]) - start
+            image = data[off : off + int(row[C.IMG_LEN])]
+            where = f"{shard}:{self.member_name(index, 'image')}"
+        if row[C.TXT_OFF] >= 0:
+            off = int(row[C.TXT_OFF]) - start
+            try:
+                text = data[off : off + int(row[C.TXT_LEN])].decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise SampleError(
+                    f"text member is not UTF-8: {exc}",
+                    sample_id=sid,
+                    path=f"{shard}:{self.member_name(index, 'text')}",
+                ) from exc
+        return process_bytes(self.pipeline, image, text, sample_id=sid, path=where)
+
+    def to_item(self, index: int, sample: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        item: dict[str, Any] = {"id": self.columns.id(index)}
+        for name, array in sample.items():
+            arr = array if array.flags.writeable else array.copy()
+            item[name] = torch.from_numpy(arr)
+        return item
+
+    def __getitem__(self, index: int) -> dict[str, Any] | None:
+        try:
+            sample = self.produce(index)
+        except SampleError as err:
+            if self.on_error == "raise":
+                raise
+            self.record_reject(err)
+            return None
+        return self.to_item(index, sample)
+
+    # -- rejects -------------------------------------------------------------------------
+    def record_reject(self, err: Exception) -> None:
+        if not isinstance(err, SampleError):
+            err = SampleError(f"{type(err).__name__}: {err}", sample_id="<unknown>")
+        self._rejects.record(err)
+        logger.warning("skipped %s", err)
+
+    def rejects(self) -> list[Reject]:
+        """What was left out: shards and members at open, samples since (any process)."""
+        out: dict[str, Reject] = {}
+        for rej in self._open_rejects + self._rejects.read():
+            out.setdefault(rej.sample_id, rej)
+        return list(out.values())
+
+    # -- revalidation (remote shards) ----------------------------------------------------
+    def _make_state_path(self) -> str:
+        base = self.index_dir or tempfile.gettempdir()
+        name = keys.digest("mmcache.wds-state", os.getuid(), *self.locations).hex()
+        return os.path.join(base, f"mmcache-wds-state-{os.getuid()}-{name}.json")
+
+    def revalidate(self) -> list[str]:
+        """Check every shard's stamp again (a ``stat``; the ETags of remote shards batched),
+        index the changed ones again and re-key their samples, here and, through the
+        state file, in every other process. Returns the shards that changed. Raises
+        :class:`RemoteError` (after taking the shards it could check) when some could not
+        be checked: the store cannot be reached, or an object is gone."""
+        stats = self._shard_stats()
+        changed = []
+        failure: Exception | None = None
+        for s, loc in enumerate(self.locations):
+            stat = stats[s]
+            if isinstance(stat, Exception):
+                failure = failure or stat
+                continue
+            size, stamp = stat
+            if stamp != self.shard_stamps[s]:
+                try:
+                    index = self._index(s, size, stamp)
+                except (OSError, RemoteError, EOFError, tarfile.TarError) as exc:
+                    failure = failure or exc
+                    continue
+                self._apply(s, index)
+                changed.append(loc)
+        if changed:
+            self._write_state()
+        if failure is not None:
+            if isinstance(failure, RemoteError):
+                raise failure
+            raise RemoteError(getattr(failure, "filename", None) or "?", None, True, str(failure))
+        return changed
+
+    @staticmethod
+    def _ext_number(member: tuple[str, int, int] | None, exts: tuple[str, ...]) -> int:
+        split = split_name(member[0]) if member is not None else None
+        return exts.index(split[1]) if split is not None and split[1] in exts else -1
+
+    def _apply(self, s: int, index: ShardIndex) -> None:
+        """Take version ``index`` of shard ``s``: its samples' rows from it (a key gone from
+        the shard keeps no member: producing it raises)."""
+        groups, _ = SampleTable.group(index, self.image_exts, self.text_exts, self.json_exts)
+        rows = self.columns.rows.copy()
+        for i in np.flatnonzero(rows[:, C.SHARD] == s).tolist():
+            members = groups.get(self.columns.id(i), {})
+            img, txt = members.get("image"), members.get("text")
+            rows[i, C.IMG_OFF : C.TXT_LEN + 1] = [
+                img[1] if img else -1,
+                img[2] if img else -1,
+                txt[1] if txt else -1,
+                txt[2] if txt else -1,
+            ]
+            rows[i, C.EXT] = self._ext_number(img, self.image_exts)
+            rows[i, C.TXT_EXT] = self._ext_number(txt, self.text_exts)
+            js = members.get("json")
+            rows[i, C.WIDTH], rows[i, C.HEIGHT] = (
+                index.dims.get(js[0], (-1, -1)) if js else (-1, -1)
+            )
+            self._memo_ok[i] = False
+        self.columns = SampleColumns(rows, self.columns.id_buf, self.columns.id_off)
+        self.shard_stamps[s] = index.stamp
+        self._sizes[s] = index.size
+        self._shard_ints = None
+        fd = self._fds.pop(s, None) if self._fd_pid == os.getpid() else None
+        if fd is not None:  # a replaced file: the next read opens the new one
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        logger.warning(
+            "shard %s changed (now %s): its samples are read again", index.location, index.stamp
+        )
+
+    def _write_state(self) -> None:
+        self._state.publish(
+            {"locations": self.locations, "stamps": self.shard_stamps, "sizes": self._sizes}
+        )
+
+    def _refresh(self) -> None:
+        """Take the shard stamps another process revalidated (one ``stat`` when none did)."""
+        state = self._state.poll()
+        if state is None or state.get("locations") != self.locations:
+            return
+        stamps, sizes = state.get("stamps"), state.get("sizes")
+        n = len(self.locations)
+        if not (isinstance(stamps, list) and isinstance(sizes, list)):
+            return
+        if not len(stamps) == n == len(sizes):
+            return
+        for s, (stamp, size) in enumerate(zip(stamps, sizes, strict=True)):
+            if not (isinstance(stamp, str) and stamp and isinstance(size, int)):
+                continue
+            if stamp == self.shard_stamps[s]:
+                continue
+            try:
+                index = self._index(s, size, stamp)
+            except (RemoteError, OSError, EOFError, tarfile.TarError) as exc:
+                logger.warning("cannot take the new version of %s: %s", self.locations[s], exc)
+                continue
+            self._apply(s, index)
+
+    # -- pickling ------------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_fds"] = {}
+        state["_memo"] = None
+        state["_memo_ok"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._memo = np.zeros((len(self.columns), 16), dtype=np.uint8)
+        self._memo_ok = np.zeros(len(self.columns), dtype=bool)
+        self._fd_pid = -1
+
+    def close(self) -> None:
+        """Close this process's shard file handles."""
+        if self._fd_pid == os.getpid():
+            for fd in self._fds.values():
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._fds = {}
+
+
+if TYPE_CHECKING:
+
+    def _conforms(source: WebDatasetSource) -> SampleSource:
+        return source

@@ -1,0 +1,162 @@
+"""A local S3-compatible server for tests and benchmarks, and a TCP proxy that adds latency.
+
+:func:`moto_s3` starts moto's ``ThreadedMotoServer`` on 127.0.0.1 and a free port and
+yields an :class:`S3Endpoint` (its URL, a boto3 client, the ``storage_options`` that make
+``s3://`` URLs read from it); the server is stopped on exit (or earlier by
+:meth:`S3Endpoint.stop`, to play an outage). :class:`DelayProxy` forwards a local port to
+another, sleeping ``delay`` seconds before it forwards each chunk a client sends (one
+request, for the small GETs of a source), which is how a store tens of milliseconds away
+behaves. Nothing leaves the machine.
+
+Needs ``moto[server]`` and ``boto3`` (``pip install 'mmcache[s3-server]'``), imported
+lazily. Thread-safe: the proxy runs one thread per direction of each connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["DelayProxy", "S3Endpoint", "free_port", "moto_s3"]
+
+KEY = SECRET = "testing"  # noqa: S105 - moto accepts any credentials
+REGION = "us-east-1"
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class S3Endpoint:
+    """A running local S3 server: ``url``, a boto3 ``client``, and how to stop it."""
+
+    url: str
+    client: Any
+    server: Any
+    stopped: bool = field(default=False)
+
+    def storage_options(self, url: str | None = None, *, attempts: int = 1) -> dict[str, Any]:
+        """fsspec options for ``s3://`` at ``url`` (default this server's; a proxy's URL
+        to read through it); botocore's own retries set to ``attempts`` (mmcache retries)."""
+        return {
+            "key": KEY,
+            "secret": SECRET,
+            "client_kwargs": {"endpoint_url": url or self.url, "region_name": REGION},
+            "config_kwargs": {
+                "retries": {"max_attempts": attempts, "mode": "standard"},
+                "connect_timeout": 2,
+                "read_timeout": 10,
+            },
+        }
+
+    def stop(self) -> None:
+        if not self.stopped:
+            self.server.stop()
+            self.stopped = True
+
+
+@contextlib.contextmanager
+def moto_s3(bucket: str = "data") -> Iterator[S3Endpoint]:
+    """A moto S3 server with ``bucket`` created (see the module docstring)."""
+    try:
+        import boto3
+        from moto.server import ThreadedMotoServer
+    except ImportError as exc:  # pragma: no cover - declared by the s3-server extra
+        raise ImportError("a local S3 server needs pip install 'mmcache[s3-server]'") from exc
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    url = f"http://127.0.0.1:{port}"
+    client = boto3.client(
+        "s3",
+        endpoint_url=url,
+        aws_access_key_id=KEY,
+        aws_secret_access_key=SECRET,
+        region_name=REGION,
+    )
+    client.create_bucket(Bucket=bucket)
+    endpoint = S3Endpoint(url, client, server)
+    try:
+        yield endpoint
+    finally:
+        endpoint.stop()
+
+
+class DelayProxy:
+    """Forward ``127.0.0.1:<port>`` to ``target`` with ``delay`` seconds added to each
+    chunk sent by a client (see the module docstring). ``url`` is its address."""
+
+    def __init__(self, target_host: str, target_port: int, *, delay: float) -> None:
+        self.target = (target_host, target_port)
+        self.delay = delay
+        self._listen = socket.socket()
+        self._listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listen.bind(("127.0.0.1", 0))
+        self._listen.listen(128)
+        self.port: int = self._listen.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept, name="delay-proxy", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listen.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(self.target)
+            except OSError:
+                client.close()
+                continue
+            for s in (client, upstream):
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                self._sockets += [client, upstream]
+            for src, dst, delay in ((client, upstream, self.delay), (upstream, client, 0.0)):
+                threading.Thread(target=self._pump, args=(src, dst, delay), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket, delay: float) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                if delay:
+                    time.sleep(delay)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._listen.close()
+        with self._lock:
+            for s in self._sockets:
+                with contextlib.suppress(OSError):
+                    s.close()
+            self._sockets = []
+
+    def __enter__(self) -> DelayProxy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
