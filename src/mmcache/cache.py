@@ -308,6 +308,7 @@ class Cache:
             "disk": self.disk_budget,
             "policy": self.policy.name,
             "ttl": self.ttl,
+            "disk_form": str(self.disk_form),
         }
 
     @property

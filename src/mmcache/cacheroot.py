@@ -20,6 +20,7 @@ from typing import Any
 
 import xxhash
 
+from mmcache.codec.compact import parse_disk_form
 from mmcache.dist import NODE_ENV
 from mmcache.errors import CacheError, ConfigError
 from mmcache.policies import policy_names
@@ -58,7 +59,9 @@ def memory_group(root: Path, mode: int) -> int | None:
 
 def read_config(root: str | os.PathLike[str]) -> dict[str, Any]:
     """The options recorded in ``root/cache.json``, validated: ``memory``, ``disk``,
-    ``policy`` and ``ttl``, as :class:`~mmcache.cache.Cache` takes them.
+    ``policy``, ``ttl`` and ``disk_form`` (the form the root was last opened with, so
+    that stats, verify and gc open that form's folder), as :class:`~mmcache.cache.Cache`
+    takes them.
 
     Every command that reopens a root (``Cache.open_existing``: stats, verify, gc,
     warm) reads the file here, so a hand-edited value is refused the same way by
@@ -90,11 +93,13 @@ def read_config(root: str | os.PathLike[str]) -> dict[str, Any]:
         "memory": lambda v: v == "auto" or parse_size(v),
         "disk": lambda v: v is None or parse_size(v),
         "ttl": lambda v: v is None or finite_duration(v),
+        "disk_form": parse_disk_form,
     }
     options = {
         "memory": config.get("memory", 0),
         "disk": config.get("disk"),
         "ttl": config.get("ttl"),
+        "disk_form": config.get("disk_form", "raw"),  # older roots: the raw form
     }
     for name, check in checks.items():
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -137,3 +138,22 @@ def test_a_damaged_compact_entry_is_dropped_and_produced_again(
         assert cache.stats()["disk"].corrupt == 1
         sample = cache.get_or_produce(ds.key(0), lambda: ds.produce(0))
         assert np.array_equal(sample["image"], ds.produce(0)["image"])
+
+
+def test_the_form_is_recorded_so_stats_verify_and_gc_open_its_folder(
+    ds: MultimodalDataset, cache_root: Path
+) -> None:
+    with Cache(cache_root, memory=0, disk="64MiB", disk_form="zstd") as cache:
+        cache.put(ds.key(0), ds.produce(0))
+    inspected = Cache.open_existing(cache_root, memory=0)
+    try:
+        assert str(inspected.disk_form) == "zstd" and isinstance(inspected.disk, FormedDiskStore)
+        assert inspected.get(ds.key(0)) is not None
+        assert inspected.verify().checked == 1
+    finally:
+        inspected.close()
+    config = cache_root / "cache.json"
+    recorded = json.loads(config.read_text())
+    config.write_text(json.dumps({**recorded, "disk_form": "jpeg:0"}))
+    with pytest.raises(ConfigError, match="disk_form"):
+        Cache.open_existing(cache_root, memory=0)
