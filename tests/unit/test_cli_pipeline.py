@@ -65,11 +65,15 @@ def _train(script: Path, manifest: Path, root: Path) -> dict[str, object]:
 
 
 def test_warm_with_the_training_scripts_pipeline_gives_zero_misses(
-    tiny_data: Path, tokenizer_json: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tiny_data: Path,
+    tokenizer_json: Path,
+    tmp_path: Path,
+    cache_root: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(TRAIN.format(tokenizer=str(tokenizer_json))))
-    root = tmp_path / "cache"
+    root = cache_root  # its shared memory (the training script's tier) is removed after
     args = ["warm", str(tiny_data), "--cache", str(root), "--workers", "0", "--disk", "64MiB"]
     capsys.readouterr()
     assert main([*args, "--pipeline", f"{script}:make_pipeline", "--json"]) == 0
@@ -80,11 +84,15 @@ def test_warm_with_the_training_scripts_pipeline_gives_zero_misses(
 
 
 def test_warm_without_the_pipeline_fills_other_keys(
-    tiny_data: Path, tokenizer_json: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tiny_data: Path,
+    tokenizer_json: Path,
+    tmp_path: Path,
+    cache_root: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(TRAIN.format(tokenizer=str(tokenizer_json))))
-    root = tmp_path / "cache"
+    root = cache_root  # its shared memory (the training script's tier) is removed after
     args = ["warm", str(tiny_data), "--cache", str(root), "--workers", "0", "--disk", "64MiB"]
     assert main([*args, "--tokenizer", str(tokenizer_json), "--max-length", "16", "--json"]) == 0
     assert _train(script, tiny_data, root)["misses"] == 48  # the default pipeline's keys
