@@ -369,7 +369,9 @@ def main() -> None:
         else:
             source = LlavaSource(records, data, tok)
             pipeline = "benchmark source running (a)'s render/tokenize/mask code (no ChatSpec)"
-        cache = mc.Cache(root, memory=args.memory, disk=args.disk)
+        # temporary: the shared memory goes when the last process (this one, after the
+        # second process) closes it; the creator's flag is the store's.
+        cache = mc.Cache(root, memory=args.memory, disk=args.disk, temporary=True)
         loader = mm_loader(source, cache, args.workers)
         cold = epoch_time(loader, normalize=True)
         warm, warm_u8 = [], []
@@ -400,7 +402,6 @@ def main() -> None:
         ]  # fmt: skip
         second = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
         cache.close()
-        mc.Cache(root, memory=args.memory, disk=args.disk, temporary=True).close()  # drop shm
         n = args.n
         rows = [
             ("(a) LLaVA __getitem__ (torch DataLoader)", a, None),
