@@ -140,9 +140,8 @@ class Cache:
         disk_form: how the disk tier stores entries (:mod:`mmcache.codec.compact`):
             ``"raw"`` (default; its hits are gathered in the training process),
             ``"zstd"`` (lossless) or ``"jpeg:Q"`` (images re-encoded as JPEG of
-            quality Q: lossy, several times fewer bytes; decoded by the workers).
-            Each form lives in its own folder (``disk/``, ``disk-zstd/``,
-            ``disk-jpeg90/``), so entries of two forms never mix.
+            quality Q: lossy, several times fewer bytes; decoded by the workers),
+            each in its own folder (``disk/``, ``disk-zstd/``...): forms never mix.
     """
 
     def __init__(

@@ -21,7 +21,9 @@ from typing import Any
 
 from mmcache.cliargs import (
     Parser,
+    add_data_options,
     budget,
+    data_options,
     duration,
     fraction,
     glue_dash_values,
@@ -154,7 +156,7 @@ def _cmd_warm(args: argparse.Namespace) -> int:
             tokenizer=args.tokenizer,
         )
     ds = mc.MultimodalDataset(
-        args.manifest, pipeline=pipe, on_error=args.on_error, **_data_options(args)
+        args.manifest, pipeline=pipe, on_error=args.on_error, **data_options(args)
     )
     cache = _open_for_warm(args)
     try:
@@ -362,7 +364,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)
     pipe = default_pipeline(size=args.size, max_length=args.max_length, tokenizer=args.tokenizer)
-    ds = mc.MultimodalDataset(args.manifest, pipeline=pipe, on_error="skip", **_data_options(args))
+    ds = mc.MultimodalDataset(args.manifest, pipeline=pipe, on_error="skip", **data_options(args))
     first = _first_sample(ds, limit=100)
     if first is None:
         raise mc.ConfigError(f"none of the first 100 samples of {args.manifest} can be decoded")
@@ -439,36 +441,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _data_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``format=``, ``columns=`` and ``image_root=`` of MultimodalDataset from the options."""
-    from mmcache.errors import ConfigError
-
-    out: dict[str, Any] = {"format": args.format}
-    if args.image_root:
-        out["image_root"] = args.image_root
-    if args.columns:
-        columns: dict[str, str | None] = {}
-        for part in args.columns.split(","):
-            role, sep, name = part.partition("=")
-            if not sep or not role.strip():
-                raise ConfigError(f"--columns takes role=name,... (id, image, text), got {part!r}")
-            columns[role.strip()] = name.strip() or None
-        out["columns"] = columns
-    return out
-
-
-def _add_data_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--format",
-        default="auto",
-        help="jsonl, llava, parquet, hf, coco... (default: sniffed from the path)",
-    )
-    p.add_argument(
-        "--columns", help="Parquet/HF column names: id=key,image=jpg,text=caption (text= for none)"
-    )
-    p.add_argument("--image-root", help="COCO: the images' folder (default: the JSON's folder)")
-
-
 def _first_sample(ds: Any, *, limit: int) -> Any:
     """The first of the first ``limit`` samples that decodes (each decoded once), or None."""
     from mmcache.errors import SampleError
@@ -520,7 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("warm", help="fill a cache's disk tier ahead of training (resumable)")
     p.add_argument("manifest", help="a manifest, Parquet file/glob/folder, COCO json, HF dataset")
-    _add_data_options(p)
+    add_data_options(p)
     p.add_argument("--cache", required=True, help="cache root")
     p.add_argument(
         "--disk",
@@ -546,7 +518,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="the loader benchmark on your own data")
     p.add_argument("manifest", help="a manifest, Parquet file/glob/folder, COCO json, HF dataset")
-    _add_data_options(p)
+    add_data_options(p)
     p.add_argument(
         "--budget", type=budget, default="50%", help="memory tier: 50%% of the data, or 2GiB"
     )

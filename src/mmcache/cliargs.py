@@ -1,4 +1,5 @@
-"""Argument types of the ``mmcache`` command: each value is checked while parsing.
+"""Argument types of the ``mmcache`` command (each value checked while parsing), and the
+data-source options (``--format``, ``--columns``, ``--image-root``) its commands share.
 
 A bad value stops the command before any work, on one line that names the flag
 and the value: ``mmcache warm: error: argument --workers: must be an integer >= 0,
@@ -14,7 +15,9 @@ from typing import Any, NoReturn
 
 __all__ = [
     "Parser",
+    "add_data_options",
     "budget",
+    "data_options",
     "duration",
     "fraction",
     "glue_dash_values",
@@ -155,3 +158,33 @@ def parse_budget(text: str, data_bytes: int) -> int:
     if text.startswith("-"):
         raise ConfigError(f"budget must be >= 0, got {text!r}")
     return parse_size(text)
+
+
+def data_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``format=``, ``columns=`` and ``image_root=`` of MultimodalDataset from the options."""
+    from mmcache.errors import ConfigError
+
+    out: dict[str, Any] = {"format": args.format}
+    if args.image_root:
+        out["image_root"] = args.image_root
+    if args.columns:
+        columns: dict[str, str | None] = {}
+        for part in args.columns.split(","):
+            role, sep, name = part.partition("=")
+            if not sep or not role.strip():
+                raise ConfigError(f"--columns takes role=name,... (id, image, text), got {part!r}")
+            columns[role.strip()] = name.strip() or None
+        out["columns"] = columns
+    return out
+
+
+def add_data_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--format",
+        default="auto",
+        help="jsonl, llava, parquet, hf, coco... (default: sniffed from the path)",
+    )
+    p.add_argument(
+        "--columns", help="Parquet/HF column names: id=key,image=jpg,text=caption (text= for none)"
+    )
+    p.add_argument("--image-root", help="COCO: the images' folder (default: the JSON's folder)")

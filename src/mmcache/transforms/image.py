@@ -72,11 +72,12 @@ from PIL import Image, ImageFile, JpegImagePlugin, UnidentifiedImageError
 
 from mmcache.checks import check_int
 from mmcache.errors import ConfigError, SampleError
-from mmcache.transforms.normalize import CLIP_MEAN
 from mmcache.transforms.pixels import (
     ALPHA_BACKGROUND,
     DECODE_ERRORS,
     ORIENTATION_TRANSPOSE,
+    PAD_FILL,
+    checked_fill,
     crop_box,
     expand_to_square,
     orientation,
@@ -125,14 +126,6 @@ _PILLOW_MAJOR = int(PIL.__version__.split(".")[0])
 _DEFAULT_MAX_BYTES = 256 * MiB
 
 _BOMB_PIXELS_RE = re.compile(r"\((\d+) pixels\)")
-
-#: The default ``ImageSpec.fill`` of ``pad_to_square``: the CLIP mean as uint8, which
-#: LLaVA's ``expand2square`` pads with (``int(x * 255)``, so it normalises to ~0).
-PAD_FILL: tuple[int, int, int] = (
-    int(CLIP_MEAN[0] * 255),
-    int(CLIP_MEAN[1] * 255),
-    int(CLIP_MEAN[2] * 255),
-)
 
 Crop = Literal["center"]
 
@@ -276,7 +269,7 @@ class ImageSpec:
                 "pass pad_to_square=True or drop fill"
             )
         if self.pad_to_square:
-            object.__setattr__(self, "fill", _checked_fill(self.fill))
+            object.__setattr__(self, "fill", checked_fill(self.fill))
 
     @property
     def resize_to(self) -> int:
@@ -396,20 +389,6 @@ class ImageSpec:
             return np.array(out)  # a writable copy (Pillow's buffer view is read-only)
         hwc = np.asarray(out)
         return np.ascontiguousarray(hwc.transpose(2, 0, 1))
-
-
-def _checked_fill(fill: object) -> tuple[int, int, int]:
-    """``fill`` as an RGB tuple of ints 0..255 (``None``: :data:`PAD_FILL`), or ConfigError."""
-    if fill is None:
-        return PAD_FILL
-    values = tuple(fill) if isinstance(fill, (tuple, list)) else ()
-    if len(values) != 3 or not all(
-        isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 255 for v in values
-    ):
-        raise ConfigError(
-            f"ImageSpec.fill must be 3 ints 0..255 (an RGB colour, e.g. {PAD_FILL}), got {fill!r}"
-        )
-    return (values[0], values[1], values[2])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -17,10 +17,15 @@ import struct
 import numpy as np
 from PIL import Image
 
+from mmcache.errors import ConfigError
+from mmcache.transforms.normalize import CLIP_MEAN
+
 __all__ = [
     "ALPHA_BACKGROUND",
     "DECODE_ERRORS",
     "ORIENTATION_TRANSPOSE",
+    "PAD_FILL",
+    "checked_fill",
     "crop_box",
     "expand_to_square",
     "orientation",
@@ -31,6 +36,29 @@ __all__ = [
 
 #: Colour that transparent pixels are composited on.
 ALPHA_BACKGROUND: tuple[int, int, int] = (255, 255, 255)
+
+#: The default ``ImageSpec.fill`` of ``pad_to_square``: the CLIP mean as uint8, which
+#: LLaVA's ``expand2square`` pads with (``int(x * 255)``, so it normalises to ~0).
+PAD_FILL: tuple[int, int, int] = (
+    int(CLIP_MEAN[0] * 255),
+    int(CLIP_MEAN[1] * 255),
+    int(CLIP_MEAN[2] * 255),
+)
+
+
+def checked_fill(fill: object) -> tuple[int, int, int]:
+    """``fill`` as an RGB tuple of ints 0..255 (``None``: :data:`PAD_FILL`), or ConfigError."""
+    if fill is None:
+        return PAD_FILL
+    values = tuple(fill) if isinstance(fill, (tuple, list)) else ()
+    if len(values) != 3 or not all(
+        isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 255 for v in values
+    ):
+        raise ConfigError(
+            f"ImageSpec.fill must be 3 ints 0..255 (an RGB colour, e.g. {PAD_FILL}), got {fill!r}"
+        )
+    return (values[0], values[1], values[2])
+
 
 _EXIF_ORIENTATION_TAG = 0x0112
 #: EXIF orientation -> the transpose that makes the image upright (as ImageOps.exif_transpose).
