@@ -31,7 +31,7 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 unit: $(STAMP)
-	$(PY) -m pytest -q
+	MMCACHE_TEST_SHM_STRICT=1 $(PY) -m pytest -q
 
 test: lint typecheck unit
 

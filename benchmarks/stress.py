@@ -22,8 +22,6 @@ over budget, or any process failed. ``tests/multiproc/test_load.py`` runs it for
 from __future__ import annotations
 
 import argparse
-import contextlib
-import glob
 import json
 import multiprocessing as mp
 import os
@@ -39,6 +37,7 @@ import numpy as np
 
 from mmcache.cache import Cache, _memory_name
 from mmcache.keys import sample_key
+from mmcache.stores.memory.cleanup import unlink_store
 from mmcache.units import parse_size
 
 SIDES = (8, 32, 96, 160)  # image sides: 192 B, 3 KB, 28 KB, 77 KB (> the 64 KiB inline copy)
@@ -256,9 +255,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         return summary
     finally:
-        for path in glob.glob(f"/dev/shm/mmcache-{_memory_name(root.absolute())}*"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+        # The memory tier lives in this user's store directory (/dev/shm/mmcache-u<uid>/);
+        # it outlives the processes by design, so the run removes it.
+        unlink_store(_memory_name(root.absolute()))
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -91,3 +91,78 @@ def tmpfs(tmp_path: Path) -> Iterator[Callable[[str, str], Path]]:
     yield make
     for path in reversed(mounted):
         subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)
+
+
+# --- shared-memory leak guard ------------------------------------------------
+# A test that opens a memory tier and does not remove it leaves files in this
+# user's /dev/shm directory after the run. Each test's new entries are noted;
+# when the session ends (after every fixture's teardown), a store still there
+# is a leak if its cache root is under this session's temporary directory, or
+# if nobody is attached to it and its root is gone (a test's own temporary
+# folder: ``reclaim_orphans`` judges and removes it). Leaks are reported with
+# the test that made them and removed. A store of another pytest or training
+# run of the same user at the same time has a live root or live processes, so
+# it is neither blamed nor touched. MMCACHE_TEST_SHM_STRICT=1 (set by
+# `make test`) turns a leak into a failed run.
+
+_SHM_MADE: dict[str, str] = {}
+
+
+def _shm_entries() -> set[str]:
+    from mmcache.stores.memory import store_dir
+
+    found: set[str] = set()
+    for directory in {store_dir(), store_dir(os.getegid())}:
+        found.update(glob.glob(f"{directory}/mmcache-*"))
+    return found
+
+
+@pytest.fixture(autouse=True)
+def _note_shm_entries(request: pytest.FixtureRequest) -> Iterator[None]:
+    before = _shm_entries()
+    yield
+    for path in _shm_entries() - before:
+        _SHM_MADE.setdefault(path, request.node.nodeid)
+
+
+def _store_name(path: str) -> str:
+    """``mmcache-<name>-meta`` / ``-dNNN`` / ``.lock`` -> ``<name>``."""
+    return os.path.basename(path)[len("mmcache-") :].split("-")[0].split(".")[0]
+
+
+def _leaked_stores(base: Path) -> dict[str, str]:
+    """{path: test} of the stores this session left behind (see above); removes them."""
+    from mmcache.cacheroot import memory_name
+    from mmcache.stores.memory.cleanup import reclaim_orphans, unlink_store
+
+    present = {p: t for p, t in _SHM_MADE.items() if os.path.exists(p)}
+    if not present:
+        return {}
+    ours = {memory_name(Path(d).absolute()) for d, _dirs, _files in os.walk(base)}
+    leaked: dict[str, str] = {}
+    for name in sorted({_store_name(p) for p in present}):
+        paths = {p: t for p, t in present.items() if _store_name(p) == name}
+        group = os.getegid() if any("/mmcache-g" in p for p in paths) else None
+        if name in ours:
+            unlink_store(name, group=group)
+            leaked.update(paths)
+        elif reclaim_orphans(name, group=group):
+            leaked.update(paths)
+    return leaked
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    base = session.config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
+    leaked = _leaked_stores(base)
+    session.config._mmcache_shm_leaks = leaked  # type: ignore[attr-defined]
+    if leaked and os.environ.get("MMCACHE_TEST_SHM_STRICT") == "1" and exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    leaked: dict[str, str] = getattr(terminalreporter.config, "_mmcache_shm_leaks", {})
+    if not leaked:
+        return
+    terminalreporter.section("shared-memory files left behind by tests (removed now)")
+    for path, test in sorted(leaked.items(), key=lambda kv: kv[1]):
+        terminalreporter.write_line(f"{test}: {path}")
