@@ -123,6 +123,9 @@ class ClusterExchange:
     ) -> None:
         if backend not in ("gloo", "nccl"):
             raise ConfigError(f"the exchange backend is 'gloo' or 'nccl', got {backend!r}")
+        # Workers plan up to ``planned_ahead`` batches ahead: the exchange runs that far
+        # ahead too, so that each of those batches is waited for (before_plan), not missed.
+        ahead = max(ahead, planned_ahead)
         memory = cache.memory
         if memory is None:
             raise ConfigError(
@@ -142,7 +145,7 @@ class ClusterExchange:
         mine = self.topology.ranks_of(self.topology.node)
         size = max((len(b) for b in batches(self.topology.rank, 0)), default=1)
         #: Most entries the node's in-flight tier holds at once (see :mod:`.flight`).
-        self.flight_entries = len(mine) * size * flight_bound(window, ahead, planned_ahead)
+        self.flight_entries = len(mine) * size * flight_bound(window, ahead)
         self._flight = open_flight(cache, self.flight_entries)
         cache.use_flight(self._flight)
         self._wire = Wire(group, backend, timeout)

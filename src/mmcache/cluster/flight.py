@@ -36,17 +36,17 @@ __all__ = ["MIN_BYTES", "flight_bound", "flight_name", "open_flight"]
 MIN_BYTES = 256 << 20
 
 
-def flight_bound(window: int, ahead: int, planned_ahead: int) -> int:
+def flight_bound(window: int, ahead: int) -> int:
     """Batches of one rank whose other-home samples can be in flight at once.
 
     The exchange runs up to ``ahead + 2`` batches beyond the last one assembled
-    (rounded up to a whole window) and deletes a window's entries after its last
-    batch is assembled; the cold samples of a window are sent home with the next
-    window exchanged and, when the node reads them there, kept until that one is
-    consumed (three windows behind). Workers produce up to ``planned_ahead``
-    batches ahead of the one assembled.
+    (rounded up to a whole window; workers plan at most ``ahead`` batches ahead)
+    and deletes a window's received entries after its last batch is assembled;
+    the cold samples of a window are sent home with the next window exchanged
+    and, when the node reads them there, kept until that one is consumed (up to
+    three windows behind).
     """
-    return 3 * window + max(ahead + 2 + window, planned_ahead) + 1
+    return 4 * window + ahead + 3
 
 
 def flight_name(cache: Cache) -> str:

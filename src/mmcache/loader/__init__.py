@@ -268,6 +268,8 @@ class DataLoader:
         self._state = StreamState()  # where the workers' stream is (shared explicitly)
         if self._hooks.plan:
             self._state.before_plan = self._hooks.before_plan
+        if self.exchange is not None:  # one batch a task: none planned beyond its horizon
+            self._state.max_group = 1
         self._workers: MissWorkers | None = None
         if num_workers > 0:
             warm = self._warm
