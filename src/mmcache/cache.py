@@ -398,7 +398,7 @@ class Cache:
         never names a tier.
         """
         able = [t for t in self._store.tiers if t.supports_gather and isinstance(t, BatchReader)]
-        if self.flight is not None and able and able[0] is self.memory:
+        if isinstance(self.flight, BatchReader) and able and able[0] is self.memory:
             able.insert(1, self.flight)  # after the memory tier: it is never promoted into
         if not able:
             return None
