@@ -1,4 +1,4 @@
-"""``ClusterExchange``: the loader hook that fills this node's memory tier ahead of the batches.
+"""``ClusterExchange``: the loader hook that brings other nodes' samples ahead of the batches.
 
 Runs in the training process (DataLoader workers cannot use a process group),
 in one background thread with its own gloo process group, so it never
@@ -7,21 +7,23 @@ order and up to ``ahead + 2`` batches beyond the last one assembled here, it
 sends each peer the entries the :class:`~mmcache.cluster.schedule.Schedule`
 says, receives what the peers send, checks each received entry (its key is the
 one this process computes for that sample; its checksum holds) and puts it in
-the node's memory tier, where the loader finds it as an ordinary hit. The loader
-asks :meth:`ClusterExchange.before_plan` before it plans a batch, which waits
-for that batch's window (or gives up after the timeout: the batch is then
-produced locally, as without the exchange). A batch planned further ahead than
-that (the prefetch of worker processes) is not waited for: the model's
-collectives keep ranks within a batch of each other, and a rank waiting for a
-window its peer may not exchange yet would stall both.
+the node's in-flight tier (:mod:`~mmcache.cluster.flight`; a home sample sent
+home goes to the memory tier, under the budget), where the loader finds it as an
+ordinary hit. The loader asks :meth:`ClusterExchange.before_plan` before it plans
+a batch, which waits for that batch's window (or gives up after the timeout: the
+batch is then produced locally, as without the exchange). ``ahead`` is at least
+how far the loader's workers plan ahead (one batch a task under an exchange), so
+every batch they plan is waited for. A batch planned further ahead than that is
+not: the model's collectives keep ranks within a batch of each other, and a rank
+waiting for a window its peer may not exchange yet would stall both.
 
 After a window is consumed (its last batch assembled), the entries received for
 it are deleted (the node keeps only its home samples), and the samples of it
 that were read here although homed elsewhere and that nobody sent (cold: the
-home node had not got them) were produced here: they are sent home in the next
-window, to every rank of the home node, and deleted here. The exchange does not
-cross into the next epoch before this epoch's last window is consumed, so what
-an epoch produced is home before the next one is planned.
+home node had not got them) were produced here, into the in-flight tier: they
+are sent home in the next window, to every rank of the home node, and deleted
+here. The exchange does not cross into the next epoch before this epoch's last
+window is consumed, so what an epoch produced is home before the next one is planned.
 
 Failures: a peer that times out or closes its connection is dropped for the rest
 of the run (gloo closes a pair on a timeout), logged and counted
