@@ -4,9 +4,11 @@ Each "node" is a ``torchrun --nnodes 2 --node-rank K`` launcher with its own
 ``MMCACHE_NODE`` (its own shared-memory tier), running
 ``tests/distributed/cluster_worker.py`` over a synthetic dataset (32 px images,
 gloo, no training step: the loader alone). Memory budget per node: 25%, 50% and
-100% of the data (at 3.3 KB per entry: the tier's footprint of a 3.2 KB entry).
-Per epoch: samples decoded over both nodes (misses that went to storage), bytes
-the exchange moved, samples/s of the slower rank, entries in each node's memory.
+100% of the data's bytes (its entries are 3,200 B each, measured). Per epoch:
+samples decoded over both nodes (misses that went to storage), bytes the exchange
+moved, samples/s of the slower rank, entries in each node's memory tier, and the
+most entries seen in each node's in-flight tier (scope="cluster": other homes'
+samples, outside the budget).
 
     .venv/bin/python benchmarks/cluster.py            # N = 1024, 3 epochs
     .venv/bin/python benchmarks/cluster.py --quick    # N = 256
@@ -30,7 +32,16 @@ from typing import Any
 from mmcache.synth import make_dataset
 
 WORKER = Path(__file__).resolve().parent.parent / "tests" / "distributed" / "cluster_worker.py"
-ENTRY = 3300  # bytes of the memory tier per 3.2 KB entry (slot + index)
+
+
+def entry_bytes(manifest: Path) -> int:
+    """Bytes of one cached entry of this data set (all have one size: 32 px images)."""
+    from mmcache import codec
+    from mmcache.dataset import MultimodalDataset
+    from mmcache.pipeline import ImageSpec, Pipeline
+
+    ds = MultimodalDataset(manifest, pipeline=Pipeline(image=ImageSpec(size=32)))
+    return len(codec.encode(ds.produce(0), ctime=0.0, cost=0.0))
 
 
 def _port() -> int:
@@ -89,10 +100,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="mmcache-cluster-bench-") as tmp:
         work = Path(tmp)
         manifest = make_dataset(work / "data", n, seed=1)
+        entry = entry_bytes(manifest)
         for frac in (0.25, 0.5, 1.0):
             for scope in ("node", "cluster"):
                 t0 = time.perf_counter()
-                budget = int(frac * n * ENTRY)
+                budget = int(frac * n * entry)
                 res = run(manifest, work, scope, budget, epochs=args.epochs, batch=args.batch)
                 sent_before = [0, 0]
                 for e in range(args.epochs):
@@ -107,6 +119,7 @@ def main() -> None:
                             "exchange_bytes": sum(sent) - sum(sent_before),
                             "samples_per_s": n / max(ep["seconds"] for ep in eps),
                             "memory_items": [ep["memory_items"] for ep in eps],
+                            "flight_max": [ep.get("flight_max", 0) for ep in eps],
                         }
                     )
                     sent_before = sent
@@ -114,13 +127,17 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"n": n, "rows": rows}, indent=1))
     print(f"\nN = {n} samples, 2 nodes x 1 rank, batch {args.batch}")
-    print("| budget/node | scope | epoch | decoded | exchange MiB | samples/s | items per node |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| budget/node | scope | epoch | decoded | exchange MiB | samples/s | items per node "
+        "| in flight (most) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['budget']:.0%} | {r['scope']} | {r['epoch']} | {r['decoded']} "
             f"| {r['exchange_bytes'] / 2**20:.1f} | {r['samples_per_s']:,.0f} "
-            f"| {' / '.join(map(str, r['memory_items']))} |"
+            f"| {' / '.join(map(str, r['memory_items']))} "
+            f"| {' / '.join(map(str, r['flight_max']))} |"
         )
 
 

@@ -204,6 +204,7 @@ class Cache:
         self.disk_budget = None if disk is None else parse_size(disk)
         self.registry: FingerprintRegistry | None = None
         self._store = TieredStore([])
+        self.flight: Store | None = None  # scope="cluster"'s in-flight tier: use_flight
         self._open()
 
     # -- opening --------------------------------------------------------------------------
@@ -355,25 +356,15 @@ class Cache:
             "peer_timeout": self.peer_timeout,
             "disk_form": str(self.disk_form),
             "opened_as": "inspect" if self._inspect else "worker",
+            "flight": self.flight,  # a MemoryStore pickles by name: re-attached
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(  # type: ignore[misc]
-            state["root"],
-            memory=state["memory"],
-            disk=state["disk"],
-            policy=state["policy"],
-            ttl=state["ttl"],
-            clock=state["clock"],
-            temporary=state["temporary"],
-            fallback=state["fallback"],
-            mode=state.get("mode", 0o600),
-            memory_entries=state.get("memory_entries"),
-            scope=state.get("scope", "node"),
-            peer_timeout=state.get("peer_timeout", 60.0),
-            disk_form=state.get("disk_form", "raw"),
-            _opened_as=state.get("opened_as", "worker"),
-        )
+        options = dict(state)  # keys missing from an older state take __init__'s defaults
+        root, flight = options.pop("root"), options.pop("flight", None)
+        options["_opened_as"] = options.pop("opened_as", "worker")
+        self.__init__(root, **options)  # type: ignore[misc]
+        self.flight = flight
 
     # -- the tiers ------------------------------------------------------------------------
     @property
@@ -407,6 +398,8 @@ class Cache:
         never names a tier.
         """
         able = [t for t in self._store.tiers if t.supports_gather and isinstance(t, BatchReader)]
+        if isinstance(self.flight, BatchReader) and able and able[0] is self.memory:
+            able.insert(1, self.flight)  # after the memory tier: it is never promoted into
         if not able:
             return None
         return able[0] if len(able) == 1 else TieredReader(able)
@@ -583,9 +576,16 @@ class Cache:
             raise CacheError(f"cache {self.root} has no disk tier to compact")
         return self.disk.compact()
 
+    def use_flight(self, store: Store) -> None:
+        """Gather from ``store`` after the memory tier (:attr:`reader`): ``scope="cluster"``'s
+        in-flight tier, outside the budget and policy (:mod:`mmcache.cluster`)."""
+        self.flight = store
+
     def close(self) -> None:
         """Release every handle (idempotent); shared and persisted data stay."""
         self._store.close()
+        if self.flight is not None:
+            self.flight.close()
 
     def __enter__(self) -> Cache:
         return self

@@ -104,7 +104,10 @@ def main() -> None:
         t0 = time.perf_counter()
         seen = []
         ids: list[str] = []
+        flight_max = 0  # entries in the node's in-flight tier, the most seen after a batch
         for j, batch in enumerate(loader):
+            if cache.flight is not None:
+                flight_max = max(flight_max, len(cache.flight))
             if kill is not None and node == args.kill_node and (epoch, j) == kill:
                 first = int(os.environ.get("LOCAL_RANK", "0")) == 0
                 os.kill(os.getpid(), signal.SIGKILL if first else signal.SIGSTOP)
@@ -132,6 +135,8 @@ def main() -> None:
                 "memory_items": len(list(memory.keys())) if memory is not None else 0,
                 "memory_bytes": memory.nbytes() if memory is not None else 0,
                 "exchange": exchange.stats().as_dict() if exchange is not None else None,
+                "flight_max": flight_max,
+                "flight_bound": exchange.flight_entries if exchange is not None else 0,
             }
         )
         if "state" in result:

@@ -3,10 +3,12 @@
 Each node is a ``torchrun --nnodes 2 --node-rank K`` launcher with its own
 ``MMCACHE_NODE`` (so its own shared-memory tier), started from here; every rank
 runs ``cluster_worker.py`` and writes what it saw. The memory budget of a node is
-half the data (plus room for what is in flight): after the first epoch no sample
-is decoded anywhere, every rank's batches are bitwise the single-process uncached
-run's, and each node's memory holds half the data once settled. When one node's processes die
-or freeze mid-epoch, the other finishes with local production.
+exactly half the data: after the first epoch no sample is decoded anywhere (with
+and without persistent workers), every rank's batches are bitwise the
+single-process uncached run's, and each node's memory tier holds its half of the
+data; what is in flight (other homes' samples, in the in-flight tier) stays within
+its bound. When one node's processes die or freeze mid-epoch, the other finishes
+with local production.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import pytest
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
+from mmcache import codec  # noqa: E402
 from mmcache.cacheroot import memory_name  # noqa: E402
 from mmcache.dataset import MultimodalDataset  # noqa: E402
 from mmcache.loader import DataLoader  # noqa: E402
@@ -45,20 +48,20 @@ SIZE = 32
 EPOCHS = 3
 NODES = ("node0", "node1")
 WORKER = Path(__file__).with_name("cluster_worker.py")
-#: Bytes of the memory tier per entry of a 32 px image (3.2 KB and its index row).
-ENTRY = 3300
-#: Entries in flight on a node: 2 ranks x up to 3 windows received and not consumed
-#: (2 batches ahead of the one planned) x the 4 of a window's 8 samples homed on the
-#: other node, and 8 to spare.
-IN_FLIGHT = 2 * 3 * 4 + 8
-#: Half the data, plus room for what is in flight (66.7% of the data's bytes here;
-#: the in-flight part is a smaller share of a larger dataset).
-BUDGET = (N // 2 + IN_FLIGHT) * ENTRY
 
 
 @pytest.fixture(scope="module")
 def manifest(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_dataset(tmp_path_factory.mktemp("cluster-data"), N, seed=1)
+
+
+@pytest.fixture(scope="module")
+def budget(manifest: Path) -> int:
+    """Half the data: half the bytes of all its entries (3,200 B each here)."""
+    ds = MultimodalDataset(manifest, pipeline=Pipeline(image=ImageSpec(size=SIZE)))
+    sizes = [len(codec.encode(ds.produce(i), ctime=0.0, cost=0.0)) for i in range(N)]
+    assert len(set(sizes)) == 1  # so that half the bytes is exactly half the entries
+    return sum(sizes) // 2
 
 
 @pytest.fixture
@@ -92,7 +95,8 @@ def _digest(batch: dict[str, Any]) -> str:
 
 
 def _launch(
-    manifest: Path, root: Path, out: Path, *extra: str, nodes: int = 2, per_node: int = 2,
+    manifest: Path, root: Path, out: Path, budget: int, *extra: str, nodes: int = 2,
+    per_node: int = 2,
     wait_for: int | None = None, timeout: float = 90.0, batch: int = BATCH,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Start ``nodes`` torchrun launchers and return the ranks' results (rank order).
@@ -109,7 +113,7 @@ def _launch(
             sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
             "--nproc-per-node", str(per_node), "--node-rank", str(k),
             "--rdzv-endpoint", f"127.0.0.1:{port}", str(WORKER),
-            "--manifest", str(manifest), "--root", str(root), "--budget", str(BUDGET),
+            "--manifest", str(manifest), "--root", str(root), "--budget", str(budget),
             "--batch", str(batch), "--size", str(SIZE), "--epochs", str(EPOCHS),
             "--out", str(out), *extra,
         ]  # fmt: skip
@@ -161,31 +165,47 @@ def _reference(manifest: Path, world: int) -> list[list[list[str]]]:
     return out
 
 
-def test_two_nodes_hold_half_each_and_decode_nothing_after_the_first_epoch(
-    manifest: Path, root: Path, tmp_path: Path
-) -> None:
-    results = _launch(manifest, root, tmp_path / "out", "--lockstep")
-    want = _reference(manifest, 4)
+def _check_zero_decodes(results: list[dict[str, Any]], want: list[list[list[str]]]) -> None:
     assert [r["node"] for r in results] == ["node0", "node0", "node1", "node1"]
     for r in results:
         got = [e["batches"] for e in r["epochs"]]
         assert got == want[r["rank"]]  # bitwise the uncached single-process batches
-    assert sum(r["epochs"][0]["produced"] for r in results) == N  # cold: each once
+    assert sum(r["epochs"][0]["misses"] for r in results) == N  # cold: each once
     for e in range(1, EPOCHS):
         assert [r["epochs"][e]["produced"] for r in results] == [0, 0, 0, 0]
-        for r in results:  # half the data per node: no duplicates once settled
-            assert r["epochs"][e]["memory_items"] == N // 2
+        assert [r["epochs"][e]["misses"] for r in results] == [0, 0, 0, 0]  # workers too
+    for r in results:  # each node's memory tier: its half of the data, nothing else (the
+        # first epoch's last cold samples go home with the next epoch's first window)
+        assert [e["memory_items"] for e in r["epochs"][1:]] == [N // 2] * (EPOCHS - 1)
+        assert all(e["flight_max"] <= e["flight_bound"] for e in r["epochs"])
     last = results[0]["epochs"][-1]["exchange"]
     assert last["received"] > 0 and last["sent_home"] > 0 and last["peer_failures"] == 0
+    assert last["late_batches"] == 0
+
+
+def test_two_nodes_hold_half_each_and_decode_nothing_after_the_first_epoch(
+    manifest: Path, root: Path, tmp_path: Path, budget: int
+) -> None:
+    results = _launch(manifest, root, tmp_path / "out", budget, "--lockstep")
+    _check_zero_decodes(results, _reference(manifest, 4))
+
+
+def test_with_persistent_workers_nothing_is_decoded_after_the_first_epoch_either(
+    manifest: Path, root: Path, tmp_path: Path, budget: int
+) -> None:
+    results = _launch(
+        manifest, root, tmp_path / "out", budget, "--lockstep", "--workers", "2", "--persistent"
+    )
+    _check_zero_decodes(results, _reference(manifest, 4))
 
 
 def test_a_node_that_dies_mid_epoch_leaves_the_other_to_finish_with_local_production(
-    manifest: Path, root: Path, tmp_path: Path
+    manifest: Path, root: Path, tmp_path: Path, budget: int
 ) -> None:
     # node1's first rank is killed, its second frozen (a silent peer: its connections
     # stay open), both before batch 1 of epoch 1; node0 times out on it (4 s) and goes on.
     results = _launch(
-        manifest, root, tmp_path / "out", "--kill-node", "node1", "--kill-at", "1:1",
+        manifest, root, tmp_path / "out", budget, "--kill-node", "node1", "--kill-at", "1:1",
         "--timeout", "4", wait_for=2,
     )  # fmt: skip
     want = _reference(manifest, 4)
@@ -199,15 +219,15 @@ def test_a_node_that_dies_mid_epoch_leaves_the_other_to_finish_with_local_produc
 
 
 def test_stopped_at_40_percent_with_4_ranks_resumed_with_2_gives_exactly_the_rest(
-    manifest: Path, root: Path, tmp_path: Path
+    manifest: Path, root: Path, tmp_path: Path, budget: int
 ) -> None:
     # 192 samples, 4 ranks, batches of 4: 5 batches each is 80 samples (42%).
-    stopped = _launch(manifest, root, tmp_path / "stop", "--stop-at", "0:5")
+    stopped = _launch(manifest, root, tmp_path / "stop", budget, "--stop-at", "0:5")
     states = [r["state"] for r in stopped]
     assert {s["consumed"] for s in states} == {80} and {s["world_size"] for s in states} == {4}
     (tmp_path / "state.json").write_text(json.dumps(states[0]))
     resumed = _launch(
-        manifest, root, tmp_path / "resume", "--resume", str(tmp_path / "state.json"),
+        manifest, root, tmp_path / "resume", budget, "--resume", str(tmp_path / "state.json"),
         "--epochs", "1", nodes=1,
     )  # fmt: skip
     ds = MultimodalDataset(manifest, pipeline=Pipeline(image=ImageSpec(size=SIZE)))

@@ -3,13 +3,16 @@ node names and configuration."""
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from mmcache import codec
 from mmcache.cache import Cache
 from mmcache.cacheroot import memory_name
+from mmcache.cluster.flight import MIN_BYTES, open_flight
 from mmcache.cluster.placement import home_nodes, shares
 from mmcache.cluster.schedule import Schedule
 from mmcache.cluster.topology import Topology
@@ -18,7 +21,8 @@ from mmcache.dataset import MultimodalDataset
 from mmcache.dist import node_name
 from mmcache.errors import ConfigError
 from mmcache.loader import DataLoader
-from mmcache.loader.stream import BatchOrder
+from mmcache.loader.stream import BatchOrder, EpochOrder, StreamState, WorkerTaskSampler
+from mmcache.loader.tasks import WorkerPlanner
 from mmcache.pipeline import ImageSpec, Pipeline
 from mmcache.sampler import EpochSampler
 
@@ -96,3 +100,60 @@ def test_scope_is_validated_and_cluster_without_torch_distributed_caches_per_nod
         loader = DataLoader(ds, cache=cache, batch_size=8)
         assert loader.exchange is None
         assert sum(len(b["id"]) for b in loader) == len(ds)
+
+
+def test_the_in_flight_tier_is_gathered_after_memory_outside_its_budget_and_pickles(
+    tiny_data: Path, cache_root: Path
+) -> None:
+    # What a node holds for other nodes' samples is read like a memory hit, but does
+    # not count against the memory budget nor go through its policy.
+    with Cache(cache_root, memory="64KiB", scope="cluster", temporary=True) as cache:
+        flight = open_flight(cache, entries=8)
+        cache.use_flight(flight)
+        assert flight.index_capacity == 64 and flight.capacity() >= MIN_BYTES
+        raw = codec.encode({"x": np.arange(4, dtype=np.int64)}, ctime=0.0, cost=1.0)
+        key = bytes(range(16))
+        assert flight.put(key, raw)
+        reader = cache.reader
+        assert reader is not None and reader.contains_many([key]).tolist() == [True]
+        memory = cache.memory
+        assert memory is not None and memory.nbytes() == 0 and key not in set(memory.keys())
+        twin = pickle.loads(pickle.dumps(cache))  # a spawned worker's copy
+        try:
+            assert twin.flight is not None and twin.reader is not None
+            assert twin.reader.contains_many([key]).tolist() == [True]
+        finally:
+            twin.close()
+    plain = Cache(cache_root, memory="64KiB", temporary=True)
+    try:
+        assert plain.flight is None and plain.reader is plain.memory  # no exchange: as before
+    finally:
+        plain.close()
+
+
+def test_a_sample_homed_on_another_node_is_produced_into_the_in_flight_tier(
+    tiny_data: Path, cache_root: Path
+) -> None:
+    ds = MultimodalDataset(tiny_data, pipeline=Pipeline(image=ImageSpec(size=32)))
+    with Cache(cache_root, memory="4MiB", scope="cluster", temporary=True) as cache:
+        flight = open_flight(cache, entries=16)
+        cache.use_flight(flight)
+        planner = WorkerPlanner(ds, cache)
+        planner.guests = np.arange(len(ds)) % 2 == 1  # odd samples: homed elsewhere
+        plan = planner.produced(np.arange(8, dtype=np.int64))
+        keys = [k.tobytes() for k in plan.keys]
+        memory = cache.memory
+        assert memory is not None
+        assert [memory.contains(k) for k in keys] == [i % 2 == 0 for i in range(8)]
+        assert [flight.contains(k) for k in keys] == [i % 2 == 1 for i in range(8)]
+
+
+def test_under_a_cluster_exchange_each_worker_task_is_one_batch() -> None:
+    # Warm stretches group batches into tasks (1, 2, 4, 8 batches); under an exchange a
+    # task that reaches beyond the exchange's horizon would be planned before its
+    # samples arrive, so tasks stay one batch each.
+    order = EpochOrder(BatchOrder(EpochSampler(64, seed=1), 2, False))
+    for max_group, sizes in [(8, [1, 2, 4, 8, 8, 8]), (1, [1] * 6)]:
+        state = StreamState(warm=True, max_group=max_group)
+        sampler = WorkerTaskSampler(state, order, persistent=False, guess_next=lambda: False)
+        assert [len(t) for t in sampler][:6] == sizes

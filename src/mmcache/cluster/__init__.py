@@ -8,6 +8,8 @@
 - :mod:`~mmcache.cluster.wire`: one message per peer and window, over
   ``torch.distributed`` point-to-point ops.
 - :mod:`~mmcache.cluster.exchange`: the loader hook and its background thread.
+- :mod:`~mmcache.cluster.flight`: the node's in-flight tier (other homes' samples
+  held for a window, outside the memory budget and its policy).
 
 The loader adds :class:`ClusterExchange` by itself when its cache has
 ``scope="cluster"`` and ``torch.distributed`` is initialised.

@@ -1,4 +1,4 @@
-"""``ClusterExchange``: the loader hook that fills this node's memory tier ahead of the batches.
+"""``ClusterExchange``: the loader hook that brings other nodes' samples ahead of the batches.
 
 Runs in the training process (DataLoader workers cannot use a process group),
 in one background thread with its own gloo process group, so it never
@@ -7,21 +7,23 @@ order and up to ``ahead + 2`` batches beyond the last one assembled here, it
 sends each peer the entries the :class:`~mmcache.cluster.schedule.Schedule`
 says, receives what the peers send, checks each received entry (its key is the
 one this process computes for that sample; its checksum holds) and puts it in
-the node's memory tier, where the loader finds it as an ordinary hit. The loader
-asks :meth:`ClusterExchange.before_plan` before it plans a batch, which waits
-for that batch's window (or gives up after the timeout: the batch is then
-produced locally, as without the exchange). A batch planned further ahead than
-that (the prefetch of worker processes) is not waited for: the model's
-collectives keep ranks within a batch of each other, and a rank waiting for a
-window its peer may not exchange yet would stall both.
+the node's in-flight tier (:mod:`~mmcache.cluster.flight`; a home sample sent
+home goes to the memory tier, under the budget), where the loader finds it as an
+ordinary hit. The loader asks :meth:`ClusterExchange.before_plan` before it plans
+a batch, which waits for that batch's window (or gives up after the timeout: the
+batch is then produced locally, as without the exchange). ``ahead`` is at least
+how far the loader's workers plan ahead (one batch a task under an exchange), so
+every batch they plan is waited for. A batch planned further ahead than that is
+not: the model's collectives keep ranks within a batch of each other, and a rank
+waiting for a window its peer may not exchange yet would stall both.
 
 After a window is consumed (its last batch assembled), the entries received for
 it are deleted (the node keeps only its home samples), and the samples of it
 that were read here although homed elsewhere and that nobody sent (cold: the
-home node had not got them) were produced here: they are sent home in the next
-window, to every rank of the home node, and deleted here. The exchange does not
-cross into the next epoch before this epoch's last window is consumed, so what
-an epoch produced is home before the next one is planned.
+home node had not got them) were produced here, into the in-flight tier: they
+are sent home in the next window, to every rank of the home node, and deleted
+here. The exchange does not cross into the next epoch before this epoch's last
+window is consumed, so what an epoch produced is home before the next one is planned.
 
 Failures: a peer that times out or closes its connection is dropped for the rest
 of the run (gloo closes a pair on a timeout), logged and counted
@@ -50,6 +52,7 @@ import torch
 
 from mmcache import codec
 from mmcache.cache import Cache
+from mmcache.cluster.flight import flight_bound, open_flight
 from mmcache.cluster.placement import home_nodes
 from mmcache.cluster.schedule import Schedule
 from mmcache.cluster.topology import Topology
@@ -118,9 +121,13 @@ class ClusterExchange:
         window: int = WINDOW,
         ahead: int = AHEAD,
         backend: str = "gloo",
+        planned_ahead: int = 2,
     ) -> None:
         if backend not in ("gloo", "nccl"):
             raise ConfigError(f"the exchange backend is 'gloo' or 'nccl', got {backend!r}")
+        # Workers plan up to ``planned_ahead`` batches ahead: the exchange runs that far
+        # ahead too, so that each of those batches is waited for (before_plan), not missed.
+        ahead = max(ahead, planned_ahead)
         memory = cache.memory
         if memory is None:
             raise ConfigError(
@@ -135,6 +142,14 @@ class ClusterExchange:
         meta = group if backend == "gloo" else torch.distributed.new_group(backend="gloo")
         self.topology = Topology.gather(cache.memory_budget, group=meta)
         self.home = home_nodes(len(dataset), self.topology.budgets, seed)
+        #: Samples homed on another node: produced here, they go to the in-flight tier.
+        self.guests: npt.NDArray[np.bool_] = self.home != self.topology.node
+        mine = self.topology.ranks_of(self.topology.node)
+        size = max((len(b) for b in batches(self.topology.rank, 0)), default=1)
+        #: Most entries the node's in-flight tier holds at once (see :mod:`.flight`).
+        self.flight_entries = len(mine) * size * flight_bound(window, ahead)
+        self._flight = open_flight(cache, self.flight_entries)
+        cache.use_flight(self._flight)
         self._wire = Wire(group, backend, timeout)
         self._source: SampleSource = copy.deepcopy(dataset)
         self.schedule = Schedule(self.topology, self.home, batches, window)
@@ -296,11 +311,11 @@ class ClusterExchange:
             windows = [self._windows.pop(p, None) for p in done]
         for pos, win in zip(done, windows, strict=True):
             for key in self._later.pop(pos, []):
-                self._memory.delete(key)
+                self._forget(key)
             if win is None:
                 continue
             for key in win.transient:
-                if self._memory.delete(key):
+                if self._forget(key):
                     self._stats.dropped += 1
             foreign = self.schedule.foreign(*pos)
             cold = np.array([i for i in foreign.tolist() if i not in win.received], np.int64)
@@ -329,7 +344,7 @@ class ClusterExchange:
             keys = self._keys(idx) if idx.size else []
             chosen = [(int(i), k) for i, k in zip(idx.tolist(), keys, strict=True)]
             chosen += [(i, k) for i, k in offers if peer in home_ranks[int(self.home[i])]]
-            raws = [self._memory.get(k) for _, k in chosen]
+            raws = [self._read(i, k) for i, k in chosen]
             present = [(i, k, r) for (i, k), r in zip(chosen, raws, strict=True) if r is not None]
             out[peer] = Message(
                 [k for _, k, _ in present], [i for i, _, _ in present], [r for _, _, r in present]
@@ -356,8 +371,28 @@ class ClusterExchange:
                 if i in near:
                     later.append(key)
                 else:
-                    self._memory.delete(key)
+                    self._forget(key)
+            else:  # kept for this node: under the memory budget and its policy
+                self._keep(key)
         self._receive(epoch, w, got)
+
+    def _read(self, index: int, key: bytes) -> bytes | None:
+        """The entry of sample ``index``: other homes' in the in-flight tier first."""
+        first, then = (self._flight, self._memory) if self.guests[index] else (self._memory, None)
+        raw = first.get(key)
+        return raw if raw is not None or then is None else then.get(key)
+
+    def _forget(self, key: bytes) -> bool:
+        """Delete an entry held for another node (the in-flight tier, or memory)."""
+        return self._flight.delete(key) or self._memory.delete(key)
+
+    def _keep(self, key: bytes) -> None:
+        """Move an entry from the in-flight tier to the memory tier (its home failed)."""
+        raw = self._flight.get(key)
+        if raw is not None:
+            header = codec.read_header(raw)
+            self._memory.put(key, raw, cost=header.cost, ctime=header.ctime)
+            self._flight.delete(key)
 
     def _receive(self, epoch: int, w: int, got: dict[int, npt.NDArray[np.uint8]]) -> None:
         me = self.topology.node
@@ -381,12 +416,15 @@ class ClusterExchange:
                 if want.get(i) != key or not (home == me or i in foreign) or not codec.verify(raw):
                     self._stats.refused += 1  # another version of the sample, or damaged
                     continue
-                if self._memory.contains(key):  # here already (a cold one of this node)
-                    if home != me:
-                        window.received.add(i)
+                # Home samples go under the budget; other homes' to the in-flight tier.
+                tier = self._memory if home == me else self._flight
+                if tier.contains(key) or (home != me and self._memory.contains(key)):
+                    if home != me:  # here already (a cold one of this node): its home
+                        window.received.add(i)  # has it, so it goes with the window
+                        window.transient.append(key)
                     continue
                 header = codec.read_header(raw)
-                if self._memory.put(key, raw, cost=header.cost, ctime=header.ctime):
+                if tier.put(key, raw, cost=header.cost, ctime=header.ctime):
                     self._stats.received += 1
                     self._stats.received_bytes += len(raw)
                     if home != me:

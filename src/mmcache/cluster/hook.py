@@ -28,12 +28,13 @@ BACKEND_ENV = "MMCACHE_EXCHANGE_BACKEND"
 
 
 def cluster_exchange(
-    cache: Cache | None, dataset: SampleSource, order: Any, seed: int
+    cache: Cache | None, dataset: SampleSource, order: Any, seed: int, planned_ahead: int = 2
 ) -> ClusterExchange | None:
     """The exchange of a loader over ``cache`` (None unless ``scope="cluster"`` applies).
 
     ``order``: the loader's :class:`~mmcache.loader.stream.EpochOrder` (its
-    ``order.for_rank(r).batches(e)`` gives rank ``r``'s batches).
+    ``order.for_rank(r).batches(e)`` gives rank ``r``'s batches); ``planned_ahead``:
+    how many batches its workers plan ahead of the one assembled.
     """
     if cache is None or cache.scope != "cluster":
         return None
@@ -46,5 +47,6 @@ def cluster_exchange(
 
     backend = os.environ.get(BACKEND_ENV, "gloo")
     return ClusterExchange(
-        cache, dataset, batches, seed=seed, timeout=cache.peer_timeout, backend=backend
-    )
+        cache, dataset, batches, seed=seed, timeout=cache.peer_timeout, backend=backend,
+        planned_ahead=planned_ahead,
+    )  # fmt: skip

@@ -238,7 +238,9 @@ class DataLoader:
         if batching.hook is not None:  # SFT padding or packing: before any other hook
             first.insert(0, batching.hook)
         #: The cluster exchange (``Cache(scope="cluster")`` under torch.distributed), or None.
-        self.exchange = cluster_exchange(cache, dataset, self._order, seed)
+        self.exchange = cluster_exchange(
+            cache, dataset, self._order, seed, planned_ahead=max(num_workers * prefetch, 2)
+        )
         if self.exchange is not None:
             first.append(self.exchange)
             weakref.finalize(self, self.exchange.close)
@@ -250,6 +252,8 @@ class DataLoader:
         if gate is not None:
             weakref.finalize(self, gate.open_all)
         self._planner = WorkerPlanner(dataset, cache, gate)
+        if self.exchange is not None:  # produced here for another node: to the in-flight tier
+            self._planner.guests = self.exchange.guests
         self._assembler = BatchAssembler(dataset, cache, self._planner, pin_memory=self.pin_memory)
         self._warm = WarmEpochs(
             dataset,
@@ -264,6 +268,8 @@ class DataLoader:
         self._state = StreamState()  # where the workers' stream is (shared explicitly)
         if self._hooks.plan:
             self._state.before_plan = self._hooks.before_plan
+        if self.exchange is not None:  # one batch a task: none planned beyond its horizon
+            self._state.max_group = 1
         self._workers: MissWorkers | None = None
         if num_workers > 0:
             warm = self._warm

@@ -136,7 +136,9 @@ class StreamState:
     gate value its tasks count from; ``stop``: where the last stream ended (None:
     it runs on, or never started); ``warm``: the last batch planned had no misses;
     ``before_plan``: called with (epoch, batch) before a batch is planned (the
-    loader's ``before_plan`` hooks; None: none).
+    loader's ``before_plan`` hooks; None: none); ``max_group``: the most batches in
+    one task (1 under a cluster exchange: a task of batches far ahead would be planned
+    before the exchange may bring them).
     """
 
     start: tuple[int, int] = (0, 0)
@@ -144,6 +146,7 @@ class StreamState:
     stop: tuple[int, int] | None = None
     warm: bool = False
     before_plan: Callable[[int, int], None] | None = None
+    max_group: int = _WARM_GROUP
 
 
 class WorkerTaskSampler:
@@ -192,7 +195,7 @@ class WorkerTaskSampler:
                     state.before_plan(epoch, k)
             yield [WorkerTask(gate, b) for b in task]
             j += len(task)
-            group = min(2 * group, _WARM_GROUP) if state.warm else 1
+            group = min(2 * group, state.max_group) if state.warm else 1
 
 
 def _identity(batch: list[PackedPlan]) -> list[PackedPlan]:

@@ -153,6 +153,8 @@ class WorkerPlanner(torch.utils.data.Dataset[PackedPlan]):
         self._keys_lock = threading.Lock()
         self._reader: BatchReader | None = None
         self._reader_known = False  # resolved once per process (see _first_tier)
+        #: scope="cluster": which samples are homed on another node (``cache.flight``'s).
+        self.guests: np.ndarray | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -215,8 +217,13 @@ class WorkerPlanner(torch.utils.data.Dataset[PackedPlan]):
         cost = time.thread_time() - t0
         if cache is not None:
             # Write-behind: the first tier now, the others from a background thread.
-            raw = codec.encode(produced, ctime=cache.clock(), cost=cost)
-            if write_behind(cache)(key, raw, cost, self.source.fingerprint()) and in_worker:
+            now = cache.clock()
+            raw = codec.encode(produced, ctime=now, cost=cost)
+            # Homed on another node (scope="cluster"): in flight until the exchange sends it home.
+            guest = cache.flight if self.guests is not None and self.guests[index] else None
+            held = guest is not None and guest.put(key, raw, cost=cost, ctime=now)
+            tag = self.source.fingerprint()
+            if (held or write_behind(cache)(key, raw, cost, tag)) and in_worker:
                 return TaskResult(index, SampleOrigin.PRODUCED, in_memory=True)
         return TaskResult(index, SampleOrigin.PRODUCED, sample=produced)
 
