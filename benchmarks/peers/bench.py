@@ -45,8 +45,23 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 
+import shards  # noqa: E402
 import systems  # noqa: E402  (needs HERE on sys.path; also what child processes import)
 
+
+def _merge_systems() -> None:
+    """The shard rows (shards.py) into ``systems.SYSTEMS``, each after the row it follows."""
+    merged: dict[str, type[systems.System]] = {}
+    for name, cls in systems.SYSTEMS.items():
+        merged[name] = cls
+        for extra in shards.AFTER.get(name, []):
+            merged[extra] = shards.SYSTEMS[extra]
+    merged.update({k: v for k, v in shards.SYSTEMS.items() if k not in merged})
+    systems.SYSTEMS.clear()
+    systems.SYSTEMS.update(merged)
+
+
+_merge_systems()
 DEFAULT_SYSTEMS = list(systems.SYSTEMS)
 REFERENCE = "mmcache-memory"
 # Which requirements.txt entry each system needs (for "not installable" reasons).
@@ -57,6 +72,8 @@ NEEDS = {
     "mosaic-mds-jpeg": "mosaicml-streaming",
     "litdata": "litdata",
     "webdataset": "webdataset",
+    "webdataset-jpeg": "webdataset",
+    "energon": "megatron-energon",
 }
 # Rows that are not peers: excluded from "mmcache's warm epoch ahead of every peer".
 NOT_PEERS = ("mmcache-", "numpy-")

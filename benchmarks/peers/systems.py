@@ -223,6 +223,10 @@ class System:
         self.notes: list[str] = []
         self.extra: dict[str, Any] = {}
 
+    def given(self) -> None:
+        """The data as its user already has it (e.g. tar shards), made before the set-up
+        clock starts; nothing by default (the manifest and the loose JPEGs)."""
+
     def setup(self) -> None:
         """The one-off pass before the first epoch (conversion, preprocessing); timed."""
 
@@ -972,6 +976,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     system: System | None = None
     try:
         system = cls(spec)  # the pipeline and the manifest rows: the same for every row
+        phase("given")
+        t0 = time.perf_counter()
+        system.given()
+        result["given_s"] = time.perf_counter() - t0
         phase("setup")
         t0 = time.perf_counter()
         system.setup()
