@@ -2,8 +2,9 @@
 
 In a guessed (warm) epoch the training process plans the batches itself, so it also
 asks for the cache pages of the batches to come (``prefetch`` of the disk tier:
-``mincore`` then ``MADV_WILLNEED``, tens of microseconds a sample when the pages
-are resident). :class:`ReadAhead` takes that off the training loop: the loop only
+``mincore`` then ``MADV_WILLNEED``; it looks at :data:`READ_AHEAD_PROBE` entries of
+a batch first and stops there when their pages are resident, so a warm page cache
+costs a few system calls a batch). :class:`ReadAhead` takes that off the training loop: the loop only
 queues the keys (in the epoch's order); the thread makes the calls. The queue is
 bounded: when the thread lags, the oldest requests are dropped (a hint only).
 
@@ -21,11 +22,15 @@ from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["ReadAhead"]
+__all__ = ["READ_AHEAD_PROBE", "ReadAhead"]
 
 logger = logging.getLogger(__name__)
 
 _MAX_PENDING = 16
+
+#: Entries of a batch whose pages the read-ahead looks at first; when all of theirs
+#: are resident, the batch's others are taken to be too (``DiskGather.prefetch``).
+READ_AHEAD_PROBE = 4
 
 
 class ReadAhead:

@@ -41,6 +41,9 @@ logger = logging.getLogger(__name__)
 
 #: The read check of a gathered entry: whether its bytes are intact (``codec.verify``).
 EntryCheck = Callable[[memoryview], bool]
+#: The read check given the copies of byte ranges of the entry (``(offset, copy)``,
+#: sorted by offset, apart): ``codec.checksum_matches_copied``.
+CopiedCheck = Callable[[memoryview, Sequence[tuple[int, npt.NDArray[np.uint8]]]], bool]
 
 _PAGE = mmap.PAGESIZE
 _MADV_WILLNEED = getattr(mmap, "MADV_WILLNEED", 3)
@@ -77,6 +80,15 @@ def key_list(keys: Keys) -> list[bytes]:
     return out
 
 
+def _apart(targets: Sequence[tuple[int, int, npt.NDArray[np.uint8]]]) -> bool:
+    """Whether the targets' ranges do not overlap and their rows are contiguous (what
+    a check over the copies needs)."""
+    spans = sorted((offset, offset + length) for offset, length, _ in targets)
+    if any(b[0] < a[1] for a, b in zip(spans, spans[1:], strict=False)):
+        return False
+    return all(out.strides[1] == 1 for _, _, out in targets)
+
+
 def _check_targets(n: int, targets: Sequence[tuple[int, int, npt.NDArray[np.uint8]]]) -> int:
     end = 0
     for offset, length, out in targets:
@@ -104,6 +116,7 @@ class DiskGather:
 
     supports_gather: bool = False
     _gather_check: EntryCheck | None = None
+    _gather_copied: CopiedCheck | None = None
     _counters: CounterFile
     name: str
 
@@ -121,9 +134,17 @@ class DiskGather:
     ) -> bool:  # pragma: no cover - overridden
         raise NotImplementedError
 
-    def enable_gather(self, check: EntryCheck) -> None:
-        """Let the loader gather from this store; every entry gathered must pass ``check``."""
+    def enable_gather(self, check: EntryCheck, *, copied: CopiedCheck | None = None) -> None:
+        """Let the loader gather from this store; every entry gathered must pass ``check``.
+
+        ``copied`` (``codec.checksum_matches_copied``): the same check, reading the
+        byte ranges just copied into the batch instead of the map. A gather then
+        copies an entry's ranges first and checks them while they are still in the
+        CPU cache (one pass over the entry's bytes in memory, not two); a failed
+        entry's rows are left for the caller to produce again, as any absent one.
+        """
         self._gather_check = check
+        self._gather_copied = copied
         self.supports_gather = True
 
     def gather_ranges(
@@ -160,22 +181,35 @@ class DiskGather:
         if len(rows) != n:
             raise ValueError(f"{n} keys but {len(rows)} rows")
         end = _check_targets(int(np.max(rows)) + 1, targets)
+        copied = self._gather_copied if _apart(targets) else None
+        order = sorted(targets, key=lambda t: t[0])
+        row_list = rows.tolist()
         corrupt: list[bytes] = []
         try:
             h = self._env()
             with Txn(h, buffers=True) as txn:
-                db = h.data
+                get, db = txn.get, h.data
                 for j, key in enumerate(ks):
-                    buf = txn.get(key, db=db)
+                    buf = get(key, db=db)
                     if buf is None or len(buf) < end:
                         continue
-                    if not check(buf):
+                    src = np.frombuffer(buf, dtype=np.uint8)
+                    r = row_list[j]
+                    if copied is not None:  # copy, then check the copies (cache-hot)
+                        copies = []
+                        for offset, length, out in order:
+                            dst = out[r]
+                            dst[...] = src[offset : offset + length]
+                            copies.append((offset, dst))
+                        ok = copied(buf, copies)
+                    else:
+                        ok = check(buf)
+                        if ok:
+                            for offset, length, out in order:
+                                out[r] = src[offset : offset + length]
+                    if not ok:
                         corrupt.append(key)
                         continue
-                    src = np.frombuffer(buf, dtype=np.uint8)
-                    r = int(rows[j])
-                    for offset, length, out in targets:
-                        out[r] = src[offset : offset + length]
                     found[j] = True
         except CacheError as exc:
             logger.warning("disk-tier gather failed, its reads are misses: %s", exc)
@@ -204,34 +238,64 @@ class DiskGather:
         """Add to the node-wide hit and miss counters (after ``count=False`` gathers)."""
         self._counters.add((Counter.HITS, hits), (Counter.MISSES, misses))
 
-    def prefetch(self, keys: Keys) -> int:
+    def prefetch(self, keys: Keys, *, probe: int = 0) -> int:
         """Ask the kernel to read ahead the pages of ``keys``' entries that are not in
         the page cache (``mincore``, then ``MADV_WILLNEED`` on the entries that need
-        it); returns the bytes asked for. Never blocks on I/O."""
+        it); returns the bytes asked for. Never blocks on I/O.
+
+        ``probe > 0``: look at that many of the entries first (spread over ``keys``)
+        and stop there when all of theirs are resident: a warm page cache then costs
+        a few system calls a batch, not two an entry. The read-ahead thread of a
+        warm epoch probes (pages dropped or evicted show in any few entries; a
+        missed hint costs page faults later, never a wrong byte).
+        """
         if _calls is None:  # pragma: no cover - not Linux/glibc
             return 0
-        madvise, mincore = _calls
         ks = key_list(keys)
-        asked = 0
-        vec = np.zeros(0, dtype=np.uint8)
+        if not ks:
+            return 0
         try:
             h = self._env()
             with Txn(h, buffers=True) as txn:
-                db = h.data
-                for key in ks:
-                    buf = txn.get(key, db=db)
-                    if buf is None or not len(buf):
-                        continue
-                    addr = np.frombuffer(buf, dtype=np.uint8).ctypes.data
-                    start = addr - addr % _PAGE
-                    length = addr + len(buf) - start
-                    pages = -(-length // _PAGE)
-                    if vec.shape[0] < pages:
-                        vec = np.zeros(pages, dtype=np.uint8)
-                    if mincore(start, length, vec.ctypes.data) == 0 and (vec[:pages] & 1).all():
-                        continue  # resident already: nothing to read
-                    if madvise(start, length, _MADV_WILLNEED) == 0:
-                        asked += len(buf)
+                if 0 < probe < len(ks):
+                    step = len(ks) / probe
+                    sample = [ks[int(i * step)] for i in range(probe)]
+                    if _advise(txn, h.data, sample, ask=False) == 0:
+                        return 0
+                return _advise(txn, h.data, ks, ask=True)
         except CacheError as exc:  # a hint only: a failure costs page faults later
             logger.debug("disk-tier prefetch failed: %s", exc)
-        return asked
+        return 0
+
+
+#: Byte -> its lowest bit (``mincore``'s residency bit; the others are unspecified).
+_RESIDENT_BIT = bytes(i & 1 for i in range(256))
+
+
+def _advise(txn: Any, db: Any, keys: list[bytes], *, ask: bool) -> int:
+    """The bytes of ``keys``' entries not wholly resident, asked for (``MADV_WILLNEED``)
+    when ``ask``; counted only (the first one found) when not."""
+    assert _calls is not None
+    madvise, mincore = _calls
+    vec = bytearray(64)
+    vec_addr = ctypes.addressof(ctypes.c_char.from_buffer(vec))
+    asked = 0
+    for key in keys:
+        buf = txn.get(key, db=db)
+        if buf is None or not len(buf):
+            continue
+        addr = np.frombuffer(buf, dtype=np.uint8).ctypes.data
+        start = addr - addr % _PAGE
+        length = addr + len(buf) - start
+        pages = -(-length // _PAGE)
+        if len(vec) < pages:
+            vec = bytearray(pages)
+            vec_addr = ctypes.addressof(ctypes.c_char.from_buffer(vec))
+        if mincore(start, length, vec_addr) == 0 and vec[:pages].translate(_RESIDENT_BIT).find(0) < 0:
+            continue  # resident already: nothing to read
+        if not ask:
+            return len(buf)
+        if madvise(start, length, _MADV_WILLNEED) == 0:
+            asked += len(buf)
+    return asked
+
