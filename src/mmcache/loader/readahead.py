@@ -8,6 +8,9 @@ costs a few system calls a batch). :class:`ReadAhead` takes that off the trainin
 queues the keys (in the epoch's order); the thread makes the calls. The queue is
 bounded: when the thread lags, the oldest requests are dropped (a hint only).
 
+In a guessed epoch the same thread also promotes the next batches' entries into free
+memory (``WorkerPlanner.ahead``: what the workers do while planning an epoch).
+
 Thread/fork safety: the thread starts on first use in each process (a forked
 child never inherits it); every method may be called from any thread.
 """

@@ -297,7 +297,8 @@ class BatchPlanStream:
         self._workers = workers
         self._warm = warm
         self._gate = workers.gate if workers is not None else None
-        self._ahead = ReadAhead(planner.read_ahead)  # the next batches' pages, off the loop
+        # The next batches: promoted into free memory, their pages read ahead, off the loop.
+        self._ahead = ReadAhead(planner.ahead)
         self._first_epoch = epoch  # of the workers' current stream
         self._base = 0  # the gate value its tasks count from
         self._plans: Iterator[list[PackedPlan]] | None = None
