@@ -1,9 +1,11 @@
 """The disk tier's batch gather (issue 17): the copy-then-check gather equals the
 key-by-key reads (a corrupt entry in the middle of a batch included), the warm
-read-ahead probes a few entries a batch, and guessed epochs promote into free memory."""
+read-ahead reads on several threads, and guessed epochs promote into free memory."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +18,11 @@ from mmcache.cache import Cache
 from mmcache.dataset import MultimodalDataset
 from mmcache.loader import DataLoader
 from mmcache.loader.batchlayout import byte_ranges
+from mmcache.loader.readahead import ReadAhead
 from mmcache.loader.tasks import WorkerPlanner
 from mmcache.loader.warm_epoch import WarmEpochs
 from mmcache.pipeline import Pipeline
 from mmcache.stores.disk import DiskStore
-from mmcache.stores.disk import gather as disk_gather
 
 N = 24
 
@@ -125,39 +127,37 @@ def test_checksum_over_copies_matches_checksum_for_every_split_and_every_flip() 
                 assert not codec.checksum_matches_copied(bad, copies)
 
 
-def test_warm_read_ahead_probes_a_few_entries_of_a_batch_not_each(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_read_ahead_reads_chunks_on_several_threads_at_once_in_order() -> None:
+    """Entries are read from the device by as many threads at once (queue depth): a
+    chunk waits at a barrier that only ``threads`` concurrent calls pass."""
+    barrier = threading.Barrier(4, timeout=10)
+    seen: list[int] = []
+    lock = threading.Lock()
+
+    def fn(keys: np.ndarray) -> None:
+        with lock:
+            seen.append(int(keys[0, 0]))
+        barrier.wait()
+
+    ahead = ReadAhead(fn, threads=4, chunk=16)
+    keys = np.repeat(np.arange(64, dtype=np.uint8)[:, None], 16, axis=1)
+    try:
+        ahead.submit(keys)  # four chunks of 16 keys: all four run at once, or time out
+        deadline = time.monotonic() + 10
+        while len(seen) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sorted(seen) == [0, 16, 32, 48] and not barrier.broken
+    finally:
+        ahead.close()
+
+
+def test_prefetch_reads_the_entries_pages_and_counts_their_bytes(tmp_path: Path) -> None:
     raws = [codec.encode(s) for s in _samples()]
     disk = _store(tmp_path / "d", raws, copied=True)
-    assert disk_gather._calls is not None
-    madvise, mincore = disk_gather._calls
-    calls: list[str] = []
-
-    def counting_mincore(*a: Any) -> int:
-        calls.append("mincore")
-        return int(mincore(*a))
-
-    def counting_madvise(*a: Any) -> int:
-        calls.append("madvise")
-        return int(madvise(*a))
-
-    monkeypatch.setattr(disk_gather, "_calls", (counting_madvise, counting_mincore))
     keys = np.frombuffer(b"".join(_keys()), np.uint8).reshape(N, 16)
     try:
-        assert disk.prefetch(keys, probe=4) == 0  # just written: resident
-        assert calls == ["mincore"] * 4  # four entries looked at, not 24
-        calls.clear()
-        assert disk.prefetch(keys) == 0
-        assert calls == ["mincore"] * N
-        # An entry found not resident by the probe: the whole batch is looked at.
-        calls.clear()
-        monkeypatch.setattr(
-            disk_gather, "_calls", (counting_madvise, lambda *a: calls.append("mincore") or -1)
-        )
-        asked = disk.prefetch(keys, probe=4)
-        assert calls.count("mincore") == 1 + N and calls.count("madvise") == N
-        assert asked == sum(len(r) for r in raws)
+        assert disk.prefetch(keys[:5]) == sum(len(r) for r in raws[:5])
+        assert disk.prefetch([b"\x00" * 16]) == 0
     finally:
         disk.close()
 

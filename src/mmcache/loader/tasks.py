@@ -33,7 +33,6 @@ import torch
 from mmcache import codec
 from mmcache.cache import Cache
 from mmcache.errors import SampleError
-from mmcache.loader.readahead import READ_AHEAD_PROBE
 from mmcache.keys import STAT_FIELDS
 from mmcache.sources.base import SampleSource, StampKind
 from mmcache.stores.base import BatchReader
@@ -269,7 +268,7 @@ class WorkerPlanner(torch.utils.data.Dataset[PackedPlan]):
         reader = self._first_tier()
         prefetch = getattr(reader, "prefetch", None) if reader is not None else None
         if prefetch is not None:
-            prefetch(keys, probe=READ_AHEAD_PROBE)  # a few entries first: warm pages cost little
+            prefetch(keys)
 
     def produced(self, indices: np.ndarray) -> BatchPlan:
         """:meth:`plan` with every missing row produced."""

@@ -114,9 +114,9 @@ class TieredReader:
             if k:
                 reader.count_reads(hits=k)
 
-    def prefetch(self, keys: Keys, *, probe: int = 0) -> int:
-        """Ask the lower tiers to read ahead the entries the first tier lacks; the bytes
-        asked for (a hint: never blocks on I/O). ``probe``: as the disk tier's."""
+    def prefetch(self, keys: Keys) -> int:
+        """Have the lower tiers read ahead the entries the first tier lacks (their
+        ``prefetch``); the bytes they read."""
         arr = _keys_array(keys)
         if len(self._readers) < 2 or not arr.shape[0]:
             return 0
@@ -125,7 +125,7 @@ class TieredReader:
         for reader in self._readers[1:]:
             fn = getattr(reader, "prefetch", None)
             if fn is not None and left.shape[0]:
-                asked += int(fn(left, probe=probe))
+                asked += int(fn(left))
         return asked
 
     def promotable(self, keys: Keys) -> list[bytes]:

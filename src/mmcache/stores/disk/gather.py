@@ -5,14 +5,16 @@ so a disk hit whose pages are in the page cache costs what a memory-tier hit
 does: a ``memcpy`` of its byte ranges into the batch, plus the entry's xxh3
 checksum (disk bytes can rot, and LMDB does not checksum its pages; the check
 is injected by the cache, :meth:`DiskGather.enable_gather`, so the store stays
-bytes-only). One read transaction per call, closed before the call returns:
-a read transaction held across a training step would keep LMDB from reusing
-the pages writers free (the file would grow).
+bytes-only). The check reads the copies just made, while they are in the CPU
+cache (``codec.checksum_matches_copied``): one pass over the entry in memory.
+One read transaction per call, closed before the call returns: a read
+transaction held across a training step would keep LMDB from reusing the pages
+writers free (the file would grow).
 
-:meth:`DiskGather.prefetch` asks the kernel for the pages of entries about to
-be gathered (``madvise(MADV_WILLNEED)`` on their ranges of the map, found from
-the zero-copy buffer's address): a cold page cache is then read ahead, in the
-batches' order, at the device's bandwidth instead of one 4 KiB fault at a time.
+:meth:`DiskGather.prefetch` reads the pages of entries about to be gathered
+into the page cache (py-lmdb touches every page of a value it returns, with the
+GIL released); the loader's read-ahead calls it from a few threads, in the
+batches' order, so a cold page cache is read with several entries in flight.
 
 Thread/process safety: as the rest of :class:`~mmcache.stores.disk.DiskStore`
 (each call opens its own read transaction; the buffers never leave it).
@@ -20,12 +22,9 @@ Thread/process safety: as the rest of :class:`~mmcache.stores.disk.DiskStore`
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
-import mmap
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -45,25 +44,6 @@ EntryCheck = Callable[[memoryview], bool]
 #: sorted by offset, apart): ``codec.checksum_matches_copied``.
 CopiedCheck = Callable[[memoryview, Sequence[tuple[int, npt.NDArray[np.uint8]]]], bool]
 
-_PAGE = mmap.PAGESIZE
-_MADV_WILLNEED = getattr(mmap, "MADV_WILLNEED", 3)
-
-
-def _libc() -> tuple[Any, Any] | None:
-    """libc's ``madvise`` and ``mincore``, or None off Linux/glibc."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        madvise, mincore = libc.madvise, libc.mincore
-    except (OSError, AttributeError):  # pragma: no cover - not Linux/glibc
-        return None
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise.restype = ctypes.c_int
-    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    mincore.restype = ctypes.c_int
-    return madvise, mincore
-
-
-_calls = _libc()
 
 
 def key_list(keys: Keys) -> list[bytes]:
@@ -238,64 +218,31 @@ class DiskGather:
         """Add to the node-wide hit and miss counters (after ``count=False`` gathers)."""
         self._counters.add((Counter.HITS, hits), (Counter.MISSES, misses))
 
-    def prefetch(self, keys: Keys, *, probe: int = 0) -> int:
-        """Ask the kernel to read ahead the pages of ``keys``' entries that are not in
-        the page cache (``mincore``, then ``MADV_WILLNEED`` on the entries that need
-        it); returns the bytes asked for. Never blocks on I/O.
+    def prefetch(self, keys: Keys) -> int:
+        """Read the pages of ``keys``' entries into the page cache (and this process's
+        page tables) ahead of their gather; returns the bytes of the entries found.
 
-        ``probe > 0``: look at that many of the entries first (spread over ``keys``)
-        and stop there when all of theirs are resident: a warm page cache then costs
-        a few system calls a batch, not two an entry. The read-ahead thread of a
-        warm epoch probes (pages dropped or evicted show in any few entries; a
-        missed hint costs page faults later, never a wrong byte).
+        py-lmdb reads one byte of every page of a value it returns, with the GIL
+        released, so the read itself brings the entry in: a page not resident is
+        read from the device here, on the calling thread, instead of in the gather.
+        (``mincore``/``MADV_WILLNEED`` on the value's range cannot do better: its
+        address is known only after that read.) The read-ahead calls this from a
+        few threads at once (:class:`~mmcache.loader.readahead.ReadAhead`), so as
+        many entries are read from the device in parallel; on warm pages it costs
+        about a microsecond an entry.
         """
-        if _calls is None:  # pragma: no cover - not Linux/glibc
-            return 0
         ks = key_list(keys)
+        touched = 0
         if not ks:
             return 0
         try:
             h = self._env()
             with Txn(h, buffers=True) as txn:
-                if 0 < probe < len(ks):
-                    step = len(ks) / probe
-                    sample = [ks[int(i * step)] for i in range(probe)]
-                    if _advise(txn, h.data, sample, ask=False) == 0:
-                        return 0
-                return _advise(txn, h.data, ks, ask=True)
+                get, db = txn.get, h.data
+                for key in ks:
+                    buf = get(key, db=db)
+                    if buf is not None:
+                        touched += len(buf)
         except CacheError as exc:  # a hint only: a failure costs page faults later
             logger.debug("disk-tier prefetch failed: %s", exc)
-        return 0
-
-
-#: Byte -> its lowest bit (``mincore``'s residency bit; the others are unspecified).
-_RESIDENT_BIT = bytes(i & 1 for i in range(256))
-
-
-def _advise(txn: Any, db: Any, keys: list[bytes], *, ask: bool) -> int:
-    """The bytes of ``keys``' entries not wholly resident, asked for (``MADV_WILLNEED``)
-    when ``ask``; counted only (the first one found) when not."""
-    assert _calls is not None
-    madvise, mincore = _calls
-    vec = bytearray(64)
-    vec_addr = ctypes.addressof(ctypes.c_char.from_buffer(vec))
-    asked = 0
-    for key in keys:
-        buf = txn.get(key, db=db)
-        if buf is None or not len(buf):
-            continue
-        addr = np.frombuffer(buf, dtype=np.uint8).ctypes.data
-        start = addr - addr % _PAGE
-        length = addr + len(buf) - start
-        pages = -(-length // _PAGE)
-        if len(vec) < pages:
-            vec = bytearray(pages)
-            vec_addr = ctypes.addressof(ctypes.c_char.from_buffer(vec))
-        if mincore(start, length, vec_addr) == 0 and vec[:pages].translate(_RESIDENT_BIT).find(0) < 0:
-            continue  # resident already: nothing to read
-        if not ask:
-            return len(buf)
-        if madvise(start, length, _MADV_WILLNEED) == 0:
-            asked += len(buf)
-    return asked
-
+        return touched
