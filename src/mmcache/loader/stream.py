@@ -298,7 +298,7 @@ class BatchPlanStream:
         self._warm = warm
         self._gate = workers.gate if workers is not None else None
         # The next batches: promoted into free memory, their pages read ahead, off the loop.
-        self._ahead = ReadAhead(lambda keys: self._planner.ahead(keys))
+        self._ahead = ReadAhead(self._ahead_of_use)
         self._first_epoch = epoch  # of the workers' current stream
         self._base = 0  # the gate value its tasks count from
         self._plans: Iterator[list[PackedPlan]] | None = None
@@ -311,6 +311,9 @@ class BatchPlanStream:
             if workers.persistent
             else PlanMode.LOCAL
         )
+
+    def _ahead_of_use(self, keys: np.ndarray) -> None:
+        self._planner.ahead(keys)  # looked up at call time (a planner without it never reads ahead)
 
     def mode(self, epoch: int) -> PlanMode:
         """Where the next plan of ``epoch`` comes from."""

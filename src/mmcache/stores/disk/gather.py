@@ -22,6 +22,7 @@ Thread/process safety: as the rest of :class:`~mmcache.stores.disk.DiskStore`
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Literal
@@ -45,7 +46,6 @@ EntryCheck = Callable[[memoryview], bool]
 CopiedCheck = Callable[[memoryview, Sequence[tuple[int, npt.NDArray[np.uint8]]]], bool]
 
 
-
 def key_list(keys: Keys) -> list[bytes]:
     """``keys`` (16-byte ``bytes`` each, or ``uint8 [n, 16]``) as a list of bytes."""
     if isinstance(keys, np.ndarray):
@@ -64,7 +64,7 @@ def _apart(targets: Sequence[tuple[int, int, npt.NDArray[np.uint8]]]) -> bool:
     """Whether the targets' ranges do not overlap and their rows are contiguous (what
     a check over the copies needs)."""
     spans = sorted((offset, offset + length) for offset, length, _ in targets)
-    if any(b[0] < a[1] for a, b in zip(spans, spans[1:], strict=False)):
+    if any(b[0] < a[1] for a, b in itertools.pairwise(spans)):
         return False
     return all(out.strides[1] == 1 for _, _, out in targets)
 
