@@ -23,6 +23,7 @@ from mmcache.loader.tasks import WorkerPlanner
 from mmcache.loader.warm_epoch import WarmEpochs
 from mmcache.pipeline import Pipeline
 from mmcache.stores.disk import DiskStore
+from mmcache.stores.gathering import TieredReader
 
 N = 24
 
@@ -241,5 +242,41 @@ def test_a_guessed_epoch_promotes_disk_entries_into_free_memory(
         _same(_epoch(loader, 3), reference[3])
         e3 = loader.stats().epochs[-1]
         assert e3.misses == 0 and e3.tier_hits.get("memory", 0) >= 10
+    finally:
+        cache.close()
+
+
+def test_promotable_answers_at_once_when_the_memory_tier_has_no_room_for_an_entry(
+    cache_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The read-ahead asks for every chunk of every batch: with the memory tier full, it
+    must not look up each key below (that cost ~20-35 µs a sample)."""
+    raws = [codec.encode(s) for s in _samples()]
+    cache = Cache(cache_root, memory=3 * len(raws[0]) + 100, disk="16MiB", temporary=True)
+    try:
+        assert cache.memory is not None and cache.disk is not None
+        for k, raw in zip(_keys(), raws, strict=True):
+            cache.disk.put(k, raw)
+        for k, raw in list(zip(_keys(), raws, strict=True))[:3]:
+            assert cache.memory.put(k, raw, cost=1.0, ctime=0.0)
+        reader = cache.reader
+        assert isinstance(reader, TieredReader)
+        looked: list[bytes] = []
+        real = DiskStore.info
+
+        def spy(self: Any, key: bytes) -> Any:
+            looked.append(key)
+            return real(self, key)
+
+        monkeypatch.setattr(DiskStore, "info", spy)
+        keys = np.frombuffer(b"".join(_keys()), np.uint8).reshape(N, 16)
+        assert reader.promotable(keys) == []  # 100 bytes of room: nothing fits
+        first = len(looked)
+        assert first >= 1
+        for _ in range(5):
+            assert reader.promotable(keys) == []
+        assert len(looked) == first  # answered from the smallest entry seen
+        cache.memory.delete(_keys()[0])  # room for one entry again
+        assert reader.promotable(keys) == [_keys()[0]]  # the first one lacking, alone
     finally:
         cache.close()
