@@ -282,7 +282,8 @@ class Cache:
                 mode=self.mode,
             )
         disk = DiskStore(self.root / "disk", capacity=capacity, policy=self.policy, mode=self.mode)
-        disk.enable_gather(codec.checksum_matches)  # the loader checks the layout itself
+        # The loader checks the layout itself; the checksum reads the copies it made.
+        disk.enable_gather(codec.checksum_matches, copied=codec.checksum_matches_copied)
         return disk
 
     def _open_memory(self) -> Store | None:

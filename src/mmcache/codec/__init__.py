@@ -52,7 +52,7 @@ from __future__ import annotations
 import functools
 import math
 import struct
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeAlias
 
@@ -98,6 +98,7 @@ __all__ = [
     "HeaderField",
     "Sample",
     "checksum_matches",
+    "checksum_matches_copied",
     "decode",
     "encode",
     "encode_into",
@@ -460,6 +461,47 @@ def checksum_matches(buf: bytes | bytearray | memoryview) -> bool:
     hasher = xxhash.xxh3_64(view[:_CHECKSUM_START])
     hasher.update(view[_CHECKSUM_END:])
     return bool(hasher.intdigest() == checksum)
+
+
+def checksum_matches_copied(
+    buf: bytes | bytearray | memoryview, copies: Sequence[tuple[int, npt.NDArray[np.uint8]]]
+) -> bool:
+    """:func:`checksum_matches` of ``buf``, hashing bytes ``[offset, offset + len(copy))``
+    from ``copy`` for each ``(offset, copy)`` of ``copies`` (sorted by offset, apart):
+    copies of those bytes the caller has just made, still in the CPU cache, so the
+    checksum does not read ``buf`` a second time from memory (a batch gather copies,
+    then checks). The same answer as :func:`checksum_matches` when each copy equals
+    its bytes of ``buf``."""
+    view = _byte_view(buf)
+    n = len(view)
+    if n < HEADER_SIZE:
+        return False
+    checksum, length = _SUM_AND_LENGTH.unpack_from(view, _CHECKSUM_START)
+    if length != n:
+        return False
+    hasher = xxhash.xxh3_64()
+    pos = 0
+    for offset, copy in copies:
+        if offset > pos:
+            _hash_piece(hasher, view[pos:offset], pos)
+        _hash_piece(hasher, copy, offset)
+        pos = offset + len(copy)
+    if pos < n:
+        _hash_piece(hasher, view[pos:], pos)
+    return bool(hasher.intdigest() == checksum)
+
+
+def _hash_piece(hasher: Any, piece: Any, start: int) -> None:
+    """Hash ``piece`` (bytes ``[start, start + len(piece))`` of an entry) but the
+    checksum's own bytes."""
+    stop = start + len(piece)
+    if stop <= _CHECKSUM_START or start >= _CHECKSUM_END:
+        hasher.update(piece)
+        return
+    if start < _CHECKSUM_START:
+        hasher.update(piece[: _CHECKSUM_START - start])
+    if stop > _CHECKSUM_END:
+        hasher.update(piece[max(_CHECKSUM_END - start, 0) :])
 
 
 def read_header(buf: bytes | bytearray | memoryview) -> Header:

@@ -49,6 +49,7 @@ class TieredReader:
         self._readers: tuple[Any, ...] = tuple(tiers)
         self.names: tuple[str, ...] = tuple(t.name for t in tiers)
         self.name = self.names[0]
+        self._smallest = 0  # the smallest entry size promotable() has seen, 0: none yet
 
     def __repr__(self) -> str:
         return f"TieredReader({list(self.names)})"
@@ -115,8 +116,8 @@ class TieredReader:
                 reader.count_reads(hits=k)
 
     def prefetch(self, keys: Keys) -> int:
-        """Ask the lower tiers to read ahead the entries the first tier lacks; the bytes
-        asked for (a hint: never blocks on I/O)."""
+        """Have the lower tiers read ahead the entries the first tier lacks (their
+        ``prefetch``); the bytes they read."""
         arr = _keys_array(keys)
         if len(self._readers) < 2 or not arr.shape[0]:
             return 0
@@ -131,22 +132,29 @@ class TieredReader:
     def promotable(self, keys: Keys) -> list[bytes]:
         """The keys held by a lower tier but not the first, as many as fit in the first
         tier's free room (promotion never evicts). Promote them with the cache's
-        verified read (``Cache.lookup``), which offers each to the first tier's policy."""
+        verified read (``Cache.lookup``), which offers each to the first tier's policy.
+
+        Cheap when the first tier is full: once an entry was seen, a room smaller than
+        the smallest entry seen answers at once (the read-ahead asks this for every
+        chunk of every batch; looking each key up below cost ~20-35 µs a sample)."""
         arr = _keys_array(keys)
         if len(self._readers) < 2 or not arr.shape[0]:
             return []
         first = self.stores[0]
         room = first.capacity() - first.nbytes()
-        if room <= 0:
+        if room <= 0 or room < self._smallest:
             return []
         idx = np.flatnonzero(~np.asarray(self._readers[0].contains_many(arr), dtype=bool))
         out: list[bytes] = []
         for j in idx.tolist():
+            if room < self._smallest:
+                break
             key = arr[j].tobytes()
             for store in self.stores[1:]:
                 info = store.info(key)
                 if info is None:
                     continue
+                self._smallest = min(self._smallest or info.size, info.size)
                 if info.size <= room:
                     out.append(key)
                     room -= info.size

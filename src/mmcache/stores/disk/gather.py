@@ -5,14 +5,16 @@ so a disk hit whose pages are in the page cache costs what a memory-tier hit
 does: a ``memcpy`` of its byte ranges into the batch, plus the entry's xxh3
 checksum (disk bytes can rot, and LMDB does not checksum its pages; the check
 is injected by the cache, :meth:`DiskGather.enable_gather`, so the store stays
-bytes-only). One read transaction per call, closed before the call returns:
-a read transaction held across a training step would keep LMDB from reusing
-the pages writers free (the file would grow).
+bytes-only). The check reads the copies just made, while they are in the CPU
+cache (``codec.checksum_matches_copied``): one pass over the entry in memory.
+One read transaction per call, closed before the call returns: a read
+transaction held across a training step would keep LMDB from reusing the pages
+writers free (the file would grow).
 
-:meth:`DiskGather.prefetch` asks the kernel for the pages of entries about to
-be gathered (``madvise(MADV_WILLNEED)`` on their ranges of the map, found from
-the zero-copy buffer's address): a cold page cache is then read ahead, in the
-batches' order, at the device's bandwidth instead of one 4 KiB fault at a time.
+:meth:`DiskGather.prefetch` reads the pages of entries about to be gathered
+into the page cache (py-lmdb touches every page of a value it returns, with the
+GIL released); the loader's read-ahead calls it from a few threads, in the
+batches' order, so a cold page cache is read with several entries in flight.
 
 Thread/process safety: as the rest of :class:`~mmcache.stores.disk.DiskStore`
 (each call opens its own read transaction; the buffers never leave it).
@@ -20,12 +22,10 @@ Thread/process safety: as the rest of :class:`~mmcache.stores.disk.DiskStore`
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
+import itertools
 import logging
-import mmap
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -41,26 +41,9 @@ logger = logging.getLogger(__name__)
 
 #: The read check of a gathered entry: whether its bytes are intact (``codec.verify``).
 EntryCheck = Callable[[memoryview], bool]
-
-_PAGE = mmap.PAGESIZE
-_MADV_WILLNEED = getattr(mmap, "MADV_WILLNEED", 3)
-
-
-def _libc() -> tuple[Any, Any] | None:
-    """libc's ``madvise`` and ``mincore``, or None off Linux/glibc."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        madvise, mincore = libc.madvise, libc.mincore
-    except (OSError, AttributeError):  # pragma: no cover - not Linux/glibc
-        return None
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise.restype = ctypes.c_int
-    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    mincore.restype = ctypes.c_int
-    return madvise, mincore
-
-
-_calls = _libc()
+#: The read check given the copies of byte ranges of the entry (``(offset, copy)``,
+#: sorted by offset, apart): ``codec.checksum_matches_copied``.
+CopiedCheck = Callable[[memoryview, Sequence[tuple[int, npt.NDArray[np.uint8]]]], bool]
 
 
 def key_list(keys: Keys) -> list[bytes]:
@@ -75,6 +58,15 @@ def key_list(keys: Keys) -> list[bytes]:
         if not isinstance(k, bytes) or len(k) != KEY_SIZE:
             raise ValueError(f"store keys are {KEY_SIZE}-byte digests, got {k!r}")
     return out
+
+
+def _apart(targets: Sequence[tuple[int, int, npt.NDArray[np.uint8]]]) -> bool:
+    """Whether the targets' ranges do not overlap and their rows are contiguous (what
+    a check over the copies needs)."""
+    spans = sorted((offset, offset + length) for offset, length, _ in targets)
+    if any(b[0] < a[1] for a, b in itertools.pairwise(spans)):
+        return False
+    return all(out.strides[1] == 1 for _, _, out in targets)
 
 
 def _check_targets(n: int, targets: Sequence[tuple[int, int, npt.NDArray[np.uint8]]]) -> int:
@@ -104,6 +96,7 @@ class DiskGather:
 
     supports_gather: bool = False
     _gather_check: EntryCheck | None = None
+    _gather_copied: CopiedCheck | None = None
     _counters: CounterFile
     name: str
 
@@ -121,9 +114,17 @@ class DiskGather:
     ) -> bool:  # pragma: no cover - overridden
         raise NotImplementedError
 
-    def enable_gather(self, check: EntryCheck) -> None:
-        """Let the loader gather from this store; every entry gathered must pass ``check``."""
+    def enable_gather(self, check: EntryCheck, *, copied: CopiedCheck | None = None) -> None:
+        """Let the loader gather from this store; every entry gathered must pass ``check``.
+
+        ``copied`` (``codec.checksum_matches_copied``): the same check, reading the
+        byte ranges just copied into the batch instead of the map. A gather then
+        copies an entry's ranges first and checks them while they are still in the
+        CPU cache (one pass over the entry's bytes in memory, not two); a failed
+        entry's rows are left for the caller to produce again, as any absent one.
+        """
         self._gather_check = check
+        self._gather_copied = copied
         self.supports_gather = True
 
     def gather_ranges(
@@ -160,22 +161,35 @@ class DiskGather:
         if len(rows) != n:
             raise ValueError(f"{n} keys but {len(rows)} rows")
         end = _check_targets(int(np.max(rows)) + 1, targets)
+        copied = self._gather_copied if _apart(targets) else None
+        order = sorted(targets, key=lambda t: t[0])
+        row_list = rows.tolist()
         corrupt: list[bytes] = []
         try:
             h = self._env()
             with Txn(h, buffers=True) as txn:
-                db = h.data
+                get, db = txn.get, h.data
                 for j, key in enumerate(ks):
-                    buf = txn.get(key, db=db)
+                    buf = get(key, db=db)
                     if buf is None or len(buf) < end:
                         continue
-                    if not check(buf):
+                    src = np.frombuffer(buf, dtype=np.uint8)
+                    r = row_list[j]
+                    if copied is not None:  # copy, then check the copies (cache-hot)
+                        copies = []
+                        for offset, length, out in order:
+                            dst = out[r]
+                            dst[...] = src[offset : offset + length]
+                            copies.append((offset, dst))
+                        ok = copied(buf, copies)
+                    else:
+                        ok = check(buf)
+                        if ok:
+                            for offset, length, out in order:
+                                out[r] = src[offset : offset + length]
+                    if not ok:
                         corrupt.append(key)
                         continue
-                    src = np.frombuffer(buf, dtype=np.uint8)
-                    r = int(rows[j])
-                    for offset, length, out in targets:
-                        out[r] = src[offset : offset + length]
                     found[j] = True
         except CacheError as exc:
             logger.warning("disk-tier gather failed, its reads are misses: %s", exc)
@@ -205,33 +219,30 @@ class DiskGather:
         self._counters.add((Counter.HITS, hits), (Counter.MISSES, misses))
 
     def prefetch(self, keys: Keys) -> int:
-        """Ask the kernel to read ahead the pages of ``keys``' entries that are not in
-        the page cache (``mincore``, then ``MADV_WILLNEED`` on the entries that need
-        it); returns the bytes asked for. Never blocks on I/O."""
-        if _calls is None:  # pragma: no cover - not Linux/glibc
-            return 0
-        madvise, mincore = _calls
+        """Read the pages of ``keys``' entries into the page cache (and this process's
+        page tables) ahead of their gather; returns the bytes of the entries found.
+
+        py-lmdb reads one byte of every page of a value it returns, with the GIL
+        released, so the read itself brings the entry in: a page not resident is
+        read from the device here, on the calling thread, instead of in the gather.
+        (``mincore``/``MADV_WILLNEED`` on the value's range cannot do better: its
+        address is known only after that read.) The read-ahead calls this from a
+        few threads at once (:class:`~mmcache.loader.readahead.ReadAhead`), so as
+        many entries are read from the device in parallel; on warm pages it costs
+        about a microsecond an entry.
+        """
         ks = key_list(keys)
-        asked = 0
-        vec = np.zeros(0, dtype=np.uint8)
+        touched = 0
+        if not ks:
+            return 0
         try:
             h = self._env()
             with Txn(h, buffers=True) as txn:
-                db = h.data
+                get, db = txn.get, h.data
                 for key in ks:
-                    buf = txn.get(key, db=db)
-                    if buf is None or not len(buf):
-                        continue
-                    addr = np.frombuffer(buf, dtype=np.uint8).ctypes.data
-                    start = addr - addr % _PAGE
-                    length = addr + len(buf) - start
-                    pages = -(-length // _PAGE)
-                    if vec.shape[0] < pages:
-                        vec = np.zeros(pages, dtype=np.uint8)
-                    if mincore(start, length, vec.ctypes.data) == 0 and (vec[:pages] & 1).all():
-                        continue  # resident already: nothing to read
-                    if madvise(start, length, _MADV_WILLNEED) == 0:
-                        asked += len(buf)
+                    buf = get(key, db=db)
+                    if buf is not None:
+                        touched += len(buf)
         except CacheError as exc:  # a hint only: a failure costs page faults later
             logger.debug("disk-tier prefetch failed: %s", exc)
-        return asked
+        return touched
