@@ -47,9 +47,11 @@ from mmcache.sources.base import OnError, SampleSource, StampKind
 from mmcache.sources.bytesproc import StagedProcessor, process_bytes
 from mmcache.sources.files import check_on_error
 from mmcache.sources.rejects import Reject, RejectLog
+from mmcache.sources.remote.blocks import DEFAULT_BLOCK, check_block
 from mmcache.sources.remote.fs import Remote, RemoteError, is_remote
-from mmcache.sources.remote.raw import RawTier, fetch_bytes
+from mmcache.sources.remote.raw import RawTier
 from mmcache.sources.remote.state import SharedStamps
+from mmcache.sources.wds.fetching import RemoteShards
 from mmcache.sources.wds.index import ShardIndex, load_or_build
 from mmcache.sources.wds.table import (
     Problem,
@@ -73,7 +75,7 @@ def _default_index_dir() -> str:
     return os.path.join(base, "mmcache", "wds-index")
 
 
-class WebDatasetSource(torch.utils.data.Dataset[dict[str, Any] | None]):
+class WebDatasetSource(RemoteShards, torch.utils.data.Dataset[dict[str, Any] | None]):
     """Image-text samples of WebDataset tar shards (see the module docstring).
 
     >>> src = WebDatasetSource("shards/{00000..00009}.tar", pipeline=pipe)  # doctest: +SKIP
@@ -94,6 +96,10 @@ class WebDatasetSource(torch.utils.data.Dataset[dict[str, Any] | None]):
             ..., "client_kwargs": {"endpoint_url": ...}}`` for S3).
         raw: a :class:`RawTier` keeping remote bytes on local disk (``None``: none).
         retries: retries of a transient remote error (5xx, timeouts, throttling).
+        fetch_block: the prefetcher fetches the samples of a remote shard whose bytes
+            start in one aligned block of this size with one ranged GET (``"8MiB"``
+            by default; ``None``: one GET per sample). See
+            :mod:`~mmcache.sources.remote.blocks`.
     """
 
     stamp_kind: StampKind = StampKind.FIXED
@@ -112,6 +118,7 @@ class WebDatasetSource(torch.utils.data.Dataset[dict[str, Any] | None]):
         storage_options: Mapping[str, Any] | None = None,
         raw: RawTier | None = None,
         retries: int = 4,
+        fetch_block: int | str | None = DEFAULT_BLOCK,
     ) -> None:
         self.on_error = check_on_error(on_error)
         if not isinstance(pipeline, StagedProcessor):
@@ -137,6 +144,7 @@ class WebDatasetSource(torch.utils.data.Dataset[dict[str, Any] | None]):
             self.index_dir = os.path.abspath(os.fspath(index_dir))
         self.remote = Remote(storage_options, retries=retries)
         self.raw = raw
+        self.fetch_block = check_block(fetch_block)
         self._fingerprint = pipeline.fingerprint()
         self._rejects = RejectLog()
         self._open_rejects: list[Reject] = []
@@ -343,16 +351,6 @@ class WebDatasetSource(torch.utils.data.Dataset[dict[str, Any] | None]):
             return 0, 0
         return min(starts), max(ends)
 
-    def remote_span(self, index: int) -> tuple[str, str, int, int] | None:
-        """``(url, stamp, start, end)`` of sample ``index``'s bytes if its shard is remote
-        (what :class:`~mmcache.sources.remote.prefetch.RemotePrefetch` fetches), else ``None``."""
-        shard = int(self.columns.rows[index, C.SHARD])
-        loc = self.locations[shard]
-        start, end = self.span(index)
-        if not is_remote(loc) or end == start:
-            return None
-        return loc, self.shard_stamps[shard], start, end
-
     def read_span(self, index: int) -> bytes:
         """The bytes of :meth:`span` (raw tier, then the shard). Raises SampleError."""
         start, end = self.span(index)
@@ -379,15 +377,6 @@ class WebDatasetSource(torch.utils.data.Dataset[dict[str, Any] | None]):
                 )
             return data
         return self.fetch(loc, self.shard_stamps[shard], start, end, sample_id=sid)
-
-    def fetch(
-        self, url: str, stamp: str, start: int, end: int, *, sample_id: str, wait: bool = True
-    ) -> bytes:
-        """Bytes ``[start, end)`` of version ``stamp`` of ``url``: from the raw tier, else one
-        ranged GET (kept in the raw tier). SampleError naming the URL (and HTTP status)."""
-        return fetch_bytes(
-            self.remote, self.raw, (url, stamp, start, end), sample_id=sample_id, wait=wait
-        )
 
     def _fd(self, shard: int) -> int:
         if self._fd_pid != os.getpid():
@@ -524,6 +513,7 @@ class WebDatasetSource(torch.utils.data.Dataset[dict[str, Any] | None]):
         self.shard_stamps[s] = index.stamp
         self._sizes[s] = index.size
         self._shard_ints = None
+        self._fetch_groups = None
         fd = self._fds.pop(s, None) if self._fd_pid == os.getpid() else None
         if fd is not None:  # a replaced file: the next read opens the new one
             with contextlib.suppress(OSError):
@@ -566,6 +556,7 @@ class WebDatasetSource(torch.utils.data.Dataset[dict[str, Any] | None]):
         state["_fds"] = {}
         state["_memo"] = None
         state["_memo_ok"] = None
+        state["_fetch_groups"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
