@@ -240,6 +240,7 @@ class RemoteFileSource(FileSource):
             self.records.text(index),
             sample_id=sid,
             path=self.urls[u] if u >= 0 else None,
+            unit="record",
         )
 
     def __getstate__(self) -> dict[str, Any]:

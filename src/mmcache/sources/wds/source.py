@@ -44,8 +44,9 @@ import torch
 from mmcache import keys
 from mmcache.errors import ConfigError, ManifestError, SampleError
 from mmcache.sources.base import OnError, SampleSource, StampKind
-from mmcache.sources.bytesproc import StagedProcessor, process_bytes
+from mmcache.sources.bytesproc import PipelineFields, StagedProcessor, process_bytes
 from mmcache.sources.files import check_on_error
+from mmcache.sources.items import item_tensors
 from mmcache.sources.rejects import Reject, RejectLog
 from mmcache.sources.remote.blocks import DEFAULT_BLOCK, check_block
 from mmcache.sources.remote.fs import Remote, RemoteError, is_remote
@@ -75,7 +76,9 @@ def _default_index_dir() -> str:
     return os.path.join(base, "mmcache", "wds-index")
 
 
-class WebDatasetSource(RemoteShards, torch.utils.data.Dataset[dict[str, Any] | None]):
+class WebDatasetSource(
+    RemoteShards, PipelineFields, torch.utils.data.Dataset[dict[str, Any] | None]
+):
     """Image-text samples of WebDataset tar shards (see the module docstring).
 
     >>> src = WebDatasetSource("shards/{00000..00009}.tar", pipeline=pipe)  # doctest: +SKIP
@@ -272,16 +275,6 @@ class WebDatasetSource(RemoteShards, torch.utils.data.Dataset[dict[str, Any] | N
     def ids_digest(self) -> str:
         return self.columns.ids_digest()
 
-    def fingerprint(self) -> str:
-        return self._fingerprint
-
-    def describe(self) -> str:
-        return repr(self.pipeline)
-
-    @property
-    def varying_fields(self) -> frozenset[str]:
-        return frozenset(getattr(self.pipeline, "varying_fields", ()))
-
     def image_sizes(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
         """``int64 [n, 2]`` ``(width, height)`` of each sample from its ``.json`` member,
         read when the shard was indexed (no image decoded); ``-1`` where unknown."""
@@ -416,11 +409,7 @@ class WebDatasetSource(RemoteShards, torch.utils.data.Dataset[dict[str, Any] | N
         return process_bytes(self.pipeline, image, text, sample_id=sid, path=where)
 
     def to_item(self, index: int, sample: Mapping[str, np.ndarray]) -> dict[str, Any]:
-        item: dict[str, Any] = {"id": self.columns.id(index)}
-        for name, array in sample.items():
-            arr = array if array.flags.writeable else array.copy()
-            item[name] = torch.from_numpy(arr)
-        return item
+        return item_tensors(self.columns.id(index), sample, self.channels_last_fields)
 
     def __getitem__(self, index: int) -> dict[str, Any] | None:
         try:
