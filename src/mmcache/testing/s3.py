@@ -165,7 +165,7 @@ class DelayProxy:
         src: socket.socket, dst: socket.socket, delay: float, log: list[Request] | None
     ) -> None:
         try:
-            while data := src.recv(1 << 16):
+            while data := src.recv(1 << 20):
                 if log is not None:  # a request's headers arrive in one chunk here
                     for m in _REQUEST.finditer(data):
                         headers = b"\r\n" + m.group(3).lower()
