@@ -185,8 +185,13 @@ class RemotePrefetch:
         raw = self.source.raw
         assert raw is not None
         url, stamp, members = self._members(item, grouped)
-        held = [i for i, s, e in members if raw.contains(url, stamp, s, e)]
-        missing = [(i, s, e) for i, s, e in members if not raw.contains(url, stamp, s, e)]
+        held: list[int] = []
+        missing: list[tuple[int, int, int]] = []
+        for i, s, e in members:
+            if raw.contains(url, stamp, s, e):
+                held.append(i)
+            else:
+                missing.append((i, s, e))
         if len(missing) == 1:
             i, s, e = missing[0]
             self.source.fetch(url, stamp, s, e, sample_id=self.source.sample_id(i), wait=False)
