@@ -21,7 +21,10 @@ process (the new stamps go through a small state file that each process checks w
 Remote shards (``s3://``, ``gs://``, ``http(s)://`` through fsspec, ``storage_options``
 passed through) read through a :class:`~mmcache.sources.remote.raw.RawTier` when one is
 given (``raw=``): bytes already held are served from local disk, also while the store
-cannot be reached; only misses fail then, as SampleErrors naming the URL.
+cannot be reached; only misses fail then, as SampleErrors naming the URL. The prefetcher
+fills that tier with one ranged GET per fetch group (the samples of a shard starting in
+one aligned ``fetch_block``; :mod:`~mmcache.sources.wds.fetching`), a producing worker
+that misses with one GET of its sample's span.
 
 Thread/process safety: read-only after construction except the key memo (one thread per
 process), the per-process file handles and the revalidated shard stamps; pickles as
