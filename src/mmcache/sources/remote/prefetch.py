@@ -18,7 +18,9 @@ thread that iterates the loader) it
    :class:`~mmcache.sources.wds.WebDatasetSource` does: the samples of a shard whose
    bytes start in one aligned block, :mod:`~mmcache.sources.remote.blocks`) gets one
    ranged GET per group the epoch needs, cut back into its samples' spans in the raw
-   tier; others one GET per sample.
+   tier; others one GET per sample. ``ahead`` counts batches: with groups, each sample
+   ahead may bring its whole block, so on a set of many shards up to ``ahead`` x batch
+   size x ``fetch_block`` bytes are fetched ahead (the raw tier's budget should hold it).
 
 The samples whose bytes this process has fetched or found held are remembered (one bit
 per sample, forgotten when ``source.remote_version()`` changes: an object changed), so
