@@ -8,9 +8,13 @@ same preprocessing (resize 256, crop 224, 32 tokens), batch size, workers and se
 - ``wds``: ``WebDatasetSource`` over the same samples written as tar shards;
 - ``wds-s3-25ms``: the same shards uploaded to moto's S3 server (a separate process on
   127.0.0.1) read through ``s3://`` behind a TCP proxy adding ``--latency`` (25 ms) to
-  every request, with a raw-bytes tier and ``RemotePrefetch`` (16 threads); and
-  ``wds-s3-0ms``, the same through the proxy without delay: the ratio of the two says
-  how much of the latency the prefetch hides, whatever moto's own cost per request;
+  every request, with a raw-bytes tier and ``RemotePrefetch`` (16 threads, one ranged
+  GET per 8 MiB block of a shard); ``wds-s3-25ms-1get``, the same with one GET per
+  sample (``fetch_block=None``, what the source did before); and ``wds-s3-0ms``, the
+  same through the proxy without delay: the ratio of the two says how much of the
+  latency the prefetch hides, whatever moto's own cost per request. The S3 rows also
+  give the GETs of shards in the cold epoch, the requests of a warm epoch (the
+  revalidation) and the time the revalidation took, counted at the proxy;
 - ``parquet``: left for the Parquet source (issue 16, tabular part): filled in when
   ``mmcache.sources.parquet`` exists in the tree this runs from;
 - ``webdataset``: the webdataset library (1.0.2) reading the same shards in place with
@@ -103,9 +107,12 @@ class Run:
         make: Callable[[Path], tuple[Any, list[Any]]],
         tmp: Path,
         args: argparse.Namespace,
+        proxy: DelayProxy | None = None,
     ) -> None:
         self.name = name
+        self.proxy = proxy
         src, hooks = make(tmp / f"raw-{name}")
+        self.hooks = hooks
         self.cache = Cache(tmp / f"cache-{name}", memory="2GiB", disk=None, temporary=True)
         self.loader = mc.DataLoader(
             src,
@@ -116,16 +123,39 @@ class Run:
             seed=0,
             hooks=hooks,
         )
+        before = self._requests()
         self.cold = epoch_rate(self.loader)
+        self.cold_gets = self._requests()[0] - before[0]
         self.warm: list[float] = []
+        self.warm_requests: list[int] = []
+        self.revalidate_s: list[float] = []
+
+    def _requests(self) -> tuple[int, int]:
+        """Object GETs and all requests the proxy forwarded so far."""
+        if self.proxy is None:
+            return 0, 0
+        return len(self.proxy.object_gets("/data/wds/")), len(self.proxy.requests)
+
+    def warm_epoch(self) -> None:
+        before = self._requests()
+        self.warm.append(epoch_rate(self.loader))
+        self.warm_requests.append(self._requests()[1] - before[1])
+        for hook in self.hooks:
+            self.revalidate_s.append(getattr(hook, "revalidate_s", 0.0))
 
     def row(self) -> dict[str, Any]:
-        return {
+        out = {
             "name": self.name,
             "cold": self.cold,
             "warm": statistics.median(self.warm),
+            "warm_best": max(self.warm),
             "warm_all": self.warm,
         }
+        if self.proxy is not None:
+            out["cold_gets"] = self.cold_gets
+            out["warm_requests"] = max(self.warm_requests)
+            out["revalidate_ms"] = 1e3 * statistics.median(self.revalidate_s or [0.0])
+        return out
 
     def close(self) -> None:
         self.loader.close()
@@ -170,6 +200,12 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=7)
     ap.add_argument("--latency", type=float, default=0.025)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument(
+        "--no-per-sample",
+        dest="per_sample",
+        action="store_false",
+        help="leave out the S3 row with one GET per sample (fetch_block=None)",
+    )
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = ap.parse_args()
     if args.quick:
@@ -222,22 +258,31 @@ def main() -> None:
                     "client_kwargs": {"endpoint_url": proxy.url, "region_name": REGION},
                 }
 
-                def remote(raw_dir: Path, options: Any = options) -> tuple[Any, list[Any]]:
+                def remote(
+                    raw_dir: Path, options: Any = options, block: Any = "8MiB"
+                ) -> tuple[Any, list[Any]]:
                     src = WebDatasetSource(
                         urls,
                         pipeline=pipe,
                         index_dir=index,
                         storage_options=options,
                         raw=RawTier(raw_dir, budget="4GiB"),
+                        fetch_block=block,
                     )
                     return src, [RemotePrefetch(src, threads=16)]
 
+                def per_sample(raw_dir: Path, options: Any = options) -> tuple[Any, list[Any]]:
+                    return remote(raw_dir, options, None)
+
                 if latency == 0.0:
                     remote(tmp / "raw-index-warmup")  # the indexes, once
-                runs.append(Run(f"wds-s3-{latency * 1e3:.0f}ms", remote, tmp, args))
+                name = f"wds-s3-{latency * 1e3:.0f}ms"
+                runs.append(Run(name, remote, tmp, args, proxy))
+                if latency and args.per_sample:  # as before: one GET per sample
+                    runs.append(Run(f"{name}-1get", per_sample, tmp, args, proxy))
             for _ in range(args.warm):  # warm epochs in turns
                 for run in runs:
-                    run.warm.append(epoch_rate(run.loader))
+                    run.warm_epoch()
             rows = [run.row() for run in runs] + rows
             for run in runs:
                 run.close()
@@ -255,17 +300,36 @@ def main() -> None:
             by[s3]["cold"] / by["wds-s3-0ms"]["cold"]
         )
         ratios[f"warm {s3} / wds (target 0.9-1.1)"] = by[s3]["warm"] / by["wds"]["warm"]
+        ratios[f"warm {s3} / wds, best epochs"] = by[s3]["warm_best"] / by["wds"]["warm_best"]
+        ratios["warm wds-s3-0ms / wds, best epochs"] = (
+            by["wds-s3-0ms"]["warm_best"] / by["wds"]["warm_best"]
+        )
+    if {"wds", f"{s3}-1get"} <= by.keys():
+        ratios[f"cold {s3}-1get / wds (one GET per sample, as before)"] = (
+            by[f"{s3}-1get"]["cold"] / by["wds"]["cold"]
+        )
+    load = os.getloadavg()
     lines = [
+        f"load average at the end: {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f}",
         f"n={args.n}, per shard={args.per_shard}, batch={args.batch}, workers={args.workers}",
         "",
-        "| source | cold epoch (samples/s) | warm epoch (samples/s) |",
-        "|---|---:|---:|",
+        "| source | cold epoch (samples/s) | warm epoch, median (samples/s) | warm, best | "
+        "GETs of shards, cold epoch | requests, warm epoch | revalidation (ms) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         if "cold" in r:
-            lines.append(f"| {r['name']} | {r['cold']:.0f} | {r['warm']:.0f} |")
+            extra = (
+                f"{r['cold_gets']} | {r['warm_requests']} | {r['revalidate_ms']:.0f}"
+                if "cold_gets" in r
+                else "- | - | -"
+            )
+            best = r.get("warm_best", r["warm"])
+            lines.append(
+                f"| {r['name']} | {r['cold']:.0f} | {r['warm']:.0f} | {best:.0f} | {extra} |"
+            )
         else:
-            lines.append(f"| {r['name']} | - | - ({r['error']}) |")
+            lines.append(f"| {r['name']} | - | - ({r['error']}) | - | - | - | - |")
     lines += ["", "| ratio | value |", "|---|---:|"]
     lines += [f"| {k} | {v:.2f} |" for k, v in ratios.items()]
     text = "\n".join(lines)

@@ -1,13 +1,22 @@
-"""One sample's image *bytes* and caption through a pipeline's stages: what a source whose
-images are not files (a tar member, an object's byte range) produces with.
+"""One sample's image *bytes* (or a local image file) and caption through a pipeline's
+stages: what every source whose images are not loose manifest files produces with
+(WebDataset members, remote objects, Parquet and HF rows).
 
 :func:`process_bytes` runs the stages of a :class:`mmcache.Pipeline` exactly as
 :meth:`mmcache.Pipeline.process` does for a file (image through
-:func:`~mmcache.transforms.image.decode_bytes`, text through the text stage, text fields
-first in the result), so that a sample read from a shard is bitwise the sample read
-from the loose file with the same bytes. The pipeline is duck-typed
-(:class:`StagedProcessor`: ``stages`` and ``fingerprint``) because sources sit below
-:mod:`mmcache.pipeline` in the layers.
+:func:`~mmcache.transforms.image.decode_bytes`, after the ``ImageSpec.max_bytes`` check
+a file gets; text through the text stage; text fields first in the result), so that a
+sample read from a shard or a row is bitwise the sample read from the loose file with
+the same bytes. Its errors are :class:`~mmcache.errors.SampleError`s naming the sample
+(key or id) and where its bytes live (``shard.tar:key.jpg``, ``file.parquet row 12``,
+the URL), and saying what is missing in the source's own terms (a member, a null cell,
+a record without an image). The pipeline is duck-typed (:class:`StagedProcessor`:
+``stages`` and ``fingerprint``) because sources sit below :mod:`mmcache.pipeline` in
+the layers.
+
+:class:`PipelineFields` is the small part of the source protocol every source forwards
+to its pipeline (``fingerprint``, ``describe``, ``varying_fields``,
+``channels_last_fields``), in one place.
 
 Thread-safe (each call has its own image objects).
 """
@@ -15,15 +24,24 @@ Thread-safe (each call has its own image objects).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
 from mmcache.errors import SampleError
-from mmcache.transforms.image import decode_bytes
+from mmcache.transforms.image import decode_bytes, load_image
 from mmcache.transforms.stage import Stage
 
-__all__ = ["StagedProcessor", "process_bytes"]
+__all__ = ["PipelineFields", "StagedProcessor", "Unit", "process_bytes"]
+
+#: How a source names what holds a sample's image and text, for "is missing" errors.
+Unit = Literal["member", "row", "record"]
+
+_MISSING: dict[str, tuple[str, str]] = {
+    "member": ("sample has no image member", "sample has no text member"),
+    "row": ("the row's image is null", "the row's text is null"),
+    "record": ("the record has no image", "the record has no text"),
+}
 
 
 @runtime_checkable
@@ -43,21 +61,38 @@ def process_bytes(
     *,
     sample_id: str,
     path: str | None,
+    image_file: str | None = None,
+    unit: Unit = "member",
 ) -> dict[str, np.ndarray]:
-    """``pipeline``'s arrays of one sample given its image bytes and caption.
+    """``pipeline``'s arrays of one sample given its image bytes (or ``image_file``, a
+    local path read as the Pipeline reads one) and caption.
 
-    ``path`` names where the bytes came from in errors (``shard.tar:key.jpg``).
-    Raises :class:`SampleError` naming ``sample_id`` and ``path`` when the pipeline
-    needs an image (or a caption) the sample lacks, or the image cannot be decoded.
+    ``path`` names where the bytes came from in errors (``shard.tar:key.jpg``,
+    ``file.parquet row 12``); ``unit`` what held them (see :data:`Unit`). Raises
+    :class:`SampleError` naming ``sample_id`` and ``path`` when the pipeline needs an
+    image (or a caption) the sample lacks, the image is over ``ImageSpec.max_bytes``,
+    or it cannot be decoded.
     """
     out: dict[str, np.ndarray] = {}
     decoded: Any = None
+    no_image, no_text = _MISSING[unit]
     for stage in pipeline.stages:
         if stage.kind == "image":
+            if image_file is not None:
+                decoded = load_image(stage, image_file, sample_id=sample_id)
+                continue
             if image is None:
                 raise SampleError(
-                    "sample has no image member, but the pipeline has an image stage "
+                    f"{no_image}, but the pipeline has an image stage "
                     "(use Pipeline(image=None, ...) for text-only data)",
+                    sample_id=sample_id,
+                    path=path,
+                )
+            limit = getattr(stage, "max_bytes", None)
+            if isinstance(limit, int) and len(image) > limit:
+                raise SampleError(
+                    f"image is {len(image)} bytes, over the limit of {limit} bytes "
+                    "(ImageSpec.max_bytes)",
                     sample_id=sample_id,
                     path=path,
                 )
@@ -65,7 +100,7 @@ def process_bytes(
         else:
             if text is None:
                 raise SampleError(
-                    "sample has no text member, but the pipeline has a text stage "
+                    f"{no_text}, but the pipeline has a text stage "
                     "(use Pipeline(text=None, ...) for image-only data)",
                     sample_id=sample_id,
                     path=path,
@@ -77,3 +112,31 @@ def process_bytes(
     if decoded is not None:
         out["image"] = decoded
     return out
+
+
+class PipelineFields:
+    """What a source forwards to its ``pipeline`` (set by the source; ``_fingerprint``
+    is its fingerprint, taken once)."""
+
+    pipeline: Any
+    _fingerprint: str
+
+    def fingerprint(self) -> str:
+        """The pipeline's fingerprint (part of every key)."""
+        return self._fingerprint
+
+    def describe(self) -> str:
+        """The pipeline's repr: what the cache records beside the fingerprint."""
+        return repr(self.pipeline)
+
+    @property
+    def varying_fields(self) -> frozenset[str]:
+        """The fields whose shapes vary between samples (the pipeline's
+        ``varying_fields``; empty: every sample has the same shapes)."""
+        return frozenset(getattr(self.pipeline, "varying_fields", ()))
+
+    @property
+    def channels_last_fields(self) -> frozenset[str]:
+        """The fields cached as ``[H, W, C]`` and presented as ``[C, H, W]`` views (the
+        pipeline's ``channels_last_fields``; see :mod:`mmcache.sources.items`)."""
+        return frozenset(getattr(self.pipeline, "channels_last_fields", ()))

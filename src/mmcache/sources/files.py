@@ -35,6 +35,7 @@ from mmcache import keys
 from mmcache.errors import ConfigError, SampleError
 from mmcache.sources import chat as _chat
 from mmcache.sources.base import OnError, SampleSource, StampKind
+from mmcache.sources.bytesproc import PipelineFields
 from mmcache.sources.items import item_tensors
 from mmcache.sources.readers import read_manifest
 from mmcache.sources.records import Records
@@ -74,7 +75,7 @@ def check_on_error(on_error: object) -> OnError:
     raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
 
 
-class FileSource:
+class FileSource(PipelineFields):
     """Image-text samples from a manifest, one image file each, produced by a pipeline.
 
     Args:
@@ -94,6 +95,7 @@ class FileSource:
 
     #: ``FILE`` (keys from ``stat``), or ``CONTENT`` with ``content_stamp=True``.
     stamp_kind: StampKind
+    pipeline: RecordProcessor
     on_error: OnError
 
     def __init__(
@@ -149,32 +151,12 @@ class FileSource:
         """:meth:`Records.ids_digest`: every id in index order, for resume checks."""
         return self.records.ids_digest()
 
-    def fingerprint(self) -> str:
-        """The pipeline's fingerprint (part of every key)."""
-        return self._fingerprint
-
-    def describe(self) -> str:
-        """The pipeline's repr: what the cache records beside the fingerprint."""
-        return repr(self.pipeline)
-
-    @property
-    def varying_fields(self) -> frozenset[str]:
-        """The fields whose shapes vary between samples (the pipeline's
-        ``varying_fields``; empty: every sample has the same shapes)."""
-        return frozenset(getattr(self.pipeline, "varying_fields", ()))
-
     @property
     def pad_token_id(self) -> int | None:
         """What SFT batches pad ``input_ids`` with: the chat stage's ``pad_id``
         (``ChatSpec(pad_id=)`` or its tokenizer's pad token); None without a chat stage."""
         chat = getattr(self.pipeline, "chat", None)
         return None if chat is None else int(chat.pad_id)
-
-    @property
-    def channels_last_fields(self) -> frozenset[str]:
-        """The fields cached as ``[H, W, C]`` and presented as ``[C, H, W]`` views (the
-        pipeline's ``channels_last_fields``; see :mod:`mmcache.loader.varying`)."""
-        return frozenset(getattr(self.pipeline, "channels_last_fields", ()))
 
     def key(self, index: int) -> bytes:
         """The 16-byte cache key of sample ``index``: changes when its image file,

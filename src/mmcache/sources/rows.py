@@ -8,9 +8,10 @@ and offsets, or the row position), says how a row is stamped, and reads one
 row's bytes; :class:`RowSource` does the rest of the
 :class:`~mmcache.sources.base.SampleSource` protocol the same way for both:
 keys of ``(id, stamp string, pipeline fingerprint)`` memoised per stamp
-(as :class:`~mmcache.sources.files.FileSource` does), and :func:`process_bytes`,
-which runs a pipeline's stages on bytes in hand exactly as
-:meth:`mmcache.Pipeline.process` does on a file (same output, bit for bit).
+(as :class:`~mmcache.sources.files.FileSource` does), and producing through
+:func:`~mmcache.sources.bytesproc.process_bytes`, which runs a pipeline's stages on
+bytes in hand exactly as :meth:`mmcache.Pipeline.process` does on a file (same
+output, bit for bit; re-exported here with :class:`StagedProcessor`).
 
 Thread/process safety: read-only after construction but for the reject log
 (process-safe), the key memo (one thread per process) and a subclass's readers
@@ -22,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -31,10 +32,9 @@ import xxhash
 from mmcache import keys
 from mmcache.errors import ConfigError, SampleError
 from mmcache.sources.base import OnError, StampKind
+from mmcache.sources.bytesproc import PipelineFields, StagedProcessor, process_bytes
 from mmcache.sources.items import item_tensors
 from mmcache.sources.rejects import Reject, RejectLog
-from mmcache.transforms.image import ImageSpec, decode_bytes, load_image
-from mmcache.transforms.stage import Stage
 
 __all__ = [
     "IdColumn",
@@ -49,16 +49,6 @@ logger = logging.getLogger(__name__)
 
 #: The column roles a tabular source takes names for (``columns={"image": "jpg", ...}``).
 COLUMN_ROLES = ("id", "image", "text")
-
-
-@runtime_checkable
-class StagedProcessor(Protocol):
-    """What a row source needs of its pipeline (:class:`mmcache.Pipeline` is one)."""
-
-    @property
-    def stages(self) -> tuple[Stage, ...]: ...
-
-    def fingerprint(self) -> str: ...
 
 
 def check_columns(
@@ -77,60 +67,6 @@ def check_columns(
         if name is not None and (not isinstance(name, str) or not name):
             raise ConfigError(f"columns[{role!r}] must be a column name or None, got {name!r}")
         out[role] = name
-    return out
-
-
-def process_bytes(
-    pipeline: StagedProcessor,
-    data: bytes | None,
-    text: str | None,
-    *,
-    sample_id: str,
-    path: str | None,
-    image_file: str | None = None,
-) -> dict[str, npt.NDArray[Any]]:
-    """:meth:`mmcache.Pipeline.process` of an image given as ``data`` (its encoded bytes)
-    or as ``image_file`` (a local path, read as the Pipeline reads one).
-
-    ``path`` names where the row lives in messages (``file.parquet row 12``). The
-    fields come out in the Pipeline's order (text first), so the cached bytes are
-    the same as those of the loose file. Raises SampleError.
-    """
-    out: dict[str, npt.NDArray[Any]] = {}
-    image: npt.NDArray[Any] | None = None
-    for stage in pipeline.stages:
-        if stage.kind == "image":
-            if image_file is not None:
-                image = load_image(stage, image_file, sample_id=sample_id)
-                continue
-            if data is None:
-                raise SampleError(
-                    "the row's image is null, but the pipeline has an ImageSpec",
-                    sample_id=sample_id,
-                    path=path,
-                )
-            limit = stage.max_bytes if isinstance(stage, ImageSpec) else None
-            if limit is not None and len(data) > limit:
-                raise SampleError(
-                    f"image is {len(data)} bytes, over the limit of {limit} bytes "
-                    "(ImageSpec.max_bytes)",
-                    sample_id=sample_id,
-                    path=path,
-                )
-            image = decode_bytes(stage, data, sample_id=sample_id, path=path)
-        else:
-            if text is None:
-                raise SampleError(
-                    "the row's text is null, but the pipeline has a TextSpec",
-                    sample_id=sample_id,
-                    path=path,
-                )
-            try:
-                out.update(stage(text))
-            except SampleError as err:  # a user stage names no sample: this one
-                raise SampleError(err.reason, sample_id=sample_id, path=path) from err
-    if image is not None:
-        out["image"] = image
     return out
 
 
@@ -203,7 +139,7 @@ class IdColumn:
         return None
 
 
-class RowSource:
+class RowSource(PipelineFields):
     """The :class:`~mmcache.sources.base.SampleSource` members shared by row sources.
 
     A subclass sets :attr:`stamp_kind`, calls ``__init__`` with its ids and
@@ -264,22 +200,6 @@ class RowSource:
     def ids_digest(self) -> str:
         return self._ids.digest()
 
-    def fingerprint(self) -> str:
-        return self._fingerprint
-
-    def describe(self) -> str:
-        return repr(self.pipeline)
-
-    @property
-    def varying_fields(self) -> frozenset[str]:
-        """The pipeline's ``varying_fields`` (see :class:`~mmcache.sources.files.FileSource`)."""
-        return frozenset(getattr(self.pipeline, "varying_fields", ()))
-
-    @property
-    def channels_last_fields(self) -> frozenset[str]:
-        """The pipeline's ``channels_last_fields`` (see :mod:`mmcache.sources.items`)."""
-        return frozenset(getattr(self.pipeline, "channels_last_fields", ()))
-
     # -- keys ---------------------------------------------------------------------------
     def key(self, index: int) -> bytes:
         key: bytes = self.key_rows([index])[0].tobytes()
@@ -321,6 +241,7 @@ class RowSource:
             sample_id=self._ids.id(index),
             path=where,
             image_file=image_file,
+            unit="row",
         )
 
     def to_item(self, index: int, sample: Mapping[str, np.ndarray]) -> dict[str, Any]:

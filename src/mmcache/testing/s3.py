@@ -6,7 +6,9 @@ yields an :class:`S3Endpoint` (its URL, a boto3 client, the ``storage_options`` 
 :meth:`S3Endpoint.stop`, to play an outage). :class:`DelayProxy` forwards a local port to
 another, sleeping ``delay`` seconds before it forwards each chunk a client sends (one
 request, for the small GETs of a source), which is how a store tens of milliseconds away
-behaves. Nothing leaves the machine.
+behaves. It also records the requests it forwards (:attr:`DelayProxy.requests`: method,
+target and whether a ``Range`` header was sent), so that tests and benchmarks can count
+the GETs a source issues. Nothing leaves the machine.
 
 Needs ``moto[server]`` and ``boto3`` (``pip install 'mmcache[s3-server]'``), imported
 lazily. Thread-safe: the proxy runs one thread per direction of each connection.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import socket
 import threading
 import time
@@ -23,10 +26,21 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["DelayProxy", "S3Endpoint", "free_port", "moto_s3"]
+__all__ = ["DelayProxy", "Request", "S3Endpoint", "free_port", "moto_s3"]
 
 KEY = SECRET = "testing"  # noqa: S105 - moto accepts any credentials
 REGION = "us-east-1"
+
+_REQUEST = re.compile(rb"(?:^|(?<=\r\n\r\n))([A-Z]+) (\S+) HTTP/1\.[01]\r\n((?:.+\r\n)*?)\r\n")
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request a :class:`DelayProxy` forwarded."""
+
+    method: str
+    target: str
+    ranged: bool
 
 
 def free_port() -> int:
@@ -96,7 +110,8 @@ def moto_s3(bucket: str = "data") -> Iterator[S3Endpoint]:
 
 class DelayProxy:
     """Forward ``127.0.0.1:<port>`` to ``target`` with ``delay`` seconds added to each
-    chunk sent by a client (see the module docstring). ``url`` is its address."""
+    chunk sent by a client (see the module docstring). ``url`` is its address;
+    ``requests`` what it forwarded (thread-safe to read; :meth:`object_gets` counts)."""
 
     def __init__(self, target_host: str, target_port: int, *, delay: float) -> None:
         self.target = (target_host, target_port)
@@ -110,6 +125,7 @@ class DelayProxy:
         self._sockets: list[socket.socket] = []
         self._lock = threading.Lock()
         self._closed = False
+        self.requests: list[Request] = []
         self._thread = threading.Thread(target=self._accept, name="delay-proxy", daemon=True)
         self._thread.start()
 
@@ -128,13 +144,33 @@ class DelayProxy:
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
                 self._sockets += [client, upstream]
-            for src, dst, delay in ((client, upstream, self.delay), (upstream, client, 0.0)):
-                threading.Thread(target=self._pump, args=(src, dst, delay), daemon=True).start()
+            for src, dst, delay, log in (
+                (client, upstream, self.delay, self.requests),
+                (upstream, client, 0.0, None),
+            ):
+                args = (src, dst, delay, log)
+                threading.Thread(target=self._pump, args=args, daemon=True).start()
+
+    def object_gets(self, prefix: str = "/") -> list[Request]:
+        """The GETs of objects (not listings: no ``?list-type``) whose path starts with
+        ``prefix`` (``/bucket/key-prefix``)."""
+        return [
+            r
+            for r in list(self.requests)
+            if r.method == "GET" and r.target.startswith(prefix) and "list-type" not in r.target
+        ]
 
     @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket, delay: float) -> None:
+    def _pump(
+        src: socket.socket, dst: socket.socket, delay: float, log: list[Request] | None
+    ) -> None:
         try:
-            while data := src.recv(1 << 16):
+            while data := src.recv(1 << 20):
+                if log is not None:  # a request's headers arrive in one chunk here
+                    for m in _REQUEST.finditer(data):
+                        headers = b"\r\n" + m.group(3).lower()
+                        ranged = b"\r\nrange:" in headers
+                        log.append(Request(m.group(1).decode(), m.group(2).decode(), ranged))
                 if delay:
                     time.sleep(delay)
                 dst.sendall(data)

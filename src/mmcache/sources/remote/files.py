@@ -202,6 +202,10 @@ class RemoteFileSource(FileSource):
             return None
         return self.urls[u], self.object_stamps[u], 0, int(self.object_sizes[u])
 
+    def remote_version(self) -> tuple[str, ...]:
+        """The objects' stamps: what the prefetcher's memory of held objects depends on."""
+        return tuple(self.object_stamps)
+
     def fetch(
         self, url: str, stamp: str, start: int, end: int, *, sample_id: str, wait: bool = True
     ) -> bytes:
@@ -236,6 +240,7 @@ class RemoteFileSource(FileSource):
             self.records.text(index),
             sample_id=sid,
             path=self.urls[u] if u >= 0 else None,
+            unit="record",
         )
 
     def __getstate__(self) -> dict[str, Any]:

@@ -1,29 +1,41 @@
 """``RemotePrefetch``: a loader hook that revalidates a remote source once per epoch and
-fetches its raw-tier misses ahead, in the epoch's exact order, with bounded concurrency.
+fetches its raw-tier misses ahead, in the epoch's exact order, with bounded concurrency
+and few requests.
 
 ``DataLoader(source, ..., hooks=[RemotePrefetch(source)])``. Before each epoch (in the
 thread that iterates the loader) it
 
 1. calls ``source.revalidate()``: every remote object's stamp (ETag) checked once,
-   batched; a changed object is re-keyed, so nothing of its old version is served.
-   When the store cannot be reached it logs one warning for the epoch and goes on: what
-   the raw tier and the cache hold is still served, only misses fail (as SampleErrors
-   naming the URL);
+   batched (one listing per directory of shards); a changed object is re-keyed, so
+   nothing of its old version is served. When the store cannot be reached it logs one
+   warning for the epoch and goes on: what the raw tier and the cache hold is still
+   served, only misses fail (as SampleErrors naming the URL);
 2. starts a thread that walks the epoch's batches (``EpochContext.batches``) from the
-   batch it starts at, and for each sample whose bytes the raw tier lacks submits the
-   ranged GET to a pool of ``threads`` threads, never more than ``ahead`` batches past
-   the batch the training loop last received (``after_assemble`` tells it), so a raw
-   tier smaller than an epoch is not flushed by its own prefetch.
+   batch it starts at and fetches what the raw tier lacks into it, never more than
+   ``ahead`` batches past the batch the training loop last received (``after_assemble``
+   tells it), with at most ``threads`` GETs in flight. A source that offers fetch
+   groups (``fetch_groups``/``fetch_group``, as
+   :class:`~mmcache.sources.wds.WebDatasetSource` does: the samples of a shard whose
+   bytes start in one aligned block, :mod:`~mmcache.sources.remote.blocks`) gets one
+   ranged GET per group the epoch needs, cut back into its samples' spans in the raw
+   tier; others one GET per sample. ``ahead`` counts batches: with groups, each sample
+   ahead may bring its whole block, so on a set of many shards up to ``ahead`` x batch
+   size x ``fetch_block`` bytes are fetched ahead (the raw tier's budget should hold it).
 
-A cold epoch over a store with tens of milliseconds of latency is then bound by
-decoding, not by round trips. Failed prefetches are left to the producing worker,
-which retries and reports them.
+The samples whose bytes this process has fetched or found held are remembered (one bit
+per sample, forgotten when ``source.remote_version()`` changes: an object changed), so
+the walk of a warm epoch costs a few numpy operations, and an epoch with nothing to
+fetch starts no thread at all. A span evicted from the raw tier since is fetched by its
+producing worker. A cold epoch over a store with tens of milliseconds of latency is then
+bound by decoding, not by round trips or the store's rate of requests. Failed prefetches
+are left to the producing worker, which retries and reports them.
 
 The source must offer ``raw`` (a :class:`~mmcache.sources.remote.raw.RawTier`),
+``remote`` (a :class:`~mmcache.sources.remote.fs.Remote`), ``__len__``,
 ``remote_span(index) -> (url, stamp, start, end) | None``, ``fetch(url, stamp, start,
-end, sample_id=...)``, ``sample_id`` and ``revalidate()`` (as
-:class:`~mmcache.sources.wds.WebDatasetSource` does). Thread safety: the hook's methods
-are called by the loader's threads; its state is guarded by a condition variable.
+end, sample_id=...)``, ``sample_id`` and ``revalidate()``. Thread safety: the hook's
+methods are called by the loader's threads; its state is guarded by a condition
+variable and a lock.
 """
 
 from __future__ import annotations
@@ -31,27 +43,27 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 import numpy as np
 
 from mmcache.errors import ConfigError, SampleError
-from mmcache.sources.remote.fs import RemoteError
+from mmcache.sources.remote.fs import Remote, RemoteError
 from mmcache.sources.remote.raw import RawTier
 
 __all__ = ["PrefetchSource", "RemotePrefetch"]
 
 logger = logging.getLogger(__name__)
 
-#: Spans remembered as held (a set of tuples: ~200 bytes each).
-_MAX_KNOWN = 5_000_000
-
 
 class PrefetchSource(Protocol):
     """What :class:`RemotePrefetch` needs of a source."""
 
     raw: RawTier | None
+    remote: Remote
+
+    def __len__(self) -> int: ...
 
     def sample_id(self, index: int) -> str: ...
 
@@ -88,17 +100,37 @@ class RemotePrefetch:
         self._consumed = -1
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        #: Per epoch: GETs submitted, and whether the store could be revalidated.
+        self._lock = threading.Lock()
+        #: Of the last epoch: samples whose bytes were fetched, GETs issued, whether the
+        #: store could be revalidated, and the seconds the revalidation took.
         self.fetched = 0
+        self.gets = 0
         self.revalidated = True
-        # Spans held or fetched by this process in earlier epochs: a warm epoch skips them
-        # without asking the raw tier (a span evicted since is fetched by its worker).
-        # A changed object has a new stamp, hence new spans.
-        self._known: set[tuple[str, str, int, int]] = set()
+        self.revalidate_s = 0.0
+        # One bit per sample: its bytes were fetched or found held by this process (for
+        # the source version ``_version``): a warm epoch does not look at them again.
+        self._known: np.ndarray | None = None
+        self._version: Any = None
+
+    def _known_bits(self, changed: bool) -> np.ndarray:
+        version_of = getattr(self.source, "remote_version", None)
+        version = version_of() if version_of is not None else None
+        n = len(self.source)
+        if (
+            self._known is None
+            or self._known.shape[0] != n
+            or version != self._version
+            or (changed and version is None)
+        ):
+            self._known = np.zeros(n, dtype=bool)
+            self._version = version
+        return self._known
 
     def before_epoch(self, ctx: Any) -> None:
         """Revalidate, then prefetch epoch ``ctx.epoch`` from batch ``ctx.start``."""
         self.close()
+        t0 = time.perf_counter()
+        changed: list[str] = []
         try:
             changed = self.source.revalidate()
         except RemoteError as err:
@@ -113,15 +145,25 @@ class RemotePrefetch:
             self.revalidated = True
             if changed:
                 logger.info("epoch %d: %d remote objects changed", ctx.epoch, len(changed))
-        batches = ctx.batches(ctx.epoch)[ctx.start :]
+        self.revalidate_s = time.perf_counter() - t0
         with self._cond:
             self._consumed = -1
         self._stop = threading.Event()
+        self.fetched = self.gets = 0
         if not self.revalidated:
             return  # the store is down: do not queue a GET per miss
-        self.fetched = 0
+        known = self._known_bits(bool(changed))
+        batches = [np.asarray(b, dtype=np.int64) for b in ctx.batches(ctx.epoch)[ctx.start :]]
+        if not batches or bool(known[np.concatenate(batches)].all()):
+            return  # a warm epoch: nothing to fetch, no thread
+        raw = self.source.raw
+        assert raw is not None
+        raw.heartbeat()  # before the first producer looks (it waits for us, not GETs twice)
         self._thread = threading.Thread(
-            target=self._run, args=(batches, self._stop), name="mmcache-prefetch", daemon=True
+            target=self._run,
+            args=(batches, known, self._stop),
+            name="mmcache-prefetch",
+            daemon=True,
         )
         self._thread.start()
 
@@ -131,52 +173,83 @@ class RemotePrefetch:
             self._cond.notify_all()
         return batch
 
-    def _run(self, batches: list[np.ndarray], stop: threading.Event) -> None:
+    def _members(self, item: int, grouped: bool) -> tuple[str, str, list[tuple[int, int, int]]]:
+        if grouped:
+            url, stamp, members = self.source.fetch_group(item)  # type: ignore[attr-defined]
+            return url, stamp, members
+        span = self.source.remote_span(item)
+        if span is None:
+            return "", "", []
+        return span[0], span[1], [(item, span[2], span[3])]
+
+    def _fetch(self, item: int, grouped: bool, known: np.ndarray) -> None:
+        """Fetch what the raw tier lacks of ``item`` (a group, or a sample): one GET."""
         raw = self.source.raw
         assert raw is not None
-        limit = threading.BoundedSemaphore(self.threads * 2)
-        seen = self._known
-        if len(seen) > _MAX_KNOWN:
-            seen.clear()
+        url, stamp, members = self._members(item, grouped)
+        held: list[int] = []
+        missing: list[tuple[int, int, int]] = []
+        for i, s, e in members:
+            if raw.contains(url, stamp, s, e):
+                held.append(i)
+            else:
+                missing.append((i, s, e))
+        if len(missing) == 1:
+            i, s, e = missing[0]
+            self.source.fetch(url, stamp, s, e, sample_id=self.source.sample_id(i), wait=False)
+            held.append(i)
+        elif missing:
+            lo, hi = missing[0][1], max(e for _, _, e in missing)
+            view = memoryview(self.source.remote.read(url, lo, hi))
+            kept = raw.put_spans(url, stamp, [(s, e, view[s - lo : e - lo]) for _, s, e in missing])
+            held += [i for (i, _, _), ok in zip(missing, kept, strict=True) if ok]
+        with self._lock:
+            self.gets += bool(missing)
+            self.fetched += len(missing)
+        known[np.asarray(held, dtype=np.int64)] = True
 
-        def one(span: tuple[str, str, int, int], index: int) -> None:
+    def _run(self, batches: list[np.ndarray], known: np.ndarray, stop: threading.Event) -> None:
+        raw = self.source.raw
+        assert raw is not None
+        grouped = callable(getattr(self.source, "fetch_groups", None))
+        limit = threading.BoundedSemaphore(self.threads * 2)
+        submitted: set[int] = set()
+
+        def one(item: int) -> None:
             try:
-                if not raw.contains(*span):
-                    sid = self.source.sample_id(index)
-                    self.source.fetch(*span, sample_id=sid, wait=False)
-                seen.add(span)
+                self._fetch(item, grouped, known)
             except (SampleError, RemoteError, OSError) as exc:  # the worker will report it
-                logger.debug("prefetch of %s failed: %s", span[0], exc)
+                logger.debug("prefetch of %s failed: %s", item, exc)
             finally:
                 limit.release()
 
-        beat = 0.0
+        beat = time.monotonic()
         try:
             with ThreadPoolExecutor(self.threads, thread_name_prefix="mmcache-get") as pool:
-                pending: list[Future[None]] = []
                 for number, batch in enumerate(batches):
-                    if time.monotonic() - beat > 0.5:  # producers that miss wait for us
-                        raw.heartbeat()
-                        beat = time.monotonic()
                     with self._cond:
                         while not stop.is_set() and number > self._consumed + self.ahead:
                             self._cond.wait(0.1)
                     if stop.is_set():
                         break
-                    for index in np.asarray(batch).tolist():
-                        span = self.source.remote_span(int(index))
-                        if span is None or span in seen:
+                    todo = batch[~known[batch]]
+                    if not todo.size:
+                        continue
+                    if grouped:
+                        groups = self.source.fetch_groups(todo)  # type: ignore[attr-defined]
+                        known[todo[groups < 0]] = True
+                        items = groups[groups >= 0].tolist()
+                    else:
+                        items = todo.tolist()
+                    for item in items:
+                        if item in submitted:
                             continue
-                        if raw.contains(*span):
-                            seen.add(span)
-                            continue
+                        submitted.add(item)
                         limit.acquire()
                         if stop.is_set():
                             limit.release()
                             break
-                        self.fetched += 1
-                        pending.append(pool.submit(one, span, int(index)))
-                    pending = [f for f in pending if not f.done()]
+                        pool.submit(one, item)
                     if time.monotonic() - beat > 0.5:
                         raw.heartbeat()
                         beat = time.monotonic()

@@ -89,6 +89,15 @@ class RawTier:
         """Keep ``data``; False when the policy or the budget refuses it."""
         return self.store.put(self.key(url, stamp, start, end), data)
 
+    def put_spans(
+        self, url: str, stamp: str, spans: list[tuple[int, int, bytes | memoryview]]
+    ) -> list[bool]:
+        """Keep each ``(start, end, data)`` of version ``stamp`` of ``url`` (few write
+        transactions: what one GET of a fetch group brings)."""
+        return self.store.put_many(
+            [(self.key(url, stamp, s, e), data, 0.0, 0.0) for s, e, data in spans]
+        )
+
     # -- the prefetcher's heartbeat: a producer that misses waits for it a little ---------
     @property
     def _beat_path(self) -> str:

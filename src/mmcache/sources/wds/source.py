@@ -21,7 +21,10 @@ process (the new stamps go through a small state file that each process checks w
 Remote shards (``s3://``, ``gs://``, ``http(s)://`` through fsspec, ``storage_options``
 passed through) read through a :class:`~mmcache.sources.remote.raw.RawTier` when one is
 given (``raw=``): bytes already held are served from local disk, also while the store
-cannot be reached; only misses fail then, as SampleErrors naming the URL.
+cannot be reached; only misses fail then, as SampleErrors naming the URL. The prefetcher
+fills that tier with one ranged GET per fetch group (the samples of a shard starting in
+one aligned ``fetch_block``; :mod:`~mmcache.sources.wds.fetching`), a producing worker
+that misses with one GET of its sample's span.
 
 Thread/process safety: read-only after construction except the key memo (one thread per
 process), the per-process file handles and the revalidated shard stamps; pickles as
@@ -44,12 +47,15 @@ import torch
 from mmcache import keys
 from mmcache.errors import ConfigError, ManifestError, SampleError
 from mmcache.sources.base import OnError, SampleSource, StampKind
-from mmcache.sources.bytesproc import StagedProcessor, process_bytes
+from mmcache.sources.bytesproc import PipelineFields, StagedProcessor, process_bytes
 from mmcache.sources.files import check_on_error
+from mmcache.sources.items import item_tensors
 from mmcache.sources.rejects import Reject, RejectLog
+from mmcache.sources.remote.blocks import DEFAULT_BLOCK, check_block
 from mmcache.sources.remote.fs import Remote, RemoteError, is_remote
-from mmcache.sources.remote.raw import RawTier, fetch_bytes
+from mmcache.sources.remote.raw import RawTier
 from mmcache.sources.remote.state import SharedStamps
+from mmcache.sources.wds.fetching import RemoteShards
 from mmcache.sources.wds.index import ShardIndex, load_or_build
 from mmcache.sources.wds.table import (
     Problem,
@@ -73,7 +79,9 @@ def _default_index_dir() -> str:
     return os.path.join(base, "mmcache", "wds-index")
 
 
-class WebDatasetSource(torch.utils.data.Dataset[dict[str, Any] | None]):
+class WebDatasetSource(
+    RemoteShards, PipelineFields, torch.utils.data.Dataset[dict[str, Any] | None]
+):
     """Image-text samples of WebDataset tar shards (see the module docstring).
 
     >>> src = WebDatasetSource("shards/{00000..00009}.tar", pipeline=pipe)  # doctest: +SKIP
@@ -94,6 +102,10 @@ class WebDatasetSource(torch.utils.data.Dataset[dict[str, Any] | None]):
             ..., "client_kwargs": {"endpoint_url": ...}}`` for S3).
         raw: a :class:`RawTier` keeping remote bytes on local disk (``None``: none).
         retries: retries of a transient remote error (5xx, timeouts, throttling).
+        fetch_block: the prefetcher fetches the samples of a remote shard whose bytes
+            start in one aligned block of this size with one ranged GET (``"8MiB"``
+            by default; ``None``: one GET per sample). See
+            :mod:`~mmcache.sources.remote.blocks`.
     """
 
     stamp_kind: StampKind = StampKind.FIXED
@@ -112,6 +124,7 @@ class WebDatasetSource(torch.utils.data.Dataset[dict[str, Any] | None]):
         storage_options: Mapping[str, Any] | None = None,
         raw: RawTier | None = None,
         retries: int = 4,
+        fetch_block: int | str | None = DEFAULT_BLOCK,
     ) -> None:
         self.on_error = check_on_error(on_error)
         if not isinstance(pipeline, StagedProcessor):
@@ -137,6 +150,7 @@ class WebDatasetSource(torch.utils.data.Dataset[dict[str, Any] | None]):
             self.index_dir = os.path.abspath(os.fspath(index_dir))
         self.remote = Remote(storage_options, retries=retries)
         self.raw = raw
+        self.fetch_block = check_block(fetch_block)
         self._fingerprint = pipeline.fingerprint()
         self._rejects = RejectLog()
         self._open_rejects: list[Reject] = []
@@ -264,16 +278,6 @@ class WebDatasetSource(torch.utils.data.Dataset[dict[str, Any] | None]):
     def ids_digest(self) -> str:
         return self.columns.ids_digest()
 
-    def fingerprint(self) -> str:
-        return self._fingerprint
-
-    def describe(self) -> str:
-        return repr(self.pipeline)
-
-    @property
-    def varying_fields(self) -> frozenset[str]:
-        return frozenset(getattr(self.pipeline, "varying_fields", ()))
-
     def image_sizes(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
         """``int64 [n, 2]`` ``(width, height)`` of each sample from its ``.json`` member,
         read when the shard was indexed (no image decoded); ``-1`` where unknown."""
@@ -343,16 +347,6 @@ class WebDatasetSource(torch.utils.data.Dataset[dict[str, Any] | None]):
             return 0, 0
         return min(starts), max(ends)
 
-    def remote_span(self, index: int) -> tuple[str, str, int, int] | None:
-        """``(url, stamp, start, end)`` of sample ``index``'s bytes if its shard is remote
-        (what :class:`~mmcache.sources.remote.prefetch.RemotePrefetch` fetches), else ``None``."""
-        shard = int(self.columns.rows[index, C.SHARD])
-        loc = self.locations[shard]
-        start, end = self.span(index)
-        if not is_remote(loc) or end == start:
-            return None
-        return loc, self.shard_stamps[shard], start, end
-
     def read_span(self, index: int) -> bytes:
         """The bytes of :meth:`span` (raw tier, then the shard). Raises SampleError."""
         start, end = self.span(index)
@@ -379,15 +373,6 @@ class WebDatasetSource(torch.utils.data.Dataset[dict[str, Any] | None]):
                 )
             return data
         return self.fetch(loc, self.shard_stamps[shard], start, end, sample_id=sid)
-
-    def fetch(
-        self, url: str, stamp: str, start: int, end: int, *, sample_id: str, wait: bool = True
-    ) -> bytes:
-        """Bytes ``[start, end)`` of version ``stamp`` of ``url``: from the raw tier, else one
-        ranged GET (kept in the raw tier). SampleError naming the URL (and HTTP status)."""
-        return fetch_bytes(
-            self.remote, self.raw, (url, stamp, start, end), sample_id=sample_id, wait=wait
-        )
 
     def _fd(self, shard: int) -> int:
         if self._fd_pid != os.getpid():
@@ -427,11 +412,7 @@ class WebDatasetSource(torch.utils.data.Dataset[dict[str, Any] | None]):
         return process_bytes(self.pipeline, image, text, sample_id=sid, path=where)
 
     def to_item(self, index: int, sample: Mapping[str, np.ndarray]) -> dict[str, Any]:
-        item: dict[str, Any] = {"id": self.columns.id(index)}
-        for name, array in sample.items():
-            arr = array if array.flags.writeable else array.copy()
-            item[name] = torch.from_numpy(arr)
-        return item
+        return item_tensors(self.columns.id(index), sample, self.channels_last_fields)
 
     def __getitem__(self, index: int) -> dict[str, Any] | None:
         try:
@@ -524,6 +505,7 @@ class WebDatasetSource(torch.utils.data.Dataset[dict[str, Any] | None]):
         self.shard_stamps[s] = index.stamp
         self._sizes[s] = index.size
         self._shard_ints = None
+        self._fetch_groups = None
         fd = self._fds.pop(s, None) if self._fd_pid == os.getpid() else None
         if fd is not None:  # a replaced file: the next read opens the new one
             with contextlib.suppress(OSError):
@@ -566,6 +548,7 @@ class WebDatasetSource(torch.utils.data.Dataset[dict[str, Any] | None]):
         state["_fds"] = {}
         state["_memo"] = None
         state["_memo_ok"] = None
+        state["_fetch_groups"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

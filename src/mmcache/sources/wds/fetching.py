@@ -1,0 +1,99 @@
+"""How :class:`~mmcache.sources.wds.WebDatasetSource` fetches the bytes of remote shards:
+one sample's span (:meth:`RemoteShards.fetch`, what a producing worker does on a raw-tier
+miss), and the fetch groups that
+:class:`~mmcache.sources.remote.prefetch.RemotePrefetch` fetches with one ranged GET
+each (runs of neighbouring samples of a shard: :mod:`~mmcache.sources.remote.blocks`).
+
+A mixin: it reads the source's ``columns``, ``locations``, ``shard_stamps``, ``remote``,
+``raw`` and ``fetch_block``. The groups are computed lazily from the member table and
+dropped when a shard is indexed again (a new version has other spans). Not pickled (a
+worker never needs them); made once per process, under the GIL, read-only after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from mmcache.sources.remote.blocks import FetchGroups
+from mmcache.sources.remote.fs import Remote, is_remote
+from mmcache.sources.remote.raw import RawTier, fetch_bytes
+from mmcache.sources.wds.table import SampleColumns
+
+__all__ = ["RemoteShards"]
+
+C = SampleColumns
+
+
+class RemoteShards:
+    """Remote fetching of a WebDataset source (see the module docstring)."""
+
+    if TYPE_CHECKING:
+        columns: SampleColumns
+        locations: list[str]
+        shard_stamps: list[str]
+        remote: Remote
+        raw: RawTier | None
+        fetch_block: int
+
+        def span(self, index: int) -> tuple[int, int]: ...
+
+    _fetch_groups: FetchGroups | None = None
+
+    def remote_span(self, index: int) -> tuple[str, str, int, int] | None:
+        """``(url, stamp, start, end)`` of sample ``index``'s bytes if its shard is remote
+        (what :class:`~mmcache.sources.remote.prefetch.RemotePrefetch` fetches), else ``None``."""
+        shard = int(self.columns.rows[index, C.SHARD])
+        loc = self.locations[shard]
+        start, end = self.span(index)
+        if not is_remote(loc) or end == start:
+            return None
+        return loc, self.shard_stamps[shard], start, end
+
+    def fetch(
+        self, url: str, stamp: str, start: int, end: int, *, sample_id: str, wait: bool = True
+    ) -> bytes:
+        """Bytes ``[start, end)`` of version ``stamp`` of ``url``: from the raw tier, else one
+        ranged GET (kept in the raw tier). SampleError naming the URL (and HTTP status)."""
+        return fetch_bytes(
+            self.remote, self.raw, (url, stamp, start, end), sample_id=sample_id, wait=wait
+        )
+
+    def remote_version(self) -> tuple[str, ...]:
+        """The shards' stamps: what the prefetcher's memory of held spans depends on."""
+        return tuple(self.shard_stamps)
+
+    def _groups(self) -> FetchGroups:
+        groups = self._fetch_groups
+        if groups is None:
+            rows = self.columns.rows
+            img, txt = rows[:, C.IMG_OFF] >= 0, rows[:, C.TXT_OFF] >= 0
+            big = np.iinfo(np.int64).max
+            start = np.minimum(
+                np.where(img, rows[:, C.IMG_OFF], big), np.where(txt, rows[:, C.TXT_OFF], big)
+            )
+            end = np.maximum(
+                np.where(img, rows[:, C.IMG_OFF] + rows[:, C.IMG_LEN], -1),
+                np.where(txt, rows[:, C.TXT_OFF] + rows[:, C.TXT_LEN], -1),
+            )
+            remote = np.array([is_remote(loc) for loc in self.locations], dtype=bool)
+            shard = rows[:, C.SHARD].astype(np.int64)
+            obj = np.where(remote[shard] & (img | txt), shard, -1) if len(rows) else shard
+            groups = FetchGroups(obj, start, end, block=self.fetch_block)
+            self._fetch_groups = groups
+        return groups
+
+    def fetch_groups(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The fetch group of each of ``indices`` (``int64``; ``-1``: no remote bytes)."""
+        out: np.ndarray = self._groups().group_of[np.asarray(indices, dtype=np.int64)]
+        return out
+
+    def fetch_group(self, group: int) -> tuple[str, str, list[tuple[int, int, int]]]:
+        """``(url, stamp, [(index, start, end), ...])`` of ``group``'s samples, in offset
+        order: one ranged GET from the first start to the last end fetches them all."""
+        groups = self._groups()
+        shard = int(groups.g_obj[group])
+        members = [(i, *self.span(i)) for i in groups.members(group).tolist()]
+        return self.locations[shard], self.shard_stamps[shard], members
