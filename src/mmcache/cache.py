@@ -282,7 +282,6 @@ class Cache:
                 mode=self.mode,
             )
         disk = DiskStore(self.root / "disk", capacity=capacity, policy=self.policy, mode=self.mode)
-        # The loader checks the layout itself; the checksum reads the copies it made.
         disk.enable_gather(codec.checksum_matches, copied=codec.checksum_matches_copied)
         return disk
 
