@@ -280,3 +280,58 @@ def test_promotable_answers_at_once_when_the_memory_tier_has_no_room_for_an_entr
         assert reader.promotable(keys) == [_keys()[0]]  # the first one lacking, alone
     finally:
         cache.close()
+
+
+def _drain(ahead: ReadAhead, done: int) -> None:
+    deadline = time.monotonic() + 10
+    while ahead.chunks_read < done and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert ahead.chunks_read >= done
+
+
+def test_read_ahead_only_probes_while_its_reads_fault_nothing_in_and_resumes_on_a_fault() -> None:
+    """On resident pages the read-ahead's reads are useless and cost the loop the GIL:
+    after CALM_CHUNKS calm chunks only one chunk in PROBE_EVERY submissions is read;
+    a probe that faults (pages gone) brings every chunk back, and an epoch's start
+    (wake) reads its first chunks whole."""
+    from mmcache.loader import readahead as ra
+
+    count = {"faults": 0}
+    faulting = {"on": False}
+
+    def faults() -> int:
+        if faulting["on"]:
+            count["faults"] += 1
+        return count["faults"]
+
+    calls: list[int] = []
+    ahead = ReadAhead(lambda keys: calls.append(len(keys)), threads=1, chunk=16, faults=faults)
+    keys = np.zeros((64, 16), np.uint8)  # four chunks a submission
+    try:
+        per = ra.CALM_CHUNKS // 4
+        for i in range(per):  # every chunk is read until CALM_CHUNKS calm ones
+            ahead.submit(keys)
+            _drain(ahead, 4 * (i + 1))
+        assert ahead.chunks_skipped == 0
+        read = ahead.chunks_read
+        for _ in range(2 * ra.PROBE_EVERY):  # calm: one probe chunk per PROBE_EVERY
+            ahead.submit(keys)
+        _drain(ahead, read + 2)
+        time.sleep(0.05)
+        assert ahead.chunks_read == read + 2
+        assert ahead.chunks_skipped == 2 * ra.PROBE_EVERY * 4 - 2
+        ahead.wake()  # an epoch starts: its first WAKE_CHUNKS chunks are read whole
+        read = ahead.chunks_read
+        for _ in range(ra.WAKE_CHUNKS // 4):
+            ahead.submit(keys)
+        _drain(ahead, read + ra.WAKE_CHUNKS)
+        faulting["on"] = True  # the pages went: the next probe faults
+        read = ahead.chunks_read
+        for _ in range(ra.PROBE_EVERY):
+            ahead.submit(keys)
+        _drain(ahead, read + 1)
+        read = ahead.chunks_read
+        ahead.submit(keys)  # every chunk is read again
+        _drain(ahead, read + 4)
+    finally:
+        ahead.close()

@@ -55,6 +55,7 @@ from mmcache.loader.batching import plan_batching
 from mmcache.loader.counters import EpochCounter, HitRateWatch, epoch_scalars
 from mmcache.loader.hooks import BatchContext, EpochContext, Hooks, LoaderHook
 from mmcache.loader.packing import PackSpec
+from mmcache.loader.readahead import Calm
 from mmcache.loader.state import STATE_VERSION, check_batching, read_state
 from mmcache.loader.stream import (
     BatchPlanStream,
@@ -266,6 +267,7 @@ class DataLoader:
         )
         weakref.finalize(self, self._warm.close)
         self._state = StreamState()  # where the workers' stream is (shared explicitly)
+        self._calm = Calm()  # whether the read-ahead finds pages resident, across epochs
         if self._hooks.plan:
             self._state.before_plan = self._hooks.before_plan
         if self.exchange is not None:  # one batch a task: none planned beyond its horizon
@@ -516,6 +518,7 @@ class DataLoader:
                 planner=self._planner,
                 workers=workers,
                 warm=self._warm,
+                calm=self._calm,
             )
         streams = source.streams(run.epoch)
         self._warm.begin(run.epoch, run.start, warm=self._state.warm, streams=streams)

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmcache.loader.readahead import ReadAhead
+from mmcache.loader.readahead import Calm, ReadAhead
 from mmcache.loader.tasks import BatchPlan, PackedPlan, WorkerPlanner, WorkerTask
 from mmcache.loader.warm_epoch import WarmEpochs
 from mmcache.loader.warm_epoch.gate import EpochGate
@@ -292,6 +292,7 @@ class BatchPlanStream:
         planner: WorkerPlanner,
         workers: MissWorkers | None,
         warm: WarmEpochs,
+        calm: Calm | None = None,
     ) -> None:
         self.cursor = (epoch, start)
         self._order = order
@@ -301,7 +302,7 @@ class BatchPlanStream:
         self._warm = warm
         self._gate = workers.gate if workers is not None else None
         # The next batches: promoted into free memory, their pages read ahead, off the loop.
-        self._ahead = ReadAhead(self._ahead_of_use)
+        self._ahead = ReadAhead(self._ahead_of_use, calm=calm)  # calm: the loader's, kept
         self._first_epoch = epoch  # of the workers' current stream
         self._base = 0  # the gate value its tasks count from
         self._plans: Iterator[list[PackedPlan]] | None = None
@@ -315,8 +316,10 @@ class BatchPlanStream:
             else PlanMode.LOCAL
         )
 
-    def _ahead_of_use(self, keys: np.ndarray) -> None:
-        self._planner.ahead(keys)  # looked up at call time (a planner without it never reads ahead)
+    def _ahead_of_use(self, keys: np.ndarray) -> int:
+        # Looked up at call time (a planner without it never reads ahead); the entries
+        # promoted: work that keeps the read-ahead reading every chunk.
+        return self._planner.ahead(keys)
 
     def mode(self, epoch: int) -> PlanMode:
         """Where the next plan of ``epoch`` comes from."""
@@ -340,6 +343,8 @@ class BatchPlanStream:
         if self.mode(epoch) is PlanMode.GUESS:
             plan = self._warm.guess(epoch, indices)  # None: the epoch is guessed no more
             if plan is not None and self._planner.reads_ahead():  # the next batches' pages
+                if j == 0:
+                    self._ahead.wake()
                 for k in range(_READ_AHEAD + 1) if j == 0 else (_READ_AHEAD,):
                     if j + k < len(batches):
                         ahead = self._warm.known_keys(batches[j + k])

@@ -251,19 +251,22 @@ class WorkerPlanner(torch.utils.data.Dataset[PackedPlan]):
         ]
         return BatchPlan(indices, keys, planned, results, stamps)
 
-    def ahead(self, keys: np.ndarray) -> None:
+    def ahead(self, keys: np.ndarray) -> int:
         """Ahead of a batch's gather (planning runs batches ahead, in the epoch's order):
         promote into the first tier the entries only a lower tier holds, while it has
         room (``promotable``; the verified ``cache.lookup`` offers each to its policy),
-        and ask the lower tiers to read the rest's pages ahead (``prefetch``)."""
+        and ask the lower tiers to read the rest's pages ahead (``prefetch``). Returns
+        the entries promoted."""
         reader = self._first_tier()
         if reader is None or self.cache is None:
-            return
+            return 0
+        promoted = 0
         promotable = getattr(reader, "promotable", None)
         if promotable is not None:
             for key in promotable(keys):
-                self.cache.lookup(key)
+                promoted += self.cache.lookup(key)[0] is not None
         self.read_ahead(keys)
+        return promoted
 
     def reads_ahead(self) -> bool:
         """Whether :meth:`read_ahead` does anything (a tier that can ``prefetch``)."""
