@@ -335,3 +335,33 @@ def test_read_ahead_only_probes_while_its_reads_fault_nothing_in_and_resumes_on_
         _drain(ahead, read + 4)
     finally:
         ahead.close()
+
+
+def test_read_ahead_runs_its_ordered_calls_in_submission_order_across_threads() -> None:
+    """Promotion runs as ``ordered``: one chunk at a time in the epoch's order, however
+    the 4 threads are scheduled, so the memory budget holds the entries used first."""
+    rng = np.random.default_rng(0)
+    delays = rng.uniform(0, 0.004, 64)
+    order: list[int] = []
+    reads: list[int] = []
+    lock = threading.Lock()
+
+    def ordered(keys: np.ndarray) -> int:
+        time.sleep(float(delays[int(keys[0, 0])]))  # uneven: threads would overtake
+        order.append(int(keys[0, 0]))
+        return 0
+
+    def fn(keys: np.ndarray) -> None:
+        time.sleep(float(delays[63 - int(keys[0, 0])]))
+        with lock:
+            reads.append(int(keys[0, 0]))
+
+    ahead = ReadAhead(fn, ordered=ordered, threads=4, chunk=1)
+    try:
+        for i in range(64):
+            ahead.submit(np.full((1, 16), i, np.uint8))
+        _drain(ahead, 64)
+        assert order == list(range(64))
+        assert sorted(reads) == list(range(64))
+    finally:
+        ahead.close()

@@ -88,9 +88,13 @@ class ReadAhead:
     in order, on ``threads`` daemon threads (chunks run concurrently); only probes
     while the calls fault no page in (see the module docstring).
 
-    ``fn`` may return a number: non-zero means it did work worth doing again
-    (the loader's returns the entries it promoted), which keeps every chunk read.
-    ``faults`` counts the calling thread's major page faults (tests pass a fake).
+    ``ordered(chunk)``, if given, runs before ``fn(chunk)`` one chunk at a time in
+    submission order (the loader promotes entries into free memory there: in the
+    epoch's order, so the budget holds the entries used first), while ``fn``
+    calls run concurrently. Either may return a number: non-zero means it did
+    work worth doing again (the loader's ``ordered`` returns the entries it
+    promoted), which keeps every chunk read. ``faults`` counts the calling
+    thread's major page faults (tests pass a fake).
     """
 
     def __init__(
@@ -101,10 +105,15 @@ class ReadAhead:
         chunk: int = CHUNK,
         faults: Callable[[], int | None] = thread_major_faults,
         calm: Calm | None = None,
+        ordered: Callable[[np.ndarray], object] | None = None,
     ) -> None:
         if threads < 1 or chunk < 1:
             raise ValueError(f"threads and chunk must be >= 1, got {threads}, {chunk}")
         self._fn = fn
+        self._ordered = ordered
+        self._turns = threading.Condition()  # the ordered calls' turn (apart from _cond)
+        self._taken = 0  # chunks taken from the queue (each one's turn number)
+        self._turn = 0  # the turn whose ordered call may run now
         self._faults = faults
         self._calm = calm if calm is not None else Calm()  # chunks in a row without work
         self._submitted = 0
@@ -148,6 +157,8 @@ class ReadAhead:
         self._pid = os.getpid()
         self._generation += 1
         gen = self._generation
+        with self._turns:
+            self._taken = self._turn = 0
         self._threads = [
             threading.Thread(
                 target=self._run, args=(gen,), name=f"mmcache-readahead-{i}", daemon=True
@@ -164,10 +175,19 @@ class ReadAhead:
             self._generation += 1
             self._pending.clear()
             self._cond.notify_all()
+        with self._turns:
+            self._turns.notify_all()
         me = threading.current_thread()
         for t in threads:
             if t.is_alive() and t is not me and self._pid == os.getpid():
                 t.join(5)
+
+    def _my_turn(self, turn: int, gen: int) -> bool:
+        """Wait until ``turn`` may run its ordered call; False if the threads stop."""
+        with self._turns:
+            while self._turn != turn and self._generation == gen:
+                self._turns.wait(1.0)
+            return self._generation == gen
 
     def _run(self, gen: int) -> None:
         while True:
@@ -177,10 +197,20 @@ class ReadAhead:
                 if self._generation != gen:
                     return
                 keys = self._pending.popleft()
+                with self._turns:
+                    turn, self._taken = self._taken, self._taken + 1
             before = self._faults()
             worked: object = 0
             try:
-                worked = self._fn(keys)
+                if self._ordered is not None and self._my_turn(turn, gen):
+                    try:
+                        worked = self._ordered(keys)
+                    finally:
+                        with self._turns:
+                            if self._generation == gen:  # (a new start counts anew)
+                                self._turn += 1
+                            self._turns.notify_all()
+                worked = self._fn(keys) or worked
             except Exception as exc:  # a hint only: never stops training
                 logger.debug("read-ahead failed: %s", exc)
             after = self._faults()

@@ -302,7 +302,11 @@ class BatchPlanStream:
         self._warm = warm
         self._gate = workers.gate if workers is not None else None
         # The next batches: promoted into free memory, their pages read ahead, off the loop.
-        self._ahead = ReadAhead(self._ahead_of_use, calm=calm)  # calm: the loader's, kept
+        # Promotion in the epoch's order (one chunk at a time), page reads concurrently;
+        # calm: the loader's, kept across epochs.
+        self._ahead = ReadAhead(
+            self._read_ahead_of_use, ordered=self._promote_ahead_of_use, calm=calm
+        )
         self._first_epoch = epoch  # of the workers' current stream
         self._base = 0  # the gate value its tasks count from
         self._plans: Iterator[list[PackedPlan]] | None = None
@@ -316,10 +320,12 @@ class BatchPlanStream:
             else PlanMode.LOCAL
         )
 
-    def _ahead_of_use(self, keys: np.ndarray) -> int:
-        # Looked up at call time (a planner without it never reads ahead); the entries
-        # promoted: work that keeps the read-ahead reading every chunk.
-        return self._planner.ahead(keys)
+    # Looked up at call time (a planner without them never reads ahead).
+    def _promote_ahead_of_use(self, keys: np.ndarray) -> int:
+        return self._planner.promote(keys)  # entries promoted: work that keeps every chunk
+
+    def _read_ahead_of_use(self, keys: np.ndarray) -> None:
+        self._planner.read_ahead(keys)
 
     def mode(self, epoch: int) -> PlanMode:
         """Where the next plan of ``epoch`` comes from."""

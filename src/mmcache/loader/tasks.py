@@ -253,19 +253,23 @@ class WorkerPlanner(torch.utils.data.Dataset[PackedPlan]):
 
     def ahead(self, keys: np.ndarray) -> int:
         """Ahead of a batch's gather (planning runs batches ahead, in the epoch's order):
-        promote into the first tier the entries only a lower tier holds, while it has
-        room (``promotable``; the verified ``cache.lookup`` offers each to its policy),
-        and ask the lower tiers to read the rest's pages ahead (``prefetch``). Returns
-        the entries promoted."""
+        :meth:`promote`, then :meth:`read_ahead` the rest. Returns the entries promoted."""
+        promoted = self.promote(keys)
+        self.read_ahead(keys)
+        return promoted
+
+    def promote(self, keys: np.ndarray) -> int:
+        """Promote into the first tier the entries only a lower tier holds, while it has
+        room (``promotable``; the verified ``cache.lookup`` offers each to its policy).
+        Callers keep the epoch's order (the budget then holds the entries used first).
+        Returns the entries promoted."""
         reader = self._first_tier()
-        if reader is None or self.cache is None:
+        promotable = getattr(reader, "promotable", None) if reader is not None else None
+        if promotable is None or self.cache is None:
             return 0
         promoted = 0
-        promotable = getattr(reader, "promotable", None)
-        if promotable is not None:
-            for key in promotable(keys):
-                promoted += self.cache.lookup(key)[0] is not None
-        self.read_ahead(keys)
+        for key in promotable(keys):
+            promoted += self.cache.lookup(key)[0] is not None
         return promoted
 
     def reads_ahead(self) -> bool:
