@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import io
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -162,6 +163,18 @@ class DiskForm:
             else:
                 out[name] = arr
         return codec.encode(out, ctime=header.ctime, cost=header.cost, bfloat16=bf16)
+
+    def write_ranges(
+        self, stored: bytes, targets: Sequence[tuple[int, int, np.ndarray]], row: int
+    ) -> bool:
+        """Bytes ``[offset, offset + length)`` of ``unpack(stored)`` into row ``row`` of
+        each ``(offset, length, out)`` target, without building the entry (a batch
+        gather; :mod:`mmcache.codec.compact_read`); False if the entry is shorter.
+        The caller has checked ``stored``'s checksum; CorruptEntryError if it does not
+        decode. Not for ``raw`` (gathered as its own bytes)."""
+        from mmcache.codec.compact_read import write_ranges
+
+        return write_ranges(self, stored, targets, row)
 
 
 def parse_disk_form(form: str | DiskForm) -> DiskForm:
