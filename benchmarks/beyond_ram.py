@@ -48,6 +48,7 @@ from mmcache.cache import Cache  # noqa: E402
 from mmcache.codec.compact import parse_disk_form  # noqa: E402
 from mmcache.dataset import MultimodalDataset  # noqa: E402
 from mmcache.loader import DataLoader  # noqa: E402
+from mmcache.loader.batchlayout import byte_ranges  # noqa: E402
 from mmcache.pipeline import ImageSpec, Pipeline, TextSpec  # noqa: E402
 from mmcache.stores.disk.formed import FormedDiskStore  # noqa: E402
 
@@ -161,12 +162,12 @@ def mm_row(
             t0 = time.perf_counter()
             back = [disk.form.unpack(p) for p in packed]
             unpack_us = (time.perf_counter() - t0) / len(packed) * 1e6
-            length = len(back[0])
-            out = np.empty((1, length), dtype=np.uint8)
+            segments = byte_ranges(codec.read_header(back[0])).segments
+            targets = [(a, b - a, np.empty((1, b - a), dtype=np.uint8)) for a, b, _ in segments]
             t0 = time.perf_counter()
             for p in packed:  # what the in-process gather does per entry, on one thread
                 codec.checksum_matches(p)
-                disk.form.write_ranges(p, [(0, length, out)], 0)  # type: ignore[attr-defined]
+                disk.form.write_ranges(p, targets, 0)  # type: ignore[attr-defined]
             gather_us = (time.perf_counter() - t0) / len(packed) * 1e6
             err = [
                 np.mean((codec.decode(b)["image"].astype(float) - ds.produce(i)["image"]) ** 2)
