@@ -213,3 +213,19 @@ def test_a_jpeg_that_does_not_decode_is_discarded_never_served(
         got = codec.decode(out[0].tobytes(), verify=False)
         for name, arr in fields.items():
             assert np.array_equal(got[name], arr), name
+
+
+def test_a_form_without_write_ranges_does_not_gather(tmp_path: Path) -> None:
+    class Plain:
+        def pack(self, raw: bytes | memoryview) -> bytes:
+            return bytes(raw)
+
+        def unpack(self, stored: bytes | memoryview) -> bytes:
+            return bytes(stored)
+
+    with FormedDiskStore(tmp_path / "d", form=Plain(), capacity="1MiB") as store:
+        store.enable_gather(codec.checksum_matches)
+        assert not store.supports_gather  # its hits stay with the cache's verified read
+    with FormedDiskStore(tmp_path / "j", form=parse_disk_form("zstd"), capacity="1MiB") as store:
+        store.enable_gather(codec.checksum_matches)
+        assert store.supports_gather

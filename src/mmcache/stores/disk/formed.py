@@ -134,6 +134,13 @@ class FormedDiskStore(DiskStore):
 
         return super().verify(unpacked_ok)
 
+    def enable_gather(self, check: Callable[[memoryview], bool], *, copied: Any = None) -> None:
+        """Gather batches here, checking each stored entry with ``check`` before its
+        decode; stays off for a form without ``write_ranges`` (``copied`` is unused:
+        the decode reads the stored bytes once, after the check)."""
+        if callable(getattr(self._form, "write_ranges", None)):
+            super().enable_gather(check)
+
     def gather_rows(
         self,
         keys: Keys,
