@@ -229,3 +229,32 @@ def test_a_form_without_write_ranges_does_not_gather(tmp_path: Path) -> None:
     with FormedDiskStore(tmp_path / "j", form=parse_disk_form("zstd"), capacity="1MiB") as store:
         store.enable_gather(codec.checksum_matches)
         assert store.supports_gather
+
+
+def test_memory_quarter_and_a_jpeg_disk_tier_gather_the_workers_batches(
+    ds: MultimodalDataset, cache_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Memory (a quarter of the data, raw) over a jpeg:90 disk tier (all of it): rows from
+    both tiers, in-process, equal the batches the disk tier alone gives."""
+    form = "jpeg:90"
+    _fill(ds, cache_root, form)
+    alone, _ = _served(ds, cache_root, form, in_process=True)
+    sample = len(codec.encode(ds.produce(0)))
+    cache = Cache(
+        cache_root,
+        memory=12 * (sample + 256),
+        disk="64MiB",
+        disk_form=form,
+        policy="keep",
+        temporary=True,
+    )
+    try:
+        loader = DataLoader(ds, cache=cache, batch_size=10, seed=3, num_workers=0)
+        _same(_epoch(loader, 1), alone)  # promotes what fits, in order
+        ran = _spy_workers(monkeypatch, ds)
+        _same(_epoch(loader, 1), alone)
+        assert ran == []
+        e = loader.stats().epochs[-1]  # epoch 1, both passes
+        assert e.misses == 0 and e.tier_hits["memory"] >= 12 and e.tier_hits["disk"] >= 36
+    finally:
+        cache.close()

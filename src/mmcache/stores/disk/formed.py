@@ -52,6 +52,15 @@ _pools: dict[int, ThreadPoolExecutor] = {}  # by pid: threads do not survive a f
 _pools_lock = threading.Lock()
 
 
+def _after_fork_in_child() -> None:
+    global _pools_lock  # noqa: PLW0603 - a lock held by a thread of the parent at the fork
+    _pools_lock = threading.Lock()
+    _pools.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _decode_pool() -> ThreadPoolExecutor:
     """This process's decode pool (the calling thread is the last decoder)."""
     with _pools_lock:
