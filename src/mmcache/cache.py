@@ -138,9 +138,9 @@ class Cache:
         peer_timeout: seconds the cluster exchange waits for a peer before it drops
             it and produces that peer's samples locally.
         disk_form: how the disk tier stores entries (:mod:`mmcache.codec.compact`):
-            ``"raw"`` (default; its hits are gathered in the training process),
-            ``"zstd"`` (lossless) or ``"jpeg:Q"`` (images re-encoded as JPEG of
-            quality Q: lossy, several times fewer bytes; decoded by the workers),
+            ``"raw"`` (default), ``"zstd"`` (lossless) or ``"jpeg:Q"`` (images
+            re-encoded as JPEG of quality Q: lossy, several times fewer bytes); hits
+            are gathered in the training process (compact ones decoded on threads),
             each in its own folder (``disk/``, ``disk-zstd/``...): forms never mix.
     """
 
@@ -270,20 +270,17 @@ class Cache:
         return disk
 
     def _new_disk(self, capacity: int) -> DiskStore:
-        """The disk tier in its form's folder; a raw one gathers (verified) in the
-        training process."""
-        form = self.disk_form
-        if form.kind != "raw":
-            return FormedDiskStore(
-                self.root / f"disk-{form.tag}",
-                form=form,
-                capacity=capacity,
-                policy=self.policy,
-                mode=self.mode,
-            )
-        disk = DiskStore(self.root / "disk", capacity=capacity, policy=self.policy, mode=self.mode)
-        disk.enable_gather(codec.checksum_matches, copied=codec.checksum_matches_copied)
-        return disk
+        """The disk tier in its form's folder, gathering (verified) in this process."""
+        form, root, policy = self.disk_form, self.root, self.policy
+        if form.kind == "raw":
+            disk = DiskStore(root / "disk", capacity=capacity, policy=policy, mode=self.mode)
+            disk.enable_gather(codec.checksum_matches, copied=codec.checksum_matches_copied)
+            return disk
+        formed = FormedDiskStore(
+            root / f"disk-{form.tag}", form=form, capacity=capacity, policy=policy, mode=self.mode
+        )
+        formed.enable_gather(codec.checksum_matches)  # decodes its hits (disk/formed.py)
+        return formed
 
     def _open_memory(self) -> Store | None:
         group = memory_group(self.root, self.mode)
