@@ -125,29 +125,28 @@ def _note_shm_entries(request: pytest.FixtureRequest) -> Iterator[None]:
         _SHM_MADE.setdefault(path, request.node.nodeid)
 
 
-def _store_name(path: str) -> str:
-    """``mmcache-<name>-meta`` / ``-dNNN`` / ``.lock`` -> ``<name>``."""
-    return os.path.basename(path)[len("mmcache-") :].split("-")[0].split(".")[0]
-
-
 def _leaked_stores(base: Path) -> dict[str, str]:
     """{path: test} of the stores this session left behind (see above); removes them."""
     from mmcache.cacheroot import memory_name
-    from mmcache.stores.memory.cleanup import reclaim_orphans, unlink_store
+    from mmcache.stores.memory.cleanup import _store_names, reclaim_orphans, unlink_store
 
     present = {p: t for p, t in _SHM_MADE.items() if os.path.exists(p)}
     if not present:
         return {}
     ours = {memory_name(Path(d).absolute()) for d, _dirs, _files in os.walk(base)}
+    ours |= {f"{name}-flight" for name in ours}  # scope="cluster"'s in-flight tier
     leaked: dict[str, str] = {}
-    for name in sorted({_store_name(p) for p in present}):
-        paths = {p: t for p, t in present.items() if _store_name(p) == name}
-        group = os.getegid() if any("/mmcache-g" in p for p in paths) else None
-        if name in ours:
-            unlink_store(name, group=group)
-            leaked.update(paths)
-        elif reclaim_orphans(name, group=group):
-            leaked.update(paths)
+    for directory in sorted({os.path.dirname(p) for p in present}):
+        group = os.getegid() if os.path.basename(directory).startswith("mmcache-g") else None
+        for name, files in sorted(_store_names(directory, "*").items()):
+            paths = {p: present[p] for p in files if p in present}
+            if not paths:
+                continue
+            if name in ours:
+                unlink_store(name, group=group)
+                leaked.update(paths)
+            elif reclaim_orphans(name, group=group):
+                leaked.update(paths)
     return leaked
 
 
