@@ -50,6 +50,7 @@ from mmcache.readthrough import read_through
 from mmcache.registry import FingerprintRegistry
 from mmcache.stats import CacheStats
 from mmcache.stores.base import BatchReader, Store, dir_mode
+from mmcache.stores.claims import Claims
 from mmcache.stores.disk import DiskStore
 from mmcache.stores.disk.formed import FormedDiskStore
 from mmcache.stores.gathering import TieredReader
@@ -383,6 +384,14 @@ class Cache:
     def disk(self) -> Store | None:
         """The persistent disk tier, or None (no budget, or failed)."""
         return self._store.tier(DiskStore.name)
+
+    @property
+    def claims(self) -> Claims | None:
+        """The node's production claims for this cache (one preparation per node: a process
+        that misses a key another process is producing waits for it; see
+        :mod:`mmcache.stores.claims`), or None without a memory tier."""
+        memory = self.memory
+        return Claims(memory.claims_path) if isinstance(memory, MemoryStore) else None
 
     @property
     def reader(self) -> BatchReader | None:
