@@ -195,6 +195,13 @@ class WorkerPlanner(torch.utils.data.Dataset[PackedPlan]):
         takes the entry it publishes instead of decoding the sample a second time. The
         wait is bounded, and a producer that dies releases its claim as it dies.
         """
+        result = self._run(index, key, cached=cached, wait=True)
+        if result is None:  # pragma: no cover - only wait=False returns None
+            raise RuntimeError("a waited task returned nothing")
+        return result
+
+    def _run(self, index: int, key: bytes, *, cached: bool, wait: bool) -> TaskResult | None:
+        """:meth:`run`; with ``wait=False``, None instead of waiting for another producer."""
         cache = self.cache
         if cache is None or not cached:
             return self._produce(index, key)
@@ -202,7 +209,9 @@ class WorkerPlanner(torch.utils.data.Dataset[PackedPlan]):
         if found is not None:
             return found
         claims = self._claims()
-        claim = claims.acquire(key) if claims is not None else None
+        claim = claims.acquire(key, wait=wait) if claims is not None else None
+        if claim is not None and claim.fd < 0 and not wait:
+            return None  # another process is producing it: come back to it
         try:
             if claim is not None and self._published(key, waited=claim.waited):
                 found = self._cached(index, key)  # what the other producer published
@@ -300,8 +309,15 @@ class WorkerPlanner(torch.utils.data.Dataset[PackedPlan]):
             planned = np.zeros(len(indices), dtype=bool)
         if not produce and not planned.all():
             return None
+        missing = np.flatnonzero(~planned).tolist()
+        # First the misses nobody else is producing, then (waiting) the ones another
+        # process is: jobs that share an order then split a batch's decodes between them.
+        first = [
+            self._run(int(indices[r]), keys[r].tobytes(), cached=True, wait=False) for r in missing
+        ]
         results = [
-            self.run(int(indices[r]), keys[r].tobytes()) for r in np.flatnonzero(~planned).tolist()
+            res if res is not None else self.run(int(indices[r]), keys[r].tobytes())
+            for r, res in zip(missing, first, strict=True)
         ]
         return BatchPlan(indices, keys, planned, results, stamps)
 

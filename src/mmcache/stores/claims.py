@@ -117,13 +117,14 @@ class Claims:
         """The byte of the lock file that ``key`` hashes to."""
         return xxhash.xxh3_64_intdigest(key) % CLAIM_SLOTS
 
-    def acquire(self, key: bytes) -> Claim | None:
+    def acquire(self, key: bytes, *, wait: bool = True) -> Claim | None:
         """Claim ``key``, waiting (up to ``timeout``) while another process holds it.
 
         Returns the held :class:`Claim` (its ``waited`` says whether someone else held it
-        first), a pass with ``fd == -1`` when the wait timed out (produce anyway, unclaimed),
-        or None when claims cannot be used here (the file is gone or cannot be locked):
-        the caller then simply produces, as without claims.
+        first), a pass with ``fd == -1`` when the wait timed out (produce anyway, unclaimed)
+        or, with ``wait=False``, at once when another holder has it (do other work first,
+        then come back), or None when claims cannot be used here (the file is gone or
+        cannot be locked): the caller then simply produces, as without claims.
         """
         slot = self.slot(key)
         try:
@@ -132,7 +133,7 @@ class Claims:
             return None
         request = _flock(fcntl.F_WRLCK, slot)
         waited = False
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + (self.timeout if wait else 0.0)
         pause = self.poll
         try:
             while True:
