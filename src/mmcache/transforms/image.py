@@ -90,6 +90,7 @@ from mmcache.units import MiB
 
 __all__ = [
     "ALPHA_BACKGROUND",
+    "DEFAULT_MAX_BYTES",
     "PAD_FILL",
     "Crop",
     "ImageSpec",
@@ -124,6 +125,9 @@ _PILLOW_MAJOR = int(PIL.__version__.split(".")[0])
 # a file far larger is a video or an archive listed by mistake, and reading it
 # whole would raise MemoryError, which no on_error policy catches.
 _DEFAULT_MAX_BYTES = 256 * MiB
+#: The default of ``ImageSpec.max_bytes`` (what sources bound a sample's bytes by when
+#: their pipeline has no image stage).
+DEFAULT_MAX_BYTES = _DEFAULT_MAX_BYTES
 
 _BOMB_PIXELS_RE = re.compile(r"\((\d+) pixels\)")
 
