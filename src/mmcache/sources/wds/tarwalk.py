@@ -70,10 +70,10 @@ class _Bounded:
     def read(self, n: int | None = -1) -> bytes:
         if n is None or n < 0 or n > self._limit:
             offset = self._raw.tell()
-            what = "the rest of the file" if n is None or n < 0 else f"{n} bytes"
+            what = "an unbounded count (a negative size)" if n is None or n < 0 else f"{n} bytes"
             raise DamagedShard(
-                f"it asks to read {what} of metadata (a GNU long name or PAX header), "
-                f"over the limit of {self._limit} bytes",
+                f"its GNU long-name or PAX block asks to read {what}, over the limit of "
+                f"{self._limit} bytes",
                 offset=max(offset - _BLOCK, 0),
             )
         return self._raw.read(n)
