@@ -31,7 +31,6 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import xxhash
-from PIL import Image
 
 from mmcache import keys
 from mmcache.errors import ConfigError, ManifestError, SampleError
@@ -191,16 +190,17 @@ _OK, _TRUNCATED, _MASKED, _UNREADABLE, _REFUSED = range(5)
 
 def _image_hw(stage: object, path: str, sample_id: str) -> tuple[int, int]:
     """The processed ``(h, w)`` of the image at ``path``, from its header only, opened
-    as the stage opens it to decode (:func:`~mmcache.transforms.image.image_header`:
-    never blocking on a FIFO or a device; over ``max_bytes``, over ``max_pixels`` or a
-    decompression bomb: a SampleError for this sample)."""
+    through the guarded open (:func:`~mmcache.transforms.image.image_header`: never
+    blocking on a FIFO or a device; over ``max_bytes`` or a decompression bomb by
+    Pillow's limit: a SampleError for this sample). The stage's own ``max_pixels`` is
+    not applied here: it is checked after a reduced (draft) decode, which a header
+    read cannot reproduce."""
     max_bytes = getattr(stage, "max_bytes", DEFAULT_MAX_BYTES)
-    max_pixels = getattr(stage, "max_pixels", Image.MAX_IMAGE_PIXELS)
     with image_header(
         path,
         sample_id=sample_id,
         max_bytes=max_bytes if isinstance(max_bytes, int) else None,
-        max_pixels=max_pixels if isinstance(max_pixels, int) else None,
+        max_pixels=None,
     ) as im:
         turn = orientation(im)
         width, height = im.size

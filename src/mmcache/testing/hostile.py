@@ -214,7 +214,8 @@ class HostileInputContract:
         assert source.produce(0)  # clients and decoders warmed up
         peak, _, error = peak_allocation(lambda: source.produce(1))
         assert isinstance(error, SampleError) and error.sample_id == source.sample_id(1), error
-        assert peak < self.oversized // 8
+        # decoding the bomb would take 1.2 GB; a fetch's client buffers take a few MiB
+        assert peak < self.oversized, f"{peak} bytes allocated to refuse it"
 
     def test_skip_leaves_hostile_samples_out_and_lists_them(self) -> None:
         for hostile in (self._oversized(), bomb_png()):
