@@ -31,12 +31,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import xxhash
-from PIL import Image
 
 from mmcache import keys
 from mmcache.errors import ConfigError, ManifestError, SampleError
 from mmcache.sources.records import RecordReject, Records
-from mmcache.transforms.chat import Chat, ChatSpec
+from mmcache.transforms.chat import Chat, ChatSpec, FullyMaskedError
+from mmcache.transforms.image import DEFAULT_MAX_BYTES, image_header
 from mmcache.transforms.pixels import DECODE_ERRORS, orientation
 from mmcache.transforms.smart_resize import output_hw
 
@@ -189,8 +189,19 @@ _OK, _TRUNCATED, _MASKED, _UNREADABLE, _REFUSED = range(5)
 
 
 def _image_hw(stage: object, path: str, sample_id: str) -> tuple[int, int]:
-    """The processed ``(h, w)`` of the image at ``path``, from its header only."""
-    with Image.open(path) as im:
+    """The processed ``(h, w)`` of the image at ``path``, from its header only, opened
+    through the guarded open (:func:`~mmcache.transforms.image.image_header`: never
+    blocking on a FIFO or a device; over ``max_bytes`` or a decompression bomb by
+    Pillow's limit: a SampleError for this sample). The stage's own ``max_pixels`` is
+    not applied here: it is checked after a reduced (draft) decode, which a header
+    read cannot reproduce."""
+    max_bytes = getattr(stage, "max_bytes", DEFAULT_MAX_BYTES)
+    with image_header(
+        path,
+        sample_id=sample_id,
+        max_bytes=max_bytes if isinstance(max_bytes, int) else None,
+        max_pixels=None,
+    ) as im:
         turn = orientation(im)
         width, height = im.size
     hw = output_hw(stage, width, height, turn)
@@ -238,7 +249,7 @@ def _measure(
                     ) from exc
             enc = chat.encode(Chat(tuple(messages), tuple(sizes)), sample_id=sample_id)
         except SampleError as err:
-            if "fully masked" in err.reason:
+            if isinstance(err, FullyMaskedError):
                 status = _MASKED
             if err.sample_id != sample_id:
                 err = SampleError(err.reason, sample_id=sample_id, path=err.path)
