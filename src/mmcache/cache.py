@@ -39,6 +39,7 @@ import numpy as np
 from mmcache import codec, sizing
 from mmcache.cacheroot import memory_group, read_config, write_config
 from mmcache.cacheroot import memory_name as _memory_name
+from mmcache.checks import check_int
 from mmcache.codec.compact import parse_disk_form
 from mmcache.errors import CacheError, ConfigError
 from mmcache.keys import as_key
@@ -53,7 +54,7 @@ from mmcache.stores.base import BatchReader, Store, dir_mode
 from mmcache.stores.disk import DiskStore
 from mmcache.stores.disk.formed import FormedDiskStore
 from mmcache.stores.gathering import TieredReader
-from mmcache.stores.memory import MemoryStore, store_exists
+from mmcache.stores.memory import MAX_INDEX_CAPACITY, MemoryStore, store_exists
 from mmcache.stores.tiered import Accepted, Tier, TieredStore
 from mmcache.units import parse_duration, parse_size
 
@@ -184,6 +185,8 @@ class Cache:
         self.clock = clock
         self.temporary = temporary
         self.fallback: Fallback = fallback
+        if memory_entries is not None:  # checked here, so the error names this parameter
+            check_int("memory_entries", memory_entries, minimum=1, maximum=MAX_INDEX_CAPACITY)
         self.memory_entries = memory_entries
         self.disk_form = parse_disk_form(disk_form)
         #: Tiers that could not be opened (fallback="uncached"), with the reason.
@@ -198,10 +201,10 @@ class Cache:
         if memory == "auto":
             self.memory_budget = sizing.auto_memory_budget()
         elif isinstance(memory, (int, str)):
-            self.memory_budget = parse_size(memory)
+            self.memory_budget = parse_size(memory, name="memory")
         else:
             raise ConfigError(f"memory must be bytes, an IEC string, 'auto' or 0, got {memory!r}")
-        self.disk_budget = None if disk is None else parse_size(disk)
+        self.disk_budget = None if disk is None else parse_size(disk, name="disk")
         self.registry: FingerprintRegistry | None = None
         self._store = TieredStore([])
         self.flight: Store | None = None  # scope="cluster"'s in-flight tier: use_flight
@@ -557,7 +560,7 @@ class Cache:
         disk = self.disk
         if disk is None:
             return 0
-        limit = parse_size(capacity)
+        limit = parse_size(capacity, name="disk")
         items = len(disk)
         disk.close()
         fresh = self._new_disk(limit)

@@ -84,7 +84,7 @@ from mmcache.stores.disk.maintenance import (
 )
 from mmcache.stores.disk.snapshot import DamagedTotals, Evictor, Totals, parse_meta
 from mmcache.stores.disk.writes import EntryWriter, PendingReads, WriteOp, as_buffer, check_cost
-from mmcache.units import MiB, format_size, parse_size
+from mmcache.units import MAX_SIZE, MiB, format_size, parse_size
 
 __all__ = ["DISK_FORMAT_VERSION", "CompactReport", "DiskStore"]
 
@@ -132,7 +132,7 @@ class DiskStore(DiskGather, Store):
         mode: int = 0o600,
     ) -> None:
         self._path = os.path.abspath(os.fspath(path))
-        self._capacity = parse_size(capacity)
+        self._capacity = parse_size(capacity, name="capacity")
         self._policy = get_policy(policy)
         self._readonly = bool(readonly)
         self._clock = clock
@@ -143,7 +143,11 @@ class DiskStore(DiskGather, Store):
                 check_int("map_size (bytes)", map_size, minimum=1)
             except ConfigError as exc:  # a CacheError, as it always was
                 raise CacheError(str(exc)) from exc
-        self._map_size = map_size if map_size is not None else 2 * self._capacity + MAP_OVERHEAD
+        # Bounded by MAX_SIZE: a larger map is an OverflowError in LMDB's binding, a
+        # bound it never reaches is a clear "Cannot allocate memory" CacheError at open.
+        self._map_size = (
+            map_size if map_size is not None else min(2 * self._capacity + MAP_OVERHEAD, MAX_SIZE)
+        )
         # Only policies that look at reads pay for recording them.
         self._track = not self._readonly and not isinstance(
             self._policy, (ValuePolicy, KeepPolicy, FIFOPolicy)
