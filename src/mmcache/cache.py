@@ -49,6 +49,7 @@ from mmcache.maintenance import verify as _verify
 from mmcache.policies import Policy, get_policy
 from mmcache.readthrough import read_through
 from mmcache.registry import FingerprintRegistry
+from mmcache.rootfiles import make_dir
 from mmcache.stats import CacheStats
 from mmcache.stores.base import BatchReader, Store, dir_mode
 from mmcache.stores.disk import DiskStore
@@ -234,10 +235,8 @@ class Cache:
     def _open(self) -> None:
         folder_mode = dir_mode(self.mode)
         try:
-            existed = self.root.is_dir()
-            self.root.mkdir(mode=folder_mode, parents=True, exist_ok=True)
-            if not existed:
-                os.chmod(self.root, folder_mode)  # mkdir's mode is masked by the umask
+            if not self.root.is_dir():  # (the user's root may be a link to a folder)
+                make_dir(self.root, folder_mode)  # exact mode; a 2770 parent's setgid kept
         except OSError as exc:
             if self.disk_budget is not None:
                 self._degrade(DiskStore.name, exc)

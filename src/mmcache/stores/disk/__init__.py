@@ -61,9 +61,10 @@ import lmdb
 from mmcache.checks import check_int
 from mmcache.errors import CacheError, ConfigError
 from mmcache.policies import FIFOPolicy, KeepPolicy, Policy, ValuePolicy, get_policy
+from mmcache.rootfiles import make_dir
 from mmcache.stats import TierStats
 from mmcache.stores.base import EntryInfo, Store, check_key, dir_mode
-from mmcache.stores.disk.counters import STATS_FILE, Counter, CounterFile
+from mmcache.stores.disk.counters import Counter, CounterFile
 from mmcache.stores.disk.env import (
     DISK_FORMAT_VERSION,
     MAP_OVERHEAD,
@@ -159,28 +160,21 @@ class DiskStore(DiskGather, Store):
         )
         self._logged: set[str] = set()
         self._closed = False
-        existed = os.path.isdir(self._path)
         if not self._readonly:
-            try:
-                os.makedirs(self._path, mode=dir_mode(self._mode), exist_ok=True)
-                if not existed:  # makedirs' mode is masked by the umask; the user asked
-                    os.chmod(self._path, dir_mode(self._mode))
+            try:  # the exact mode, keeping a shared root's setgid bit (G15), never a link
+                make_dir(self._path, dir_mode(self._mode))
             except OSError as exc:
                 raise CacheError(f"cannot create the disk cache at {self._path}: {exc}") from exc
         handle = acquire_handle(
             self._path, readonly=self._readonly, map_size=self._map_size, mode=self._mode
         )
         self._handle: EnvHandle | None = handle
-        created = not self._readonly and not existed
         # A store dropped without close() still releases the environment.
         self._finalizer = weakref.finalize(self, release_handle, handle)
         self._pid = os.getpid()
         self._counters = CounterFile(self._path, mode=self._mode, create=not self._readonly)
-        if created:
-            # LMDB and os.open create files with mode & ~umask; give them the mode asked for.
-            for name in ("data.mdb", "lock.mdb", STATS_FILE):
-                with contextlib.suppress(OSError):
-                    os.chmod(os.path.join(self._path, name), self._mode)
+        # data.mdb, lock.mdb and stats.i64 got their mode where they were created
+        # (reserve_files, CounterFile: rootfiles.open_file, never through a link).
         try:
             if not self._readonly:
                 self._trim_to_capacity()
