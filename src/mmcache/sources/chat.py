@@ -367,6 +367,9 @@ def _write_in_root(path: Path, data: bytes) -> None:
     of a shared root planted (:mod:`mmcache.rootfiles`). Folder and file take the
     root's permissions (a 2770 root: group-shared reports, setgid kept)."""
     root = path.parent.parent
-    folder_mode = stat.S_IMODE(os.stat(root).st_mode) & 0o777
+    try:
+        folder_mode = stat.S_IMODE(os.stat(root).st_mode) & 0o777
+    except FileNotFoundError:  # a root not made yet: made here, private
+        folder_mode = 0o700
     make_dir(path.parent, folder_mode)
     replace_file(path, data, folder_mode & 0o666)
