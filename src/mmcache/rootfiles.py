@@ -156,7 +156,7 @@ def make_dir(path: str | os.PathLike[str], mode: int) -> bool:
     """
     target = os.path.abspath(os.fspath(path))
     parent = os.path.dirname(target)
-    if parent != target and not os.path.isdir(parent):
+    if parent != target and not os.path.lexists(parent):  # a file there: mkdir says so
         make_dir(parent, mode)
     try:
         os.mkdir(target, 0o700)  # never wider than asked while its mode is set below
