@@ -325,8 +325,25 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
+    from mmcache.errors import ConfigError
+    from mmcache.maintenance import sweep_orphans
     from mmcache.units import format_size
 
+    if args.cache is None:
+        root_only = ("older_than", "max_size", "unused_for", "compact")
+        used = [f"--{n.replace('_', '-')}" for n in root_only if getattr(args, n)]
+        if not args.all or used:
+            needs = " ".join(used) if used else "gc"
+            raise ConfigError(
+                f"{needs} needs --cache ROOT (--all alone sweeps this node's orphaned "
+                "shared-memory stores of every root)"
+            )
+        report = sweep_orphans()
+        if args.json:
+            _print_json(report.as_dict())
+        else:
+            print(f"{len(report.orphan_segments)} orphaned shared-memory segments removed")
+        return 0
     cache = _open(args)
     try:
         report = cache.gc(
@@ -553,7 +570,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_verify)
 
     p = sub.add_parser("gc", help="remove expired, corrupt, orphaned and over-budget data")
-    p.add_argument("--cache", required=True)
+    p.add_argument("--cache", help="cache root (not needed for --all alone)")
     p.add_argument("--older-than", type=duration, help="remove entries older than this (e.g. 7d)")
     p.add_argument("--max-size", type=size, help="shrink the disk tier to this size (e.g. 10GiB)")
     p.add_argument(
@@ -564,7 +581,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--all",
         action="store_true",
-        help="also remove orphaned shared-memory stores of this user's other cache roots",
+        help="also remove orphaned shared-memory stores of this user's other cache roots"
+        " (without --cache: of every root on this node, this user's and its groups')",
     )
     p.add_argument(
         "--compact",

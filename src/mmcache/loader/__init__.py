@@ -31,13 +31,15 @@ the cache through the node-shared tiers.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import logging
 import operator
+import os
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,6 +84,25 @@ logger = logging.getLogger(__name__)
 #: when loading is the bottleneck, two threads copying at once share the memory
 #: bandwidth without gaining anything.
 _BUILD_AHEAD = 1
+
+#: Epoch iterators of this process not yet finished (a loop broken out of, an iterator
+#: kept in a global). They are closed at exit while every module is whole: left to the
+#: interpreter's teardown, a generator's ``finally`` (stopping the read-ahead threads)
+#: runs after modules' globals were cleared and prints "Exception ignored in:
+#: <generator object DataLoader._iterate>" ('NoneType' has no 'current_thread'). A
+#: weak set, so an iterator dropped early is closed by the garbage collector as before.
+_OPEN_EPOCHS: weakref.WeakSet[Generator[dict[str, Any], None, None]] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_epochs() -> None:
+    for epoch_iterator in list(_OPEN_EPOCHS):
+        with contextlib.suppress(Exception):  # at exit nobody could catch it
+            epoch_iterator.close()
+
+
+# A forked child never closes its parent's iterators (their threads are not its own).
+os.register_at_fork(after_in_child=_OPEN_EPOCHS.clear)
 
 
 @dataclass
@@ -464,7 +485,9 @@ class DataLoader:
         if self.cache is not None:
             self.cache.register(self.dataset.fingerprint(), self.dataset.describe())
         run = _EpochRun(epoch=epoch, batches=batches, start=self._position)
-        return self._iterate(run)
+        epoch_iterator = self._iterate(run)
+        _OPEN_EPOCHS.add(epoch_iterator)
+        return epoch_iterator
 
     # -- per epoch -----------------------------------------------------------------------
     def _epoch_batches(self, epoch: int) -> list[np.ndarray]:
@@ -484,7 +507,7 @@ class DataLoader:
             )
 
     # -- consuming (training process) ------------------------------------------------------
-    def _iterate(self, run: _EpochRun) -> Iterator[dict[str, Any]]:
+    def _iterate(self, run: _EpochRun) -> Generator[dict[str, Any], None, None]:
         """Yield the batches of ``run`` in order, assembled ahead while the training step runs.
 
         An :class:`~mmcache.loader.warm_epoch.assembler.InOrderBuilder` assembles

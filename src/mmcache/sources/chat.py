@@ -21,8 +21,11 @@ Thread safety: pure functions; a :class:`TextReport` is immutable.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import stat
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,6 +37,7 @@ import xxhash
 
 from mmcache import keys
 from mmcache.errors import ConfigError, ManifestError, SampleError
+from mmcache.rootfiles import make_dir, replace_file
 from mmcache.sources.records import RecordReject, Records
 from mmcache.transforms.chat import Chat, ChatSpec, FullyMaskedError
 from mmcache.transforms.image import DEFAULT_MAX_BYTES, image_header
@@ -151,12 +155,8 @@ class TextReport:
     def write(self, root: str | os.PathLike[str]) -> Path:
         """Record it under the cache ``root`` (``reports/text-<fingerprint>.json``,
         written atomically), where ``mmcache stats`` finds it."""
-        folder = Path(root) / _REPORTS
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"text-{self.fingerprint}.json"
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.as_dict(), indent=1), encoding="utf-8")
-        os.replace(tmp, path)
+        path = Path(root) / _REPORTS / f"text-{self.fingerprint}.json"
+        _write_in_root(path, json.dumps(self.as_dict(), indent=1).encode("utf-8"))
         return path
 
 
@@ -366,11 +366,21 @@ def _load(path: Path, n: int, width: int) -> dict[str, npt.NDArray[Any]] | None:
 
 def _save(path: Path, arrays: dict[str, npt.NDArray[Any]]) -> None:
     """Write ``arrays`` to ``path`` atomically (a failure to write is not an error)."""
+    buf = io.BytesIO()
+    savez: Any = np.savez  # its **kwds overlap allow_pickle for mypy
+    savez(buf, **arrays)
+    with contextlib.suppress(OSError):
+        _write_in_root(path, buf.getvalue())
+
+
+def _write_in_root(path: Path, data: bytes) -> None:
+    """Replace ``path`` (``root/reports/...``) by ``data``, never through a link a member
+    of a shared root planted (:mod:`mmcache.rootfiles`). Folder and file take the
+    root's permissions (a 2770 root: group-shared reports, setgid kept)."""
+    root = path.parent.parent
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.npz")
-        savez: Any = np.savez  # its **kwds overlap allow_pickle for mypy
-        savez(tmp, **arrays)
-        os.replace(tmp, path)
-    except OSError:
-        return
+        folder_mode = stat.S_IMODE(os.stat(root).st_mode) & 0o777
+    except FileNotFoundError:  # a root not made yet: made here, private
+        folder_mode = 0o700
+    make_dir(path.parent, folder_mode)
+    replace_file(path, data, folder_mode & 0o666)
