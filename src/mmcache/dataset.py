@@ -52,9 +52,10 @@ def _is_records_location(manifest: object, format: str) -> bool:
 class MultimodalDataset(FileSource, torch.utils.data.Dataset[dict[str, Any] | None]):
     """Image-text samples from a manifest, decoded by a :class:`~mmcache.pipeline.Pipeline`.
 
-    >>> ds = MultimodalDataset("train.jsonl", pipeline=pipe)      # doctest: +SKIP
-    >>> ds[0]["image"].shape                                        # doctest: +SKIP
-    torch.Size([3, 224, 224])
+    Examples:
+        >>> ds = MultimodalDataset("train.jsonl", pipeline=pipe)      # doctest: +SKIP
+        >>> ds[0]["image"].shape                                        # doctest: +SKIP
+        torch.Size([3, 224, 224])
 
     Args:
         manifest: a seed JSONL or LLaVA JSON manifest path, or :class:`Records`.

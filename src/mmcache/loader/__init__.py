@@ -128,8 +128,8 @@ class DataLoader:
             batches (``len(loader) == 0``) logs a warning.
         prefetch: worker tasks (batches to plan and produce) in flight per worker
             (torch's ``prefetch_factor``).
-        persistent_workers, worker_init_fn, multiprocessing_context, generator,
-            timeout: as in ``torch.utils.data.DataLoader``, for the miss workers.
+        persistent_workers, worker_init_fn, multiprocessing_context, generator, timeout: as
+            in ``torch.utils.data.DataLoader``, for the miss workers.
         on_epoch_end: called after each complete epoch with a dict of scalars
             (``epoch``, ``samples_per_s``, ``hit_rate``, ``hit_rate/<tier>`` for
             each tier of the cache (``hit_rate/memory``, ``hit_rate/disk``),
