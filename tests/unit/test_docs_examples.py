@@ -60,7 +60,7 @@ def run_cli_block(example: Example) -> None:
         if words[0] != "mmcache":
             raise AssertionError(
                 f"{example.path}:{example.line}: a bash block runs only `mmcache` commands "
-                f"(mark it <!-- skip: next \"reason\" --> otherwise), got {line!r}"
+                f'(mark it <!-- skip: next "reason" --> otherwise), got {line!r}'
             )
         code = main(words[1:])
         assert code == 0, f"{example.path}:{example.line}: {line!r} exited {code}"
