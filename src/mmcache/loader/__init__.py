@@ -55,6 +55,7 @@ from mmcache.loader.batching import plan_batching
 from mmcache.loader.counters import EpochCounter, HitRateWatch, epoch_scalars
 from mmcache.loader.hooks import BatchContext, EpochContext, Hooks, LoaderHook
 from mmcache.loader.packing import PackSpec
+from mmcache.loader.progress import check_progress, with_progress
 from mmcache.loader.readahead import Calm
 from mmcache.loader.state import STATE_VERSION, check_batching, read_state
 from mmcache.loader.stream import (
@@ -149,6 +150,8 @@ class DataLoader:
             (``pad_token_id`` None: the source's, else 0), grouped by length and
             modality, or packed (a :class:`PackSpec`, ``batch_size=1``); see
             :mod:`mmcache.loader.padding`, ``grouping`` and ``packing``.
+        progress: a tqdm bar per epoch with samples/s and the hit rate of each tier
+            (see :mod:`mmcache.loader.progress`).
     """
 
     def __init__(
@@ -179,6 +182,7 @@ class DataLoader:
         pad_to_multiple_of: int = 8,
         group_by_length: bool = False,
         pack: PackSpec | None = None,
+        progress: bool = False,
     ) -> None:
         if not isinstance(dataset, SampleSource):
             raise ConfigError(
@@ -226,6 +230,7 @@ class DataLoader:
             )
         self.num_workers = num_workers
         self.on_epoch_end = on_epoch_end
+        self.progress = check_progress(progress)
         if device is not None and augment is None:
             raise ConfigError(
                 f"device={device!r} is where augment runs, but augment is None: pass "
@@ -464,7 +469,12 @@ class DataLoader:
         if self.cache is not None:
             self.cache.register(self.dataset.fingerprint(), self.dataset.describe())
         run = _EpochRun(epoch=epoch, batches=batches, start=self._position)
-        return self._iterate(run)
+        if not self.progress:
+            return self._iterate(run)
+        tiers = list(self.cache.tiers) if self.cache is not None else []
+        live = lambda: None if self._live is None else self._live.snapshot()  # noqa: E731
+        total = len(batches) - run.start
+        return with_progress(self._iterate(run), epoch=epoch, total=total, tiers=tiers, live=live)
 
     # -- per epoch -----------------------------------------------------------------------
     def _epoch_batches(self, epoch: int) -> list[np.ndarray]:
