@@ -58,6 +58,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     import mmcache as mc
     from mmcache.plot import plot
+    from mmcache.units import format_size
 
     torch.set_num_threads(1)
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="mmcache-demo-"))
@@ -77,8 +78,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         memory = int(data_bytes * args.budget)
         print(
             f"dataset ready in {time.perf_counter() - t0:.1f}s: {len(ds)} samples, "
-            f"{mc.format_size(data_bytes)} preprocessed; memory tier {mc.format_size(memory)} "
-            f"({args.budget:.0%}), disk tier {mc.format_size(2 * data_bytes)}"
+            f"{format_size(data_bytes)} preprocessed; memory tier {format_size(memory)} "
+            f"({args.budget:.0%}), disk tier {format_size(2 * data_bytes)}"
         )
         cache = mc.Cache(
             base / "cache", memory=memory, disk=2 * data_bytes, policy=args.policy, temporary=True
@@ -367,6 +368,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
     import mmcache as mc
+    from mmcache.dataset import collate
     from mmcache.defaults import default_pipeline
 
     torch.set_num_threads(1)
@@ -386,7 +388,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             batch_size=args.batch_size,
             shuffle=True,
             num_workers=args.workers,
-            collate_fn=mc.collate,
+            collate_fn=collate,
         )
         t0 = time.perf_counter()
         n = sum(len(b.get("id", [])) for b in plain)
