@@ -1,6 +1,6 @@
 """Command-line interface: a thin argparse layer over the library.
 
-``mmcache demo | synth | warm | bench | stats | verify | gc``; ``--help`` on each.
+``mmcache demo | synth | warm | bench | stats | verify | gc | inspect``; ``--help`` on each.
 Sizes accept IEC units (``512MiB``, ``10GiB``), durations s/m/h/d (``7d``).
 Commands whose output is data take ``--json``.
 """
@@ -22,6 +22,7 @@ from typing import Any
 from mmcache.cliargs import (
     Parser,
     add_data_options,
+    add_pipeline_options,
     budget,
     data_options,
     duration,
@@ -31,6 +32,7 @@ from mmcache.cliargs import (
     parse_budget,
     size,
 )
+from mmcache.cliinspect import add_inspect_parser
 
 __all__ = ["build_parser", "main"]
 
@@ -56,6 +58,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     import mmcache as mc
     from mmcache.plot import plot
+    from mmcache.units import format_size
 
     torch.set_num_threads(1)
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="mmcache-demo-"))
@@ -75,8 +78,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         memory = int(data_bytes * args.budget)
         print(
             f"dataset ready in {time.perf_counter() - t0:.1f}s: {len(ds)} samples, "
-            f"{mc.format_size(data_bytes)} preprocessed; memory tier {mc.format_size(memory)} "
-            f"({args.budget:.0%}), disk tier {mc.format_size(2 * data_bytes)}"
+            f"{format_size(data_bytes)} preprocessed; memory tier {format_size(memory)} "
+            f"({args.budget:.0%}), disk tier {format_size(2 * data_bytes)}"
         )
         cache = mc.Cache(
             base / "cache", memory=memory, disk=2 * data_bytes, policy=args.policy, temporary=True
@@ -142,19 +145,24 @@ def _cmd_synth(args: argparse.Namespace) -> int:
 
 
 # -- warm ---------------------------------------------------------------------------------
-def _cmd_warm(args: argparse.Namespace) -> int:
-    import mmcache as mc
+def _pipeline_for(args: argparse.Namespace) -> Any:
+    """``--pipeline``'s, else the default one from ``--size``, ``--max-length``, ``--tokenizer``."""
     from mmcache.defaults import DEFAULT_MAX_LENGTH, DEFAULT_SIZE, default_pipeline
-    from mmcache.warm import warm
 
     if args.pipeline is not None:
-        pipe = _user_pipeline(args)
-    else:
-        pipe = default_pipeline(
-            size=DEFAULT_SIZE if args.size is None else args.size,
-            max_length=DEFAULT_MAX_LENGTH if args.max_length is None else args.max_length,
-            tokenizer=args.tokenizer,
-        )
+        return _user_pipeline(args)
+    return default_pipeline(
+        size=DEFAULT_SIZE if args.size is None else args.size,
+        max_length=DEFAULT_MAX_LENGTH if args.max_length is None else args.max_length,
+        tokenizer=args.tokenizer,
+    )
+
+
+def _cmd_warm(args: argparse.Namespace) -> int:
+    import mmcache as mc
+    from mmcache.warm import warm
+
+    pipe = _pipeline_for(args)
     ds = mc.MultimodalDataset(
         args.manifest, pipeline=pipe, on_error=args.on_error, **data_options(args)
     )
@@ -377,6 +385,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
     import mmcache as mc
+    from mmcache.dataset import collate
     from mmcache.defaults import default_pipeline
 
     torch.set_num_threads(1)
@@ -396,7 +405,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             batch_size=args.batch_size,
             shuffle=True,
             num_workers=args.workers,
-            collate_fn=mc.collate,
+            collate_fn=collate,
         )
         t0 = time.perf_counter()
         n = sum(len(b.get("id", [])) for b in plain)
@@ -518,14 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--workers", type=int_at_least(0), default=os.cpu_count() or 1)
     p.add_argument("--features", help="module:factory returning a frozen encoder")
-    p.add_argument(
-        "--pipeline",
-        help="module:function (or file.py:function) returning the training script's "
-        "mmcache.Pipeline, instead of the default one (--size, --max-length, --tokenizer)",
-    )
-    p.add_argument("--size", type=int_at_least(1), help="image side in px (default 224)")
-    p.add_argument("--max-length", type=int_at_least(1), help="tokens (default 32)")
-    p.add_argument("--tokenizer", help="tokenizer.json (default: the built-in offline one)")
+    add_pipeline_options(p)
     p.add_argument(
         "--policy", help="eviction policy (default: the root's recorded one; value for a new root)"
     )
@@ -591,6 +593,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_gc)
+
+    add_inspect_parser(sub, _pipeline_for)
     return parser
 
 

@@ -15,6 +15,7 @@ __all__ = [
     "CorruptEntryError",
     "ManifestError",
     "MmcacheError",
+    "RemoteError",
     "SampleError",
 ]
 
@@ -90,3 +91,25 @@ class CacheError(MmcacheError, OSError):
 
 class CorruptEntryError(CacheError):
     """A stored entry failed its header or checksum verification; it is never served."""
+
+
+class RemoteError(MmcacheError):
+    """A remote call that failed: ``url``, HTTP ``status`` (``None`` when no response came:
+    a refused connection, a timeout), ``permanent`` (404/403...) and the reason.
+
+    Raised by the remote sources (S3, GCS, HTTP through fsspec); a sample that cannot be
+    fetched reaches the training loop as a :class:`SampleError` naming the URL. Not an
+    ``OSError``, so the retry loops that catch ``OSError`` around fsspec calls never take
+    a permanent failure for a transient one. Picklable (workers send it to the parent).
+    """
+
+    def __init__(self, url: str, status: int | None, permanent: bool, reason: str) -> None:
+        super().__init__(url, status, permanent, reason)
+        self.url = url
+        self.status = status
+        self.permanent = permanent
+        self.reason = reason
+
+    def __str__(self) -> str:
+        status = f"HTTP {self.status}" if self.status is not None else "no response"
+        return f"{self.url}: {status}: {self.reason}"

@@ -57,6 +57,7 @@ from mmcache.loader.batching import plan_batching
 from mmcache.loader.counters import EpochCounter, HitRateWatch, epoch_scalars
 from mmcache.loader.hooks import BatchContext, EpochContext, Hooks, LoaderHook
 from mmcache.loader.packing import PackSpec
+from mmcache.loader.progress import check_progress, with_progress
 from mmcache.loader.readahead import Calm
 from mmcache.loader.state import STATE_VERSION, check_batching, read_state
 from mmcache.loader.stream import (
@@ -149,8 +150,8 @@ class DataLoader:
             batches (``len(loader) == 0``) logs a warning.
         prefetch: worker tasks (batches to plan and produce) in flight per worker
             (torch's ``prefetch_factor``).
-        persistent_workers, worker_init_fn, multiprocessing_context, generator,
-            timeout: as in ``torch.utils.data.DataLoader``, for the miss workers.
+        persistent_workers, worker_init_fn, multiprocessing_context, generator, timeout: as
+            in ``torch.utils.data.DataLoader``, for the miss workers.
         on_epoch_end: called after each complete epoch with a dict of scalars
             (``epoch``, ``samples_per_s``, ``hit_rate``, ``hit_rate/<tier>`` for
             each tier of the cache (``hit_rate/memory``, ``hit_rate/disk``),
@@ -170,6 +171,8 @@ class DataLoader:
             (``pad_token_id`` None: the source's, else 0), grouped by length and
             modality, or packed (a :class:`PackSpec`, ``batch_size=1``); see
             :mod:`mmcache.loader.padding`, ``grouping`` and ``packing``.
+        progress: a tqdm bar per epoch with samples/s and the hit rate of each tier
+            (see :mod:`mmcache.loader.progress`).
     """
 
     def __init__(
@@ -200,6 +203,7 @@ class DataLoader:
         pad_to_multiple_of: int = 8,
         group_by_length: bool = False,
         pack: PackSpec | None = None,
+        progress: bool = False,
     ) -> None:
         if not isinstance(dataset, SampleSource):
             raise ConfigError(
@@ -247,6 +251,7 @@ class DataLoader:
             )
         self.num_workers = num_workers
         self.on_epoch_end = on_epoch_end
+        self.progress = check_progress(progress)
         if device is not None and augment is None:
             raise ConfigError(
                 f"device={device!r} is where augment runs, but augment is None: pass "
@@ -487,7 +492,12 @@ class DataLoader:
         run = _EpochRun(epoch=epoch, batches=batches, start=self._position)
         epoch_iterator = self._iterate(run)
         _OPEN_EPOCHS.add(epoch_iterator)
-        return epoch_iterator
+        if not self.progress:
+            return epoch_iterator
+        tiers = list(self.cache.tiers) if self.cache is not None else []
+        live = lambda: None if self._live is None else self._live.snapshot()  # noqa: E731
+        total = len(batches) - run.start
+        return with_progress(epoch_iterator, epoch=epoch, total=total, tiers=tiers, live=live)
 
     # -- per epoch -----------------------------------------------------------------------
     def _epoch_batches(self, epoch: int) -> list[np.ndarray]:

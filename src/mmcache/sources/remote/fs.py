@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from mmcache.errors import ConfigError
+from mmcache.errors import ConfigError, RemoteError
 
 __all__ = ["Remote", "RemoteError", "is_remote", "object_stamp"]
 
@@ -50,20 +50,7 @@ def is_remote(location: str | os.PathLike[str]) -> bool:
     return bool(sep) and scheme.isidentifier() and scheme.lower() not in ("file", "local")
 
 
-class RemoteError(Exception):
-    """A remote call that failed: ``url``, HTTP ``status`` (``None`` when no response came:
-    a refused connection, a timeout), ``permanent`` (404/403...) and the reason."""
-
-    def __init__(self, url: str, status: int | None, permanent: bool, reason: str) -> None:
-        super().__init__(url, status, permanent, reason)
-        self.url = url
-        self.status = status
-        self.permanent = permanent
-        self.reason = reason
-
-    def __str__(self) -> str:
-        status = f"HTTP {self.status}" if self.status is not None else "no response"
-        return f"{self.url}: {status}: {self.reason}"
+# RemoteError lives in mmcache.errors, in the one hierarchy; imported above.
 
 
 def _status(exc: BaseException) -> int | None:
