@@ -347,7 +347,8 @@ def _cmd_gc(args: argparse.Namespace) -> int:
             f"{report.corrupt} corrupt, {report.evicted} over budget, "
             f"{len(report.orphan_segments)} orphaned shared-memory segments, "
             f"{report.dropped_entries} entries of {len(report.dropped_fingerprints)} "
-            "unused pipeline fingerprints"
+            f"unused pipeline fingerprints, {len(report.index_files)} stale WebDataset "
+            "member indexes"
         )
         if compacted is not None:
             before, after = format_size(compacted.before), format_size(compacted.after)

@@ -34,6 +34,8 @@ class GcReport:
     orphan_segments: tuple[str, ...] = ()
     dropped_fingerprints: tuple[str, ...] = ()
     dropped_entries: int = 0
+    #: WebDataset member indexes removed from ``ROOT/wds-index`` (shard gone or changed).
+    index_files: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -141,7 +143,12 @@ def gc(
     policy; ``keep``/``value`` fall back to least recently used) and records
     the new budget for later opens. ``unused_for`` (seconds or ``"30d"``)
     removes every entry of the pipeline fingerprints not used for that long.
+
+    WebDataset member indexes kept under the root (``ROOT/wds-index``) whose
+    local shard is gone or changed are removed too
+    (:func:`~mmcache.sources.wds.home.sweep_indexes`).
     """
+    from mmcache.sources.wds.home import INDEX_FOLDER, sweep_indexes
     from mmcache.stores.memory import reclaim_orphans
 
     ages = [a for a in (cache.ttl, older_than) if a is not None]
@@ -169,6 +176,7 @@ def gc(
     pattern = "*" if all_roots else cache.memory_name
     orphans = tuple(reclaim_orphans(pattern, group=memory_group(cache.root, cache.mode)))
     after = sum(t.nbytes() for t in cache.tiers.values())
+    indexes = tuple(sweep_indexes(str(cache.root / INDEX_FOLDER)))
     return GcReport(
         expired=expired,
         corrupt=len(report.bad),
@@ -177,4 +185,5 @@ def gc(
         orphan_segments=orphans,
         dropped_fingerprints=tuple(dropped),
         dropped_entries=removed_by_fp,
+        index_files=indexes,
     )
