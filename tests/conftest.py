@@ -97,12 +97,15 @@ def tmpfs(tmp_path: Path) -> Iterator[Callable[[str, str], Path]]:
 # A test that opens a memory tier and does not remove it leaves files in this
 # user's /dev/shm directory after the run. Each test's new entries are noted;
 # when the session ends (after every fixture's teardown), a store still there
-# is a leak if its cache root is under this session's temporary directory, or
-# if nobody is attached to it and its root is gone (a test's own temporary
-# folder: ``reclaim_orphans`` judges and removes it). Leaks are reported with
-# the test that made them and removed. A store of another pytest or training
-# run of the same user at the same time has a live root or live processes, so
-# it is neither blamed nor touched. MMCACHE_TEST_SHM_STRICT=1 (set by
+# is a leak only if its cache root lies under this session's temporary
+# directory: its name is that of a folder there, or the owner path written in
+# its header is there (a root the test deleted). Leaks are reported with the
+# test that made them and removed. Everything else is left alone, even a store
+# nobody is attached to whose root is gone: another pytest run or training job
+# of the same user makes and leaves such stores at any moment (between two of
+# its tests, or because a run's start removed older runs' temporary folders),
+# and judging them by liveness here blamed and removed the files of other runs
+# (``mmcache gc`` reclaims real orphans). MMCACHE_TEST_SHM_STRICT=1 (set by
 # `make test`) turns a leak into a failed run.
 
 _SHM_MADE: dict[str, str] = {}
@@ -125,10 +128,14 @@ def _note_shm_entries(request: pytest.FixtureRequest) -> Iterator[None]:
         _SHM_MADE.setdefault(path, request.node.nodeid)
 
 
+def _under(path: str, base: Path) -> bool:
+    return Path(path).absolute().is_relative_to(base.absolute())
+
+
 def _leaked_stores(base: Path) -> dict[str, str]:
     """{path: test} of the stores this session left behind (see above); removes them."""
     from mmcache.cacheroot import memory_name
-    from mmcache.stores.memory.cleanup import _store_names, reclaim_orphans, unlink_store
+    from mmcache.stores.memory.cleanup import _store_names, store_owner, unlink_store
 
     present = {p: t for p, t in _SHM_MADE.items() if os.path.exists(p)}
     if not present:
@@ -142,10 +149,9 @@ def _leaked_stores(base: Path) -> dict[str, str]:
             paths = {p: present[p] for p in files if p in present}
             if not paths:
                 continue
-            if name in ours:
+            owner = store_owner(name, group=group)
+            if name in ours or (owner is not None and _under(owner, base)):
                 unlink_store(name, group=group)
-                leaked.update(paths)
-            elif reclaim_orphans(name, group=group):
                 leaked.update(paths)
     return leaked
 

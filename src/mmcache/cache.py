@@ -228,6 +228,12 @@ class Cache:
 
     def _degrade(self, tier: str, exc: BaseException) -> None:
         msg = f"cannot open the {tier} tier of cache {self.root}: {exc}"
+        if self._inspect and tier == MemoryStore.name:
+            # Inspecting (the CLI): a damaged memory tier is what stats and verify
+            # report and gc removes, so it must not stop them from opening.
+            logger.info("%s", msg)
+            self.degraded[tier] = str(exc)
+            return
         if self.fallback == "raise":
             raise CacheError(f"{msg} (pass fallback='uncached' to train without it)") from exc
         logger.warning("%s; continuing without it (fallback='uncached')", msg)

@@ -266,11 +266,18 @@ def _open(args: argparse.Namespace) -> Any:
 
 
 def _absent(cache: Any) -> str:
-    """``"memory tier: not present"`` lines for tiers with a budget that are not there."""
-    return "".join(f"\n{tier} tier: not present" for tier in cache.absent_tiers)
+    """``"memory tier: not present"`` lines for tiers with a budget that are not there
+    (``"memory tier: damaged: why"`` for one that could not be opened)."""
+    return "".join(
+        f"\n{tier} tier: damaged: {cache.degraded[tier]}"
+        if tier in cache.degraded
+        else f"\n{tier} tier: not present"
+        for tier in cache.absent_tiers
+    )
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
+    from mmcache.maintenance import damaged_tiers
     from mmcache.sources.chat import read_text_reports
     from mmcache.units import format_size
 
@@ -279,13 +286,18 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         stats = cache.stats()
         absent = list(cache.absent_tiers)
         note = _absent(cache)
+        damaged = {**cache.degraded, **damaged_tiers(cache.tiers)}
+        note += "".join(
+            f"\n{t} tier: damaged: {why}" for t, why in damaged.items() if t in cache.tiers
+        )
     finally:
         cache.close()
     # SFT length passes recorded here (FileSource.text_report(root=...))
     reports = read_text_reports(os.path.expanduser(args.cache))
     if args.json:
         texts = [r.as_dict() for r in reports]
-        _print_json({**stats.as_dict(), "not_present": absent, "text_reports": texts})
+        out = {**stats.as_dict(), "not_present": absent, "text_reports": texts}
+        _print_json({**out, "damaged": damaged})
         return 0
     fields = ["items", "bytes", "budget", "hits", "misses", "evictions", "expired", "corrupt"]
     rows = []
@@ -312,14 +324,26 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
+    from mmcache.maintenance import reclaim_memory
+
     cache = _open(args)
     try:
         report = cache.verify(repair=args.repair)
         note = _absent(cache)
+        note += "".join(f"\n{t} tier: damaged: {why}" for t, why in report.damaged.items())
+        note += "".join(
+            f"\n{t} tier: damaged; salvaged {n['kept']} entries into a fresh file"
+            f" ({n['lost']} unreadable entries lost)"
+            for t, n in report.salvaged.items()
+        )
+        damaged = {**cache.degraded, **report.damaged}
+        if args.repair and "memory" in damaged and reclaim_memory(cache):
+            del damaged["memory"]  # removed: the next run makes a fresh one
+            note += "\nmemory tier: damaged store removed (the next run makes a new one)"
     finally:
         cache.close()
     if args.json:
-        _print_json(report.as_dict())
+        _print_json({**report.as_dict(), "damaged": damaged})
     else:
         where = " and ".join(report.tiers) or "no"
         print(
@@ -329,6 +353,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         )
         for key, tier in list(zip(report.bad, report.bad_tiers, strict=True))[:20]:
             print(f"  bad entry {key} ({tier} tier)")
+    if damaged:
+        return 1  # a tier that cannot be read was not checked (nor repaired, if in use)
     return 0 if report.ok or args.repair else 1
 
 
@@ -361,6 +387,8 @@ def _cmd_gc(args: argparse.Namespace) -> int:
             all_roots=args.all,
         )
         compacted = cache.compact() if args.compact else None
+        # a damaged memory tier that is still there after the sweep is in use
+        left = "" if report.orphan_segments or "memory" not in cache.degraded else _absent(cache)
     finally:
         cache.close()
     if args.json:
@@ -372,11 +400,14 @@ def _cmd_gc(args: argparse.Namespace) -> int:
             f"{report.corrupt} corrupt, {report.evicted} over budget, "
             f"{len(report.orphan_segments)} orphaned shared-memory segments, "
             f"{report.dropped_entries} entries of {len(report.dropped_fingerprints)} "
-            "unused pipeline fingerprints"
+            f"unused pipeline fingerprints, {len(report.index_files)} stale WebDataset "
+            "member indexes"
         )
         if compacted is not None:
             before, after = format_size(compacted.before), format_size(compacted.after)
             print(f"disk tier compacted: {before} -> {after}")
+        if left:
+            print(left.strip())
     return 0
 
 

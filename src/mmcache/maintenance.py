@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -21,9 +21,19 @@ from mmcache.cacheroot import memory_group
 from mmcache.errors import CacheError
 from mmcache.registry import FingerprintRegistry
 from mmcache.stores.base import Store
+from mmcache.stores.disk.maintenance import DamagedTreeError
 from mmcache.units import parse_duration, parse_size
 
-__all__ = ["GcReport", "Maintained", "VerifyReport", "gc", "sweep_orphans", "verify"]
+__all__ = [
+    "GcReport",
+    "Maintained",
+    "VerifyReport",
+    "damaged_tiers",
+    "gc",
+    "reclaim_memory",
+    "sweep_orphans",
+    "verify",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +49,8 @@ class GcReport:
     orphan_segments: tuple[str, ...] = ()
     dropped_fingerprints: tuple[str, ...] = ()
     dropped_entries: int = 0
+    #: WebDataset member indexes removed from ``ROOT/wds-index`` (shard gone or changed).
+    index_files: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -55,10 +67,14 @@ class VerifyReport:
     removed: int
     tiers: tuple[str, ...] = ()
     bad_tiers: tuple[str, ...] = ()
+    #: Tiers whose file is damaged beyond single entries (a B-tree page), with why.
+    damaged: dict[str, str] = field(default_factory=dict)
+    #: Tiers repaired by a salvage into a fresh file: entries kept and lost.
+    salvaged: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
-        return not self.bad
+        return not self.bad and not self.damaged
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -78,15 +94,33 @@ def verify(tiers: Mapping[str, Store], *, repair: bool = False) -> VerifyReport:
     have): no hit or miss is counted and no access time changes, so verifying
     leaves the statistics and the policy's order as they were. Bad entries are
     counted as ``corrupt`` by the tier. Safe while other processes use the cache.
+
+    A tier whose file is damaged beyond single entries (a B-tree page that
+    cannot be read: :class:`~mmcache.stores.disk.maintenance.DamagedTreeError`)
+    is listed in ``damaged``; with ``repair`` it is salvaged instead (its
+    readable entries copied into a fresh file, which needs no other process to
+    have it open) and then checked, and the counts are in ``salvaged``.
     """
     bad: list[tuple[str, bytes]] = []
+    damaged: dict[str, str] = {}
+    salvaged: dict[str, dict[str, int]] = {}
     checked = 0
     for name, tier in tiers.items():
-        checked += len(tier)
         check_tier = getattr(tier, "verify", None)
         if check_tier is not None:  # counts what it finds as corrupt
-            found = list(check_tier(_verifies))
+            try:
+                found = list(check_tier(_verifies))
+            except DamagedTreeError as exc:
+                salvage = getattr(tier, "salvage", None)
+                if not repair or salvage is None:
+                    damaged[name] = str(exc)
+                    continue
+                report = salvage()  # what is readable, into a fresh file; then check it
+                salvaged[name] = {"kept": report.kept, "lost": report.lost}
+                found = list(check_tier(_verifies))
+            checked += len(tier)
         else:  # a tier without its own check: plain reads (they count as hits)
+            checked += len(tier)
             found = []
             for k in list(tier.keys()):
                 raw = tier.get(k)
@@ -104,7 +138,21 @@ def verify(tiers: Mapping[str, Store], *, repair: bool = False) -> VerifyReport:
         removed=len(bad) if repair else 0,
         tiers=tuple(tiers),
         bad_tiers=tuple(name for name, _ in bad),
+        damaged=damaged,
+        salvaged=salvaged,
     )
+
+
+def damaged_tiers(tiers: Mapping[str, Store]) -> dict[str, str]:
+    """``{tier: why}`` for the tiers whose file cannot be walked (``mmcache stats``):
+    a walk of the keys, not of the values, so it costs far less than :func:`verify`."""
+    found: dict[str, str] = {}
+    for name, tier in tiers.items():
+        problem = getattr(tier, "tree_problem", None)
+        why = problem() if problem is not None else None
+        if why is not None:
+            found[name] = why
+    return found
 
 
 class Maintained(Protocol):
@@ -123,6 +171,17 @@ class Maintained(Protocol):
     def memory_name(self) -> str: ...
 
     def resize_disk(self, capacity: int | str) -> int: ...
+
+
+def reclaim_memory(cache: Maintained, *, all_roots: bool = False) -> tuple[str, ...]:
+    """Remove this root's memory tier if it is damaged (a truncated or missing data
+    segment) or unused and temporary, and nobody is attached (``all_roots``: every
+    such store of this user or group); return the files removed. Process-safe
+    (see :func:`~mmcache.stores.memory.reclaim_orphans`)."""
+    from mmcache.stores.memory import reclaim_orphans
+
+    pattern = "*" if all_roots else cache.memory_name
+    return tuple(reclaim_orphans(pattern, group=memory_group(cache.root, cache.mode)))
 
 
 def gc(
@@ -146,8 +205,12 @@ def gc(
     policy; ``keep``/``value`` fall back to least recently used) and records
     the new budget for later opens. ``unused_for`` (seconds or ``"30d"``)
     removes every entry of the pipeline fingerprints not used for that long.
+
+    WebDataset member indexes kept under the root (``ROOT/wds-index``) whose
+    local shard is gone or changed are removed too
+    (:func:`~mmcache.sources.wds.home.sweep_indexes`).
     """
-    from mmcache.stores.memory import reclaim_orphans
+    from mmcache.sources.wds.home import INDEX_FOLDER, sweep_indexes
 
     ages = [a for a in (cache.ttl, older_than) if a is not None]
     before = sum(t.nbytes() for t in cache.tiers.values())
@@ -171,9 +234,9 @@ def gc(
             dropped.append(info.fingerprint)
     report = verify(cache.tiers, repair=True)
     evicted = cache.resize_disk(parse_size(max_size)) if max_size is not None else 0
-    pattern = "*" if all_roots else cache.memory_name
-    orphans = tuple(reclaim_orphans(pattern, group=memory_group(cache.root, cache.mode)))
+    orphans = reclaim_memory(cache, all_roots=all_roots)
     after = sum(t.nbytes() for t in cache.tiers.values())
+    indexes = tuple(sweep_indexes(str(cache.root / INDEX_FOLDER)))
     return GcReport(
         expired=expired,
         corrupt=len(report.bad),
@@ -182,6 +245,7 @@ def gc(
         orphan_segments=orphans,
         dropped_fingerprints=tuple(dropped),
         dropped_entries=removed_by_fp,
+        index_files=indexes,
     )
 
 

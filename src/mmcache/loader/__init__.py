@@ -325,7 +325,11 @@ class DataLoader:
         self._chosen = False  # set_epoch called since the last iteration began
         self._resumed = False  # the position came from load_state_dict
         self._ids: str | None = None  # the dataset's ids digest (state_dict)
-        self._history: dict[int, EpochStats] = {}
+        # One record per pass over an epoch, in the order they ran (stats()); a pass
+        # that left early and is continued (a later `for`, or a resume of the same
+        # epoch) goes on in its own record, a new pass from the start gets a new one.
+        self._history: list[EpochStats] = []
+        self._live_slot = 0  # the record of self._live in self._history
         self._hit_rate = HitRateWatch(cache)
         # The thread that assembles batches ahead, kept from epoch to epoch.
         self._helper = AssemblerThread()
@@ -346,8 +350,16 @@ class DataLoader:
         """Select the epoch the next iteration yields: all of epoch ``epoch``, whatever
         was iterated before (its order is a pure function of seed and epoch), or,
         right after :meth:`load_state_dict` of that epoch, what remains of it (maybe
-        nothing). An iteration without a ``set_epoch`` since the last one finished
-        its epoch goes on with the next epoch."""
+        nothing).
+
+        Without ``set_epoch``, a second ``for batch in loader`` after a finished
+        epoch is the next epoch (a new order, exactly what ``set_epoch(epoch + 1)``
+        would give: as torch's ``RandomSampler`` draws a new order per pass, and
+        unlike a ``DistributedSampler`` nobody calls ``set_epoch`` on, which
+        silently repeats the first order); after a loop that left early it is the
+        rest of that epoch. Each pass has its own record in :meth:`stats`, so
+        iterating an epoch again (``set_epoch`` of an epoch already seen) adds a
+        record with the same ``epoch`` instead of adding to the first one."""
         try:
             epoch = operator.index(epoch)  # an int or a numpy integer
         except TypeError:
@@ -471,12 +483,13 @@ class DataLoader:
             self._stop_workers()
 
     def stats(self) -> LoaderStats:
-        """Hits, misses, stall time and throughput, per epoch and overall."""
-        history = dict(self._history)
+        """Hits, misses, stall time and throughput, per pass over an epoch (in the
+        order they ran, see :meth:`set_epoch`) and overall."""
+        history = list(self._history)
         live = self._live
         if live is not None:
-            history[live.epoch] = live.snapshot()
-        return LoaderStats(tuple(history[e] for e in sorted(history)))
+            history[self._live_slot] = live.snapshot()
+        return LoaderStats(tuple(history))
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         epoch = self._epoch
@@ -504,12 +517,13 @@ class DataLoader:
         """The batches (index arrays) of ``epoch`` (remembered for the last few epochs)."""
         return self._order.batches(epoch)
 
-    def _epoch_done(self, stats: EpochStats) -> None:
-        """Per-epoch checks: the user's callback, and the low-hit-rate warning."""
+    def _epoch_done(self, stats: EpochStats, seen: set[int]) -> None:
+        """Per-epoch checks: the user's callback, and the low-hit-rate warning
+        (``seen``: the epochs of the passes before this one)."""
         if self.on_epoch_end is not None:
             tiers = list(self.cache.tiers) if self.cache is not None else []
             self.on_epoch_end(epoch_scalars(stats, tiers))
-        if stats.epoch - 1 in self._history:
+        if stats.epoch - 1 in seen or stats.epoch in seen:
             self._hit_rate.check(
                 stats,
                 entry_bytes=self._assembler.entry_bytes(),
@@ -531,8 +545,14 @@ class DataLoader:
             self._hooks.before_epoch(
                 EpochContext(run.epoch, run.start, len(run.batches), self._order.batches)
             )
-        stats = EpochCounter(run.epoch, self._history.get(run.epoch))
-        self._live = stats
+        last = self._history[-1] if self._history else None
+        if run.start > 0 and last is not None and last.epoch == run.epoch:
+            slot = len(self._history) - 1  # goes on with the pass that left early
+        else:
+            slot, last = len(self._history), None
+            self._history.append(EpochStats(epoch=run.epoch))
+        stats = EpochCounter(run.epoch, last)
+        self._live, self._live_slot = stats, slot
         source = self._stream
         workers = self._workers
         if (
@@ -580,9 +600,9 @@ class DataLoader:
                 t0 = time.perf_counter()
             flush_all()  # this process's pending puts (num_workers=0, late misses)
             stats.end(time.perf_counter())
-            self._history[run.epoch] = stats.snapshot()
+            self._history[slot] = stats.snapshot()
             self._live = None
-            self._epoch_done(self._history[run.epoch])
+            self._epoch_done(self._history[slot], {r.epoch for r in self._history[:slot]})
         finally:
             builder.close()
             if source.cursor != (run.epoch + 1, 0) or not persistent:
@@ -590,7 +610,7 @@ class DataLoader:
                 source.close()
                 self._stream = None
             if self._live is stats:
-                self._history[run.epoch] = stats.snapshot()
+                self._history[slot] = stats.snapshot()
                 self._live = None
             if workers is not None and not persistent:
                 workers.release()  # non-persistent workers exit with their iterator

@@ -62,6 +62,7 @@ from mmcache.sources.remote.fs import Remote, RemoteError, is_remote
 from mmcache.sources.remote.raw import RawTier
 from mmcache.sources.remote.state import SharedStamps
 from mmcache.sources.wds.fetching import RemoteShards
+from mmcache.sources.wds.home import index_home, state_home
 from mmcache.sources.wds.index import ShardIndex, load_or_build
 from mmcache.sources.wds.table import (
     Problem,
@@ -81,11 +82,6 @@ IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 C = SampleColumns
 
 
-def _default_index_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "mmcache", "wds-index")
-
-
 class WebDatasetSource(
     RemoteShards, PipelineFields, torch.utils.data.Dataset[dict[str, Any] | None]
 ):
@@ -103,8 +99,10 @@ class WebDatasetSource(
             are left out, counted and listed by :meth:`rejects`.
         image_exts, text_exts, json_exts: member extensions of each role (lower case;
             the first listed wins when a key has several).
-        index_dir: where member indexes are kept (e.g. ``cache.root / "wds-index"``);
-            default ``$XDG_CACHE_HOME/mmcache/wds-index``; ``False``: not kept.
+        index_dir: where member indexes are kept (e.g. ``cache.root / "wds-index"``,
+            which ``mmcache gc`` sweeps); default: beside the raw tier for remote
+            shards, in a per-user folder beside local shards (see
+            :mod:`~mmcache.sources.wds.home`); ``False``: not kept.
         storage_options: for remote shards, passed to fsspec (``{"key": ..., "secret":
             ..., "client_kwargs": {"endpoint_url": ...}}`` for S3).
         raw: a :class:`RawTier` keeping remote bytes on local disk (``None``: none).
@@ -149,10 +147,10 @@ class WebDatasetSource(
         self.image_exts = tuple(e.lower().lstrip(".") for e in image_exts)
         self.text_exts = tuple(e.lower().lstrip(".") for e in text_exts)
         self.json_exts = tuple(e.lower().lstrip(".") for e in json_exts)
-        if index_dir is False:
+        # index_dir None: each shard's default home (index_home), chosen when indexed.
+        self._index_default = index_dir is None or index_dir is True
+        if index_dir is None or isinstance(index_dir, bool):
             self.index_dir: str | None = None
-        elif index_dir is None or index_dir is True:
-            self.index_dir = _default_index_dir()
         else:
             self.index_dir = os.path.abspath(os.fspath(index_dir))
         self.remote = Remote(storage_options, retries=retries)
@@ -218,9 +216,14 @@ class WebDatasetSource(
             stamp=stamp,
             size=size,
             opener=opener,
-            index_dir=self.index_dir,
+            index_dir=self._index_dir_of(loc),
             json_exts=self.json_exts,
         )
+
+    def _index_dir_of(self, location: str) -> str | None:
+        if not self._index_default:
+            return self.index_dir
+        return index_home(location, raw_path=None if self.raw is None else self.raw.path)
 
     def _open_all(self) -> None:
         table = SampleTable(
@@ -470,7 +473,8 @@ class WebDatasetSource(
 
     # -- revalidation (remote shards) ----------------------------------------------------
     def _make_state_path(self) -> str:
-        base = self.index_dir or tempfile.gettempdir()
+        raw_path = None if self.raw is None else self.raw.path
+        base = self.index_dir or state_home(raw_path) or tempfile.gettempdir()
         name = keys.digest("mmcache.wds-state", os.getuid(), *self.locations).hex()
         return os.path.join(base, f"mmcache-wds-state-{os.getuid()}-{name}.json")
 

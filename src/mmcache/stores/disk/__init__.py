@@ -54,7 +54,7 @@ import os
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import lmdb
 
@@ -78,9 +78,12 @@ from mmcache.stores.disk.env import (
 from mmcache.stores.disk.gather import DiskGather
 from mmcache.stores.disk.maintenance import (
     CompactReport,
+    SalvageReport,
     compact_copy,
     compact_in_place,
     rebuild_totals_txn,
+    salvage_in_place,
+    tree_problem,
     verify_entries,
 )
 from mmcache.stores.disk.snapshot import DamagedTotals, Evictor, Totals, parse_meta
@@ -88,6 +91,8 @@ from mmcache.stores.disk.writes import EntryWriter, PendingReads, WriteOp, as_bu
 from mmcache.units import MAX_SIZE, MiB, format_size, parse_size
 
 __all__ = ["DISK_FORMAT_VERSION", "CompactReport", "DiskStore"]
+
+_R = TypeVar("_R")
 
 logger = logging.getLogger(__name__)
 
@@ -551,16 +556,34 @@ class DiskStore(DiskGather, Store):
         if self._readonly:
             raise CacheError(f"{self} is read-only")
         self.flush()
+        return self._replace_file("compact", compact_in_place)
+
+    def tree_problem(self) -> str | None:
+        """Why the B-tree cannot be walked (a damaged page), or None. Reads the keys
+        only; thread/process-safe (see :func:`.maintenance.tree_problem`)."""
+        return tree_problem(self._env())
+
+    def salvage(self) -> SalvageReport:
+        """Replace a damaged file by a fresh one of the entries still readable; only
+        while no other process has it open (as :meth:`compact`, whose swap it uses).
+        The store stays open; other threads must not use it meanwhile."""
+        if self._readonly:
+            raise CacheError(f"{self} is read-only")
+        return self._replace_file("repair", salvage_in_place)
+
+    def _replace_file(self, what: str, replace: Callable[..., _R]) -> _R:
+        """Run ``replace(path, mode=, map_size=)`` (a swap of ``data.mdb``, see
+        :mod:`.maintenance`) with this store's environment released, then reopen it."""
         handle = self._env()
         self._handle = None
         self._finalizer()  # this store stops using the environment; the last user closes it
         try:
             if handle.env is not None:
                 raise CacheError(
-                    f"cannot compact the disk cache at {self._path}: it is still in use in "
+                    f"cannot {what} the disk cache at {self._path}: it is still in use in "
                     "this process (another store on it, or a view() block); close that first"
                 )
-            return compact_in_place(self._path, mode=self._mode, map_size=self._map_size)
+            return replace(self._path, mode=self._mode, map_size=self._map_size)
         finally:
             self._evict.invalidate()
             self._handle = acquire_handle(

@@ -64,6 +64,7 @@ __all__ = [
     "no_handle_here",
     "open_env",
     "release_handle",
+    "write_info",
 ]
 
 logger = logging.getLogger(__name__)
@@ -525,6 +526,13 @@ class Txn:
             self._in_flight.__exit__()
         if isinstance(exc, lmdb.Error):
             raise cache_error(self._handle.path, exc) from exc
+
+
+def write_info(txn: lmdb.Transaction[Any], info: Any, totals: tuple[int, int, int, int]) -> None:
+    """Write the format record and ``totals`` (bytes, items, next_seq, gen) into the
+    ``info`` db of a new environment (a salvaged copy, see :mod:`.maintenance`)."""
+    txn.put(_K_FORMAT, _FORMAT.pack(_MAGIC, *DISK_FORMAT_VERSION), db=info)
+    txn.put(TOTALS_KEY, TOTALS_RECORD.pack(*totals), db=info)
 
 
 def cache_error(path: str, exc: BaseException) -> CacheError:

@@ -34,19 +34,62 @@ from mmcache.stores.disk.env import (
     check_complete,
     no_handle_here,
     open_env,
+    write_info,
 )
 from mmcache.stores.disk.reserve import reserve_lock_file
 from mmcache.stores.disk.snapshot import Totals, parse_meta
 
 __all__ = [
     "CompactReport",
+    "DamagedTreeError",
+    "SalvageReport",
     "compact_copy",
     "compact_in_place",
     "rebuild_totals_txn",
+    "salvage_in_place",
+    "tree_problem",
     "verify_entries",
 ]
 
 logger = logging.getLogger(__name__)
+
+
+#: What LMDB raises on a page that is not what the B-tree says (it checksums none):
+#: random bytes, zeroed bounds, a page of another file.
+_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.BadValsizeError, lmdb.InvalidError)
+
+
+class DamagedTreeError(CacheError):
+    """Pages of the disk tier's B-tree cannot be read: not one bad entry, but a part
+    of the file. :func:`salvage_in_place` (``mmcache verify --repair``) copies what is
+    still readable into a fresh file."""
+
+
+def _damaged(path: str, exc: BaseException) -> DamagedTreeError:
+    return DamagedTreeError(
+        f"the disk tier's B-tree in {os.path.join(path, 'data.mdb')} is damaged ({exc}); "
+        f"`mmcache verify --repair --cache {os.path.dirname(path)}` copies the readable "
+        f"entries into a fresh file (or delete {path} to start the tier empty)"
+    )
+
+
+def tree_problem(h: EnvHandle) -> str | None:
+    """Why the B-tree of the data or meta db cannot be walked, or None when it can.
+
+    Walks the keys only (leaf pages, not the values' overflow pages): what
+    ``mmcache stats`` runs to say a tier is damaged. Read-only, process-safe.
+    """
+    with h.in_flight:
+        try:
+            with h.require().begin() as txn:
+                for db in (h.data, h.meta):
+                    for _ in txn.cursor(db=db).iternext(values=False):
+                        pass
+        except _DAMAGE as exc:
+            return str(_damaged(h.path, exc))
+        except lmdb.Error as exc:
+            raise cache_error(h.path, exc) from exc
+    return None
 
 
 def verify_entries(h: EnvHandle, check: Callable[[bytes], bool]) -> list[bytes]:
@@ -74,6 +117,8 @@ def verify_entries(h: EnvHandle, check: Callable[[bytes], bool]) -> list[bytes]:
                 for raw_key in txn.cursor(db=h.meta).iternext(values=False):
                     if txn.get(raw_key, db=h.data) is None:
                         bad.append(bytes(raw_key))
+        except _DAMAGE as exc:
+            raise _damaged(h.path, exc) from exc
         except lmdb.Error as exc:
             raise cache_error(h.path, exc) from exc
     return bad
@@ -139,7 +184,17 @@ class CompactReport:
         return asdict(self)
 
 
-def compact_in_place(path: str, *, mode: int, map_size: int) -> CompactReport:
+def _compacted(env: lmdb.Environment, dest: str) -> None:
+    env.copy(dest, compact=True)
+
+
+def compact_in_place(
+    path: str,
+    *,
+    mode: int,
+    map_size: int,
+    write: Callable[[lmdb.Environment, str], None] = _compacted,
+) -> CompactReport:
     """Replace ``path/data.mdb`` by a compacted copy, while no process has it open.
 
     Raises CacheError, leaving the cache as it was, when a process (this one
@@ -161,6 +216,9 @@ def compact_in_place(path: str, *, mode: int, map_size: int) -> CompactReport:
     emptied just before the rename (a waiting open then fails: an error,
     never the old state, even if this process dies here) and rebuilt for the
     new file before the lock is released (:func:`_reset_lock_file`).
+
+    ``write(env, dest)`` writes the new environment into the folder ``dest``
+    (a compacted copy; :func:`salvage_in_place` passes its salvage).
     """
     with no_handle_here(path):
         try:
@@ -179,14 +237,21 @@ def compact_in_place(path: str, *, mode: int, map_size: int) -> CompactReport:
                     "compacting replaces its file, so stop them and run it again"
                 ) from exc
             try:
-                return _swap_compacted(path, fd, mode=mode, map_size=map_size)
+                return _swap_compacted(path, fd, mode=mode, map_size=map_size, write=write)
             finally:
                 _reset_lock_file(path, fd, mode=mode, map_size=map_size)
         finally:
             os.close(fd)
 
 
-def _swap_compacted(path: str, lock_fd: int, *, mode: int, map_size: int) -> CompactReport:
+def _swap_compacted(
+    path: str,
+    lock_fd: int,
+    *,
+    mode: int,
+    map_size: int,
+    write: Callable[[lmdb.Environment, str], None],
+) -> CompactReport:
     """Copy, fsync, empty the lock file, rename. The caller holds the exclusive lock."""
     data = os.path.join(path, "data.mdb")
     old = os.stat(data)
@@ -198,7 +263,7 @@ def _swap_compacted(path: str, lock_fd: int, *, mode: int, map_size: int) -> Com
             env = open_env(path, map_size=map_size, readonly=True, mode=mode, lock=False)
             try:
                 check_complete(env, path)  # a truncated file would SIGBUS the copy
-                env.copy(tmp, compact=True)
+                write(env, tmp)
             finally:
                 env.close()
             new = os.path.join(tmp, "data.mdb")
@@ -246,3 +311,136 @@ def _reset_lock_file(path: str, fd: int, *, mode: int, map_size: int) -> None:
             os.ftruncate(fd, 0)
         return
     env.close()
+
+
+@dataclass(frozen=True)
+class SalvageReport:
+    """What :func:`salvage_in_place` kept: entries copied, entries lost (listed in a
+    readable part of the tree but unreadable, or inconsistent), and the file sizes."""
+
+    path: str
+    kept: int
+    lost: int
+    before: int
+    after: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _readable_keys(env: lmdb.Environment, db: Any) -> set[bytes]:
+    """The keys of ``db`` a cursor reaches from either end before a damaged page
+    (each walk in its own transaction: an LMDB error invalidates the one it hit)."""
+    keys: set[bytes] = set()
+    with contextlib.suppress(lmdb.Error), env.begin() as txn:
+        for key in txn.cursor(db=db).iternext(values=False):
+            keys.add(bytes(key))
+    with contextlib.suppress(lmdb.Error), env.begin() as txn:
+        cursor = txn.cursor(db=db)
+        found = cursor.last()
+        while found:
+            keys.add(bytes(cursor.key()))
+            found = cursor.prev()
+    return keys
+
+
+class _Reader:
+    """Reads one entry at a time from a damaged environment: a read that fails
+    invalidates its transaction (MDB_BAD_TXN after MDB_CORRUPTED), so a new one
+    is begun for the next."""
+
+    def __init__(self, env: lmdb.Environment, data: Any, meta: Any) -> None:
+        self._env, self._data, self._meta = env, data, meta
+        self._txn: lmdb.Transaction[Any] | None = None
+
+    def read(self, key: bytes) -> tuple[bytes | None, bytes | None] | None:
+        """``(value, meta record)``, or None when the pages of ``key`` are damaged."""
+        if self._txn is None:
+            self._txn = self._env.begin()
+        try:
+            return self._txn.get(key, db=self._data), self._txn.get(key, db=self._meta)
+        except lmdb.Error:
+            self.close()
+            return None
+
+    def close(self) -> None:
+        txn, self._txn = self._txn, None
+        if txn is not None:
+            with contextlib.suppress(lmdb.Error):
+                txn.abort()
+
+
+def _salvage_copy(
+    env: lmdb.Environment, dest: str, *, mode: int, map_size: int, counts: list[int]
+) -> None:
+    """Write into the folder ``dest`` a fresh environment of the readable, consistent
+    entries of ``env`` (value and meta record both readable, sizes agreeing), with its
+    totals counted; ``counts`` gets ``[kept, lost]``.
+
+    The keys come from both ends of the data and the meta db (a cursor stops at
+    a damaged page; each entry is then read by its own lookup, which descends
+    another path of the tree). Entries are written in batches of transactions,
+    so memory holds the keys, never the values.
+    """
+    kept = lost = total = next_seq = 0
+    data: Any
+    meta: Any
+    try:
+        data, meta = env.open_db(b"data", create=False), env.open_db(b"meta", create=False)
+    except lmdb.Error:
+        data = meta = None  # the main db itself is damaged: an empty tier
+    out = open_env(dest, map_size=map_size, readonly=False, mode=mode, lock=False)
+    try:
+        out_data, out_meta = out.open_db(b"data"), out.open_db(b"meta")
+        out_info = out.open_db(b"info")
+        if data is not None:
+            keys = sorted(_readable_keys(env, data) | _readable_keys(env, meta))
+            reader = _Reader(env, data, meta)
+            try:
+                for start in range(0, len(keys), 512):
+                    with out.begin(write=True) as wtxn:
+                        for key in keys[start : start + 512]:
+                            got = reader.read(key)
+                            value, raw = got if got is not None else (None, None)
+                            record = parse_meta(raw)
+                            if (
+                                value is None
+                                or raw is None
+                                or record is None
+                                or record[0] != len(value)
+                            ):
+                                lost += 1
+                            else:
+                                wtxn.put(key, value, db=out_data)
+                                wtxn.put(key, raw, db=out_meta)
+                                kept += 1
+                                total += len(value)
+                                next_seq = max(next_seq, record[5] + 1)
+            finally:
+                reader.close()
+        with out.begin(write=True) as wtxn:
+            write_info(wtxn, out_info, (total, kept, next_seq, 1))
+    finally:
+        out.close()
+    counts[:] = [kept, lost]
+
+
+def salvage_in_place(path: str, *, mode: int, map_size: int) -> SalvageReport:
+    """Replace a ``data.mdb`` whose B-tree is damaged (:class:`DamagedTreeError`) by a
+    fresh one holding every entry still readable; while no process has it open.
+
+    The swap is :func:`compact_in_place`'s (the same lock, fsync and rename: a
+    crash leaves the damaged file or the fresh one, both whole); only the copy
+    differs (:func:`_salvage_copy`). The values are not checked here: ``verify``
+    after it finds and removes those that rotted. Raises CacheError, leaving the
+    file as it was, when another process has it open or the copy does not fit.
+    """
+    counts = [0, 0]
+
+    def write(env: lmdb.Environment, dest: str) -> None:
+        _salvage_copy(env, dest, mode=mode, map_size=map_size, counts=counts)
+
+    done = compact_in_place(path, mode=mode, map_size=map_size, write=write)
+    kept, lost = counts
+    logger.warning("%s: salvaged %d entries into a fresh file, %d lost", path, kept, lost)
+    return SalvageReport(path, kept, lost, done.before, done.after)

@@ -48,7 +48,7 @@ from mmcache.stores.memory.shm import (
 )
 from mmcache.stores.memory.slabs import data_problem
 
-__all__ = ["reclaim_orphans", "unlink_store"]
+__all__ = ["reclaim_orphans", "store_owner", "unlink_store"]
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +139,39 @@ def _orphan_reason(directory: str, name: str, access: Access) -> str | None:
         return reason
     finally:
         seg.close()
+
+
+def store_owner(name: str, *, group: int | None = None) -> str | None:
+    """The cache root recorded in the store ``name`` (its ``owner_path``), or None
+    when it has none, cannot be read (missing, damaged, half-made) or is not ours.
+
+    Reads the meta segment's header only: no lock is taken and nothing is
+    attached or changed, so it is safe on a store other processes use (the
+    owner path is written once, at creation). Process-safe.
+    """
+    check_store_name(name)
+    access = _scan_access(group)
+    try:
+        directory = _existing_directory(access)
+        if directory is None:
+            return None
+        seg = Segment.open(meta_path(directory, name), access=access)
+    except (CacheError, OSError):
+        return None
+    raw = b""
+    try:
+        h = read_header(seg)
+        if int(h[H_MAGIC]) == MAGIC and int(h[H_META_SIZE]) == seg.size:
+            with contextlib.suppress(ValueError, CacheError):  # a half-written header
+                layout = Layout.of_header(h)
+                if layout.size == seg.size:
+                    arrays = layout.arrays(seg.buf)
+                    raw = arrays["owner"][: int(h[H_OWNER_LEN])].tobytes()
+                    del arrays
+        del h
+    finally:
+        seg.close()
+    return raw.decode(errors="replace") or None
 
 
 def reclaim_orphans(pattern: str = "*", *, group: int | None = None) -> list[str]:

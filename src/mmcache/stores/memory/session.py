@@ -226,11 +226,16 @@ class Session:
                 )
                 same = self.capacity == capacity and self.entries == entries
                 if damaged is not None and (self.procs.any_attached() or not create):
+                    # Advice that works from here: gc skips a store in use.
+                    owner = self.meta.owner_path(errors="replace")
+                    if self.procs.any_attached():
+                        fix = "processes still attached to it; it is re-created once they exit"
+                    elif owner is not None:
+                        fix = f"remove it with mmcache gc --cache {owner}"
+                    else:
+                        fix = f"remove it with mmcache.stores.memory.reclaim_orphans({self.name!r})"
                     self.unmap()
-                    raise CacheError(
-                        f"memory store {self.name!r} cannot be used: {damaged}; it is"
-                        " re-created once no process is attached (or remove it: mmcache gc)"
-                    )
+                    raise CacheError(f"memory store {self.name!r} cannot be used: {damaged}; {fix}")
                 if damaged is not None:
                     log.warning("memory store %s: re-creating it: %s", self.name, damaged)
                 elif same or not create or self.procs.any_attached():
