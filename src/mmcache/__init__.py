@@ -72,6 +72,7 @@ from mmcache.transforms.hf import hf_image_processor
 from mmcache.transforms.smart_resize import SmartResize
 from mmcache.transforms.stage import Stage
 from mmcache.transforms.user import stage
+from mmcache.transforms.video import VideoSpec, VideoTokens
 from mmcache.units import format_size, parse_duration, parse_size
 from mmcache.warm import WarmReport, warm
 
@@ -137,6 +138,8 @@ __all__ = [
     "TierStats",
     "TieredStore",
     "VerifyReport",
+    "VideoSpec",
+    "VideoTokens",
     "WarmReport",
     "WebDatasetSource",
     "__version__",

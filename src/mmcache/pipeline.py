@@ -224,7 +224,7 @@ class Pipeline:
         """
         cached: str | None = self._fingerprint
         if cached is None:
-            payload = {
+            payload: dict[str, Any] = {
                 "format": PIPELINE_FORMAT_VERSION,
                 "image": _stage_payload(self.image),
                 "text": _stage_payload(self.text),

@@ -1,3 +1,4 @@
+# ruff: noqa: PLR1716, SIM300, PLR0917  (copied reference code kept as written upstream)
 """Shared pieces of the video tests: clips written with PyAV (H.264 and others, any
 frame rate, odd sizes, variable frame rate), and the frame rules of ``qwen-vl-utils``
 as its own code computes them.
@@ -108,9 +109,7 @@ def calculate_video_frame_range(ele, total_frames, video_fps):
 def qwen_indices_and_size(ele, total_frames, video_fps, height, width, image_patch_size=14):
     """What ``_read_video_torchcodec``/``_read_video_decord`` and ``fetch_video`` compute:
     the kept frame indices, the resized (h, w) and ``sample_fps``."""
-    start_frame, end_frame, total_frames = calculate_video_frame_range(
-        ele, total_frames, video_fps
-    )
+    start_frame, end_frame, total_frames = calculate_video_frame_range(ele, total_frames, video_fps)
     nframes = smart_nframes(ele, total_frames=total_frames, video_fps=video_fps)
     idx = torch.linspace(start_frame, end_frame, nframes).round().long().tolist()
     sample_fps = nframes / max(total_frames, 1e-6) * video_fps

@@ -40,7 +40,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
@@ -48,12 +48,17 @@ import xxhash
 
 from mmcache.checks import check_int
 from mmcache.errors import ConfigError
+from mmcache.transforms.normalize import CLIP_MEAN, CLIP_STD
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "FRAME_FACTOR",
     "PART_KEYS",
     "VideoSpec",
     "VideoTokens",
+    "qwen_video_patches",
     "resize_frames",
 ]
 
@@ -261,8 +266,11 @@ class VideoSpec:
         return low, high
 
     def frame_size(self, height: int, width: int, *, nframes: int) -> tuple[int, int]:
-        """The ``(h, w)`` the kept frames are resized to. ValueError for an aspect over 200."""
+        """The ``(h, w)`` the kept frames are resized to. ValueError for an aspect over 200
+        or a ``max_pixels`` below ``min_pixels``."""
         low, high = self.pixel_bounds(nframes)
+        if high < low:  # qwen-vl-utils asserts it
+            raise ValueError(f"max_pixels {high} is below min_pixels {low}")
         return qwen_smart_resize(height, width, factor=self.factor, min_pixels=low, max_pixels=high)
 
     # -- tokens ------------------------------------------------------------------------
@@ -345,3 +353,33 @@ class VideoTokens:
     def fingerprint_fields(self) -> dict[str, Any]:
         """Every field (what a chat spec's fingerprint holds of it)."""
         return asdict(self)
+
+
+def qwen_video_patches(
+    frames: torch.Tensor,
+    *,
+    patch_size: int = 14,
+    merge_size: int = 2,
+    temporal_patch_size: int = 2,
+    mean: tuple[float, float, float] = CLIP_MEAN,
+    std: tuple[float, float, float] = CLIP_STD,
+) -> torch.Tensor:
+    """One cached clip (uint8 ``[t, 3, h, w]``, on any device) as Qwen2-VL's
+    ``pixel_values_videos`` rows: float32 ``[t/2 * h/14 * w/14, 3 * 2 * 14 * 14]``,
+    rescaled by 1/255 and normalised (CLIP's mean and std), patches in the merge order
+    of ``Qwen2VLImageProcessor._preprocess``. Done on the device, after the cache: the
+    cache keeps the 4x smaller uint8 frames."""
+    import torch
+
+    t, c, h, w = frames.shape
+    x = frames.to(torch.float32).div_(255.0)
+    m = torch.tensor(mean, dtype=torch.float32, device=x.device).view(1, c, 1, 1)
+    sd = torch.tensor(std, dtype=torch.float32, device=x.device).view(1, c, 1, 1)
+    x = (x - m) / sd
+    if t % temporal_patch_size:
+        x = torch.cat([x, x[-1:].expand(temporal_patch_size - t % temporal_patch_size, -1, -1, -1)])
+    gt, gh, gw = x.shape[0] // temporal_patch_size, h // patch_size, w // patch_size
+    x = x.reshape(gt, temporal_patch_size, c, gh // merge_size, merge_size, patch_size,
+                  gw // merge_size, merge_size, patch_size)  # fmt: skip
+    x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return x.reshape(gt * gh * gw, c * temporal_patch_size * patch_size * patch_size)

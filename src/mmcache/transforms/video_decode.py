@@ -28,7 +28,7 @@ import bisect
 import io
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -187,15 +187,10 @@ def load_clip(
     ``name`` (default: the path)."""
     from mmcache.transforms.video import resize_frames
 
-    where = (
-        name
-        if name is not None
-        else (None if isinstance(source, (bytes, memoryview)) else os.fspath(source))
-    )
-    size = len(source) if isinstance(source, (bytes, memoryview)) else None
+    path = None if isinstance(source, (bytes, memoryview)) else os.fspath(source)
+    where = name if name is not None else path
     try:
-        if size is None:
-            size = os.stat(source).st_size
+        size = os.stat(path).st_size if path is not None else len(cast(bytes, source))
     except OSError as exc:
         raise SampleError(f"cannot read the video: {exc.strerror or exc}", sample_id=sample_id,
                           path=where) from exc  # fmt: skip
