@@ -391,3 +391,33 @@ def test_loader_batches_list_variable_clips(video_manifest: Path, cache_root: Pa
                 assert loader.stats().hits >= 3
     finally:
         cache.close()
+
+
+def test_lengths_count_video_tokens_without_decoding_and_packing_holds(
+    video_manifest: Path, cache_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pipe = video_pipeline(min_pixels=4 * 28 * 28, max_pixels=16 * 28 * 28)
+    ds = MultimodalDataset(video_manifest, pipeline=pipe)
+    produced = [len(ds.produce(i)["input_ids"]) for i in range(3)]
+    import mmcache.transforms.video_decode as vd
+
+    def no_decode(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("lengths() decoded a frame")
+
+    monkeypatch.setattr(vd, "decode_frames", no_decode)
+    fresh = MultimodalDataset(video_manifest, pipeline=pipe)
+    assert fresh.lengths().tolist() == produced
+    monkeypatch.undo()
+    cache = mmcache.Cache(cache_root, memory="64MiB", disk="128MiB")
+    try:
+        loader = mmcache.DataLoader(
+            fresh, cache=cache, batch_size=1, pack=mmcache.PackSpec(max_tokens=max(produced) * 2)
+        )
+        seen = []
+        for batch in loader:
+            assert batch["input_ids"].shape[1] <= max(produced) * 2
+            assert int(batch["video_counts"].sum()) == len(batch["video_grid_thw"])
+            seen.extend(batch["id"])
+        assert sorted(seen) == ["a", "b", "c"]
+    finally:
+        cache.close()

@@ -312,6 +312,7 @@ class FileSource(PipelineFields):
                 record_reject=self.record_reject,
                 stamps=lambda: self.stamps(np.arange(len(self.records))),
                 root=root,
+                video=getattr(self.pipeline, "video", None),
             )
         return self._lengths
 

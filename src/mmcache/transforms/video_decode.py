@@ -47,6 +47,7 @@ __all__ = [
     "probe",
     "probe_source",
     "video_fields",
+    "video_shape",
 ]
 
 #: The fields a video SFT sample caches (:func:`video_fields`).
@@ -232,3 +233,17 @@ def video_fields(spec: VideoSpec, clips: list[Clip]) -> dict[str, npt.NDArray[An
             [c.spec.second_per_grid_t(c.sample_fps) for c in clips], dtype=np.float32
         ),
     }
+
+
+def video_shape(spec: VideoSpec, path: str, *, sample_id: str) -> tuple[int, int, int]:
+    """The ``(t, h, w)`` :func:`load_clip` makes of the video at ``path``, from a demux pass
+    only (no frame decoded): what a sample's length is planned from. SampleError as
+    :func:`load_clip` raises it."""
+    av = _av()
+    try:
+        info = probe_source(path)
+        t = len(spec.frame_indices(info.total_frames, info.fps))
+        h, w = spec.frame_size(info.height, info.width, nframes=t)
+    except (ValueError, av.error.FFmpegError, OSError, EOFError) as exc:
+        raise SampleError(f"cannot read the video: {exc}", sample_id=sample_id, path=path) from exc
+    return t, h, w
