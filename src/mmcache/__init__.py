@@ -35,6 +35,7 @@ from mmcache.features import (
     warm_features,
 )
 from mmcache.loader import BatchContext, DataLoader, EpochContext, LoaderHook, PackSpec
+from mmcache.loader.video_frames import VideoFrameSampler
 from mmcache.manifest import Records, read_manifest
 from mmcache.pipeline import (
     CLIP_MEAN,
@@ -138,6 +139,7 @@ __all__ = [
     "TierStats",
     "TieredStore",
     "VerifyReport",
+    "VideoFrameSampler",
     "VideoSpec",
     "VideoTokens",
     "WarmReport",

@@ -421,3 +421,75 @@ def test_lengths_count_video_tokens_without_decoding_and_packing_holds(
         assert sorted(seen) == ["a", "b", "c"]
     finally:
         cache.close()
+
+
+def _sampled_run(
+    manifest: Path, root: Path, *, workers: int, resume_after: int | None = None
+) -> list[tuple[int, str, list[list[int]], list[int]]]:
+    """(epoch, id, each video's frame bytes digest, input_ids) of every row of two epochs,
+    batch size 1, optionally stopped after ``resume_after`` batches and resumed."""
+    from mmcache import VideoFrameSampler
+
+    pipe = video_pipeline(min_pixels=4 * 28 * 28, max_pixels=16 * 28 * 28)
+    ds = MultimodalDataset(manifest, pipeline=pipe)
+    hook = VideoFrameSampler(
+        2,
+        video_token_id=pipe.chat.video_token_id,
+        pad_token_id=ds.pad_token_id,  # type: ignore[union-attr, arg-type]
+    )
+    cache = mmcache.Cache(root, memory="64MiB", disk="128MiB")
+    out = []
+    try:
+
+        def make() -> mmcache.DataLoader:
+            return mmcache.DataLoader(ds, cache=cache, batch_size=1, shuffle=True, seed=3,
+                                      num_workers=workers, hooks=[hook])  # fmt: skip
+
+        loaders = [make()]
+        state, done, epoch = None, 0, 0
+        while epoch < 2:
+            loader = loaders[-1]
+            loader.set_epoch(epoch)
+            for batch in loader:
+                clips = batch["videos"]
+                frames = [[int(f.sum()) for f in c] for c in clips]
+                ids = batch["input_ids"][0][batch["attention_mask"][0].bool()].tolist()
+                out.append((epoch, batch["id"][0], frames, ids))
+                done += 1
+                if resume_after is not None and done == resume_after:
+                    state = loader.state_dict()
+                    break
+            else:
+                epoch += 1
+                continue
+            loader.close()
+            loaders.append(make())
+            loaders[-1].load_state_dict(state)
+            resume_after = None
+    finally:
+        for loader in loaders:
+            loader.close()
+        cache.close()
+    return out
+
+
+def test_frame_sampling_after_the_cache_is_seeded_exact_on_resume_and_any_workers(
+    video_manifest: Path, cache_root: Path
+) -> None:
+    plain = _sampled_run(video_manifest, cache_root, workers=0)  # cold, then warm below
+    assert len(plain) == 6
+    assert _sampled_run(video_manifest, cache_root, workers=2) == plain
+    assert _sampled_run(video_manifest, cache_root, workers=0, resume_after=4) == plain
+    pad = video_tokenizer().token_to_id("<|video_pad|>")
+    by_epoch = {(e, i): (f, ids) for e, i, f, ids in plain}
+    for frames, _ in by_epoch.values():
+        assert all(len(f) == 2 for f in frames)  # 2 frames kept of each clip
+    s = MultimodalDataset(
+        video_manifest, pipeline=video_pipeline(min_pixels=4 * 28 * 28, max_pixels=16 * 28 * 28)
+    )
+    # the video token runs shrank to the kept frames: 1 grid step per clip
+    sample = s.produce(s.records.index_of("b"))
+    _, h, w = sample["video_sizes"][0].tolist()
+    assert by_epoch[(0, "b")][1].count(pad) == (h // 28) * (w // 28)
+    # a fresh draw each epoch (the 6- and 12-frame clips)
+    assert any(by_epoch[(0, i)][0] != by_epoch[(1, i)][0] for i in ("a", "b", "c"))
