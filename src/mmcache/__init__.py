@@ -52,6 +52,7 @@ from mmcache.transforms.chat import ChatSpec
 from mmcache.transforms.hf import hf_image_processor
 from mmcache.transforms.smart_resize import SmartResize
 from mmcache.transforms.user import stage
+from mmcache.transforms.video import VideoSpec
 from mmcache.warm import WarmReport, warm
 
 __version__ = "0.1.0"
@@ -91,6 +92,7 @@ __all__ = [
     "TextReport",
     "TextSpec",
     "TierStats",
+    "VideoSpec",
     "WarmReport",
     "WebDatasetSource",
     "__version__",

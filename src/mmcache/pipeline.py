@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -49,6 +49,8 @@ from mmcache.transforms.smart_resize import SmartResize
 from mmcache.transforms.stage import Stage, StageKind
 from mmcache.transforms.text import TextSpec, train_tokenizer
 from mmcache.transforms.user import UserStage
+from mmcache.transforms.video import VideoSpec
+from mmcache.transforms.video_decode import VIDEO_FIELDS, Clip, load_clip, video_fields
 
 __all__ = [
     "ALPHA_BACKGROUND",
@@ -124,39 +126,47 @@ class Pipeline:
     32
     """
 
-    __slots__ = ("_fingerprint", "image", "stages", "text")
+    __slots__ = ("_fingerprint", "image", "stages", "text", "video")
 
     _fingerprint: str | None
     image: Stage | None
     text: Stage | None
+    video: VideoSpec | None
     stages: tuple[Stage, ...]
 
     def __init__(
         self,
         image: Stage | Callable[[Any], Any] | None = None,
         text: Stage | Callable[[Any], Any] | None = None,
+        video: VideoSpec | None = None,
     ) -> None:
         if image is None and text is None:
             raise ConfigError("Pipeline needs an image spec, a text spec or both")
-        self._set(_checked(image, "image"), _checked(text, "text"))
+        if video is not None and not isinstance(video, VideoSpec):
+            raise ConfigError(f"Pipeline.video must be a VideoSpec, got {type(video).__name__}")
+        if video is not None and not isinstance(text, ChatSpec):
+            raise ConfigError("Pipeline.video needs a ChatSpec text stage (video SFT samples)")
+        self._set(_checked(image, "image"), _checked(text, "text"), video)
 
-    def _set(self, image: Stage | None, text: Stage | None) -> None:
+    def _set(self, image: Stage | None, text: Stage | None, video: VideoSpec | None) -> None:
         object.__setattr__(self, "image", image)
         object.__setattr__(self, "text", text)
+        object.__setattr__(self, "video", video)
         object.__setattr__(self, "stages", tuple(s for s in (image, text) if s is not None))
         object.__setattr__(self, "_fingerprint", None)
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"Pipeline is immutable (cannot set {name!r})")
 
-    def __getstate__(self) -> tuple[Stage | None, Stage | None]:
-        return (self.image, self.text)
+    def __getstate__(self) -> tuple[Any, ...]:
+        return (self.image, self.text, self.video)
 
-    def __setstate__(self, state: tuple[Stage | None, Stage | None]) -> None:
-        self._set(state[0], state[1])
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        self._set(state[0], state[1], state[2] if len(state) > 2 else None)
 
     def __repr__(self) -> str:
-        return f"Pipeline(image={self.image!r}, text={self.text!r})"
+        video = "" if self.video is None else f", video={self.video!r}"
+        return f"Pipeline(image={self.image!r}, text={self.text!r}{video})"
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Pipeline):
@@ -184,6 +194,8 @@ class Pipeline:
                 names |= {"images", "image_sizes"}
                 if isinstance(self.image, SmartResize):
                     names.add("image_grid_thw")
+            if self.video is not None:
+                names |= set(VIDEO_FIELDS)
             return frozenset(names)
         if self.image is not None and getattr(self.image, "fixed_shape", True) is False:
             return frozenset({"image"})
@@ -212,11 +224,13 @@ class Pipeline:
         """
         cached: str | None = self._fingerprint
         if cached is None:
-            payload = {
+            payload: dict[str, Any] = {
                 "format": PIPELINE_FORMAT_VERSION,
                 "image": _stage_payload(self.image),
                 "text": _stage_payload(self.text),
             }
+            if self.video is not None:  # absent otherwise: older keys stay valid
+                payload["video"] = self.video.fingerprint()
             blob = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
             cached = xxhash.xxh3_128_hexdigest(blob)
             object.__setattr__(self, "_fingerprint", cached)
@@ -242,8 +256,10 @@ class Pipeline:
         messages: Sequence[tuple[str, str]] | None,
         *,
         sample_id: str,
+        videos: Sequence[Mapping[str, Any]] = (),
     ) -> dict[str, npt.NDArray[Any]]:
-        """One chat record (its images, its ``(role, content)`` messages) -> the SFT sample.
+        """One chat record (its images, its ``(role, content)`` messages, its video parts)
+        -> the SFT sample.
 
         Fields: ``input_ids`` and ``labels`` (int32 ``[L]``, no padding) and, when the
         pipeline has an image stage, ``images`` (uint8, the concatenated C-contiguous
@@ -251,7 +267,9 @@ class Pipeline:
         ``[n, 2]``: h, w; ``n = 0`` for a text-only sample) and, with
         :class:`~mmcache.transforms.smart_resize.SmartResize`, ``image_grid_thw`` (int32
         ``[n, 3]``: ``(1, h / patch, w / patch)``). The image token runs are sized from
-        the processed images' shapes. Raises SampleError.
+        the processed images' shapes. With a :class:`~mmcache.transforms.video.VideoSpec`
+        and ``videos`` (``{"video": path, option: value}``), the fields of
+        :func:`~mmcache.transforms.video_decode.video_fields` too. Raises SampleError.
         """
         chat = self.chat
         if chat is None:
@@ -283,8 +301,12 @@ class Pipeline:
                 )
             arrays.append(array)
         sizes = tuple((int(a.shape[1]), int(a.shape[2])) for a in arrays)
-        enc = chat.encode(Chat(tuple(messages), sizes), sample_id=sample_id)
+        clips = self._videos(videos, sample_id)
+        shapes = tuple(clip.shape for clip in clips)
+        enc = chat.encode(Chat(tuple(messages), sizes, shapes), sample_id=sample_id)
         out: dict[str, npt.NDArray[Any]] = {"input_ids": enc.input_ids, "labels": enc.labels}
+        if self.video is not None:
+            out.update(video_fields(self.video, clips[: enc.n_videos]))
         if self.image is None:
             return out
         n = enc.n_images
@@ -297,6 +319,22 @@ class Pipeline:
             np.concatenate([a.reshape(-1) for a in kept]) if kept else np.zeros(0, np.uint8)
         )
         return out
+
+    def _videos(self, videos: Sequence[Mapping[str, Any]], sample_id: str) -> list[Clip]:
+        """Each video part decoded to its spec's frames (one decode per clip)."""
+        if videos and self.video is None:
+            raise SampleError(
+                "record has videos, but the pipeline has no VideoSpec (Pipeline(video=...))",
+                sample_id=sample_id,
+            )
+        clips = []
+        for part in videos:
+            try:
+                spec = cast(VideoSpec, self.video).for_part(part)
+            except ConfigError as exc:
+                raise SampleError(str(exc), sample_id=sample_id, path=part["video"]) from exc
+            clips.append(load_clip(spec, part["video"], sample_id=sample_id))
+        return clips
 
     def process(
         self, image_path: str | os.PathLike[str] | None, text: str | None, *, sample_id: str

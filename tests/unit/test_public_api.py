@@ -49,6 +49,7 @@ PUBLIC = [
     "TextReport",
     "TextSpec",
     "TierStats",
+    "VideoSpec",
     "WarmReport",
     "WebDatasetSource",
     "__version__",

@@ -24,7 +24,12 @@ Both: ``images`` uint8 ``[N, 3, H, W]`` when every image of the batch has one sh
 else a list of ``N`` ``[3, h, w]`` tensors (empty without images); ``image_sizes`` int64 ``[N, 2]``;
 ``image_counts`` int64 ``[B]`` (images per row, in order: rows' images are
 consecutive, so a model maps image ``i`` to its sample); ``image_grid_thw`` int64
-``[N, 3]`` when cached. A row whose labels are all ``-100`` never reaches the model:
+``[N, 3]`` when cached. Videos alike (a video SFT source caches ``videos``: each clip's
+``[t, 3, h, w]`` bytes, and ``video_sizes`` int32 ``[n, 3]``): ``videos`` uint8
+``[N, T, 3, H, W]`` when every clip has one shape, else a list of ``[t, 3, h, w]``;
+``video_sizes`` int64 ``[N, 3]``; ``video_counts`` int64 ``[B]``; ``video_grid_thw``
+int64 ``[N, 3]`` and ``second_per_grid_ts`` float32 ``[N]`` (Qwen2.5-VL's).
+A row whose labels are all ``-100`` never reaches the model:
 it is a :class:`~mmcache.errors.SampleError` naming it under ``on_error="raise"``,
 dropped and recorded in the source's rejects under ``"skip"``.
 
@@ -42,13 +47,14 @@ from mmcache.errors import ConfigError, SampleError
 from mmcache.loader.hooks import BatchContext, LoaderHook
 from mmcache.sources.base import SampleSource
 
-__all__ = ["IGNORE_INDEX", "PackHook", "PadHook", "split_images"]
+__all__ = ["IGNORE_INDEX", "PackHook", "PadHook", "split_images", "split_videos"]
 
 #: The label of a token that is not trained (torch's cross-entropy ``ignore_index``).
 IGNORE_INDEX = -100
 #: Fields the hooks replace; any other field of the batch passes through.
 _TOKENS = ("input_ids", "labels")
 _IMAGES = ("images", "image_sizes", "image_grid_thw")
+_VIDEOS = ("videos", "video_sizes", "video_grid_thw", "second_per_grid_ts")
 
 
 def _rows(batch: dict[str, Any], name: str) -> list[np.ndarray]:
@@ -76,6 +82,24 @@ def split_images(flat: np.ndarray, sizes: np.ndarray, *, sample_id: str) -> list
         out.append(flat[start : start + c].reshape(3, h, w))
         start += c
     return out
+
+
+def split_videos(flat: np.ndarray, sizes: np.ndarray, *, sample_id: str) -> list[np.ndarray]:
+    """One sample's ``videos`` (uint8, concatenated ``[t, 3, h, w]`` bytes) as a list of
+    ``[t, 3, h, w]`` views, by its ``video_sizes``; SampleError when the bytes do not add up."""
+    sizes = np.asarray(sizes, dtype=np.int64).reshape(-1, 3)
+    counts = 3 * sizes.prod(axis=1)
+    if int(counts.sum()) != flat.size:
+        raise SampleError(
+            f"videos holds {flat.size} bytes but video_sizes {sizes.tolist()} say "
+            f"{int(counts.sum())} (3*t*h*w each)",
+            sample_id=sample_id,
+        )
+    bounds = np.concatenate([[0], np.cumsum(counts)]).tolist()
+    return [
+        flat[a:b].reshape(t, 3, h, w)
+        for (t, h, w), a, b in zip(sizes.tolist(), bounds[:-1], bounds[1:], strict=True)
+    ]
 
 
 class _SFTHook(LoaderHook):
@@ -134,10 +158,43 @@ class _SFTHook(LoaderHook):
                 np.concatenate(parts or [np.zeros((0, 3), dtype=np.int64)])
             )
 
+    def _videos(self, batch: dict[str, Any], keep: list[int], out: dict[str, Any]) -> None:
+        if "videos" not in batch:
+            return
+        flats = _rows(batch, "videos")
+        sizes = [np.asarray(s, dtype=np.int64).reshape(-1, 3) for s in _rows(batch, "video_sizes")]
+        clips: list[np.ndarray] = []
+        counts = np.zeros(len(keep), dtype=np.int64)
+        for j, r in enumerate(keep):
+            got = split_videos(flats[r], sizes[r], sample_id=batch["id"][r])
+            counts[j] = len(got)
+            clips.extend(got)
+        if len({c.shape for c in clips}) == 1:
+            out["videos"] = torch.from_numpy(np.stack(clips))
+        else:
+            out["videos"] = [torch.from_numpy(c) for c in clips]
+        out["video_sizes"] = torch.from_numpy(
+            np.concatenate([np.zeros((0, 3), np.int64), *(sizes[r] for r in keep)])
+        )
+        out["video_counts"] = torch.from_numpy(counts)
+        grids = _rows(batch, "video_grid_thw")
+        out["video_grid_thw"] = torch.from_numpy(
+            np.concatenate(
+                [
+                    np.zeros((0, 3), np.int64),
+                    *(grids[r].astype(np.int64).reshape(-1, 3) for r in keep),
+                ]
+            )
+        )
+        seconds = _rows(batch, "second_per_grid_ts")
+        out["second_per_grid_ts"] = torch.from_numpy(
+            np.concatenate([np.zeros(0, np.float32), *(seconds[r].reshape(-1) for r in keep)])
+        )
+
     def _rest(self, batch: dict[str, Any], keep: list[int], out: dict[str, Any]) -> None:
         """Every other field of the batch, for the kept rows."""
         for name, value in batch.items():
-            if name in out or name in _TOKENS or name in _IMAGES:
+            if name in out or name in _TOKENS or name in _IMAGES or name in _VIDEOS:
                 continue
             if len(keep) == len(batch["id"]):
                 out[name] = value
@@ -181,6 +238,7 @@ class PadHook(_SFTHook):
             "attention_mask": torch.from_numpy(mask),
         }
         self._images(batch, keep, out)
+        self._videos(batch, keep, out)
         self._rest(batch, keep, out)
         return out
 
@@ -235,6 +293,7 @@ class PackHook(_SFTHook):
             "max_seqlen": int(seqlens.max()) if len(seqlens) else 0,
         }
         self._images(batch, keep, out)
+        self._videos(batch, keep, out)
         self._rest(batch, keep, out)
         return out
 

@@ -43,6 +43,8 @@ from mmcache.transforms.chat import Chat, ChatSpec, FullyMaskedError
 from mmcache.transforms.image import DEFAULT_MAX_BYTES, image_header
 from mmcache.transforms.pixels import DECODE_ERRORS, orientation
 from mmcache.transforms.smart_resize import output_hw
+from mmcache.transforms.video import VideoSpec
+from mmcache.transforms.video_decode import video_shape
 
 __all__ = [
     "ChatLengths",
@@ -221,8 +223,11 @@ def _measure(
     *,
     on_error: str,
     record_reject: Callable[[SampleError], None],
+    video: VideoSpec | None = None,
 ) -> None:
-    """Fill ``columns`` (lengths, has_image, trainable, status) for ``rows``."""
+    """Fill ``columns`` (lengths, has_image, trainable, status) for ``rows``; a video's
+    tokens are counted from its demux pass alone
+    (:func:`~mmcache.transforms.video_decode.video_shape`)."""
     for i in rows:
         sample_id = records.id(i)
         messages = records.chat(i)
@@ -247,7 +252,19 @@ def _measure(
                     raise SampleError(
                         f"cannot read the image header: {exc}", sample_id=sample_id, path=path
                     ) from exc
-            enc = chat.encode(Chat(tuple(messages), tuple(sizes)), sample_id=sample_id)
+            clips: list[tuple[int, int, int]] = []
+            for part in records.videos(i):
+                if video is None:
+                    raise SampleError(
+                        "record has videos, but the pipeline has no VideoSpec",
+                        sample_id=sample_id,
+                    )
+                status = _UNREADABLE
+                clips.append(video_shape(video.for_part(part), part["video"], sample_id=sample_id))
+                status = _REFUSED
+            enc = chat.encode(
+                Chat(tuple(messages), tuple(sizes), tuple(clips)), sample_id=sample_id
+            )
         except SampleError as err:
             if isinstance(err, FullyMaskedError):
                 status = _MASKED
@@ -300,6 +317,7 @@ def chat_lengths(
     record_reject: Callable[[SampleError], None],
     stamps: Callable[[], npt.NDArray[np.int64]] | None = None,
     root: str | os.PathLike[str] | None = None,
+    video: VideoSpec | None = None,
 ) -> ChatLengths:
     """Measure every sample (see the module docstring). A sample that cannot be made
     (unreadable image header, fully masked) raises its SampleError under
@@ -345,6 +363,7 @@ def chat_lengths(
         columns,
         on_error=on_error,
         record_reject=record_reject,
+        video=video,
     )
     if path is not None and now is not None and (len(rows) or not path.exists()):
         _save(path, {**columns, "stamps": now})

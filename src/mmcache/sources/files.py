@@ -161,10 +161,10 @@ class FileSource(PipelineFields):
     def key(self, index: int) -> bytes:
         """The 16-byte cache key of sample ``index``: changes when its image file,
         caption or the pipeline changes (see :func:`mmcache.keys.sample_key`)."""
-        if self._chat is not None:  # every image, and the conversation as structured
-            stamp = _chat.multi_stamp(self.records.image_paths(index), content=self.content_stamp)
+        if self._chat is not None:  # every image and video, and the conversation as structured
+            stamp = _chat.multi_stamp(self._media(index), content=self.content_stamp)
             return keys.sample_key(
-                self.records.id(index), stamp, self._fingerprint, self.records.chat_json(index)
+                self.records.id(index), stamp, self._fingerprint, self._chat_text(index)
             )
         path = self.records.image_path(index)
         stamp = keys.source_stamp(path, content=self.content_stamp)
@@ -199,11 +199,27 @@ class FileSource(PipelineFields):
                 stamps[j] = fields(stat(path))
             except (OSError, ValueError):  # missing, unreadable, or a NUL in the path
                 continue
-        if self._chat is not None:  # a multi-image sample: all its files in one row
+        if self._chat is not None:  # a multi-file sample: all its files in one row
             for j, i in enumerate(idx.tolist()):
-                if self.records.image_count(i) > 1:
-                    stamps[j] = _chat.multi_stamp_fields(self.records.image_paths(i))
+                if self._multi_file(i):
+                    stamps[j] = _chat.multi_stamp_fields(self._media(i))
         return stamps
+
+    def _multi_file(self, i: int) -> bool:
+        """Whether chat sample ``i`` is made of other files than its one image."""
+        return self.records.image_count(i) > 1 or bool(self.records.video_json(i))
+
+    def _media(self, i: int) -> list[str]:
+        """Every file chat sample ``i`` is made of: its images, then its videos."""
+        videos = [part["video"] for part in self.records.videos(i)]
+        return [*self.records.image_paths(i), *videos]
+
+    def _chat_text(self, i: int) -> str:
+        """What a chat sample's key holds of its record: the conversation and the video
+        parts' options."""
+        video = self.records.video_json(i)
+        chat = self.records.chat_json(i)
+        return chat if not video else f"{chat}\x00{video}"
 
     def _checked(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
@@ -249,7 +265,7 @@ class FileSource(PipelineFields):
                 memo_keys[i] = np.frombuffer(self.key(i), dtype=np.uint8)
                 memo_stamp[i] = -1
                 continue
-            if self._chat is not None and self.records.image_count(i) > 1:
+            if self._chat is not None and self._multi_file(i):
                 key = self.key(i)  # its row stands for several files' stamps
             else:
                 stamp = keys.fields_stamp(stamps[j].tolist())
@@ -270,6 +286,7 @@ class FileSource(PipelineFields):
                 self.records.image_paths(index),
                 self.records.chat(index),
                 sample_id=self.records.id(index),
+                videos=self.records.videos(index),
             )
         return self.pipeline.process(
             self.records.image_path(index),
@@ -295,6 +312,7 @@ class FileSource(PipelineFields):
                 record_reject=self.record_reject,
                 stamps=lambda: self.stamps(np.arange(len(self.records))),
                 root=root,
+                video=getattr(self.pipeline, "video", None),
             )
         return self._lengths
 

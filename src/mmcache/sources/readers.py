@@ -37,9 +37,11 @@ from typing import Any, BinaryIO, Literal
 
 from mmcache.errors import ConfigError, ManifestError
 from mmcache.sources.records import Records, RecordsBuilder
+from mmcache.transforms.video import PART_KEYS
 
 __all__ = [
     "IMAGE_TOKEN",
+    "VIDEO_TOKEN",
     "Reader",
     "llava_text",
     "read_manifest",
@@ -49,6 +51,8 @@ __all__ = [
 
 #: The placeholder LLaVA puts in a turn where the image goes; removed from texts.
 IMAGE_TOKEN = "<image>"  # noqa: S105 (a placeholder token, not a password)
+#: The placeholder of a video in a turn (Qwen's finetuning data; a ``messages`` video part).
+VIDEO_TOKEN = "<video>"  # noqa: S105 (a placeholder token, not a password)
 
 _BOM = b"\xef\xbb\xbf"
 _ON_ERROR = ("raise", "skip")
@@ -299,9 +303,52 @@ def _images_of(rec: Mapping[str, Any]) -> tuple[list[str] | None, str | None]:
     return list(items), None
 
 
-def _content_text(content: object) -> str | None:
-    """A message's content as text: a string, or a list of ``{"type": "text", "text"}``
-    and ``{"type": "image"}`` parts (an image part becomes :data:`IMAGE_TOKEN`)."""
+def _video_part(part: Mapping[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+    """A ``{"type": "video", "video": ref, "fps"...}`` part as the record's video part
+    (the reference and the options of :data:`~mmcache.transforms.video.PART_KEYS`), or
+    ``(None, reason)``."""
+    ref = part.get("video")
+    if isinstance(ref, list):
+        return None, "a video given as a list of frame images is not supported"
+    if not isinstance(ref, str) or not ref or "\x00" in ref:
+        return None, f"a video part's 'video' must be a non-empty path, got {_describe(ref)}"
+    # Qwen's parts name local files "file:///abs/path"; that is a path, not an fsspec URL.
+    out: dict[str, Any] = {"video": ref.removeprefix("file://")}
+    for key in PART_KEYS:
+        value = part.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            return None, f"a video part's {key!r} must be a number >= 0, got {_describe(value)}"
+        out[key] = value
+    if "fps" in out and "nframes" in out:
+        return None, "a video part takes 'fps' or 'nframes', not both"
+    return out, None
+
+
+def _videos_of(rec: Mapping[str, Any]) -> tuple[list[dict[str, Any]] | None, str | None]:
+    """The videos of a LLaVA-style record (``video``: a path or an array of paths), as
+    video parts, or ``(None, reason)``."""
+    value = rec.get("video")
+    if value is None:
+        return [], None
+    items = value if isinstance(value, list) else [value]
+    out: list[dict[str, Any]] = []
+    for k, item in enumerate(items):
+        where = "video" if not isinstance(value, list) else f"video[{k}]"
+        if not isinstance(item, str) or not item:
+            return None, f"{where!r} must be a non-empty string, got {_describe(item)}"
+        if "\x00" in item:
+            return None, _NUL_REASON.format(key=where)
+        out.append({"video": item})
+    return out, None
+
+
+def _content_text(content: object, videos: list[dict[str, Any]]) -> str | None:
+    """A message's content as text: a string, or a list of ``{"type": "text", "text"}``,
+    ``{"type": "image"}`` and ``{"type": "video", "video": ...}`` parts (an image part
+    becomes :data:`IMAGE_TOKEN`, a video part :data:`VIDEO_TOKEN`, its part appended to
+    ``videos``). A bad video part raises ValueError with the reason."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -315,13 +362,22 @@ def _content_text(content: object) -> str | None:
             parts.append(part["text"])
         elif kind == "image":
             parts.append(IMAGE_TOKEN)
+        elif kind == "video" or (kind is None and "video" in part):
+            video, reason = _video_part(part)
+            if video is None:
+                raise ValueError(reason)
+            videos.append(video)
+            parts.append(VIDEO_TOKEN)
         else:
             return None
     return "".join(parts)
 
 
-def _messages_turns(messages: object) -> tuple[list[dict[str, str]] | None, str | None]:
-    """``messages`` (``role``/``content``) as LLaVA turns (``from``/``value``), or a reason."""
+def _messages_turns(
+    messages: object, videos: list[dict[str, Any]]
+) -> tuple[list[dict[str, str]] | None, str | None]:
+    """``messages`` (``role``/``content``) as LLaVA turns (``from``/``value``), or a reason;
+    the video parts found are appended to ``videos``."""
     if not isinstance(messages, list):
         return None, f"'messages' must be an array, got {_describe(messages)}"
     if not messages:
@@ -333,10 +389,14 @@ def _messages_turns(messages: object) -> tuple[list[dict[str, str]] | None, str 
         role, reason = _string_field(message, "role")
         if role is None:
             return None, f"messages[{k}]: {reason}"
-        text = _content_text(message.get("content", _MISSING))
+        try:
+            text = _content_text(message.get("content", _MISSING), videos)
+        except ValueError as exc:
+            return None, f"messages[{k}]: {exc}"
         if text is None:
             return None, (
-                f"messages[{k}]: 'content' must be a string or a list of text and image parts"
+                f"messages[{k}]: 'content' must be a string or a list of text, image and "
+                "video parts"
             )
         turns.append({"from": role, "value": text})
     return turns, None
@@ -364,8 +424,16 @@ def _chat_record(rec: object, index: int, builder: RecordsBuilder) -> None:
     if images is None:
         builder.reject(reason or "", index, raw_id)
         return
+    videos, problem = _videos_of(rec)
+    if videos is None:
+        builder.reject(problem or "", index, raw_id)
+        return
     if "conversations" not in rec and "messages" in rec:
-        turns, problem = _messages_turns(rec["messages"])
+        parts: list[dict[str, Any]] = []
+        turns, problem = _messages_turns(rec["messages"], parts)
+        if parts and videos:
+            turns, problem = None, "videos given both as 'video' and as message parts"
+        videos = videos or parts
     else:
         conversations = rec.get("conversations", _MISSING)
         problem = _conversation_problem(conversations)
@@ -373,8 +441,13 @@ def _chat_record(rec: object, index: int, builder: RecordsBuilder) -> None:
     if turns is None:
         builder.reject(problem or "", index, raw_id)
         return
+    found = sum(t["value"].count(VIDEO_TOKEN) for t in turns)
+    if found != len(videos):
+        builder.reject(f"{found} {VIDEO_TOKEN!r} placeholders for {len(videos)} videos", index,
+                       raw_id)  # fmt: skip
+        return
     chat = [(ROLES.get(t["from"], t["from"]), t["value"]) for t in turns]
-    builder.add(index, raw_id, llava_text(turns), images, chat=chat)
+    builder.add(index, raw_id, llava_text(turns), images, chat=chat, videos=videos)
 
 
 def _sniff(f: BinaryIO) -> str:

@@ -111,6 +111,7 @@ class Records:
         lines: _I64,
         rejects: list[RecordReject],
         chats: tuple[_U8, _I64] | None = None,
+        videos: tuple[_U8, _I64] | None = None,
     ) -> None:
         self.source = source
         self.format = format
@@ -127,6 +128,9 @@ class Records:
         # The structured conversations as JSON ([[role, content], ...]; b"" for a row
         # that has none), or None when no row has one.
         self._chats = chats
+        # The video parts as JSON ([{"video": ref, "fps": ...}, ...]; b"" for a row that
+        # has none), or None when no row has one.
+        self._videos = videos
         # (sorted xxh3_64 hashes of the ids, row of each); built by index_of.
         self._index: tuple[npt.NDArray[np.uint64], _I64] | None = None
         # The absolute paths of image_path, encoded, as one buffer + offsets; built by
@@ -270,6 +274,33 @@ class Records:
         extra = nul[self._image_off[1:]] - nul[self._image_off[:-1]]
         return np.where(self._has_image, 1 + extra, 0).astype(np.int64)
 
+    def videos(self, i: int) -> list[dict[str, Any]]:
+        """Return row ``i``'s video parts in placeholder order: ``{"video": reference, ...}``
+        with the part's own options (``fps``, ``nframes``, ``video_start``...), the
+        reference resolved as :meth:`image_path` resolves an image's; ``[]`` for none."""
+        i = self._row(i)
+        if self._videos is None:
+            return []
+        raw = _field(*self._videos, i)
+        parts: list[dict[str, Any]] = json.loads(raw) if raw else []
+        for part in parts:
+            ref = part["video"]
+            if not _URL_RE.match(ref):
+                part["video"] = os.path.normpath(os.path.join(self._base_dir, ref))
+        return parts
+
+    def video_json(self, i: int) -> str:
+        """Return row ``i``'s video parts as the canonical JSON they are stored as (``""``
+        for none): part of a video sample's cache key."""
+        i = self._row(i)
+        return "" if self._videos is None else _field(*self._videos, i)
+
+    def video_counts(self) -> _I64:
+        """Return how many videos each row has (int64 ``[N]``)."""
+        if self._videos is None:
+            return np.zeros(self._n, dtype=np.int64)
+        return np.array([len(self.videos(i)) for i in range(self._n)], dtype=np.int64)
+
     def chat_json(self, i: int) -> str:
         """Return row ``i``'s conversation as the canonical JSON it is stored as (``""``
         when it has none): what a chat pipeline's cache key is made of."""
@@ -279,7 +310,6 @@ class Records:
     def select(self, rows: list[int], rejects: list[RecordReject]) -> Records:
         """Return the records of ``rows`` (in that order), with ``rejects`` added to
         :attr:`rejects`: how a source leaves out records it refuses after reading."""
-        columns = [_Column() for _ in range(4 if self._chats is not None else 3)]
         sources: list[tuple[_U8, _I64]] = [
             (self._id_buf, self._id_off),
             (self._text_buf, self._text_off),
@@ -287,6 +317,9 @@ class Records:
         ]
         if self._chats is not None:
             sources.append(self._chats)
+        if self._videos is not None:
+            sources.append(self._videos)
+        columns = [_Column() for _ in sources]
         for r in rows:
             for col, (buf, off) in zip(columns, sources, strict=True):
                 col.append(buf[off[r] : off[r + 1]].tobytes())
@@ -303,6 +336,7 @@ class Records:
             lines=self._lines[picked].copy(),
             rejects=[*self.rejects, *rejects],
             chats=built[3] if self._chats is not None else None,
+            videos=built[-1] if self._videos is not None else None,
         )
 
     def line(self, i: int) -> int:
@@ -368,6 +402,8 @@ class Records:
         ]
         if self._chats is not None:
             columns.append(self._chats)
+        if self._videos is not None:
+            columns.append(self._videos)
         for buf, off in columns:
             hasher.update(np.ascontiguousarray(buf).data)
             hasher.update(np.ascontiguousarray(off, dtype="<i8").data)
@@ -404,6 +440,8 @@ class Records:
         ]
         if self._chats is not None:
             arrays.extend(self._chats)
+        if self._videos is not None:
+            arrays.extend(self._videos)
         if self._index is not None:
             arrays.extend(self._index)
         return sum(int(a.nbytes) for a in arrays)
@@ -476,6 +514,8 @@ class RecordsBuilder:
         self.has_image = bytearray()
         self.chats = _Column()
         self.any_chat = False
+        self.videos = _Column()
+        self.any_video = False
         self.lines = array.array("q")
         self.first_line: dict[bytes, int] = {}
         self.count = 0
@@ -502,10 +542,12 @@ class RecordsBuilder:
         image: str | list[str] | None,
         *,
         chat: list[tuple[str, str]] | None = None,
+        videos: list[dict[str, Any]] | None = None,
     ) -> None:
         """Append a parsed record (``image``: a path relative to the manifest's folder
         or absolute, a list of them for a multi-image record, ``None`` or ``[]`` for a
-        text-only record; ``chat``: its structured conversation, if it has one); a
+        text-only record; ``chat``: its structured conversation, if it has one;
+        ``videos``: its video parts, ``{"video": reference, option: value}``); a
         duplicate id or a string that is not valid Unicode is rejected
         (:meth:`reject`) instead."""
         if isinstance(image, list):
@@ -525,6 +567,11 @@ class RecordsBuilder:
                     [list(turn) for turn in chat], ensure_ascii=False, separators=(",", ":")
                 ).encode("utf-8")
             )
+            video_bytes = (
+                json.dumps(videos, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+                if videos
+                else ""
+            ).encode("utf-8")
         except UnicodeEncodeError as exc:
             self.reject("a field contains an unpaired surrogate (\\u escape)", line, sample_id, exc)
             return
@@ -539,6 +586,8 @@ class RecordsBuilder:
         self.has_image.append(image is not None)
         self.chats.append(chat_bytes)
         self.any_chat = self.any_chat or chat is not None
+        self.videos.append(video_bytes)
+        self.any_video = self.any_video or bool(videos)
         self.lines.append(line)
         self.count += 1
 
@@ -575,4 +624,5 @@ class RecordsBuilder:
             lines=np.frombuffer(self.lines, dtype=np.int64).copy(),
             rejects=self.rejects,
             chats=self.chats.build() if self.any_chat else None,
+            videos=self.videos.build() if self.any_video else None,
         )

@@ -23,6 +23,7 @@ from mmcache.transforms.smart_resize import SmartResize
 from mmcache.transforms.stage import Stage, StageKind
 from mmcache.transforms.text import TextSpec, train_tokenizer
 from mmcache.transforms.user import UserStage
+from mmcache.transforms.video import VideoSpec, VideoTokens
 
 __all__ = [
     "ALPHA_BACKGROUND",
@@ -41,6 +42,8 @@ __all__ = [
     "StageKind",
     "TextSpec",
     "UserStage",
+    "VideoSpec",
+    "VideoTokens",
     "callable_fingerprint",
     "decode_bytes",
     "train_tokenizer",

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -50,6 +51,7 @@ from mmcache.transforms.chat_tokenizer import (
 )
 from mmcache.transforms.fingerprint import callable_fingerprint
 from mmcache.transforms.stage import StageKind
+from mmcache.transforms.video import VideoTokens
 
 __all__ = ["IGNORE_INDEX", "Chat", "ChatEncoding", "ChatSpec", "FullyMaskedError"]
 
@@ -91,6 +93,8 @@ class Chat:
 
     messages: tuple[tuple[str, str], ...]
     image_sizes: tuple[tuple[int, int], ...] = ()
+    #: ``(t, h, w)`` of each processed video, in the order of the video placeholders.
+    video_sizes: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,8 @@ class ChatEncoding:
     truncated: bool
     full_length: int
     image_runs: tuple[tuple[int, int], ...] = field(default=())
+    #: How many videos (the first ones) kept their tokens after truncation.
+    n_videos: int = 0
 
     @property
     def trainable(self) -> int:
@@ -148,6 +154,9 @@ class ChatSpec:
         pad_id: what batches pad ``input_ids`` with (:attr:`pad_id`; the cache holds no
             padding, so it is not in the fingerprint); default
             :func:`~mmcache.transforms.chat_tokenizer.pad_id_of`.
+        video: how each ``<video>`` placeholder expands
+            (:class:`~mmcache.transforms.video.VideoTokens`: Qwen2.5-VL's video tokens, or
+            LLaVA-Video's per-frame image runs); ``None``: a placeholder stays text.
 
     The fingerprint covers the tokenizer's content (canonical JSON), the template text,
     ``max_length`` and every option. Immutable, picklable, thread-safe; ConfigError on
@@ -172,6 +181,8 @@ class ChatSpec:
         "special_tokens",
         "template",
         "template_name",
+        "video",
+        "video_token_id",
     )
 
     _json: str
@@ -189,6 +200,8 @@ class ChatSpec:
     image_suffix: str
     pad_id: int
     _wrap: tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]
+    video: VideoTokens | None
+    video_token_id: int
 
     def __init__(
         self,
@@ -205,6 +218,7 @@ class ChatSpec:
         image_prefix: str = "",
         image_suffix: str = "",
         pad_id: int | None = None,
+        video: VideoTokens | None = None,
     ) -> None:
         tokenizer_json, specials, own_template = tokenizer_parts(tokenizer)
         name: str | None = None
@@ -247,6 +261,7 @@ class ChatSpec:
             image_prefix,
             image_suffix,
             pad_id,
+            video,
         )
 
     def _setup(  # noqa: PLR0917 (positional: it is called with __getstate__'s tuple)
@@ -263,6 +278,7 @@ class ChatSpec:
         image_prefix: str,
         image_suffix: str,
         pad_id: int,
+        video: VideoTokens | None = None,
     ) -> None:
         max_length = check_int("ChatSpec.max_length", max_length, minimum=1)
         pad_id = check_int("ChatSpec.pad_id", pad_id, minimum=0)
@@ -291,6 +307,14 @@ class ChatSpec:
             image_token_id = check_int(
                 "ChatSpec.image_token_id", image_token_id, minimum=-(2**31), maximum=2**31 - 1
             )
+        if video is not None and not isinstance(video, VideoTokens):
+            raise ConfigError(f"ChatSpec.video must be a VideoTokens, got {video!r}")
+        video_id = -1
+        if video is not None and not video.per_frame:
+            found_id = tok.token_to_id(video.pad_token)
+            if found_id is None:
+                raise ConfigError(f"the tokenizer has no token {video.pad_token!r} (VideoTokens)")
+            video_id = int(found_id)
         compile_template(template)  # ConfigError now for a template that does not parse
         setattr_ = object.__setattr__
         setattr_(self, "_json", tokenizer_json)
@@ -307,6 +331,8 @@ class ChatSpec:
         setattr_(self, "image_prefix", image_prefix)
         setattr_(self, "pad_id", pad_id)
         setattr_(self, "image_suffix", image_suffix)
+        setattr_(self, "video", video)
+        setattr_(self, "video_token_id", video_id)
         setattr_(
             self,
             "_wrap",
@@ -334,6 +360,7 @@ class ChatSpec:
             self.image_prefix,
             self.image_suffix,
             self.pad_id,
+            self.video,
         )
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
@@ -374,8 +401,12 @@ class ChatSpec:
         }
 
     def fingerprint(self) -> str:
-        """xxh3-128 hex digest of :meth:`fingerprint_fields`."""
-        blob = json.dumps(self.fingerprint_fields(), sort_keys=True, separators=(",", ":"))
+        """xxh3-128 hex digest of :meth:`fingerprint_fields` (and of the video tokens'
+        fields when set: a spec without them keeps the fingerprint it always had)."""
+        fields = self.fingerprint_fields()
+        if self.video is not None:
+            fields = {**fields, "video": self.video.fingerprint_fields()}
+        blob = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return xxhash.xxh3_128_hexdigest(blob.encode())
 
     # -- encoding -------------------------------------------------------------------
@@ -430,12 +461,13 @@ class ChatSpec:
                 f"{len(chat.image_sizes)} images",
                 sample_id=sample_id,
             )
+        self._check_videos(chat, sample_id)
         try:
             text = self._render(messages)
             spans = self._assistant_spans(messages, text)
         except SampleError as err:
             raise SampleError(err.reason, sample_id=sample_id) from err
-        ids, starts, ends, runs = self._tokenize(text, chat.image_sizes, sample_id)
+        ids, starts, ends, runs, blocks = self._tokenize(text, chat, sample_id)
         trainable = np.zeros(len(ids), dtype=bool)
         real = ends > starts
         for a, b in spans:
@@ -447,10 +479,11 @@ class ChatSpec:
             cut = self.max_length
             pre, post = (int(t.size) for t in self._wrap)  # a run with its wrap is one
             inside = [(a - pre, b + post) for a, b in runs if a - pre < cut < b + post]
+            inside += [(a, b) for a, b in blocks if a < cut < b]  # a video's whole block
             if inside:
                 # Never split an image run: end after the last whole assistant turn
                 # (its end-of-turn marker included) that precedes the image.
-                run_start = inside[0][0]
+                run_start = min(a for a, _ in inside)
                 ends_before = [int(e) for e in _span_token_ends(spans, ends) if e <= run_start]
                 cut = max(ends_before, default=0)
         kept_runs = tuple((a, b) for a, b in runs if b + int(self._wrap[1].size) <= cut)
@@ -461,6 +494,7 @@ class ChatSpec:
             truncated=cut < full,
             full_length=full,
             image_runs=kept_runs,
+            n_videos=sum(1 for _, b in blocks if b <= cut),
         )
         if enc.trainable == 0:
             why = (
@@ -502,25 +536,75 @@ class ChatSpec:
                 return marker
         return ""
 
-    def _tokenize(
-        self, text: str, sizes: Sequence[tuple[int, int]], sample_id: str
-    ) -> tuple[
-        npt.NDArray[np.int32], npt.NDArray[np.int64], npt.NDArray[np.int64], list[tuple[int, int]]
-    ]:
-        """Token ids with their character offsets (an image run's are empty), and the
-        token ranges of the image runs. The text is split at the placeholders and each
-        piece tokenized alone, as an added placeholder token splits it in the tokenizer."""
-        pieces = text.split(self.image_token)
-        if len(pieces) - 1 != len(sizes):
+    def _check_videos(self, chat: Chat, sample_id: str) -> None:
+        """SampleError when the video placeholders and ``chat.video_sizes`` disagree."""
+        if self.video is None:
+            if chat.video_sizes:
+                raise SampleError(
+                    "the sample has videos, but the ChatSpec has no video= (VideoTokens)",
+                    sample_id=sample_id,
+                )
+            return
+        found = sum(c.count(self.video.placeholder) for _, c in chat.messages)
+        if found != len(chat.video_sizes):
             raise SampleError(
-                f"the rendered conversation has {len(pieces) - 1} {self.image_token!r} "
-                f"placeholders for {len(sizes)} images (the template adds or drops some)",
+                f"{found} {self.video.placeholder!r} placeholders for "
+                f"{len(chat.video_sizes)} videos",
+                sample_id=sample_id,
+            )
+
+    def _tokenize(
+        self, text: str, chat: Chat, sample_id: str
+    ) -> tuple[
+        npt.NDArray[np.int32],
+        npt.NDArray[np.int64],
+        npt.NDArray[np.int64],
+        list[tuple[int, int]],
+        list[tuple[int, int]],
+    ]:
+        """Token ids with their character offsets (a media run's are empty), the token
+        ranges of the image runs, and each video's whole block of tokens (its wrap
+        included). The text is split at the placeholders and each piece tokenized
+        alone, as an added placeholder token splits it in the tokenizer."""
+        marks = [self.image_token] + ([self.video.placeholder] if self.video else [])
+        split = re.compile("(" + "|".join(re.escape(m) for m in sorted(marks, key=len)[::-1]) + ")")
+        parts = split.split(text)
+        pieces, found = parts[0::2], parts[1::2]
+        n_images = found.count(self.image_token)
+        if n_images != len(chat.image_sizes) or len(found) - n_images != len(chat.video_sizes):
+            raise SampleError(
+                f"the rendered conversation has {n_images} {self.image_token!r} placeholders "
+                f"for {len(chat.image_sizes)} images and {len(found) - n_images} video ones "
+                f"for {len(chat.video_sizes)} videos (the template adds or drops some)",
                 sample_id=sample_id,
             )
         ids: list[npt.NDArray[np.int32]] = []
         spans: list[npt.NDArray[np.int64]] = []  # [n, 2] character offsets per part
         runs: list[tuple[int, int]] = []
+        blocks: list[tuple[int, int]] = []
         count = base = 0
+
+        def emit(part: npt.NDArray[np.int32]) -> None:
+            nonlocal count
+            if part.size:
+                ids.append(part)
+                spans.append(np.full((part.size, 2), base, dtype=np.int64))  # never trained
+                count += part.size
+
+        def position() -> int:
+            return count
+
+        def image_run(h: int, w: int) -> None:
+            try:
+                n = self.tokens_for_image(int(h), int(w))
+            except SampleError as err:
+                raise SampleError(err.reason, sample_id=sample_id) from err
+            emit(self._wrap[0])
+            runs.append((count, count + n))
+            emit(np.full(n, self.image_token_id, dtype=np.int32))
+            emit(self._wrap[1])
+
+        images, videos = iter(chat.image_sizes), iter(chat.video_sizes)
         for i, piece in enumerate(pieces):
             if piece:
                 enc = self._tokenizer.encode(piece, add_special_tokens=False)
@@ -531,31 +615,49 @@ class ChatSpec:
                     spans.append(pairs.reshape(-1, 2) + base)
                     count += len(enc.ids)
             base += len(piece)
-            if i < len(sizes):
-                h, w = sizes[i]
-                try:
-                    n = self.tokens_for_image(int(h), int(w))
-                except SampleError as err:
-                    raise SampleError(err.reason, sample_id=sample_id) from err
-                prefix, suffix = self._wrap
-                if prefix.size:
-                    ids.append(prefix)
-                    spans.append(np.full((prefix.size, 2), base, dtype=np.int64))
-                    count += prefix.size
-                runs.append((count, count + n))
-                ids.append(np.full(n, self.image_token_id, dtype=np.int32))
-                spans.append(np.full((n, 2), base, dtype=np.int64))  # empty: never trained
-                count += n
-                if suffix.size:
-                    ids.append(suffix)
-                    spans.append(np.full((suffix.size, 2), base, dtype=np.int64))
-                    count += suffix.size
-                base += len(self.image_token)
+            if i == len(found):
+                break
+            if found[i] == self.image_token:
+                image_run(*next(images))
+            else:
+                self._video_block(next(videos), emit, image_run, blocks, position)
+            base += len(found[i])
         if not ids:
             empty = np.zeros(0, dtype=np.int64)
-            return np.zeros(0, dtype=np.int32), empty, empty, runs
+            return np.zeros(0, dtype=np.int32), empty, empty, runs, blocks
         offsets = np.concatenate(spans)
-        return np.concatenate(ids), offsets[:, 0], offsets[:, 1], runs
+        return np.concatenate(ids), offsets[:, 0], offsets[:, 1], runs, blocks
+
+    def _video_block(
+        self,
+        size: tuple[int, int, int],
+        emit: Callable[[npt.NDArray[np.int32]], None],
+        image_run: Callable[[int, int], None],
+        blocks: list[tuple[int, int]],
+        position: Callable[[], int],
+    ) -> None:
+        """Emit one video's tokens (see :class:`~mmcache.transforms.video.VideoTokens`)
+        and record its block."""
+        video = self.video
+        assert video is not None
+        t, h, w = (int(v) for v in size)
+        start = position()
+        if video.per_frame:
+            for _ in range(t):
+                image_run(h, w)
+        else:
+            wrap = self._video_wrap(video)
+            emit(wrap[0])
+            emit(np.full(video.count(t, h, w), self.video_token_id, dtype=np.int32))
+            emit(wrap[1])
+        blocks.append((start, position()))
+
+    def _video_wrap(self, video: VideoTokens) -> tuple[npt.NDArray[np.int32], ...]:
+        encode = self._tokenizer.encode
+        return tuple(
+            np.asarray(encode(t, add_special_tokens=False).ids if t else [], np.int32)
+            for t in (video.prefix, video.suffix)
+        )
 
 
 def _free_mark(text: str, messages: list[dict[str, str]]) -> str:

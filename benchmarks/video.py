@@ -1,0 +1,199 @@
+"""Video SFT samples: decode in ``__getitem__`` every epoch against mmcache (issue 29). Not a test.
+
+Side by side in one run, on the same synthetic H.264 clips (640x360, 24 fps, 10-30 s,
+one ``<video>`` per record), batch size 1, 2 workers each:
+
+(a) a torch DataLoader whose dataset does what ``qwen-vl-utils``' ``fetch_video`` does per
+    sample, every epoch, with its frame rules (mmcache's port of them): open the clip,
+    find the frames, decode the kept ones seeking to them (PyAV: the fastest reader this
+    install has, so the baseline is not a straw man: ``qwen-vl-utils`` here would fall
+    back to torchvision's ``read_video``, which decodes every frame), resize bicubic with
+    antialias and make float32, as ``fetch_video`` returns; then the chat encode
+    (``ChatSpec``) for the same record;
+(b) ``mmcache.DataLoader`` over ``Pipeline(text=ChatSpec(video=...), video=VideoSpec(...))``:
+    the cold epoch (the same decode, kept uint8, admitted to the cache);
+(c) the warm epochs (every sample from the memory tier). Both (b) and (c) turn each
+    served clip into float32 in the timing, so both sides hand over the same tensors.
+
+Also: the bytes one sample caches (uint8 frames, and the frames as JPEGs of quality 90,
+what the ``jpeg:90`` form would hold per frame) against the float32 tensors of (a).
+
+    .venv/bin/python benchmarks/video.py                # 8 clips
+    .venv/bin/python benchmarks/video.py --clips 16 --epochs 3 --data /tmp/clips
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import random
+import statistics
+import tempfile
+import time
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import av
+import numpy as np
+import torch
+from PIL import Image
+
+import mmcache
+from mmcache import ChatSpec, MultimodalDataset, Pipeline, VideoSpec
+from mmcache.transforms import VideoTokens
+from mmcache.transforms.chat import Chat
+from mmcache.transforms.video_decode import load_clip
+
+SPECIALS = [
+    "<image>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|video_pad|>",
+]
+SPEC = VideoSpec(fps=1.0, max_pixels=160 * 28 * 28)
+
+
+def write_clip(path: Path, seconds: int, seed: int) -> None:
+    """An H.264 clip of 640x360 at 24 fps: a moving gradient and square, plus noise."""
+    rng = np.random.default_rng(seed)
+    h, w, fps = 360, 640, 24
+    y, x = np.mgrid[0:h, 0:w]
+    with av.open(str(path), "w", format="mp4") as out:
+        stream = out.add_stream("h264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
+        stream.options = {"preset": "ultrafast", "g": "48", "crf": "23"}
+        for i in range(seconds * fps):
+            img = np.empty((h, w, 3), np.uint8)
+            img[..., 0] = (x + 3 * i) % 256
+            img[..., 1] = (y + 2 * i) % 256
+            img[..., 2] = (x + y + i) % 256
+            top, left = (5 * i) % (h - 60), (7 * i) % (w - 60)
+            img[top : top + 60, left : left + 60] = rng.integers(0, 256, 3)
+            frame = av.VideoFrame.from_ndarray(img, format="rgb24")
+            frame.pts, frame.time_base = i, Fraction(1, fps)
+            for packet in stream.encode(frame):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+
+
+def make_data(root: Path, n: int) -> Path:
+    rng = random.Random(0)
+    records = []
+    for i in range(n):
+        write_clip(root / f"v{i}.mp4", rng.randint(10, 30), i)
+        records.append({
+            "id": f"clip{i}",
+            "video": f"v{i}.mp4",
+            "conversations": [
+                {"from": "human", "value": "<video>\nWhat moves in this clip?"},
+                {"from": "gpt", "value": f"A square crosses the frame, clip {i}."},
+            ],
+        })  # fmt: skip
+    manifest = root / "train.json"
+    manifest.write_text(json.dumps(records))
+    return manifest
+
+
+def chat_spec() -> ChatSpec:
+    tok = mmcache.train_tokenizer(["what moves in this clip a square crosses the frame"] * 4)
+    tok.add_special_tokens(SPECIALS)
+    return ChatSpec(tok, "chatml", 32768, video=VideoTokens())
+
+
+class QwenStyleDataset(torch.utils.data.Dataset[dict[str, Any]]):
+    """(a): ``fetch_video``'s work in ``__getitem__``, every epoch."""
+
+    def __init__(self, manifest: Path) -> None:
+        self.records = mmcache.read_manifest(manifest)
+        self.chat = chat_spec()
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        part = self.records.videos(i)[0]
+        clip = load_clip(SPEC.for_part(part), part["video"], sample_id=self.records.id(i))
+        video = torch.from_numpy(clip.frames).float()  # what fetch_video returns
+        msgs = self.records.chat(i)
+        assert msgs is not None
+        enc = self.chat.encode(Chat(tuple(msgs), (), (clip.shape,)))
+        return {"video": video, "input_ids": torch.from_numpy(enc.input_ids)}
+
+
+def _first(batch: list[dict[str, Any]]) -> dict[str, Any]:
+    return batch[0]
+
+
+def epoch_time(loader: Any, *, to_float: bool) -> float:
+    start = time.perf_counter()
+    for batch in loader:
+        if to_float:
+            for clip in batch["videos"]:
+                clip.float()
+    return time.perf_counter() - start
+
+
+def jpeg_bytes(frames: np.ndarray, quality: int = 90) -> int:
+    total = 0
+    for f in frames:
+        buf = io.BytesIO()
+        Image.fromarray(np.ascontiguousarray(f.transpose(1, 2, 0))).save(
+            buf, "JPEG", quality=quality
+        )
+        total += buf.tell()
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clips", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=3, help="epochs of (a) and warm (c)")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--data", type=Path, help="keep (and reuse) the clips in this folder")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        data = args.data or root
+        data.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        manifest = data / "train.json"
+        if not manifest.exists() or len(json.loads(manifest.read_text())) != args.clips:
+            manifest = make_data(data, args.clips)
+        print(f"{args.clips} clips written in {time.perf_counter() - t0:.1f}s")
+        base = torch.utils.data.DataLoader(
+            QwenStyleDataset(manifest), batch_size=1, num_workers=args.workers,
+            collate_fn=_first, persistent_workers=True,
+        )  # fmt: skip
+        a = [epoch_time(base, to_float=False) for _ in range(args.epochs)]
+        ds = MultimodalDataset(manifest, pipeline=Pipeline(text=chat_spec(), video=SPEC))
+        cache = mmcache.Cache(root / "cache", memory="2GiB", disk=None)
+        try:
+            loader = mmcache.DataLoader(ds, cache=cache, batch_size=1, num_workers=args.workers)
+            b = epoch_time(loader, to_float=True)
+            c = [epoch_time(loader, to_float=True) for _ in range(args.epochs)]
+            hits = loader.stats()
+        finally:
+            cache.close()
+        sizes = []
+        for i in range(len(ds)):
+            s = ds.produce(i)
+            t, h, w = s["video_sizes"][0].tolist()
+            frames = s["videos"].reshape(t, 3, h, w)
+            raw = sum(v.nbytes for v in s.values())
+            sizes.append((raw, jpeg_bytes(frames) + raw - frames.nbytes, frames.nbytes * 4))
+    med_a, med_c = statistics.median(a), statistics.median(c)
+    print(f"(a) qwen-style __getitem__ epoch: {med_a:.2f}s (median of {a})")
+    print(f"(b) mmcache cold epoch:           {b:.2f}s  -> {med_a / b:.2f}x (a)")
+    print(f"(c) mmcache warm epoch:           {med_c:.3f}s -> {med_a / med_c:.1f}x (a)")
+    raw, jpg, f32 = (statistics.mean(x) / 2**20 for x in zip(*sizes, strict=True))
+    print(f"bytes per sample: raw {raw:.1f} MiB, jpeg:90 {jpg:.2f} MiB, float32 {f32:.1f} MiB")
+    print(f"stats: {hits}")
+
+
+if __name__ == "__main__":
+    main()
