@@ -36,6 +36,8 @@ import tarfile
 from collections.abc import Callable, Iterator
 from typing import IO, Any
 
+from mmcache.errors import MmcacheError
+
 __all__ = ["MAX_META", "DamagedShard", "TarWalk"]
 
 #: The largest GNU long-name or PAX block (and ``.json`` member) read from a shard. A
@@ -46,9 +48,11 @@ MAX_META = 1 << 20
 _BLOCK = tarfile.BLOCKSIZE
 
 
-class DamagedShard(tarfile.TarError):
+class DamagedShard(tarfile.TarError, MmcacheError):
     """A tar header that cannot be trusted: what is wrong, at which byte of the shard,
-    in which member (when its name could be read)."""
+    in which member (when its name could be read). Sources turn it into a
+    ``ManifestError`` naming the shard; it is an ``MmcacheError`` too, so that nothing
+    mmcache raises is outside the one hierarchy."""
 
     def __init__(self, reason: str, *, offset: int, member: str | None = None) -> None:
         self.reason = reason
