@@ -264,7 +264,8 @@ class _FilesHandler(SimpleHTTPRequestHandler):
         if os.path.isfile(path):
             st = os.stat(path)
             self.send_header("ETag", f'"{st.st_size:x}-{st.st_mtime_ns:x}"')
-            self.send_header("Accept-Ranges", "bytes" if self.server.honour_range else "none")
+            if self.server.honour_range:  # one that ignores Range says nothing (http.server)
+                self.send_header("Accept-Ranges", "bytes")
         super().end_headers()
 
     def do_GET(self) -> None:
@@ -305,6 +306,15 @@ class HttpFiles:
     url: str
     root: str
     server: Any
+
+    @property
+    def honour_range(self) -> bool:
+        """Whether ``Range`` requests are answered ``206`` (settable while it runs)."""
+        return bool(self.server.honour_range)
+
+    @honour_range.setter
+    def honour_range(self, value: bool) -> None:
+        self.server.honour_range = value
 
     def stop(self) -> None:
         self.server.shutdown()

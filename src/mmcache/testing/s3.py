@@ -68,7 +68,7 @@ class S3Endpoint:
             "secret": SECRET,
             "client_kwargs": {"endpoint_url": url or self.url, "region_name": REGION},
             "config_kwargs": {
-                "retries": {"max_attempts": attempts, "mode": "standard"},
+                "retries": {"total_max_attempts": attempts, "mode": "standard"},
                 "connect_timeout": 2,
                 "read_timeout": 10,
             },

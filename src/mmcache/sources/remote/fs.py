@@ -170,7 +170,7 @@ class Remote:
                 policy = RetryPolicy(attempts=policy.attempts, backoff=float(backoff))
         if offline not in ("auto", True, False):
             raise ConfigError(f"offline must be 'auto', True or False, got {offline!r}")
-        self.policy = policy
+        self._policy = policy
         self.offline: Offline = offline
         self.listing_dir = os.fspath(listing_dir) if listing_dir is not None else None
         self.sleep = sleep
@@ -187,6 +187,20 @@ class Remote:
         self._warned = False
 
     @property
+    def policy(self) -> RetryPolicy:
+        """The retry policy; setting another one starts this process's breaker afresh
+        (the file system, its connections and credentials, are kept)."""
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy: RetryPolicy) -> None:
+        if not isinstance(policy, RetryPolicy):
+            raise ConfigError(f"policy must be a RetryPolicy, got {type(policy).__name__}")
+        with self._lock:
+            self._policy = policy
+            self._breaker_obj = None
+
+    @property
     def retries(self) -> int:
         """Retries after the first try (``policy.attempts - 1``)."""
         return self.policy.attempts - 1
@@ -197,7 +211,7 @@ class Remote:
     def __getstate__(self) -> dict[str, Any]:
         return {
             "storage_options": self.storage_options,
-            "policy": self.policy,
+            "_policy": self._policy,
             "offline": self.offline,
             "listing_dir": self.listing_dir,
             "sleep": self.sleep,

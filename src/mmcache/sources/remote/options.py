@@ -11,7 +11,7 @@ system below not to retry on its own.
 - :func:`check_options` refuses options that are not a mapping of plain values, naming
   only the offending key or type (never a value).
 - :func:`backend_options` and :func:`quiet_retries` make the layers below mmcache make one
-  attempt per call (botocore ``max_attempts=1``, s3fs ``retries=1``, gcsfs's retry
+  attempt per call (botocore ``total_max_attempts=1``, s3fs ``retries=1``, gcsfs's retry
   decorator bypassed) with timeouts from the :class:`~mmcache.sources.remote.retry.RetryPolicy`:
   one retry policy, mmcache's, decides how long an outage costs. Options the user set
   explicitly win (``config_kwargs={"retries": ...}``).
@@ -161,7 +161,9 @@ def backend_options(
     out = dict(options)
     if scheme in ("s3", "s3a"):
         config = dict(out.get("config_kwargs") or {})
-        config.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+        # botocore's "max_attempts" counts retries (max_attempts=1 is two tries, with up
+        # to a second of jittered sleep between): "total_max_attempts" counts tries.
+        config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
         config.setdefault("connect_timeout", connect_timeout)
         config.setdefault("read_timeout", read_timeout)
         out["config_kwargs"] = config
