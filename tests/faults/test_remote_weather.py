@@ -70,12 +70,6 @@ def env(s3, proxy, shards, small_pipeline, tmp_path) -> Env:  # type: ignore[no-
     return Env(s3, proxy, shards, small_pipeline, tmp_path)
 
 
-def upload(s3: S3Endpoint, shards: list[Path]) -> list[str]:
-    for path in shards:
-        s3.client.upload_file(str(path), "data", f"wds/{path.name}")
-    return [f"s3://data/wds/{p.name}" for p in shards]
-
-
 def remote_source(
     urls: list[str], pipe: Pipeline, s3: S3Endpoint, proxy: FaultProxy, root: Path, **kw: Any
 ) -> WebDatasetSource:
@@ -104,7 +98,7 @@ def test_an_outage_after_a_warm_epoch_costs_at_most_twice_a_warm_local_epoch(
     env, cache_root, caplog
 ):
     s3, proxy, shards, small_pipeline, tmp_path = env.s3, env.proxy, env.shards, env.pipe, env.tmp
-    urls = upload(s3, shards)
+    urls = s3.upload(shards)
     src = remote_source(urls, small_pipeline, s3, proxy, tmp_path, on_error="skip")
     local = WebDatasetSource(shards, pipeline=small_pipeline, index_dir=tmp_path / "lidx")
     cache = Cache(cache_root / "r", memory="64MiB", disk=None)
@@ -142,7 +136,7 @@ def test_an_outage_after_a_warm_epoch_costs_at_most_twice_a_warm_local_epoch(
 @pytest.mark.parametrize("weather", ["refuse", "silent"])
 def test_the_store_gone_mid_cold_epoch_serves_what_it_has_and_rejects_misses_fast(weather, env):
     s3, proxy, shards, small_pipeline, tmp_path = env.s3, env.proxy, env.shards, env.pipe, env.tmp
-    urls = upload(s3, shards)
+    urls = s3.upload(shards)
     policy = RetryPolicy(attempts=3, backoff=0.01, call_deadline=2.0, breaker_after=3)
     src = remote_source(
         urls,
@@ -189,7 +183,7 @@ def test_the_store_gone_mid_cold_epoch_serves_what_it_has_and_rejects_misses_fas
 def test_one_percent_of_5xx_in_a_cold_epoch_gives_the_local_batches(
     s3, proxy, shards, small_pipeline, tmp_path
 ):
-    urls = upload(s3, shards)
+    urls = s3.upload(shards)
     src = remote_source(urls, small_pipeline, s3, proxy, tmp_path, fetch_block=None)
     local = WebDatasetSource(shards, pipeline=small_pipeline, index_dir=False)
     proxy.error_rate = 0.01
@@ -207,7 +201,7 @@ def test_one_percent_of_5xx_in_a_cold_epoch_gives_the_local_batches(
 
 def test_a_restart_during_the_outage_serves_every_cached_sample(env, caplog):
     s3, proxy, shards, small_pipeline, tmp_path = env.s3, env.proxy, env.shards, env.pipe, env.tmp
-    urls = upload(s3, shards)
+    urls = s3.upload(shards)
     src = remote_source(urls, small_pipeline, s3, proxy, tmp_path)
     warm = ids_and_images(
         list(DataLoader(src, cache=None, batch_size=8, hooks=[RemotePrefetch(src)]))
@@ -267,7 +261,7 @@ def test_a_restart_of_remote_files_during_the_outage(s3, proxy, small_pipeline, 
 
 def test_recovery_the_next_epoch_revalidates_and_fetches_what_changed(env, cache_root):
     s3, proxy, shards, small_pipeline, tmp_path = env.s3, env.proxy, env.shards, env.pipe, env.tmp
-    urls = upload(s3, shards)
+    urls = s3.upload(shards)
     src = remote_source(urls, small_pipeline, s3, proxy, tmp_path)
     hook = RemotePrefetch(src, threads=4)
     cache = Cache(cache_root, memory="64MiB", disk=None)

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +74,15 @@ class S3Endpoint:
                 "read_timeout": 10,
             },
         }
+
+    def upload(self, paths: Sequence[str | os.PathLike[str]], prefix: str = "wds") -> list[str]:
+        """Upload each local file as ``<prefix>/<its name>`` in bucket ``data``; their URLs."""
+        urls = []
+        for path in paths:
+            name = os.path.basename(os.fspath(path))
+            self.client.upload_file(os.fspath(path), "data", f"{prefix}/{name}")
+            urls.append(f"s3://data/{prefix}/{name}")
+        return urls
 
     def stop(self) -> None:
         if not self.stopped:
