@@ -23,6 +23,7 @@ from mmcache.errors import (
     CorruptEntryError,
     ManifestError,
     MmcacheError,
+    RemoteError,
     SampleError,
 )
 from mmcache.features import (
@@ -60,6 +61,7 @@ from mmcache.sources.parquet import ParquetSource
 from mmcache.sources.remote import RawTier
 from mmcache.sources.remote.files import RemoteFileSource
 from mmcache.sources.remote.prefetch import RemotePrefetch
+from mmcache.sources.remote.retry import RetryPolicy
 from mmcache.sources.wds import WebDatasetSource
 from mmcache.stats import CacheStats, EpochStats, LoaderStats, TierStats
 from mmcache.stores.base import BatchReader, Store
@@ -122,9 +124,11 @@ __all__ = [
     "RawTier",
     "Records",
     "Reject",
+    "RemoteError",
     "RemoteFileSource",
     "RemotePrefetch",
     "Residents",
+    "RetryPolicy",
     "Sample",
     "SampleError",
     "SampleSource",

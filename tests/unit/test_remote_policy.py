@@ -292,3 +292,23 @@ def test_polls_wait_while_a_revalidation_is_under_way(tmp_path):
     stale.begin()  # a crashed reviser's mark is ignored once older than pending_s
     time.sleep(0.01)
     assert stale.poll() is None
+
+
+def test_a_call_that_waits_out_its_deadline_opens_the_breaker_and_probes_are_short():
+    clock = Clock()
+    policy = RetryPolicy(attempts=3, call_deadline=20.0, connect_timeout=2.0, breaker_after=3)
+    remote = Remote({}, retries=policy, sleep=clock.sleep, clock=clock)
+    given: list[float | None] = []
+
+    def black_hole(left: float | None) -> bytes:
+        given.append(left)
+        clock.now += left or 0.0
+        raise TimeoutError("no answer")
+
+    with pytest.raises(RemoteError) as info:
+        remote.attempt("s3://b/k", black_hole)
+    assert info.value.kind == "timeout" and given == [20.0] and remote.unreachable
+    remote.new_epoch()
+    with pytest.raises(RemoteError):
+        remote.attempt("s3://b/k", black_hole)  # the epoch's probe: connect_timeout only
+    assert given == [20.0, 2.0]

@@ -39,6 +39,7 @@ import random
 import re
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -50,6 +51,23 @@ __all__ = ["FaultProxy", "HttpFiles", "Mode", "http_files"]
 
 Mode = Literal["up", "refuse", "drop", "silent", "stall"]
 _HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "proxy-connection"})
+
+
+#: Proxies of this process: a forked child (a DataLoader worker) closes their sockets, or
+#: its copy of the listening socket would keep accepting connections that nobody answers
+#: after the proxy "refuses" (a black hole instead of a refused connection).
+_LIVE: weakref.WeakSet[FaultProxy] = weakref.WeakSet()
+
+
+def _close_in_child() -> None:
+    for proxy in list(_LIVE):
+        server = proxy._server
+        if server is not None:
+            with contextlib.suppress(OSError):
+                server.socket.close()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
 
 
 class _ProxyHandler(BaseHTTPRequestHandler):
@@ -154,6 +172,7 @@ class FaultProxy:
         self.port = 0
         self._listen()
         self.url = f"http://127.0.0.1:{self.port}"
+        _LIVE.add(self)
 
     def _listen(self) -> None:
         server = _ProxyServer(("127.0.0.1", self.port), _ProxyHandler)

@@ -284,18 +284,20 @@ class Remote:
         full = breaker.admit(url)  # False: a probe, one try
         policy = self.policy
         sleeps = policy.sleeps() if full else []
+        deadline = policy.call_deadline
+        if not full:  # a probe of a store that stopped answering: one short try
+            deadline = min(deadline or policy.connect_timeout, policy.connect_timeout)
         t0 = self.clock()
         for number in range(len(sleeps) + 1):
             began = self.clock()
-            left = None
-            if policy.call_deadline is not None:
-                left = max(policy.call_deadline - (began - t0), 0.001)
+            left = None if deadline is None else max(deadline - (began - t0), 0.001)
             try:
                 out = op(left)
             except Exception as exc:  # every error of every fsspec backend is classified
                 err = classify(url, exc, self.storage_options)
                 if err.no_response:
-                    breaker.unanswered(err)
+                    waited = left is not None and self.clock() - began >= 0.9 * left
+                    breaker.unanswered(err, waited_out=waited and err.kind == "timeout")
                 else:
                     breaker.answered()
                 if err.permanent or number == len(sleeps):

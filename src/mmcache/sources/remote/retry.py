@@ -13,10 +13,11 @@ out every timeout of every attempt. Now the layers below make one attempt
 - the retrying (failed tries and sleeps) of all calls of one epoch in this process may
   take ``epoch_deadline`` seconds; once spent, calls get one try each until the next epoch;
 - after ``breaker_after`` calls in a row got no answer at all (a refused or dropped
-  connection, a timeout: not an HTTP error, which is an answer), the breaker opens: every
-  call fails at once with a :class:`~mmcache.errors.RemoteError` of kind
-  ``"circuit-open"``, except one probe (a single try) every ``probe_every`` seconds and
-  the first call of each epoch; the first probe that is answered closes it. Cached
+  connection, a timeout: not an HTTP error, which is an answer), or one call waited out
+  its whole deadline (a black-holed network), the breaker opens: every call fails at
+  once with a :class:`~mmcache.errors.RemoteError` of kind ``"circuit-open"``, except
+  one probe (a single try, given ``connect_timeout`` seconds) every ``probe_every``
+  seconds and the first call of each epoch; the first probe that is answered closes it. Cached
   samples keep flowing at cache speed, and misses are rejects (``on_error="skip"``) or
   one clear error (``"raise"``), never minutes of waiting.
 
@@ -59,7 +60,8 @@ class RetryPolicy:
             (``None``: no breaker).
         probe_every: while the breaker is open, one call per this many seconds is let
             through as a probe.
-        connect_timeout: seconds to open a connection (given to botocore).
+        connect_timeout: seconds to open a connection (given to botocore), and all a
+            probe of an open breaker may take.
 
     >>> RetryPolicy(attempts=3, backoff=0.05).sleeps()
     [0.05, 0.1]
@@ -68,7 +70,7 @@ class RetryPolicy:
     attempts: int = 4
     backoff: float = 0.1
     max_backoff: float = 5.0
-    call_deadline: float | None = 30.0
+    call_deadline: float | None = 20.0
     epoch_deadline: float | None = 60.0
     breaker_after: int | None = 3
     probe_every: float = 5.0
@@ -199,14 +201,16 @@ class CircuitBreaker:
             self._open_since = None
             self._probing = False
 
-    def unanswered(self, err: RemoteError) -> None:
-        """A try got no answer (``err``): count it; open the breaker at the threshold."""
+    def unanswered(self, err: RemoteError, *, waited_out: bool = False) -> None:
+        """A try got no answer (``err``): count it; open the breaker at the threshold, or
+        at once when the try ``waited_out`` the call's whole deadline (a black-holed
+        network: each further call would wait as long)."""
         with self._lock:
             self.last_error = err
             self._failures += 1
             self._probing = False
             after = self.policy.breaker_after
-            if after is not None and self._failures >= after:
+            if after is not None and (self._failures >= after or waited_out):
                 now = self.clock()
                 if self._open_since is None:
                     self._open_since = now
