@@ -29,8 +29,9 @@ Bad weather (issue 27), the same shards behind a
 - ``restart during outage``: a new source opened on the same index folder and raw tier
   while the store is down (``offline="auto"``: from the kept listing), its open time,
   and one epoch from the raw tier (no cache: every sample decoded), samples served;
-- ``1% errors, cold epoch``: a cold epoch (empty raw tier and cache) while 1% of the
-  requests are answered 503, against the clean cold epoch of ``wds-s3-<latency>``;
+- ``1% errors, cold epoch``: a cold epoch (empty raw tier and cache, one GET per
+  sample so that 1% is more than a handful) while 1% of the requests are answered 503,
+  against the clean cold epoch of ``wds-s3-<latency>``;
   the batches are compared with the local ones (bitwise).
 
 Each mmcache row: a cold epoch (empty cache root and raw tier; shard indexes already
@@ -271,7 +272,7 @@ def bad_weather(
         )
         proxy.mode = "up"
         proxy.error_rate = 0.01
-        flaky = source(tmp / "raw-errors")
+        flaky = source(tmp / "raw-errors", fetch_block=None)  # a GET per sample: 1% of many
         cache = Cache(tmp / "cache-errors", memory="2GiB", disk=None, temporary=True)
         loader = mc.DataLoader(
             flaky,
