@@ -185,6 +185,7 @@ class Remote:
         #: Whether the last :meth:`stamps` came from the kept listing, not the store.
         self.stale = False
         self._warned = False
+        self._saved: dict[str, dict[str, Entry]] = {}  # the listings this process kept
 
     @property
     def policy(self) -> RetryPolicy:
@@ -399,12 +400,13 @@ class Remote:
             return self._from_listing(urls, kept, err, listing)
         self.stale = False
         if listing is not None:
-            listing.save(
-                {
-                    url: got if not isinstance(got, RemoteError) else (-1, f"error:{got.status}")
-                    for url, got in out.items()
-                }
-            )
+            entries: dict[str, Entry] = {
+                url: got if not isinstance(got, RemoteError) else (-1, f"error:{got.status}")
+                for url, got in out.items()
+            }
+            if self._saved.get(listing.path) != entries:  # written when it changed only
+                listing.save(entries)
+                self._saved[listing.path] = entries
         return out
 
     def _from_listing(
