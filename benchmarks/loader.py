@@ -19,6 +19,14 @@ Every figure is a ratio measured in this run; nothing here is a pass/fail time.
 
     .venv/bin/python benchmarks/loader.py            # ~3-5 min on 2 cores
     .venv/bin/python benchmarks/loader.py --quick    # smoke run
+    .venv/bin/python benchmarks/loader.py --compare REF [--rounds 4]
+
+``--compare REF`` is the regression guard: it checks the commit REF out into a temporary git
+worktree and measures the warm-vs-bound ratio (the interleaved one below) of this tree and of
+REF in turns, each round a fresh process per tree importing mmcache from that tree's ``src``,
+on the same generated data, then prints both medians and their quotient. Taking the trees in
+turns puts the same machine noise on both; a single A-then-B run on a shared machine cannot
+tell an 8% change from the noise.
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -285,8 +295,111 @@ def run_mmcache(
     return {"times": times, "stats": stats}
 
 
+def make_inputs(data: Path, n: int) -> tuple[Path, Any]:
+    """The benchmark's data and tokenizer, generated once into ``data`` (seeded: any tree
+    that generates them gets the same bytes)."""
+    manifest = data / "data" / "manifest.jsonl"
+    if not manifest.exists():
+        manifest = Path(mc.synth.make_dataset(data / "data", n, seed=0))
+    tok = mc.train_tokenizer(mc.synth.synth_captions(2000), vocab_size=2048)
+    return manifest, tok
+
+
+def ratio_only(data: Path, n: int, bs: int, workers: int, pairs: int) -> dict[str, float]:
+    """Just the interleaved warm-vs-bound measurement (what ``--compare`` runs per tree)."""
+    manifest, tok = make_inputs(data, n)
+    pipe = mc.Pipeline(
+        image=mc.ImageSpec(size=224, resize=256), text=mc.TextSpec(tok, max_length=32)
+    )
+    ds = mc.MultimodalDataset(manifest, pipeline=pipe)
+    data_bytes = len(ds) * mc.codec.encoded_size(ds.produce(0))
+    arrays = numpy_arrays(ds)
+    root = Path(tempfile.mkdtemp(prefix="mmcache-bench-ratio-"))
+    try:
+        return run_interleaved(
+            ds,
+            root / "c",
+            arrays,
+            memory=int(data_bytes * 1.2),
+            bs=bs,
+            workers=workers,
+            pairs=pairs,
+        )
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def compare(ref: str, args: argparse.Namespace) -> None:
+    """This tree against commit ``ref``, in turns (see the module docstring)."""
+    here = Path(__file__).resolve().parents[1]
+    tmp = Path(tempfile.mkdtemp(prefix="mmcache-bench-compare-"))
+    ref_tree = tmp / "ref"
+    subprocess.run(
+        ["git", "-C", str(here), "worktree", "add", "--detach", "-q", str(ref_tree), ref],
+        check=True,
+    )
+    trees = {"this tree": here, f"ref {ref}": ref_tree}
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
+    try:
+        for r in range(args.rounds):
+            # Alternate which tree goes first, so neither always runs on a warmer machine.
+            order = list(trees.items()) if r % 2 == 0 else list(trees.items())[::-1]
+            for name, tree in order:
+                env = {**os.environ, "PYTHONPATH": str(tree / "src")}
+                out = subprocess.run(
+                    [
+                        sys.executable,
+                        str(Path(__file__).resolve()),
+                        "--ratio-only",
+                        "--data",
+                        str(tmp / "data"),
+                        "--n",
+                        str(args.n),
+                        "--batch-size",
+                        str(args.batch_size),
+                        "--workers",
+                        str(args.workers),
+                        "--pairs",
+                        str(args.pairs),
+                    ],
+                    env=env,
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                )
+                row = json.loads(out.stdout.strip().splitlines()[-1])
+                results[name].append(row)
+                print(
+                    f"round {r}: {name}: epoch {row['epoch_ratio']:.3f}, "
+                    f"batch {row['batch_ratio']:.3f}",
+                    flush=True,
+                )
+    finally:
+        subprocess.run(
+            ["git", "-C", str(here), "worktree", "remove", "--force", str(ref_tree)], check=False
+        )
+        shutil.rmtree(tmp, ignore_errors=True)
+    print()
+    print(f"| tree | warm/bound, epochs (median of {args.rounds}) | same, batches |")
+    print("|---|---:|---:|")
+    med = {}
+    for name, rows in results.items():
+        med[name] = (
+            statistics.median(x["epoch_ratio"] for x in rows),
+            statistics.median(x["batch_ratio"] for x in rows),
+        )
+        print(f"| {name} | {med[name][0]:.3f} | {med[name][1]:.3f} |")
+    (a, b) = med.values()
+    print(f"\nthis tree / ref: epochs {a[0] / b[0]:.3f}, batches {a[1] / b[1]:.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--compare", metavar="REF", help="interleave this tree with commit REF")
+    ap.add_argument("--rounds", type=int, default=4, help="--compare: rounds per tree")
+    ap.add_argument("--pairs", type=int, default=6, help="--compare: epoch pairs per round")
+    ap.add_argument("--ratio-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--data", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--n", type=int, default=1500)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--workers", type=int, default=2)
@@ -296,6 +409,13 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.n = 300
+    if args.ratio_only:
+        row = ratio_only(args.data, args.n, args.batch_size, args.workers, args.pairs)
+        print(json.dumps(row))
+        return
+    if args.compare:
+        compare(args.compare, args)
+        return
     bs, w = args.batch_size, args.workers
     tmp = Path(tempfile.mkdtemp(prefix="mmcache-bench-loader-"))
     try:

@@ -49,13 +49,14 @@ from PIL import Image
 
 import mmcache as mc
 from mmcache.sources.base import StampKind
+from mmcache.transforms import CLIP_MEAN
 
 torch.set_num_threads(1)
 
 IMAGE = "<image>"
 IMAGE_TOKENS = 576  # LLaVA-1.5 at 336 px: (336 / 14) ** 2
 SIZE = 336
-CLIP_MEAN_U8 = tuple(round(255 * m) for m in mc.CLIP_MEAN)
+CLIP_MEAN_U8 = tuple(round(255 * m) for m in CLIP_MEAN)
 #: Vicuna v1 (LLaVA-1.5's conversation template) as an HF-style Jinja chat template.
 TEMPLATE = (
     "{{ bos_token }}A chat between a curious user and an artificial intelligence assistant. "

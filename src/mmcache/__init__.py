@@ -8,15 +8,23 @@ node-shared memory tier and a persistent disk tier; feed them to PyTorch.
 >>> cache = mc.Cache("~/.cache/mmcache", memory="auto", disk="50GiB")     # doctest: +SKIP
 >>> loader = mc.DataLoader(ds, cache=cache, batch_size=64, num_workers=4)  # doctest: +SKIP
 
-The public API is what ``__all__`` lists; everything else is internal.
+The top level is what a training script uses: ``__all__`` lists it. What a new source,
+stage, tier or policy is built from lives in :mod:`mmcache.sources`,
+:mod:`mmcache.transforms`, :mod:`mmcache.stores`, :mod:`mmcache.policies` and
+:mod:`mmcache.testing`, each with its own ``__all__``. The names that were at the top
+level before still work for one release, with a ``DeprecationWarning`` naming their
+new home (see :data:`MOVED`).
 """
 
 from __future__ import annotations
 
-from mmcache import codec, keys, sizing, synth
-from mmcache.cache import Cache, GcReport, VerifyReport
+import importlib
+import warnings
+from typing import Any
+
+from mmcache.cache import Cache
 from mmcache.cached import CachedDataset
-from mmcache.dataset import MultimodalDataset, Reject, Sample, collate
+from mmcache.dataset import MultimodalDataset, SourceDataset
 from mmcache.errors import (
     CacheError,
     ConfigError,
@@ -26,145 +34,137 @@ from mmcache.errors import (
     RemoteError,
     SampleError,
 )
-from mmcache.features import (
-    FeatureBudgetWarning,
-    FeatureCache,
-    FeatureLoader,
-    FeatureStats,
-    FeatureWarmReport,
-    load_factory,
-    warm_features,
-)
+from mmcache.features import FeatureCache, FeatureStats, warm_features
 from mmcache.loader import BatchContext, DataLoader, EpochContext, LoaderHook, PackSpec
-from mmcache.manifest import Records, read_manifest
-from mmcache.pipeline import (
-    CLIP_MEAN,
-    CLIP_STD,
-    IMAGENET_MEAN,
-    IMAGENET_STD,
-    ImageSpec,
-    Pipeline,
-    TextSpec,
-    normalize,
-    train_tokenizer,
-)
+from mmcache.pipeline import ImageSpec, Pipeline, TextSpec, normalize, train_tokenizer
 from mmcache.plot import plot
-from mmcache.policies import Policy, Residents, get_policy, policy_names, register_policy
-from mmcache.sampler import EpochSampler
-from mmcache.sources.base import SampleSource, StampKind
 from mmcache.sources.chat import TextReport
 from mmcache.sources.coco import CocoSource
-from mmcache.sources.files import FileSource
 from mmcache.sources.hfdataset import HFDatasetSource
-from mmcache.sources.open import register_source_format
 from mmcache.sources.parquet import ParquetSource
+from mmcache.sources.readers import read_manifest
 from mmcache.sources.remote import RawTier
 from mmcache.sources.remote.files import RemoteFileSource
 from mmcache.sources.remote.prefetch import RemotePrefetch
-from mmcache.sources.remote.retry import RetryPolicy
 from mmcache.sources.wds import WebDatasetSource
 from mmcache.stats import CacheStats, EpochStats, LoaderStats, TierStats
-from mmcache.stores.base import BatchReader, Store
-from mmcache.stores.disk import DiskStore
-from mmcache.stores.memory import MemoryStore, reclaim_orphans
-from mmcache.stores.tiered import TieredStore
-from mmcache.transforms.chat import IGNORE_INDEX, Chat, ChatEncoding, ChatSpec
-from mmcache.transforms.fingerprint import callable_fingerprint
+from mmcache.transforms.chat import ChatSpec
 from mmcache.transforms.hf import hf_image_processor
 from mmcache.transforms.smart_resize import SmartResize
-from mmcache.transforms.stage import Stage
 from mmcache.transforms.user import stage
-from mmcache.units import format_size, parse_duration, parse_size
 from mmcache.warm import WarmReport, warm
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CLIP_MEAN",
-    "CLIP_STD",
-    "IGNORE_INDEX",
-    "IMAGENET_MEAN",
-    "IMAGENET_STD",
     "BatchContext",
-    "BatchReader",
     "Cache",
     "CacheError",
     "CacheStats",
     "CachedDataset",
-    "Chat",
-    "ChatEncoding",
     "ChatSpec",
     "CocoSource",
     "ConfigError",
     "CorruptEntryError",
     "DataLoader",
-    "DiskStore",
     "EpochContext",
-    "EpochSampler",
     "EpochStats",
-    "FeatureBudgetWarning",
     "FeatureCache",
-    "FeatureLoader",
     "FeatureStats",
-    "FeatureWarmReport",
-    "FileSource",
-    "GcReport",
     "HFDatasetSource",
     "ImageSpec",
     "LoaderHook",
     "LoaderStats",
     "ManifestError",
-    "MemoryStore",
     "MmcacheError",
     "MultimodalDataset",
     "PackSpec",
     "ParquetSource",
     "Pipeline",
-    "Policy",
     "RawTier",
-    "Records",
-    "Reject",
     "RemoteError",
     "RemoteFileSource",
     "RemotePrefetch",
-    "Residents",
-    "RetryPolicy",
-    "Sample",
     "SampleError",
-    "SampleSource",
     "SmartResize",
-    "Stage",
-    "StampKind",
-    "Store",
+    "SourceDataset",
     "TextReport",
     "TextSpec",
     "TierStats",
-    "TieredStore",
-    "VerifyReport",
     "WarmReport",
     "WebDatasetSource",
     "__version__",
-    "callable_fingerprint",
-    "codec",
-    "collate",
-    "format_size",
-    "get_policy",
     "hf_image_processor",
-    "keys",
-    "load_factory",
     "normalize",
-    "parse_duration",
-    "parse_size",
     "plot",
-    "policy_names",
     "read_manifest",
-    "reclaim_orphans",
-    "register_policy",
-    "register_source_format",
-    "sizing",
     "stage",
-    "synth",
     "train_tokenizer",
     "warm",
     "warm_features",
 ]
+
+# ``mmcache.open_source`` (a source from any location) is added here once it exists in
+# :mod:`mmcache.sources`; until then ``MultimodalDataset(location)`` opens any format.
+
+#: Old top-level name -> the module that holds it now. ``mmcache.<name>`` still works
+#: for one release, with a DeprecationWarning naming the new spelling.
+MOVED: dict[str, str] = {
+    **dict.fromkeys(
+        ["BatchReader", "DiskStore", "MemoryStore", "Store", "TieredStore", "reclaim_orphans"],
+        "mmcache.stores",
+    ),
+    **dict.fromkeys(
+        [
+            "CLIP_MEAN",
+            "CLIP_STD",
+            "IGNORE_INDEX",
+            "IMAGENET_MEAN",
+            "IMAGENET_STD",
+            "Chat",
+            "ChatEncoding",
+            "Stage",
+            "callable_fingerprint",
+        ],
+        "mmcache.transforms",
+    ),
+    **dict.fromkeys(
+        ["FileSource", "Records", "SampleSource", "StampKind", "register_source_format"],
+        "mmcache.sources",
+    ),
+    **dict.fromkeys(
+        ["Policy", "Residents", "get_policy", "policy_names", "register_policy"],
+        "mmcache.policies",
+    ),
+    **dict.fromkeys(
+        ["FeatureBudgetWarning", "FeatureLoader", "FeatureWarmReport", "load_factory"],
+        "mmcache.features",
+    ),
+    **dict.fromkeys(["Reject", "Sample", "collate"], "mmcache.dataset"),
+    **dict.fromkeys(["GcReport", "VerifyReport"], "mmcache.cache"),
+    **dict.fromkeys(["format_size", "parse_duration", "parse_size"], "mmcache.units"),
+    "EpochSampler": "mmcache.sampler",
+}
+
+# Submodules that were imported by ``import mmcache`` and are reached as attributes
+# (``mc.synth.make_dataset``): still reachable, imported on first use, no warning.
+_SUBMODULES = frozenset({"codec", "keys", "sizing", "synth"})
+
+
+def __getattr__(name: str) -> Any:
+    """The old top-level spellings (with a DeprecationWarning) and lazy submodules."""
+    home = MOVED.get(name)
+    if home is not None:
+        warnings.warn(
+            f"mmcache.{name} moved to {home}.{name}; the old name goes in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(home), name)
+    if name in _SUBMODULES:
+        return importlib.import_module(f"mmcache.{name}")
+    raise AttributeError(f"module 'mmcache' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(__all__) | _SUBMODULES)

@@ -39,6 +39,7 @@ import numpy as np
 from mmcache import codec, sizing
 from mmcache.cacheroot import memory_group, read_config, write_config
 from mmcache.cacheroot import memory_name as _memory_name
+from mmcache.checks import check_int
 from mmcache.codec.compact import parse_disk_form
 from mmcache.errors import CacheError, ConfigError
 from mmcache.keys import as_key
@@ -48,12 +49,14 @@ from mmcache.maintenance import verify as _verify
 from mmcache.policies import Policy, get_policy
 from mmcache.readthrough import read_through
 from mmcache.registry import FingerprintRegistry
+from mmcache.rootfiles import make_dir
 from mmcache.stats import CacheStats
 from mmcache.stores.base import BatchReader, Store, dir_mode
+from mmcache.stores.claims import Claims
 from mmcache.stores.disk import DiskStore
 from mmcache.stores.disk.formed import FormedDiskStore
 from mmcache.stores.gathering import TieredReader
-from mmcache.stores.memory import MemoryStore, store_exists
+from mmcache.stores.memory import MAX_INDEX_CAPACITY, MemoryStore, store_exists
 from mmcache.stores.tiered import Accepted, Tier, TieredStore
 from mmcache.units import parse_duration, parse_size
 
@@ -184,6 +187,8 @@ class Cache:
         self.clock = clock
         self.temporary = temporary
         self.fallback: Fallback = fallback
+        if memory_entries is not None:  # checked here, so the error names this parameter
+            check_int("memory_entries", memory_entries, minimum=1, maximum=MAX_INDEX_CAPACITY)
         self.memory_entries = memory_entries
         self.disk_form = parse_disk_form(disk_form)
         #: Tiers that could not be opened (fallback="uncached"), with the reason.
@@ -198,10 +203,10 @@ class Cache:
         if memory == "auto":
             self.memory_budget = sizing.auto_memory_budget()
         elif isinstance(memory, (int, str)):
-            self.memory_budget = parse_size(memory)
+            self.memory_budget = parse_size(memory, name="memory")
         else:
             raise ConfigError(f"memory must be bytes, an IEC string, 'auto' or 0, got {memory!r}")
-        self.disk_budget = None if disk is None else parse_size(disk)
+        self.disk_budget = None if disk is None else parse_size(disk, name="disk")
         self.registry: FingerprintRegistry | None = None
         self._store = TieredStore([])
         self.flight: Store | None = None  # scope="cluster"'s in-flight tier: use_flight
@@ -231,10 +236,8 @@ class Cache:
     def _open(self) -> None:
         folder_mode = dir_mode(self.mode)
         try:
-            existed = self.root.is_dir()
-            self.root.mkdir(mode=folder_mode, parents=True, exist_ok=True)
-            if not existed:
-                os.chmod(self.root, folder_mode)  # mkdir's mode is masked by the umask
+            if not self.root.is_dir():  # (the user's root may be a link to a folder)
+                make_dir(self.root, folder_mode)  # exact mode; a 2770 parent's setgid kept
         except OSError as exc:
             if self.disk_budget is not None:
                 self._degrade(DiskStore.name, exc)
@@ -383,6 +386,14 @@ class Cache:
     def disk(self) -> Store | None:
         """The persistent disk tier, or None (no budget, or failed)."""
         return self._store.tier(DiskStore.name)
+
+    @property
+    def claims(self) -> Claims | None:
+        """The node's production claims for this cache (one preparation per node: a process
+        that misses a key another process is producing waits for it; see
+        :mod:`mmcache.stores.claims`), or None without a memory tier."""
+        memory = self.memory
+        return Claims(memory.claims_path) if isinstance(memory, MemoryStore) else None
 
     @property
     def reader(self) -> BatchReader | None:
@@ -557,7 +568,7 @@ class Cache:
         disk = self.disk
         if disk is None:
             return 0
-        limit = parse_size(capacity)
+        limit = parse_size(capacity, name="disk")
         items = len(disk)
         disk.close()
         fresh = self._new_disk(limit)

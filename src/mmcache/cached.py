@@ -26,7 +26,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any] | None]):
     """A read-through view of ``dataset`` over ``cache``.
 
     ``on_error`` follows the dataset: under ``"skip"`` a bad sample gives
-    ``None`` (use ``collate_fn=mmcache.collate``) and is recorded in
+    ``None`` (use ``collate_fn=mmcache.dataset.collate``) and is recorded in
     ``dataset.rejects()``. Process-safe: pickles to workers with the dataset and
     the cache's configuration.
     """

@@ -24,6 +24,7 @@ from mmcache.codec.compact import parse_disk_form
 from mmcache.dist import NODE_ENV
 from mmcache.errors import CacheError, ConfigError
 from mmcache.policies import policy_names
+from mmcache.rootfiles import replace_file
 from mmcache.units import parse_duration, parse_size
 
 __all__ = ["CONFIG_FILE", "memory_group", "memory_name", "read_config", "write_config"]
@@ -125,7 +126,8 @@ def write_config(
     (``gc(max_size=...)``, ``warm --disk``): only those fields change in the
     recorded file (``config`` stands in for an unreadable one), so the overrides
     of a reopening (``memory=0``, a TTL) are never persisted. Written atomically
-    (temp file + rename) with ``mode``; plain JSON, never executed.
+    (a temp file of a random name + rename, :func:`mmcache.rootfiles.replace_file`)
+    with ``mode``; plain JSON, never executed.
     """
     path = root / CONFIG_FILE
     out: dict[str, Any] = {"format": 1, **config}
@@ -137,10 +139,7 @@ def write_config(
         if isinstance(recorded, dict) and recorded.get("format") == 1:
             out = recorded
         out.update(changes)
-    tmp = path.with_name(f".{CONFIG_FILE}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(out, indent=1))
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
+    try:  # never through a link a member of a shared root planted (rootfiles)
+        replace_file(path, json.dumps(out, indent=1).encode(), mode)
     except OSError as exc:  # read-only root: the config is a convenience
         logger.debug("cannot write %s: %s", path, exc)

@@ -1,6 +1,6 @@
 """Command-line interface: a thin argparse layer over the library.
 
-``mmcache demo | synth | warm | bench | stats | verify | gc``; ``--help`` on each.
+``mmcache demo | synth | warm | bench | stats | verify | gc | inspect``; ``--help`` on each.
 Sizes accept IEC units (``512MiB``, ``10GiB``), durations s/m/h/d (``7d``).
 Commands whose output is data take ``--json``.
 """
@@ -22,6 +22,7 @@ from typing import Any
 from mmcache.cliargs import (
     Parser,
     add_data_options,
+    add_pipeline_options,
     budget,
     data_options,
     duration,
@@ -31,6 +32,7 @@ from mmcache.cliargs import (
     parse_budget,
     size,
 )
+from mmcache.cliinspect import add_inspect_parser
 
 __all__ = ["build_parser", "main"]
 
@@ -56,6 +58,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     import mmcache as mc
     from mmcache.plot import plot
+    from mmcache.units import format_size
 
     torch.set_num_threads(1)
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="mmcache-demo-"))
@@ -75,8 +78,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         memory = int(data_bytes * args.budget)
         print(
             f"dataset ready in {time.perf_counter() - t0:.1f}s: {len(ds)} samples, "
-            f"{mc.format_size(data_bytes)} preprocessed; memory tier {mc.format_size(memory)} "
-            f"({args.budget:.0%}), disk tier {mc.format_size(2 * data_bytes)}"
+            f"{format_size(data_bytes)} preprocessed; memory tier {format_size(memory)} "
+            f"({args.budget:.0%}), disk tier {format_size(2 * data_bytes)}"
         )
         cache = mc.Cache(
             base / "cache", memory=memory, disk=2 * data_bytes, policy=args.policy, temporary=True
@@ -142,19 +145,24 @@ def _cmd_synth(args: argparse.Namespace) -> int:
 
 
 # -- warm ---------------------------------------------------------------------------------
-def _cmd_warm(args: argparse.Namespace) -> int:
-    import mmcache as mc
+def _pipeline_for(args: argparse.Namespace) -> Any:
+    """``--pipeline``'s, else the default one from ``--size``, ``--max-length``, ``--tokenizer``."""
     from mmcache.defaults import DEFAULT_MAX_LENGTH, DEFAULT_SIZE, default_pipeline
-    from mmcache.warm import warm
 
     if args.pipeline is not None:
-        pipe = _user_pipeline(args)
-    else:
-        pipe = default_pipeline(
-            size=DEFAULT_SIZE if args.size is None else args.size,
-            max_length=DEFAULT_MAX_LENGTH if args.max_length is None else args.max_length,
-            tokenizer=args.tokenizer,
-        )
+        return _user_pipeline(args)
+    return default_pipeline(
+        size=DEFAULT_SIZE if args.size is None else args.size,
+        max_length=DEFAULT_MAX_LENGTH if args.max_length is None else args.max_length,
+        tokenizer=args.tokenizer,
+    )
+
+
+def _cmd_warm(args: argparse.Namespace) -> int:
+    import mmcache as mc
+    from mmcache.warm import warm
+
+    pipe = _pipeline_for(args)
     ds = mc.MultimodalDataset(
         args.manifest, pipeline=pipe, on_error=args.on_error, **data_options(args)
     )
@@ -325,8 +333,25 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
+    from mmcache.errors import ConfigError
+    from mmcache.maintenance import sweep_orphans
     from mmcache.units import format_size
 
+    if args.cache is None:
+        root_only = ("older_than", "max_size", "unused_for", "compact")
+        used = [f"--{n.replace('_', '-')}" for n in root_only if getattr(args, n)]
+        if not args.all or used:
+            needs = " ".join(used) if used else "gc"
+            raise ConfigError(
+                f"{needs} needs --cache ROOT (--all alone sweeps this node's orphaned "
+                "shared-memory stores of every root)"
+            )
+        report = sweep_orphans()
+        if args.json:
+            _print_json(report.as_dict())
+        else:
+            print(f"{len(report.orphan_segments)} orphaned shared-memory segments removed")
+        return 0
     cache = _open(args)
     try:
         report = cache.gc(
@@ -360,6 +385,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
     import mmcache as mc
+    from mmcache.dataset import collate
     from mmcache.defaults import default_pipeline
 
     torch.set_num_threads(1)
@@ -379,7 +405,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             batch_size=args.batch_size,
             shuffle=True,
             num_workers=args.workers,
-            collate_fn=mc.collate,
+            collate_fn=collate,
         )
         t0 = time.perf_counter()
         n = sum(len(b.get("id", [])) for b in plain)
@@ -501,14 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--workers", type=int_at_least(0), default=os.cpu_count() or 1)
     p.add_argument("--features", help="module:factory returning a frozen encoder")
-    p.add_argument(
-        "--pipeline",
-        help="module:function (or file.py:function) returning the training script's "
-        "mmcache.Pipeline, instead of the default one (--size, --max-length, --tokenizer)",
-    )
-    p.add_argument("--size", type=int_at_least(1), help="image side in px (default 224)")
-    p.add_argument("--max-length", type=int_at_least(1), help="tokens (default 32)")
-    p.add_argument("--tokenizer", help="tokenizer.json (default: the built-in offline one)")
+    add_pipeline_options(p)
     p.add_argument(
         "--policy", help="eviction policy (default: the root's recorded one; value for a new root)"
     )
@@ -553,7 +572,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_verify)
 
     p = sub.add_parser("gc", help="remove expired, corrupt, orphaned and over-budget data")
-    p.add_argument("--cache", required=True)
+    p.add_argument("--cache", help="cache root (not needed for --all alone)")
     p.add_argument("--older-than", type=duration, help="remove entries older than this (e.g. 7d)")
     p.add_argument("--max-size", type=size, help="shrink the disk tier to this size (e.g. 10GiB)")
     p.add_argument(
@@ -564,7 +583,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--all",
         action="store_true",
-        help="also remove orphaned shared-memory stores of this user's other cache roots",
+        help="also remove orphaned shared-memory stores of this user's other cache roots"
+        " (without --cache: of every root on this node, this user's and its groups')",
     )
     p.add_argument(
         "--compact",
@@ -573,6 +593,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_gc)
+
+    add_inspect_parser(sub, _pipeline_for)
     return parser
 
 

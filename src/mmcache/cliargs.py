@@ -188,3 +188,16 @@ def add_data_options(p: argparse.ArgumentParser) -> None:
         "--columns", help="Parquet/HF column names: id=key,image=jpg,text=caption (text= for none)"
     )
     p.add_argument("--image-root", help="COCO: the images' folder (default: the JSON's folder)")
+
+
+def add_pipeline_options(p: argparse.ArgumentParser) -> None:
+    """``--pipeline`` (the training script's) or the default one's ``--size``,
+    ``--max-length`` and ``--tokenizer`` (``mmcache warm`` and ``inspect``)."""
+    p.add_argument(
+        "--pipeline",
+        help="module:function (or file.py:function) returning the training script's "
+        "mmcache.Pipeline, instead of the default one (--size, --max-length, --tokenizer)",
+    )
+    p.add_argument("--size", type=int_at_least(1), help="image side in px (default 224)")
+    p.add_argument("--max-length", type=int_at_least(1), help="tokens (default 32)")
+    p.add_argument("--tokenizer", help="tokenizer.json (default: the built-in offline one)")

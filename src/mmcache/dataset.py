@@ -9,7 +9,7 @@ Bad samples under ``on_error="skip"``: ``ds[i]`` returns ``None`` for a sample
 that cannot be produced, records it (id, path, reason) and goes on. The
 :func:`collate` function of this module drops ``None`` entries, and
 ``mmcache.DataLoader`` does so itself; with a plain ``torch.utils.data.DataLoader``
-pass ``collate_fn=mmcache.collate``. We chose dropping over substituting another
+pass ``collate_fn=mmcache.dataset.collate``. We chose dropping over substituting another
 sample because substitution makes some samples appear twice per epoch, which
 changes training results; a filtered index would need a full decode pass
 before the first epoch. :meth:`~mmcache.sources.files.FileSource.rejects` lists the
@@ -52,9 +52,10 @@ def _is_records_location(manifest: object, format: str) -> bool:
 class MultimodalDataset(FileSource, torch.utils.data.Dataset[dict[str, Any] | None]):
     """Image-text samples from a manifest, decoded by a :class:`~mmcache.pipeline.Pipeline`.
 
-    >>> ds = MultimodalDataset("train.jsonl", pipeline=pipe)      # doctest: +SKIP
-    >>> ds[0]["image"].shape                                        # doctest: +SKIP
-    torch.Size([3, 224, 224])
+    Examples:
+        >>> ds = MultimodalDataset("train.jsonl", pipeline=pipe)      # doctest: +SKIP
+        >>> ds[0]["image"].shape                                        # doctest: +SKIP
+        torch.Size([3, 224, 224])
 
     Args:
         manifest: a seed JSONL or LLaVA JSON manifest path, or :class:`Records`.
@@ -281,7 +282,7 @@ class SourceDataset(MultimodalDataset):
 def collate(batch: Sequence[dict[str, Any] | None]) -> dict[str, Any]:
     """torch's default collate, after dropping ``None`` (skipped) samples.
 
-    Use as ``torch.utils.data.DataLoader(ds, collate_fn=mmcache.collate)`` with
+    Use as ``torch.utils.data.DataLoader(ds, collate_fn=mmcache.dataset.collate)`` with
     ``on_error="skip"``. A batch whose samples were all skipped collates to ``{}``.
     """
     kept = [item for item in batch if item is not None]

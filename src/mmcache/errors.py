@@ -133,13 +133,14 @@ def _kind_of(status: int | None, permanent: bool) -> RemoteErrorKind:
     return "server" if status >= 500 else "refused"
 
 
-class RemoteError(MmcacheError, OSError):
+class RemoteError(MmcacheError):
     """A remote call (listing, HEAD, ranged GET) that failed, after mmcache's retries.
 
     Attributes: ``url``, the HTTP ``status`` (``None`` when no response came), whether it
     is ``permanent`` (404, 403, a server ignoring ``Range``: retrying cannot help),
     ``kind`` (a :data:`RemoteErrorKind`) and the ``reason`` (credentials redacted).
-    Subclasses :class:`OSError`, as a failed read of a local file would be.
+    Not an ``OSError``, so the retry loops that catch ``OSError`` around fsspec calls never
+    take a permanent failure for a transient one. Picklable (workers send it to the parent).
     """
 
     def __init__(
@@ -162,7 +163,7 @@ class RemoteError(MmcacheError, OSError):
 
     def __str__(self) -> str:
         status = f"HTTP {self.status}" if self.status is not None else "no response"
-        return f"{self.url}: {status} ({self.kind}): {self.reason}"
+        return f"{self.url}: {status}: {self.reason}"
 
     @property
     def no_response(self) -> bool:
@@ -199,7 +200,7 @@ class RemoteSampleError(SampleError, RemoteError):
         self.sample_id = sample_id
         self.path = err.url
         self._message = f"sample {sample_id!r} ({err.url}): {self.reason}"
-        OSError.__init__(self, self._message)
+        Exception.__init__(self, self._message)
 
     def __str__(self) -> str:
         return self._message

@@ -9,6 +9,8 @@ changes what training sees next except by removing entries.
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -16,11 +18,14 @@ from typing import Any, Protocol
 
 from mmcache import codec
 from mmcache.cacheroot import memory_group
+from mmcache.errors import CacheError
 from mmcache.registry import FingerprintRegistry
 from mmcache.stores.base import Store
 from mmcache.units import parse_duration, parse_size
 
-__all__ = ["GcReport", "Maintained", "VerifyReport", "gc", "verify"]
+__all__ = ["GcReport", "Maintained", "VerifyReport", "gc", "sweep_orphans", "verify"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -178,3 +183,27 @@ def gc(
         dropped_fingerprints=tuple(dropped),
         dropped_entries=removed_by_fp,
     )
+
+
+def sweep_orphans() -> GcReport:
+    """Remove the node's orphaned memory stores of every root, without opening one
+    (``mmcache gc --all`` without ``--cache``): those of this user and of each of its
+    groups that has a store directory (roots shared with ``mode=0o660``).
+
+    What goes is what :func:`~mmcache.stores.memory.reclaim_orphans` removes:
+    stores nobody is attached to that are temporary, whose root is gone or whose
+    segments are damaged. No cache root is needed, because a root that no longer
+    exists is exactly what leaves its store behind. A group's directory that
+    another user could control is skipped with a warning (never used, never
+    emptied); this user's own raises :class:`~mmcache.errors.CacheError`.
+    Process-safe.
+    """
+    from mmcache.stores.memory import reclaim_orphans
+
+    removed = list(reclaim_orphans("*"))
+    for group in sorted({os.getegid(), *os.getgroups()}):
+        try:
+            removed += reclaim_orphans("*", group=group)
+        except CacheError as exc:  # UntrustedFileError: not ours to sweep
+            logger.warning("skipping the memory stores of group %d: %s", group, exc)
+    return GcReport(orphan_segments=tuple(removed))

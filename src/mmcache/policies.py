@@ -14,7 +14,7 @@ their reuse. "Fill once, never evict" (``keep``) reaches the bound. With items o
 different sizes and costs, which items are admitted decides how much time is
 saved: ``value`` admits by miss cost per byte and replaces a resident only when
 the newcomer is clearly (``margin`` times) denser, so measurement noise never
-causes churn. See ``research/anchors-papers.md`` sections 1 and 4.
+causes churn. Measured: the cache-core benchmark (``benchmarks/cache.py``).
 
 >>> import numpy as np
 >>> r = Residents.from_columns(size=[100, 100], cost=[1.0, 5.0])

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from mmcache.rootfiles import UnsafeFileError, make_dir, open_file, replace_file
 from mmcache.stores.base import KEY_SIZE, dir_mode
 
 __all__ = ["FingerprintInfo", "FingerprintRegistry"]
@@ -65,10 +66,8 @@ class FingerprintRegistry:
     def __init__(self, folder: str | os.PathLike[str], *, mode: int = 0o600) -> None:
         self.folder = Path(folder)
         self.mode = mode
-        existed = self.folder.is_dir()
-        self.folder.mkdir(mode=dir_mode(mode), parents=True, exist_ok=True)
-        if not existed:  # mkdir's mode is masked by the umask
-            os.chmod(self.folder, dir_mode(mode))
+        make_dir(self.folder, dir_mode(mode))  # exact mode, setgid kept, never a link
+        self._unsafe: set[str] = set()  # fingerprints whose key log was refused
 
     def touch(self, fp: str, description: str, now: float) -> None:
         """Record that ``fp`` is in use now (atomic replace of its JSON)."""
@@ -82,14 +81,9 @@ class FingerprintRegistry:
             "first_used": first,
             "last_used": now,
         }
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
-            tmp.write_text(json.dumps(data))
-            os.chmod(tmp, self.mode)
-            os.replace(tmp, path)
-        except OSError as exc:  # e.g. a full disk: leave nothing half-written behind
-            with contextlib.suppress(OSError):
-                tmp.unlink()
+            replace_file(path, json.dumps(data).encode(), self.mode)
+        except OSError as exc:  # e.g. a full disk (replace_file leaves nothing behind)
             logger.debug("cannot record fingerprint %s: %s", fp, exc)
 
     def log(self, fp: str, keys: Iterable[bytes]) -> None:
@@ -99,14 +93,18 @@ class FingerprintRegistry:
             return
         path = self.folder / f"{_check(fp)}.keys"
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, self.mode)
+            # The name is in the folder's listing: a member may have swapped the log for
+            # a link to one of our files. open_file follows no link and refuses a hard
+            # link; only a log it created gets our mode.
+            fd, _ = open_file(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, self.mode)
             try:
-                if os.fstat(fd).st_size == 0:  # just created: mode exactly, not & ~umask
-                    with contextlib.suppress(OSError):
-                        os.fchmod(fd, self.mode)
                 os.write(fd, data)
             finally:
                 os.close(fd)
+        except UnsafeFileError as exc:
+            if fp not in self._unsafe:  # once: log() runs for every batch of puts
+                self._unsafe.add(fp)
+                logger.warning("not logging keys of fingerprint %s: %s", fp, exc)
         except OSError as exc:  # a full disk must not stop training over bookkeeping
             logger.debug("cannot log keys of fingerprint %s: %s", fp, exc)
 

@@ -39,6 +39,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from mmcache.errors import ConfigError
+from mmcache.rootfiles import replace_file
 
 __all__ = ["make_dataset", "make_image", "synth_caption", "synth_captions"]
 
@@ -228,8 +229,7 @@ def make_dataset(
         with ThreadPoolExecutor(max_workers=workers) as pool:
             lines = list(pool.map(write, range(n)))
     manifest = root / "manifest.jsonl"
-    # Write then rename: a reader never sees a half-written manifest.
-    tmp = root / f".manifest.jsonl.{os.getpid()}.tmp"
-    tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    os.replace(tmp, manifest)
+    # Write then rename: a reader never sees a half-written manifest; the temp file has
+    # a random name (a shared folder's member cannot plant a link there: rootfiles).
+    replace_file(manifest, "".join(line + "\n" for line in lines).encode("utf-8"), 0o644)
     return manifest

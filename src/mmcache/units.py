@@ -15,11 +15,13 @@ memory budget is exactly the kind of silent error a budget exists to prevent.
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
 from mmcache.errors import ConfigError
 
 __all__ = [
     "DEFAULT_MEMORY_FRACTION",
+    "MAX_SIZE",
     "GiB",
     "KiB",
     "MiB",
@@ -34,6 +36,12 @@ MiB = 1024**2
 GiB = 1024**3
 TiB = 1024**4
 
+#: Largest size accepted (4 EiB, beyond any machine): file, mapping and shared-memory
+#: calls take sizes as signed 64-bit numbers, and the stores add to a budget (LMDB's map
+#: is twice the disk budget, a memory tier's largest slot rounds up), so a bound of
+#: 2**63 - 1 would still end in OverflowError deep inside LMDB or numpy.
+MAX_SIZE = 2**62
+
 #: Share of the host's really-available memory that ``memory="auto"`` takes.
 DEFAULT_MEMORY_FRACTION = 0.5
 
@@ -43,30 +51,42 @@ _DURATION_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w":
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_size(value: int | str) -> int:
+def parse_size(value: int | str, *, name: str = "size") -> int:
     """Return a byte count from an int or an IEC string (``"1.5GiB"``, ``"4096"``).
 
-    Raises :class:`ConfigError` for negative numbers, unknown or SI units.
+    Raises :class:`ConfigError` naming ``name`` (the parameter the caller was given:
+    ``memory``, ``disk``...) for negative numbers, unknown or SI units, and sizes
+    over :data:`MAX_SIZE` (2**62 bytes).
     """
     if isinstance(value, bool):
-        raise ConfigError(f"size must be an int or a string like '512MiB', got {value!r}")
+        raise ConfigError(f"{name} must be an int or a string like '512MiB', got {value!r}")
     if isinstance(value, int):
         if value < 0:
-            raise ConfigError(f"size must be >= 0, got {value}")
-        return value
+            raise ConfigError(f"{name} must be >= 0, got {value}")
+        return _bounded(value, value, name)
     if not isinstance(value, str):
-        raise ConfigError(f"size must be an int or a string like '512MiB', got {value!r}")
+        raise ConfigError(f"{name} must be an int or a string like '512MiB', got {value!r}")
     match = _SIZE_RE.match(value)
     if match is None:
-        raise ConfigError(f"cannot parse size {value!r}: use an int or e.g. '512MiB', '10GiB'")
+        raise ConfigError(f"cannot parse {name} {value!r}: use an int or e.g. '512MiB', '10GiB'")
     number, unit = match.groups()
     factor = _SIZE_UNITS.get(unit.lower())
     if factor is None:
         raise ConfigError(
-            f"unknown size unit {unit!r} in {value!r}: use IEC units B, KiB, MiB, GiB, TiB"
-            " (SI units such as GB are refused to avoid a silent 7% error)"
+            f"unknown size unit {unit!r} in {name} {value!r}: use IEC units B, KiB, MiB, GiB,"
+            " TiB (SI units such as GB are refused to avoid a silent 7% error)"
         )
-    return int(float(number) * factor)
+    # Decimal, not float: "9" * 400 would be float infinity, and int(inf) an OverflowError.
+    return _bounded(int(Decimal(number) * factor), value, name)
+
+
+def _bounded(nbytes: int, value: int | str, name: str) -> int:
+    if nbytes > MAX_SIZE:
+        raise ConfigError(
+            f"{name} must be at most 2**62 bytes (4 EiB), got {value!r}: pass the budget"
+            " of the memory or disk it should use, e.g. '64GiB'"
+        )
+    return nbytes
 
 
 def format_size(nbytes: float) -> str:

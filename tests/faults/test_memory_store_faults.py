@@ -435,3 +435,38 @@ def test_gc_of_one_root_leaves_the_orphans_of_other_roots_unless_asked(tmp_path:
     finally:
         unlink_store(_memory_name(mine))
         unlink_store(_memory_name(other))
+
+
+def test_gc_all_sweeps_the_nodes_orphans_without_a_cache_root(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Item 22: ``mmcache gc --all`` needs no root (it used to say ``--cache is
+    required``): the orphans of a private and of a group-shared root whose folders are
+    gone are removed; a live root's store is kept."""
+    from mmcache import cli
+    from mmcache.cache import Cache, _memory_name
+
+    live, private, shared = tmp_path / "live", tmp_path / "private", tmp_path / "shared"
+    for root, mode in ((live, 0o600), (private, 0o600), (shared, 0o660)):
+        with Cache(root, memory="1MiB", disk=None, mode=mode) as cache:
+            cache.put(key_of(0), {"x": np.arange(4)})
+    names = {root: _memory_name(root) for root in (live, private, shared)}
+    shared_files = glob.glob(f"{store_dir(os.getegid())}/mmcache-{names[shared]}*")
+    assert shared_files and shm_files(names[private])
+    private.rmdir()
+    shared.rmdir()  # orphans now: their owner paths are gone
+    try:
+        assert cli.main(["gc", "--all"]) == 0
+        assert "orphaned shared-memory segments removed" in capsys.readouterr().out
+        assert shm_files(names[private]) == []
+        assert not any(os.path.exists(p) for p in shared_files)
+        assert shm_files(names[live])  # its root exists: kept
+        for argv in (["gc"], ["gc", "--all", "--older-than", "1d"]):
+            assert cli.main(argv) == 2
+            err = capsys.readouterr().err
+            assert "needs --cache ROOT" in err and len(err.splitlines()) == 1
+        assert "--older-than needs --cache" in err
+    finally:
+        for name in names.values():
+            unlink_store(name)
+            unlink_store(name, group=os.getegid())

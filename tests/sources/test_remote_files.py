@@ -5,7 +5,7 @@ overwritten object, a missing one."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from mmcache.sources.remote import RawTier
 from mmcache.sources.remote.files import RemoteFileSource
 from mmcache.sources.remote.prefetch import RemotePrefetch
 from mmcache.synth import make_dataset
+from mmcache.testing.hostile import HostileInputContract
 from mmcache.testing.s3 import S3Endpoint, moto_s3
 from mmcache.testing.source_contract import SourceContract
 
@@ -145,3 +146,33 @@ def test_local_paths_are_refused(small_pipeline, tmp_path):
     manifest = make_dataset(tmp_path / "data", 2, seed=4)
     with pytest.raises(ConfigError, match="not a URL"):
         RemoteFileSource(manifest, pipeline=small_pipeline)
+
+
+class TestRemoteFileHostile(HostileInputContract):
+    """An object over ``ImageSpec.max_bytes`` is refused from the size its listing gave,
+    never fetched (issue 23 item 7)."""
+
+    __test__ = True
+
+    @pytest.fixture(autouse=True)
+    def _where(self, tmp_path: Path, s3: S3Endpoint) -> None:
+        self.root, self.s3 = tmp_path, s3
+
+    def make_hostile_source(
+        self, images: Sequence[bytes], *, pipeline: Any, on_error: OnError
+    ) -> RemoteFileSource:
+        rows = []
+        for i, data in enumerate(images):
+            key = f"hostile/{self.root.name}/{i}.img"
+            self.s3.client.put_object(Bucket="data", Key=key, Body=data)
+            rows.append({"id": f"s{i}", "image_path": f"s3://data/{key}", "caption": "c"})
+        manifest = self.root / "remote.jsonl"
+        manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return RemoteFileSource(
+            manifest,
+            pipeline=pipeline,
+            on_error=on_error,
+            storage_options=self.s3.storage_options(),
+            retries=1,
+            state_dir=self.root,
+        )

@@ -18,7 +18,7 @@ class XorForm:
     def pack(self, raw: bytes | memoryview) -> bytes:
         return bytes(b ^ 0xFF for b in bytes(raw))
 
-    def unpack(self, stored: bytes | memoryview) -> bytes:
+    def unpack(self, stored: bytes | memoryview, *, limit: int | None = None) -> bytes:
         return bytes(b ^ 0xFF for b in bytes(stored))
 
 

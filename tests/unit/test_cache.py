@@ -416,3 +416,25 @@ def test_gc_older_than_applies_once(cache_root: Path) -> None:
         assert cache.gc().expired == 0
         with pytest.raises(ConfigError, match="duration"):
             cache.gc(older_than="-1d")
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"memory": 2**63, "disk": None}, "memory"),
+        ({"memory": 2**70, "disk": None}, "memory"),
+        ({"memory": 0, "disk": 2**63}, "disk"),
+        ({"memory": 0, "disk": "99999999999999999999TiB"}, "disk"),
+        ({"memory": "1MiB", "disk": None, "memory_entries": 0}, "memory_entries"),
+        ({"memory": "1MiB", "disk": None, "memory_entries": 2**40}, "memory_entries"),
+        ({"memory": "1MiB", "disk": None, "memory_entries": "many"}, "memory_entries"),
+    ],
+)
+def test_budgets_out_of_range_are_config_errors_naming_the_parameter(
+    cache_root: Path, options: dict[str, object], named: str
+) -> None:
+    """G20: 2**63 bytes was an OverflowError traceback, memory_entries=0 named
+    ``index_capacity``; both are ConfigErrors naming what the user passed."""
+    with pytest.raises(ConfigError, match=rf"^{named} must be"):
+        Cache(cache_root, temporary=True, **options)  # type: ignore[arg-type]
+    assert not cache_root.exists()  # refused before anything was made

@@ -220,7 +220,7 @@ def test_a_form_without_write_ranges_does_not_gather(tmp_path: Path) -> None:
         def pack(self, raw: bytes | memoryview) -> bytes:
             return bytes(raw)
 
-        def unpack(self, stored: bytes | memoryview) -> bytes:
+        def unpack(self, stored: bytes | memoryview, *, limit: int | None = None) -> bytes:
             return bytes(stored)
 
     with FormedDiskStore(tmp_path / "d", form=Plain(), capacity="1MiB") as store:

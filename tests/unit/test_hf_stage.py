@@ -79,7 +79,9 @@ def test_cached_uint8_then_normalize_equals_the_processors_pixel_values(
 
 def test_mean_and_std_fold_in_rescale_and_normalize() -> None:
     stage = mc.hf_image_processor(clip())
-    assert stage.mean == pytest.approx(mc.CLIP_MEAN) and stage.std == pytest.approx(mc.CLIP_STD)
+    assert stage.mean == pytest.approx(mc.transforms.CLIP_MEAN) and stage.std == pytest.approx(
+        mc.transforms.CLIP_STD
+    )
     odd = transformers.CLIPImageProcessor(do_normalize=False, rescale_factor=1 / 127.5)
     s = mc.hf_image_processor(odd)
     im = _photo(300, 200, "RGB", 0)

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 import mmcache.sources.records as records_module
 from mmcache.errors import ConfigError, ManifestError
-from mmcache.manifest import IMAGE_TOKEN, Records, Reject, llava_text, read_manifest
+from mmcache.manifest import IMAGE_TOKEN, Records, llava_text, read_manifest
+from mmcache.manifest import RecordReject as Reject
 
 # -- helpers ------------------------------------------------------------------
 

@@ -15,7 +15,8 @@ from PIL import Image
 import mmcache.sources.readers as readers_module
 from mmcache.dataset import MultimodalDataset
 from mmcache.errors import ConfigError, SampleError
-from mmcache.manifest import Reject, read_manifest
+from mmcache.manifest import RecordReject as Reject
+from mmcache.manifest import read_manifest
 from mmcache.pipeline import ImageSpec, Pipeline, TextSpec, train_tokenizer
 from mmcache.sources import FileSource, RecordReject, RecordsBuilder, StampKind, register_reader
 from mmcache.sources.base import OnError, SampleSource

@@ -89,3 +89,11 @@ def test_sample_error_message_and_pickle() -> None:
     assert str(err) == "sample 'x' (/d/x.jpg): file not found"
     back = pickle.loads(pickle.dumps(err))
     assert (back.sample_id, back.path, back.reason) == ("x", "/d/x.jpg", "file not found")
+
+
+@pytest.mark.parametrize("huge", [2**62 + 1, 2**63, 2**70, "5000000TiB", "9" * 400 + "TiB"])
+def test_sizes_beyond_any_machine_are_config_errors_naming_the_parameter(huge: object) -> None:
+    """Not an OverflowError from deep inside LMDB or numpy: the parameter and the bound."""
+    with pytest.raises(ConfigError, match=r"^disk must be at most 2\*\*62 bytes"):
+        parse_size(huge, name="disk")  # type: ignore[arg-type]
+    assert parse_size(2**62) == 2**62

@@ -6,7 +6,8 @@ interleaves with the model's collectives. For each window of batches, in
 order and up to ``ahead + 2`` batches beyond the last one assembled here, it
 sends each peer the entries the :class:`~mmcache.cluster.schedule.Schedule`
 says, receives what the peers send, checks each received entry (its key is the
-one this process computes for that sample; its checksum holds) and puts it in
+one this process computes for that sample, its checksum holds and its layout is
+this pipeline's: :mod:`~mmcache.cluster.received`) and puts it in
 the node's in-flight tier (:mod:`~mmcache.cluster.flight`; a home sample sent
 home goes to the memory tier, under the budget), where the loader finds it as an
 ordinary hit. The loader asks :meth:`ClusterExchange.before_plan` before it plans
@@ -54,6 +55,7 @@ from mmcache import codec
 from mmcache.cache import Cache
 from mmcache.cluster.flight import flight_bound, open_flight
 from mmcache.cluster.placement import home_nodes
+from mmcache.cluster.received import EntryCheck
 from mmcache.cluster.schedule import Schedule
 from mmcache.cluster.topology import Topology
 from mmcache.cluster.wire import Message, Wire, pack, unpack
@@ -81,7 +83,7 @@ class ExchangeStats:
     received: int = 0
     received_bytes: int = 0
     sent_home: int = 0  # cold samples produced here, sent to their home node
-    refused: int = 0  # received entries whose key or checksum did not match
+    refused: int = 0  # received entries whose key, checksum or layout did not match
     peer_failures: int = 0  # peers dropped (timeout, closed connection)
     late_batches: int = 0  # batches planned before their window came (produced locally)
     dropped: int = 0  # received entries deleted after their window was consumed
@@ -122,6 +124,7 @@ class ClusterExchange:
         ahead: int = AHEAD,
         backend: str = "gloo",
         planned_ahead: int = 2,
+        fixed_shapes: bool = True,
     ) -> None:
         if backend not in ("gloo", "nccl"):
             raise ConfigError(f"the exchange backend is 'gloo' or 'nccl', got {backend!r}")
@@ -156,6 +159,8 @@ class ClusterExchange:
         self._ahead = ahead
         self._peers = list(self.topology.peers(self.topology.rank))
         self._stats = ExchangeStats()
+        # Each received entry must be what this rank would make (received.py).
+        self._check = EntryCheck(fixed_shapes=fixed_shapes)
         self._dead: list[int] = []
         self._cond = threading.Condition()
         self._cursor: Pos | None = None  # the next window to exchange
@@ -380,7 +385,10 @@ class ClusterExchange:
         """The entry of sample ``index``: other homes' in the in-flight tier first."""
         first, then = (self._flight, self._memory) if self.guests[index] else (self._memory, None)
         raw = first.get(key)
-        return raw if raw is not None or then is None else then.get(key)
+        raw = raw if raw is not None or then is None else then.get(key)
+        if raw is not None:
+            self._check.learn(raw)  # this node's own entry: the layout its pipeline makes
+        return raw
 
     def _forget(self, key: bytes) -> bool:
         """Delete an entry held for another node (the in-flight tier, or memory)."""
@@ -413,8 +421,10 @@ class ClusterExchange:
             want = dict(zip(indices[ok].tolist(), mine, strict=True))
             for i, key, raw in entries:
                 home = int(self.home[i]) if 0 <= i < self.home.shape[0] else -1
-                if want.get(i) != key or not (home == me or i in foreign) or not codec.verify(raw):
+                why = self._check.refusal(want.get(i), key, raw)
+                if why is not None or not (home == me or i in foreign):
                     self._stats.refused += 1  # another version of the sample, or damaged
+                    logger.debug("cluster exchange: refused sample %d: %s", i, why)
                     continue
                 # Home samples go under the budget; other homes' to the in-flight tier.
                 tier = self._memory if home == me else self._flight

@@ -46,7 +46,10 @@ def cluster_exchange(
         return list(order.order.for_rank(rank).batches(epoch))
 
     backend = os.environ.get(BACKEND_ENV, "gloo")
+    # A source without varying_fields makes every sample with the same shapes (as the
+    # loader reads it: loader/varying.py): received entries must then have its layout.
+    fixed = not getattr(dataset, "varying_fields", ())
     return ClusterExchange(
         cache, dataset, batches, seed=seed, timeout=cache.peer_timeout, backend=backend,
-        planned_ahead=planned_ahead,
+        planned_ahead=planned_ahead, fixed_shapes=fixed,
     )  # fmt: skip

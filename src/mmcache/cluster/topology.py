@@ -20,8 +20,35 @@ from dataclasses import dataclass
 import torch
 
 from mmcache.dist import node_name
+from mmcache.errors import ConfigError
 
-__all__ = ["Topology"]
+__all__ = ["Topology", "decode_row", "encode_row"]
+
+#: Longest node name sent (a hostname has at most 253 bytes).
+_NAME_BYTES = 256
+
+
+def encode_row(name: str, budget: int) -> torch.Tensor:
+    """One rank's ``(node name, memory budget)`` as int64: ``[budget, n, byte...]``."""
+    raw = name.encode("utf-8")
+    if len(raw) > _NAME_BYTES:
+        raise ConfigError(f"node name is longer than {_NAME_BYTES} bytes: {name[:64]!r}...")
+    row = torch.zeros(2 + _NAME_BYTES, dtype=torch.int64)
+    row[0], row[1] = budget, len(raw)
+    row[2 : 2 + len(raw)] = torch.tensor(list(raw), dtype=torch.int64)
+    return row
+
+
+def decode_row(row: torch.Tensor, rank: int) -> tuple[str, int]:
+    """The ``(node name, budget)`` of :func:`encode_row`; ConfigError if malformed."""
+    values = row.tolist()
+    budget, n, raw = values[0], values[1], values[2:]
+    if not (budget >= 0 and 0 < n <= _NAME_BYTES and all(0 <= b < 256 for b in raw[:n])):
+        raise ConfigError(f"rank {rank} sent a malformed node record (budget {budget}, {n} bytes)")
+    try:
+        return bytes(raw[:n]).decode("utf-8"), int(budget)
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"rank {rank} sent a node name that is not UTF-8: {exc}") from exc
 
 
 @dataclass(frozen=True)
@@ -48,11 +75,18 @@ class Topology:
 
     @classmethod
     def gather(cls, budget: int, group: object = None) -> Topology:
-        """Every rank's node and budget (one ``all_gather_object``, a collective)."""
-        world = torch.distributed.get_world_size()
-        pairs: list[object] = [None] * world
-        torch.distributed.all_gather_object(pairs, (node_name(), int(budget)), group=group)
-        return cls.from_pairs(torch.distributed.get_rank(), [p for p in pairs])  # type: ignore[misc]
+        """Every rank's node and budget (one ``all_gather`` of plain tensors, a collective).
+
+        Not ``all_gather_object``: it unpickles what every peer sends. Each rank sends
+        a fixed-size row of int64: its budget, the length of its node's UTF-8 name
+        and the name's bytes; a row that does not decode raises ConfigError naming
+        the rank. ``group`` must be a gloo (CPU) group.
+        """
+        row = encode_row(node_name(), int(budget))
+        rows = [torch.empty_like(row) for _ in range(torch.distributed.get_world_size())]
+        torch.distributed.all_gather(rows, row, group=group)
+        pairs = [decode_row(r, rank) for rank, r in enumerate(rows)]
+        return cls.from_pairs(torch.distributed.get_rank(), pairs)
 
     @property
     def nodes(self) -> int:

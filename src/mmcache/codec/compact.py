@@ -32,6 +32,14 @@ gather ignores them, and no second checksum is computed, since the caller checke
 the stored entry's own and a decode is deterministic). A zstd frame is
 decompressed and its ranges copied.
 
+Hostile records: a stored entry can be well formed, checksum included, and still
+declare an entry far larger than itself (a 32 KiB zstd frame of 943 MiB of zeros, a
+2 KiB JPEG whose header says 12000x12000). Every decode is told the size first: the
+zstd frame's declared content size and the JPEG headers' dimensions (read without
+decoding) are checked against the batch layout's entry length in a gather, and against
+the disk budget in :meth:`DiskForm.unpack`, before anything is allocated; over it, the
+entry is :class:`~mmcache.errors.CorruptEntryError` (discarded and produced again).
+
 Codecs are optional: ``pip install 'mmcache[compact]'``. Pure functions but for a
 bounded memo of templates and per-thread scratch buffers; thread- and
 process-safe (the decoders and numpy's copies release the GIL, so several
@@ -152,21 +160,23 @@ class DiskForm:
                 out[name] = arr
         return codec.encode(out, ctime=header.ctime, cost=header.cost, bfloat16=bf16)
 
-    def unpack(self, stored: bytes | memoryview) -> bytes:
-        """The entry of the stored bytes (raises CorruptEntryError if damaged)."""
+    def unpack(self, stored: bytes | memoryview, *, limit: int | None = None) -> bytes:
+        """The entry of the stored bytes (raises CorruptEntryError if damaged).
+
+        ``limit``: the most bytes the entry may have (the disk tier passes its budget:
+        it never stores a larger entry). A stored record that declares more, in its
+        zstd frame header or its JPEG headers, is damaged: refused before anything of
+        that size is allocated."""
         if self.kind == "raw":
             return bytes(stored)
         header = codec.read_header(stored)
         body = codec.decode(stored, verify=True)
         if self.kind == "zstd":
-            frame = body.get(_ZSTD_FIELD)
-            if frame is None or len(body) != 1:
-                raise CorruptEntryError("not a zstd-form entry")
-            zstd = _zstd()
-            try:
-                return bytes(zstd.ZstdDecompressor().decompress(frame.tobytes()))
-            except zstd.ZstdError as exc:
-                raise CorruptEntryError(f"zstd frame does not decompress: {exc}") from None
+            frame = _zstd_frame(body)
+            declared = _zstd_declared(frame)
+            _check_declared(declared, limit)
+            return _zstd_decompress(frame, declared)
+        _check_declared(_jpeg_declared(body), limit)
         out: dict[str, np.ndarray] = {}
         bf16 = {f.name for f in header.fields if f.logical_dtype == "bfloat16"}
         for name, arr in body.items():
@@ -191,6 +201,64 @@ class DiskForm:
         The caller has checked ``stored``'s checksum; CorruptEntryError if it does not
         decode. Not for ``raw`` (gathered as its own bytes)."""
         return _write_ranges(self, stored, targets, row)
+
+
+# -- bounds: what a stored record declares, checked before it is decoded ------------
+
+
+def _zstd_frame(body: dict[str, np.ndarray]) -> npt.NDArray[np.uint8]:
+    frame = body.get(_ZSTD_FIELD)
+    if frame is None or len(body) != 1:
+        raise CorruptEntryError("not a zstd-form entry")
+    return frame
+
+
+def _zstd_declared(frame: npt.NDArray[np.uint8]) -> int:
+    """The size the zstd frame's header declares (``pack`` always writes it)."""
+    zstd = _zstd()
+    try:
+        size = int(zstd.frame_content_size(frame[:18].tobytes()))  # 18: the longest header
+    except zstd.ZstdError as exc:
+        raise CorruptEntryError(f"zstd frame header does not parse: {exc}") from None
+    if size < 0:
+        raise CorruptEntryError("zstd frame does not declare its size (not written by pack)")
+    return size
+
+
+def _zstd_decompress(frame: npt.NDArray[np.uint8], declared: int) -> bytes:
+    """The frame decompressed into at most ``declared`` bytes (checked before)."""
+    zstd = _zstd()
+    dec = getattr(_local, "zstd", None)
+    if dec is None:
+        dec = _local.zstd = zstd.ZstdDecompressor()
+    try:
+        raw = dec.decompress(frame, max_output_size=declared)
+    except zstd.ZstdError as exc:
+        raise CorruptEntryError(f"zstd frame does not decompress: {exc}") from None
+    if len(raw) != declared:
+        raise CorruptEntryError(f"zstd frame gives {len(raw)} bytes, its header says {declared}")
+    return bytes(raw)
+
+
+def _jpeg_declared(body: dict[str, np.ndarray]) -> int:
+    """The bytes of the fields ``body`` unpacks into, JPEG fields by their headers'
+    dimensions (read without decoding): a lower bound of the entry's length."""
+    total = 0
+    for name, arr in body.items():
+        if name.startswith(_JPEG_PREFIX):
+            h, w = _jpeg_dims(arr)
+            total += 3 * h * w
+        else:
+            total += arr.nbytes
+    return total
+
+
+def _check_declared(declared: int, limit: int | None) -> None:
+    if limit is not None and declared > limit:
+        raise CorruptEntryError(
+            f"the stored record declares an entry of {declared} bytes, over the {limit} "
+            "bytes it can have (a crafted or damaged entry)"
+        )
 
 
 def parse_disk_form(form: str | DiskForm) -> DiskForm:
@@ -312,9 +380,16 @@ def _paint(
     dst[lo - start : hi - start] = tmp[lo - offset : hi - offset]
 
 
+def _layout_length(targets: Sequence[_Target]) -> int:
+    """The length of the batch layout's raw entries: its ranges end at the last field."""
+    return max((offset + length for offset, length, _ in targets), default=0)
+
+
 def _jpeg_ranges(stored: bytes, targets: Sequence[_Target], row: int) -> bool:
     header = codec.read_header(stored)
     body = codec.decode(stored, verify=False)
+    # before the template (an entry of the JPEGs' claimed size): not this layout's size
+    _check_declared(_jpeg_declared(body), _layout_length(targets))
     bf16 = {f.name for f in header.fields if f.logical_dtype == "bfloat16"}
     spec: list[tuple[str, str, tuple[int, ...], bool]] = []
     srcs: list[tuple[npt.NDArray[Any], tuple[int, int] | None]] = []
@@ -349,18 +424,10 @@ def _jpeg_ranges(stored: bytes, targets: Sequence[_Target], row: int) -> bool:
 
 def _zstd_ranges(stored: bytes, targets: Sequence[_Target], row: int) -> bool:
     body = codec.decode(stored, verify=False)
-    frame = body.get(_ZSTD_FIELD)
-    if frame is None or len(body) != 1:
-        raise CorruptEntryError("not a zstd-form entry")
-    zstd = _zstd()
-    dec = getattr(_local, "zstd", None)
-    if dec is None:
-        dec = _local.zstd = zstd.ZstdDecompressor()
-    try:
-        raw = dec.decompress(frame)
-    except zstd.ZstdError as exc:
-        raise CorruptEntryError(f"zstd frame does not decompress: {exc}") from None
-    src = np.frombuffer(raw, dtype=np.uint8)
+    frame = _zstd_frame(body)
+    declared = _zstd_declared(frame)
+    _check_declared(declared, _layout_length(targets))  # larger than the batch's entries
+    src = np.frombuffer(_zstd_decompress(frame, declared), dtype=np.uint8)
     if any(offset + length > src.shape[0] for offset, length, _ in targets):
         return False
     for offset, length, out in targets:

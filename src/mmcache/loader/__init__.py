@@ -31,13 +31,15 @@ the cache through the node-shared tiers.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import logging
 import operator
+import os
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +57,7 @@ from mmcache.loader.batching import plan_batching
 from mmcache.loader.counters import EpochCounter, HitRateWatch, epoch_scalars
 from mmcache.loader.hooks import BatchContext, EpochContext, Hooks, LoaderHook
 from mmcache.loader.packing import PackSpec
+from mmcache.loader.progress import check_progress, with_progress
 from mmcache.loader.readahead import Calm
 from mmcache.loader.state import STATE_VERSION, check_batching, read_state
 from mmcache.loader.stream import (
@@ -82,6 +85,25 @@ logger = logging.getLogger(__name__)
 #: when loading is the bottleneck, two threads copying at once share the memory
 #: bandwidth without gaining anything.
 _BUILD_AHEAD = 1
+
+#: Epoch iterators of this process not yet finished (a loop broken out of, an iterator
+#: kept in a global). They are closed at exit while every module is whole: left to the
+#: interpreter's teardown, a generator's ``finally`` (stopping the read-ahead threads)
+#: runs after modules' globals were cleared and prints "Exception ignored in:
+#: <generator object DataLoader._iterate>" ('NoneType' has no 'current_thread'). A
+#: weak set, so an iterator dropped early is closed by the garbage collector as before.
+_OPEN_EPOCHS: weakref.WeakSet[Generator[dict[str, Any], None, None]] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_epochs() -> None:
+    for epoch_iterator in list(_OPEN_EPOCHS):
+        with contextlib.suppress(Exception):  # at exit nobody could catch it
+            epoch_iterator.close()
+
+
+# A forked child never closes its parent's iterators (their threads are not its own).
+os.register_at_fork(after_in_child=_OPEN_EPOCHS.clear)
 
 
 @dataclass
@@ -128,8 +150,8 @@ class DataLoader:
             batches (``len(loader) == 0``) logs a warning.
         prefetch: worker tasks (batches to plan and produce) in flight per worker
             (torch's ``prefetch_factor``).
-        persistent_workers, worker_init_fn, multiprocessing_context, generator,
-            timeout: as in ``torch.utils.data.DataLoader``, for the miss workers.
+        persistent_workers, worker_init_fn, multiprocessing_context, generator, timeout: as
+            in ``torch.utils.data.DataLoader``, for the miss workers.
         on_epoch_end: called after each complete epoch with a dict of scalars
             (``epoch``, ``samples_per_s``, ``hit_rate``, ``hit_rate/<tier>`` for
             each tier of the cache (``hit_rate/memory``, ``hit_rate/disk``),
@@ -149,6 +171,8 @@ class DataLoader:
             (``pad_token_id`` None: the source's, else 0), grouped by length and
             modality, or packed (a :class:`PackSpec`, ``batch_size=1``); see
             :mod:`mmcache.loader.padding`, ``grouping`` and ``packing``.
+        progress: a tqdm bar per epoch with samples/s and the hit rate of each tier
+            (see :mod:`mmcache.loader.progress`).
     """
 
     def __init__(
@@ -179,6 +203,7 @@ class DataLoader:
         pad_to_multiple_of: int = 8,
         group_by_length: bool = False,
         pack: PackSpec | None = None,
+        progress: bool = False,
     ) -> None:
         if not isinstance(dataset, SampleSource):
             raise ConfigError(
@@ -226,6 +251,7 @@ class DataLoader:
             )
         self.num_workers = num_workers
         self.on_epoch_end = on_epoch_end
+        self.progress = check_progress(progress)
         if device is not None and augment is None:
             raise ConfigError(
                 f"device={device!r} is where augment runs, but augment is None: pass "
@@ -464,7 +490,14 @@ class DataLoader:
         if self.cache is not None:
             self.cache.register(self.dataset.fingerprint(), self.dataset.describe())
         run = _EpochRun(epoch=epoch, batches=batches, start=self._position)
-        return self._iterate(run)
+        epoch_iterator = self._iterate(run)
+        _OPEN_EPOCHS.add(epoch_iterator)
+        if not self.progress:
+            return epoch_iterator
+        tiers = list(self.cache.tiers) if self.cache is not None else []
+        live = lambda: None if self._live is None else self._live.snapshot()  # noqa: E731
+        total = len(batches) - run.start
+        return with_progress(epoch_iterator, epoch=epoch, total=total, tiers=tiers, live=live)
 
     # -- per epoch -----------------------------------------------------------------------
     def _epoch_batches(self, epoch: int) -> list[np.ndarray]:
@@ -484,7 +517,7 @@ class DataLoader:
             )
 
     # -- consuming (training process) ------------------------------------------------------
-    def _iterate(self, run: _EpochRun) -> Iterator[dict[str, Any]]:
+    def _iterate(self, run: _EpochRun) -> Generator[dict[str, Any], None, None]:
         """Yield the batches of ``run`` in order, assembled ahead while the training step runs.
 
         An :class:`~mmcache.loader.warm_epoch.assembler.InOrderBuilder` assembles

@@ -36,6 +36,7 @@ from mmcache.errors import SampleError
 from mmcache.keys import STAT_FIELDS
 from mmcache.sources.base import SampleSource, StampKind
 from mmcache.stores.base import BatchReader
+from mmcache.stores.claims import Claims
 from mmcache.writeback import pending_write, write_behind
 
 __all__ = [
@@ -153,6 +154,8 @@ class WorkerPlanner(torch.utils.data.Dataset[PackedPlan]):
         self._keys_lock = threading.Lock()
         self._reader: BatchReader | None = None
         self._reader_known = False  # resolved once per process (see _first_tier)
+        self._claims_obj: Claims | None = None
+        self._claims_known = False  # resolved once per process (see _claims)
         #: scope="cluster": which samples are homed on another node (``cache.flight``'s).
         self.guests: np.ndarray | None = None
 
@@ -160,6 +163,7 @@ class WorkerPlanner(torch.utils.data.Dataset[PackedPlan]):
         state = dict(self.__dict__)
         del state["_keys_lock"]  # sent to spawned workers: a lock does not pickle
         state["_reader"], state["_reader_known"] = None, False  # that process's own
+        state["_claims_obj"], state["_claims_known"] = None, False
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -184,31 +188,90 @@ class WorkerPlanner(torch.utils.data.Dataset[PackedPlan]):
         it from shared memory like a hit, which saves pickling 150 KB through a
         pipe per sample (torch's own workers avoid that copy with shared-memory
         tensors). Everything else travels as arrays.
+
+        A miss is produced under the node's claim on its key (``cache.claims``): when
+        another process (another job on this node with the same pipeline and order, or
+        another worker) is producing the same key right now, this one waits for it and
+        takes the entry it publishes instead of decoding the sample a second time. The
+        wait is bounded, and a producer that dies releases its claim as it dies.
         """
+        result = self._run(index, key, cached=cached, wait=True)
+        if result is None:  # pragma: no cover - only wait=False returns None
+            raise RuntimeError("a waited task returned nothing")
+        return result
+
+    def _run(self, index: int, key: bytes, *, cached: bool, wait: bool) -> TaskResult | None:
+        """:meth:`run`; with ``wait=False``, None instead of waiting for another producer."""
         cache = self.cache
+        if cache is None or not cached:
+            return self._produce(index, key)
+        found = self._cached(index, key)
+        if found is not None:
+            return found
+        claims = self._claims()
+        claim = claims.acquire(key, wait=wait) if claims is not None else None
+        if claim is not None and claim.fd < 0 and not wait:
+            return None  # another process is producing it: come back to it
+        try:
+            if claim is not None and self._published(key, waited=claim.waited):
+                found = self._cached(index, key)  # what the other producer published
+                if found is not None:
+                    return found
+            return self._produce(index, key)
+        finally:
+            if claim is not None:
+                claim.release()
+
+    def _published(self, key: bytes, *, waited: bool) -> bool:
+        """Whether to look ``key`` up again once claimed: always after waiting for another
+        producer; otherwise only if the first tier now holds it (another process produced
+        and released it between this one's lookup and its claim), which asks the first
+        tier without counting a second miss."""
+        if waited:
+            return True
+        reader = self._first_tier()
+        return reader is not None and bool(reader.contains_many([key])[0])
+
+    def _claims(self) -> Claims | None:
+        """The cache's production claims, resolved once per process (like the reader)."""
+        if not self._claims_known:
+            self._claims_obj = self.cache.claims if self.cache is not None else None
+            self._claims_known = True
+        return self._claims_obj
+
+    def _cached(self, index: int, key: bytes) -> TaskResult | None:
+        """The task's result when some tier (or this process's write-behind) holds ``key``."""
+        cache = self.cache
+        if cache is None:
+            return None
         in_worker = torch.utils.data.get_worker_info() is not None
         reader = self._first_tier()
-        if cache is not None and cached:
-            if in_worker and reader is not None and reader.contains_many([key])[0]:
-                return TaskResult(index, SampleOrigin.MEMORY_HIT, reader.name, in_memory=True)
-            sample, tier = cache.lookup(key)
-            if sample is not None:
-                first = reader is not None and tier == reader.name
-                origin = SampleOrigin.MEMORY_HIT if first else SampleOrigin.DISK_HIT
-                if (
-                    in_worker
-                    and not first
-                    and reader is not None
-                    and reader.contains_many([key])[0]  # promoted by lookup
-                ):
-                    return TaskResult(index, origin, tier or "", in_memory=True)
-                copied = {k: np.array(v) for k, v in sample.items()}
-                return TaskResult(index, origin, tier or "", copied)
-            raw = pending_write(cache, key)  # produced here a moment ago, not yet committed
-            if raw is not None:
-                queued = {k: np.array(v) for k, v in codec.decode(raw, verify=False).items()}
-                deferred = list(cache.tiers)[-1]  # the tier it is on its way to
-                return TaskResult(index, SampleOrigin.DISK_HIT, deferred, queued)
+        if in_worker and reader is not None and reader.contains_many([key])[0]:
+            return TaskResult(index, SampleOrigin.MEMORY_HIT, reader.name, in_memory=True)
+        sample, tier = cache.lookup(key)
+        if sample is not None:
+            first = reader is not None and tier == reader.name
+            origin = SampleOrigin.MEMORY_HIT if first else SampleOrigin.DISK_HIT
+            if (
+                in_worker
+                and not first
+                and reader is not None
+                and reader.contains_many([key])[0]  # promoted by lookup
+            ):
+                return TaskResult(index, origin, tier or "", in_memory=True)
+            copied = {k: np.array(v) for k, v in sample.items()}
+            return TaskResult(index, origin, tier or "", copied)
+        raw = pending_write(cache, key)  # produced here a moment ago, not yet committed
+        if raw is not None:
+            queued = {k: np.array(v) for k, v in codec.decode(raw, verify=False).items()}
+            deferred = list(cache.tiers)[-1]  # the tier it is on its way to
+            return TaskResult(index, SampleOrigin.DISK_HIT, deferred, queued)
+        return None
+
+    def _produce(self, index: int, key: bytes) -> TaskResult:
+        """Produce the sample and admit it (the first tier at once, the rest write-behind)."""
+        cache = self.cache
+        in_worker = torch.utils.data.get_worker_info() is not None
         t0 = time.thread_time()
         try:
             produced = self.source.produce(index)
@@ -246,8 +309,15 @@ class WorkerPlanner(torch.utils.data.Dataset[PackedPlan]):
             planned = np.zeros(len(indices), dtype=bool)
         if not produce and not planned.all():
             return None
+        missing = np.flatnonzero(~planned).tolist()
+        # First the misses nobody else is producing, then (waiting) the ones another
+        # process is: jobs that share an order then split a batch's decodes between them.
+        first = [
+            self._run(int(indices[r]), keys[r].tobytes(), cached=True, wait=False) for r in missing
+        ]
         results = [
-            self.run(int(indices[r]), keys[r].tobytes()) for r in np.flatnonzero(~planned).tolist()
+            res if res is not None else self.run(int(indices[r]), keys[r].tobytes())
+            for r, res in zip(missing, first, strict=True)
         ]
         return BatchPlan(indices, keys, planned, results, stamps)
 

@@ -29,10 +29,17 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import numpy as np
 
 from mmcache.errors import SampleError
-from mmcache.transforms.image import decode_bytes, load_image
+from mmcache.transforms.image import DEFAULT_MAX_BYTES, decode_bytes, load_image
 from mmcache.transforms.stage import Stage
 
-__all__ = ["PipelineFields", "StagedProcessor", "Unit", "process_bytes"]
+__all__ = [
+    "PipelineFields",
+    "StagedProcessor",
+    "Unit",
+    "byte_limit",
+    "check_size",
+    "process_bytes",
+]
 
 #: How a source names what holds a sample's image and text, for "is missing" errors.
 Unit = Literal["member", "row", "record"]
@@ -88,14 +95,7 @@ def process_bytes(
                     sample_id=sample_id,
                     path=path,
                 )
-            limit = getattr(stage, "max_bytes", None)
-            if isinstance(limit, int) and len(image) > limit:
-                raise SampleError(
-                    f"image is {len(image)} bytes, over the limit of {limit} bytes "
-                    "(ImageSpec.max_bytes)",
-                    sample_id=sample_id,
-                    path=path,
-                )
+            check_size(len(image), byte_limit(pipeline), "image", sample_id=sample_id, path=path)
             decoded = decode_bytes(stage, image, sample_id=sample_id, path=path)
         else:
             if text is None:
@@ -112,6 +112,35 @@ def process_bytes(
     if decoded is not None:
         out["image"] = decoded
     return out
+
+
+def byte_limit(pipeline: StagedProcessor) -> int | None:
+    """The most bytes one member, object or cell of a sample may have before it is read:
+    the image stage's ``max_bytes`` (``None``: that stage has no limit), or the default
+    of ``ImageSpec.max_bytes`` for a pipeline without an image stage (a caption of
+    hundreds of MiB is a file listed by mistake, as an image that large is)."""
+    for stage in pipeline.stages:
+        if stage.kind == "image":
+            limit = getattr(stage, "max_bytes", None)
+            return limit if isinstance(limit, int) else None
+    return DEFAULT_MAX_BYTES
+
+
+def check_size(
+    size: int, limit: int | None, what: str, *, sample_id: str, path: str | None
+) -> None:
+    """Raise :class:`SampleError` naming the sample when ``size`` (taken from an index, a
+    header or a stat: before any byte is read) is over ``limit`` (see :func:`byte_limit`).
+
+    This is the one check every source makes before it reads a sample's bytes, so that a
+    hostile size never becomes an allocation: the caller reads nothing when it raises."""
+    if limit is not None and size > limit:
+        raise SampleError(
+            f"{what} is {size} bytes, over the limit of {limit} bytes (ImageSpec.max_bytes); "
+            "refused before reading it",
+            sample_id=sample_id,
+            path=path,
+        )
 
 
 class PipelineFields:

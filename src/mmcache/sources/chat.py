@@ -21,8 +21,11 @@ Thread safety: pure functions; a :class:`TextReport` is immutable.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import stat
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,12 +34,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import xxhash
-from PIL import Image
 
 from mmcache import keys
 from mmcache.errors import ConfigError, ManifestError, SampleError
+from mmcache.rootfiles import make_dir, replace_file
 from mmcache.sources.records import RecordReject, Records
-from mmcache.transforms.chat import Chat, ChatSpec
+from mmcache.transforms.chat import Chat, ChatSpec, FullyMaskedError
+from mmcache.transforms.image import DEFAULT_MAX_BYTES, image_header
 from mmcache.transforms.pixels import DECODE_ERRORS, orientation
 from mmcache.transforms.smart_resize import output_hw
 
@@ -151,12 +155,8 @@ class TextReport:
     def write(self, root: str | os.PathLike[str]) -> Path:
         """Record it under the cache ``root`` (``reports/text-<fingerprint>.json``,
         written atomically), where ``mmcache stats`` finds it."""
-        folder = Path(root) / _REPORTS
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"text-{self.fingerprint}.json"
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.as_dict(), indent=1), encoding="utf-8")
-        os.replace(tmp, path)
+        path = Path(root) / _REPORTS / f"text-{self.fingerprint}.json"
+        _write_in_root(path, json.dumps(self.as_dict(), indent=1).encode("utf-8"))
         return path
 
 
@@ -189,8 +189,19 @@ _OK, _TRUNCATED, _MASKED, _UNREADABLE, _REFUSED = range(5)
 
 
 def _image_hw(stage: object, path: str, sample_id: str) -> tuple[int, int]:
-    """The processed ``(h, w)`` of the image at ``path``, from its header only."""
-    with Image.open(path) as im:
+    """The processed ``(h, w)`` of the image at ``path``, from its header only, opened
+    through the guarded open (:func:`~mmcache.transforms.image.image_header`: never
+    blocking on a FIFO or a device; over ``max_bytes`` or a decompression bomb by
+    Pillow's limit: a SampleError for this sample). The stage's own ``max_pixels`` is
+    not applied here: it is checked after a reduced (draft) decode, which a header
+    read cannot reproduce."""
+    max_bytes = getattr(stage, "max_bytes", DEFAULT_MAX_BYTES)
+    with image_header(
+        path,
+        sample_id=sample_id,
+        max_bytes=max_bytes if isinstance(max_bytes, int) else None,
+        max_pixels=None,
+    ) as im:
         turn = orientation(im)
         width, height = im.size
     hw = output_hw(stage, width, height, turn)
@@ -238,7 +249,7 @@ def _measure(
                     ) from exc
             enc = chat.encode(Chat(tuple(messages), tuple(sizes)), sample_id=sample_id)
         except SampleError as err:
-            if "fully masked" in err.reason:
+            if isinstance(err, FullyMaskedError):
                 status = _MASKED
             if err.sample_id != sample_id:
                 err = SampleError(err.reason, sample_id=sample_id, path=err.path)
@@ -355,11 +366,21 @@ def _load(path: Path, n: int, width: int) -> dict[str, npt.NDArray[Any]] | None:
 
 def _save(path: Path, arrays: dict[str, npt.NDArray[Any]]) -> None:
     """Write ``arrays`` to ``path`` atomically (a failure to write is not an error)."""
+    buf = io.BytesIO()
+    savez: Any = np.savez  # its **kwds overlap allow_pickle for mypy
+    savez(buf, **arrays)
+    with contextlib.suppress(OSError):
+        _write_in_root(path, buf.getvalue())
+
+
+def _write_in_root(path: Path, data: bytes) -> None:
+    """Replace ``path`` (``root/reports/...``) by ``data``, never through a link a member
+    of a shared root planted (:mod:`mmcache.rootfiles`). Folder and file take the
+    root's permissions (a 2770 root: group-shared reports, setgid kept)."""
+    root = path.parent.parent
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.npz")
-        savez: Any = np.savez  # its **kwds overlap allow_pickle for mypy
-        savez(tmp, **arrays)
-        os.replace(tmp, path)
-    except OSError:
-        return
+        folder_mode = stat.S_IMODE(os.stat(root).st_mode) & 0o777
+    except FileNotFoundError:  # a root not made yet: made here, private
+        folder_mode = 0o700
+    make_dir(path.parent, folder_mode)
+    replace_file(path, data, folder_mode & 0o666)

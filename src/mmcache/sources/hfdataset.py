@@ -33,7 +33,9 @@ import xxhash
 
 from mmcache.errors import ConfigError, ManifestError, SampleError
 from mmcache.sources.base import OnError, SampleSource, StampKind
-from mmcache.sources.rows import IdColumn, RowSource, StagedProcessor, check_columns, image_cell
+from mmcache.sources.bytesproc import byte_limit
+from mmcache.sources.cells import check_image_type, image_cell
+from mmcache.sources.rows import IdColumn, RowSource, StagedProcessor, check_columns
 
 __all__ = ["HFDatasetSource"]
 
@@ -99,6 +101,9 @@ class HFDatasetSource(RowSource):
                     f"name it with columns={{{role!r}: ...}})",
                     path=self.where,
                 )
+        image = self.columns["image"]
+        if image is not None:
+            check_image_type(dataset.data.schema.field(image).type, column=image, path=self.where)
         self.dataset = dataset
         self._stamp = int(
             np.uint64(xxhash.xxh3_64_intdigest(self.fingerprint_of_data.encode())).view(np.int64)
@@ -151,7 +156,13 @@ class HFDatasetSource(RowSource):
             text = None if value is None else str(value)
         data, image_file = None, None
         if self.columns["image"]:
-            data, image_file = image_cell(row.column(self.columns["image"])[0], "")
+            data, image_file = image_cell(
+                row.column(self.columns["image"])[0],
+                "",
+                limit=byte_limit(self.pipeline),
+                sample_id=self._ids.id(index),
+                where=where,
+            )
         return data, image_file, text, where
 
     def __repr__(self) -> str:

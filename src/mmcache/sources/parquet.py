@@ -41,14 +41,10 @@ import xxhash
 from mmcache import keys
 from mmcache.errors import ConfigError, ManifestError, SampleError
 from mmcache.sources.base import OnError, SampleSource, StampKind
+from mmcache.sources.bytesproc import byte_limit
+from mmcache.sources.cells import check_image_type, image_cell
 from mmcache.sources.rejects import Reject
-from mmcache.sources.rows import (
-    IdColumn,
-    RowSource,
-    StagedProcessor,
-    check_columns,
-    image_cell,
-)
+from mmcache.sources.rows import IdColumn, RowSource, StagedProcessor, check_columns
 from mmcache.units import parse_size
 
 __all__ = ["ParquetSource"]
@@ -293,6 +289,9 @@ class ParquetSource(RowSource):
                     f"with columns={{{role!r}: ...}})",
                     path=name,
                 )
+        image = self.columns["image"]
+        if image is not None:
+            check_image_type(pf.schema_arrow.field(image).type, column=image, path=name)
 
     def _read_ids(self, pf: Any, name: str) -> Any:
         import pyarrow as pa
@@ -428,7 +427,13 @@ class ParquetSource(RowSource):
         data, image_file = None, None
         if self.columns["image"]:
             base = "" if _is_url(name) else os.path.dirname(name)
-            data, image_file = image_cell(table.column(self.columns["image"])[k], base)
+            data, image_file = image_cell(
+                table.column(self.columns["image"])[k],
+                base,
+                limit=byte_limit(self.pipeline),
+                sample_id=sid,
+                where=where,
+            )
         return data, image_file, text, where
 
     def __repr__(self) -> str:

@@ -21,7 +21,6 @@ Thread/process safety: read-only after construction but for the reject log
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -33,6 +32,7 @@ from mmcache import keys
 from mmcache.errors import ConfigError, SampleError
 from mmcache.sources.base import OnError, StampKind
 from mmcache.sources.bytesproc import PipelineFields, StagedProcessor, process_bytes
+from mmcache.sources.cells import image_cell
 from mmcache.sources.items import item_tensors
 from mmcache.sources.rejects import Reject, RejectLog
 
@@ -269,22 +269,3 @@ class RowSource(PipelineFields):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-
-
-def image_cell(value: Any, base_dir: str) -> tuple[bytes | None, str | None]:
-    """``(bytes, None)`` of a pyarrow image cell (``binary``, or the HF ``Image`` struct
-    ``{bytes, path}``), ``(None, file)`` for a struct with null bytes and a ``path``
-    (joined with ``base_dir`` when relative), ``(None, None)`` for a null image."""
-    if not value.is_valid:
-        return None, None
-    if hasattr(value, "keys"):  # a struct scalar
-        names = value.keys()
-        data = value.get("bytes") if "bytes" in names else None
-        if data is not None and data.is_valid:
-            return data.as_py(), None
-        path = value.get("path") if "path" in names else None
-        if path is not None and path.is_valid and path.as_py():
-            return None, os.path.normpath(os.path.join(base_dir, str(path.as_py())))
-        return None, None
-    raw = value.as_py()
-    return (bytes(raw) if raw is not None else None), None

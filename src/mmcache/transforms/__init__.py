@@ -15,7 +15,8 @@ and HF image processors through ``mmcache.hf_image_processor``
 that name; ``mmcache.stage`` and ``mmcache.normalize`` are those functions.
 """
 
-from mmcache.transforms.chat import Chat, ChatSpec
+from mmcache.transforms.chat import IGNORE_INDEX, Chat, ChatEncoding, ChatSpec
+from mmcache.transforms.fingerprint import callable_fingerprint
 from mmcache.transforms.image import ALPHA_BACKGROUND, ImageSpec, Interpolation, decode_bytes
 from mmcache.transforms.normalize import CLIP_MEAN, CLIP_STD, IMAGENET_MEAN, IMAGENET_STD
 from mmcache.transforms.smart_resize import SmartResize
@@ -27,9 +28,11 @@ __all__ = [
     "ALPHA_BACKGROUND",
     "CLIP_MEAN",
     "CLIP_STD",
+    "IGNORE_INDEX",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "Chat",
+    "ChatEncoding",
     "ChatSpec",
     "ImageSpec",
     "Interpolation",
@@ -38,6 +41,7 @@ __all__ = [
     "StageKind",
     "TextSpec",
     "UserStage",
+    "callable_fingerprint",
     "decode_bytes",
     "train_tokenizer",
 ]

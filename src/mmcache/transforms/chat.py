@@ -51,7 +51,7 @@ from mmcache.transforms.chat_tokenizer import (
 from mmcache.transforms.fingerprint import callable_fingerprint
 from mmcache.transforms.stage import StageKind
 
-__all__ = ["IGNORE_INDEX", "Chat", "ChatEncoding", "ChatSpec"]
+__all__ = ["IGNORE_INDEX", "Chat", "ChatEncoding", "ChatSpec", "FullyMaskedError"]
 
 #: The label of a token that is not trained on (PyTorch's ``CrossEntropyLoss`` default).
 IGNORE_INDEX = -100
@@ -67,6 +67,19 @@ _MARK = "\ue000"
 _EOT_CANDIDATES = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "</s>")
 
 ImageTokens = int | Callable[[int, int], int]
+
+
+class FullyMaskedError(SampleError):
+    """A conversation with no token to train on (no assistant reply, or every reply cut by
+    truncation): the kind that :func:`mmcache.sources.chat.chat_lengths` counts as
+    ``fully_masked``, told by its type rather than its text."""
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_fully_masked, (self.reason, self.sample_id, self.path))
+
+
+def _rebuild_fully_masked(reason: str, sample_id: str, path: str | None) -> FullyMaskedError:
+    return FullyMaskedError(reason, sample_id=sample_id, path=path)
 
 
 @dataclass(frozen=True)
@@ -395,6 +408,14 @@ class ChatSpec:
             raise SampleError(
                 f"the chat template refused the conversation: {exc}", sample_id="<chat>"
             ) from exc
+        except Exception as exc:
+            # A template is user code run in jinja's sandbox: 1/0, a range over the
+            # sandbox's limit, an {% import %} without a loader each raise their own
+            # type. Each is this sample's failure, named, never a raw exception.
+            raise SampleError(
+                f"the chat template failed on the conversation: {type(exc).__name__}: {exc}",
+                sample_id="<chat>",
+            ) from exc
 
     def encode(self, chat: Chat, *, sample_id: str = "<chat>") -> ChatEncoding:
         """Render, tokenize, label and truncate one conversation (see the module
@@ -447,19 +468,20 @@ class ChatSpec:
                 if enc.truncated
                 else "fully masked: no assistant token to train on"
             )
-            raise SampleError(why, sample_id=sample_id)
+            raise FullyMaskedError(why, sample_id=sample_id)
         return enc
 
     def _assistant_spans(self, messages: list[dict[str, str]], text: str) -> list[tuple[int, int]]:
         """Character spans ``[a, b)`` of each assistant reply in ``text`` (its end-of-turn
         marker included), found by rendering with that reply replaced by a marker."""
         spans: list[tuple[int, int]] = []
+        mark = _free_mark(text, messages)
         for k, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
             content = message["content"]
-            marked = [*messages[:k], {**message, "content": _MARK}, *messages[k + 1 :]]
-            start, rendered = _placed(text, self._render(marked))
+            marked = [*messages[:k], {**message, "content": mark}, *messages[k + 1 :]]
+            start, rendered = _placed(text, self._render(marked), mark)
             if start < 0 or rendered not in (content, content.strip()):
                 raise SampleError(
                     f"the chat template rewrites assistant message {k} (its reply is not in "
@@ -536,16 +558,32 @@ class ChatSpec:
         return np.concatenate(ids), offsets[:, 0], offsets[:, 1], runs
 
 
-def _placed(text: str, marked: str) -> tuple[int, str]:
+def _free_mark(text: str, messages: list[dict[str, str]]) -> str:
+    """A marker found neither in the rendered ``text`` nor in any message: the first
+    private-use character absent from both (U+E000 first), or, for a conversation using
+    them all, a run of them. A user turn holding U+E000 (icon-font text scraped from the
+    web) is then labelled like any other, never refused as a rewritten reply."""
+    seen = set(text).union(*(m["content"] for m in messages))
+    for code in range(0xE000, 0xF900):  # the Basic Multilingual Plane's private-use area
+        if chr(code) not in seen:
+            return chr(code)
+    mark = _MARK * 2
+    while mark in text or any(mark in m["content"] for m in messages):
+        mark += _MARK
+    return mark
+
+
+def _placed(text: str, marked: str, mark: str = _MARK) -> tuple[int, str]:
     """Where the reply sits in ``text``, given ``marked``: the same render with that reply
-    replaced by :data:`_MARK`. Both share everything but the reply, so it starts where
-    they first differ and ends where their common end begins: ``(start, reply as
-    rendered)``, or ``(-1, "")`` when ``marked`` is not ``text`` with one mark in place of
-    one substring (a template that uses the reply twice, or branches on it)."""
-    if marked.count(_MARK) != 1:
+    replaced by ``mark`` (absent from the conversation). Both share everything but the
+    reply, so it starts where they first differ and ends where their common end begins:
+    ``(start, reply as rendered)``, or ``(-1, "")`` when ``marked`` is not ``text`` with
+    one mark in place of one substring (a template that uses the reply twice, or branches
+    on it)."""
+    if marked.count(mark) != 1:
         return -1, ""
-    h = marked.index(_MARK)
-    tail = marked[h + len(_MARK) :]
+    h = marked.index(mark)
+    tail = marked[h + len(mark) :]
     if not text.startswith(marked[:h]) or not text.endswith(tail) or len(text) < h + len(tail):
         return -1, ""
     return h, text[h : len(text) - len(tail)]

@@ -53,6 +53,7 @@ Thread-safe: each call has its own image objects (Pillow releases the GIL while 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import io
@@ -61,8 +62,9 @@ import logging
 import os
 import re
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
+from typing import IO, TYPE_CHECKING, Any, ClassVar, Literal, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -90,12 +92,14 @@ from mmcache.units import MiB
 
 __all__ = [
     "ALPHA_BACKGROUND",
+    "DEFAULT_MAX_BYTES",
     "PAD_FILL",
     "Crop",
     "ImageSpec",
     "Interpolation",
     "ReducedDecode",
     "decode_bytes",
+    "image_header",
     "load_image",
     "open_image",
     "read_file",
@@ -124,6 +128,9 @@ _PILLOW_MAJOR = int(PIL.__version__.split(".")[0])
 # a file far larger is a video or an archive listed by mistake, and reading it
 # whole would raise MemoryError, which no on_error policy catches.
 _DEFAULT_MAX_BYTES = 256 * MiB
+#: The default of ``ImageSpec.max_bytes`` (what sources bound a sample's bytes by when
+#: their pipeline has no image stage).
+DEFAULT_MAX_BYTES = _DEFAULT_MAX_BYTES
 
 _BOMB_PIXELS_RE = re.compile(r"\((\d+) pixels\)")
 
@@ -396,16 +403,14 @@ class ImageSpec:
 # ----------------------------------------------------------------------------------------------
 
 
-def read_file(path: str, sample_id: str, max_bytes: int | None) -> bytes:
-    """The whole file, or SampleError with a plain reason.
+def _open_regular(path: str, sample_id: str, max_bytes: int | None) -> tuple[int, os.stat_result]:
+    """A descriptor of the regular, non-empty file ``path`` and its ``fstat``, refused
+    (SampleError with a plain reason) when it is not one or is over ``max_bytes``.
 
-    Reading it in one go (rather than letting Pillow read lazily from the path)
-    separates I/O errors from decode errors and catches empty files, directories and
-    special files before any decoder sees them. ``O_NONBLOCK`` keeps a FIFO from
-    blocking the reader forever; it has no effect on regular files. A file over
-    ``max_bytes`` is refused from its ``fstat`` size, and reads stop past the limit
-    should it grow meanwhile: nothing allocates more than ``max_bytes + 1``.
-    """
+    ``O_NONBLOCK`` keeps a FIFO from blocking the opener forever (it has no effect on
+    regular files); a FIFO or device is then refused by its ``fstat`` mode, before
+    anything is read. Every read of an image file, whole (:func:`read_file`) or of its
+    header only (:func:`open_image_file`), opens it here."""
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
     try:
         fd = os.open(path, flags)
@@ -445,6 +450,28 @@ def read_file(path: str, sample_id: str, max_bytes: int | None) -> bytes:
                 sample_id=sample_id,
                 path=path,
             )
+    except OSError as exc:
+        os.close(fd)
+        raise SampleError(
+            f"cannot read file: {exc.strerror or exc}", sample_id=sample_id, path=path
+        ) from exc
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def read_file(path: str, sample_id: str, max_bytes: int | None) -> bytes:
+    """The whole file, or SampleError with a plain reason.
+
+    Reading it in one go (rather than letting Pillow read lazily from the path)
+    separates I/O errors from decode errors and catches empty files, directories and
+    special files before any decoder sees them (:func:`_open_regular`). A file over
+    ``max_bytes`` is refused from its ``fstat`` size, and reads stop past the limit
+    should it grow meanwhile: nothing allocates more than ``max_bytes + 1``.
+    """
+    fd, st = _open_regular(path, sample_id, max_bytes)
+    try:
         chunks = []
         total = 0
         budget = (max_bytes + 1) if max_bytes is not None else None
@@ -488,12 +515,13 @@ def _bomb_reason(message: str, max_pixels: int | None) -> str:
 
 
 def open_image(
-    data: bytes, *, max_pixels: int | None, sample_id: str, path: str | None
+    data: bytes | IO[bytes], *, max_pixels: int | None, sample_id: str, path: str | None
 ) -> Image.Image:
-    """``Image.open`` on ``data`` (nothing decoded yet), refusing what is not an image
-    and images of more than ``max_pixels`` pixels (from the header). Raises SampleError."""
+    """``Image.open`` on ``data`` (bytes, or a file object read lazily; nothing decoded
+    yet), refusing what is not an image and images of more than ``max_pixels`` pixels
+    (from the header; a decompression bomb too). Raises SampleError."""
     try:
-        im = Image.open(io.BytesIO(data))
+        im = Image.open(io.BytesIO(data) if isinstance(data, bytes) else data)
     except Image.DecompressionBombError as exc:
         reason = _bomb_reason(str(exc), max_pixels)
         raise SampleError(reason, sample_id=sample_id, path=path) from exc
@@ -519,6 +547,21 @@ def open_image(
         im.close()
         raise SampleError(f"image has no pixels ({width}x{height})", sample_id=sample_id, path=path)
     return im
+
+
+@contextlib.contextmanager
+def image_header(
+    path: str, *, sample_id: str, max_bytes: int | None, max_pixels: int | None
+) -> Iterator[Image.Image]:
+    """The image at ``path`` opened for its header only (size, EXIF orientation), through
+    the same guard as :func:`read_file` (regular files only, never blocking on a FIFO or a
+    device, ``max_bytes`` from ``fstat``) and :func:`open_image` (``max_pixels``,
+    decompression bombs): each is a SampleError naming the sample. Closed on exit."""
+    fd, _ = _open_regular(path, sample_id, max_bytes)
+    with os.fdopen(fd, "rb") as fh:
+        im = open_image(fh, max_pixels=max_pixels, sample_id=sample_id, path=path)
+        with im:
+            yield im
 
 
 def _decode_pixels(

@@ -27,7 +27,7 @@ import numpy as np
 from mmcache import keys
 from mmcache.errors import ConfigError, SampleError
 from mmcache.sources.base import OnError, SampleSource, StampKind
-from mmcache.sources.bytesproc import StagedProcessor, process_bytes
+from mmcache.sources.bytesproc import StagedProcessor, byte_limit, check_size, process_bytes
 from mmcache.sources.files import FileSource, RecordProcessor
 from mmcache.sources.records import Records
 from mmcache.sources.remote.fs import Offline, Remote, RemoteError, RetryPolicy, is_remote
@@ -79,6 +79,7 @@ class RemoteFileSource(FileSource):
         super().__init__(manifest, pipeline=pipeline, on_error=on_error)
         self.stamp_kind = StampKind.FIXED
         self.staged = pipeline
+        self.max_object_bytes = byte_limit(pipeline)  # objects over it are never fetched
         if state_dir is not None:
             base = os.fspath(state_dir)
         else:
@@ -214,6 +215,8 @@ class RemoteFileSource(FileSource):
         u = int(self.row_url[index])
         if u < 0 or self.object_sizes[u] < 0:
             return None
+        if self.max_object_bytes is not None and self.object_sizes[u] > self.max_object_bytes:
+            return None  # never fetched: producing the sample refuses it by its size
         return self.urls[u], self.object_stamps[u], 0, int(self.object_sizes[u])
 
     def remote_version(self) -> tuple[str, ...]:
@@ -245,6 +248,9 @@ class RemoteFileSource(FileSource):
                     sample_id=sid,
                     path=url,
                 )
+            check_size(
+                int(self.object_sizes[u]), self.max_object_bytes, "object", sample_id=sid, path=url
+            )
             span = self.remote_span(index)
             if span is not None:
                 data = self.fetch(*span, sample_id=sid)

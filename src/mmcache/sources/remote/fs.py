@@ -67,6 +67,9 @@ def is_remote(location: str | os.PathLike[str]) -> bool:
     return bool(sep) and scheme.isidentifier() and scheme.lower() not in ("file", "local")
 
 
+# RemoteError lives in mmcache.errors, in the one hierarchy; imported above.
+
+
 def _status(exc: BaseException) -> int | None:
     """The HTTP status of ``exc`` or of the exception it was translated from, if any."""
     seen: BaseException | None = exc

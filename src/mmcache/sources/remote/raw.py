@@ -23,6 +23,7 @@ from typing import Any
 from mmcache import keys
 from mmcache.errors import RemoteSampleError
 from mmcache.policies import Policy
+from mmcache.rootfiles import make_dir, replace_file
 from mmcache.sources.remote.fs import Remote, RemoteError
 from mmcache.stores.disk import DiskStore
 from mmcache.units import parse_size
@@ -105,10 +106,9 @@ class RawTier:
 
     def heartbeat(self) -> None:
         """Say that a prefetcher is fetching into this tier (called at least every second)."""
-        with contextlib.suppress(OSError):
-            os.makedirs(self.path, exist_ok=True)
-            with open(self._beat_path, "w", encoding="ascii") as fh:
-                fh.write(str(os.getpid()))
+        with contextlib.suppress(OSError):  # a fixed name: never written through a link
+            make_dir(self.path, 0o700)
+            replace_file(self._beat_path, str(os.getpid()).encode("ascii"), 0o600)
 
     def heartbeat_end(self) -> None:
         with contextlib.suppress(OSError):

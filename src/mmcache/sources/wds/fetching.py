@@ -37,6 +37,7 @@ class RemoteShards:
         remote: Remote
         raw: RawTier | None
         fetch_block: int
+        member_limit: int | None
 
         def span(self, index: int) -> tuple[int, int]: ...
 
@@ -48,9 +49,16 @@ class RemoteShards:
         shard = int(self.columns.rows[index, C.SHARD])
         loc = self.locations[shard]
         start, end = self.span(index)
-        if not is_remote(loc) or end == start:
+        if not is_remote(loc) or end == start or not self._within_limit(index):
             return None
         return loc, self.shard_stamps[shard], start, end
+
+    def _within_limit(self, rows: int | slice) -> np.ndarray:
+        """Whether the members of ``rows`` are all within :attr:`member_limit` (bool)."""
+        limit = self.member_limit
+        sizes = self.columns.rows[rows][..., [C.IMG_LEN, C.TXT_LEN]]
+        top = limit if limit is not None else np.iinfo(np.int64).max
+        return np.asarray((sizes <= top).all(axis=-1))
 
     def fetch(
         self, url: str, stamp: str, start: int, end: int, *, sample_id: str, wait: bool = True
@@ -80,7 +88,9 @@ class RemoteShards:
             )
             remote = np.array([is_remote(loc) for loc in self.locations], dtype=bool)
             shard = rows[:, C.SHARD].astype(np.int64)
-            obj = np.where(remote[shard] & (img | txt), shard, -1) if len(rows) else shard
+            # a sample with a member over the limit is never fetched: producing it refuses it
+            fits = self._within_limit(slice(None))
+            obj = np.where(remote[shard] & (img | txt) & fits, shard, -1) if len(rows) else shard
             groups = FetchGroups(obj, start, end, block=self.fetch_block)
             self._fetch_groups = groups
         return groups

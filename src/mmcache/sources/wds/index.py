@@ -1,9 +1,11 @@
 """The member index of one tar shard: each member's name, data offset and size, found by
 reading the tar headers only, and kept as a plain JSON file keyed by the shard's stamp.
 
-:func:`scan` walks a shard's headers with :mod:`tarfile` (it seeks past every member's
-data, reading none of it, except the small ``.json`` members whose ``width``/``height``
-it records). A shard cut short (its last member truncated, or the end-of-archive blocks
+:func:`scan` walks a shard's headers with :mod:`tarfile` under the bounds of
+:mod:`~mmcache.sources.wds.tarwalk` (it seeks past every member's data, reading none of
+it, except the small ``.json`` members whose ``width``/``height`` it records; a hostile
+header is a :class:`~mmcache.sources.wds.tarwalk.DamagedShard`, never a hang or a large
+allocation). A shard cut short (its last member truncated, or the end-of-archive blocks
 missing) keeps the members whose data lies entirely inside the file and is marked
 ``truncated``. :func:`load_or_build` keeps the result in ``index_dir`` under a name
 made of the shard's location and stamp (``size:mtime_ns`` of a local file, the ETag of
@@ -22,13 +24,13 @@ import contextlib
 import json
 import logging
 import os
-import tarfile
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
 from mmcache import keys
+from mmcache.sources.wds.tarwalk import MAX_META, TarWalk
 
 __all__ = ["INDEX_VERSION", "ShardIndex", "load_or_build", "scan"]
 
@@ -38,7 +40,7 @@ logger = logging.getLogger(__name__)
 INDEX_VERSION = 1
 _FORMAT = "mmcache.wds-index"
 #: ``.json`` members larger than this are not read for their width and height.
-_MAX_JSON = 1 << 20
+_MAX_JSON = MAX_META
 
 
 @dataclass(frozen=True)
@@ -131,41 +133,27 @@ def scan(
     """The :class:`ShardIndex` of the tar in ``fileobj`` (``size`` bytes long).
 
     Raises :class:`tarfile.TarError` (or ``OSError``) when not even the first header can
-    be read; a shard cut short later keeps its whole members and is ``truncated``.
+    be read, :class:`~mmcache.sources.wds.tarwalk.DamagedShard` (a ``TarError``) on a
+    header that cannot be trusted; a shard cut short later keeps its whole members and
+    is ``truncated``.
     """
     names: list[str] = []
     offsets: list[int] = []
     sizes: list[int] = []
     dims: dict[str, tuple[int, int]] = {}
-    truncated = False
     suffixes = tuple("." + e.lower() for e in json_exts)
-    tar = tarfile.open(fileobj=fileobj, mode="r:")  # noqa: SIM115 - closed below
-    try:
-        while True:
-            try:
-                member = tar.next()
-            except (tarfile.ReadError, EOFError) as exc:  # cut short after a header
-                logger.warning("shard %s is truncated: %s", location, exc)
-                truncated = True
-                break
-            if member is None:
-                break
-            if not member.isfile():
-                continue
-            if member.offset_data + member.size > size:
-                truncated = True  # the data of the last member is cut: leave it out
-                break
-            names.append(member.name)
-            offsets.append(member.offset_data)
-            sizes.append(member.size)
-            if member.name.lower().endswith(suffixes) and member.size <= _MAX_JSON:
-                handle = tar.extractfile(member)
-                if handle is not None:
-                    wh = _dims(handle.read())
-                    if wh is not None:
-                        dims[member.name] = wh
-    finally:
-        tar.close()
+    walk = TarWalk(fileobj, size=size, limit=_MAX_JSON)
+    for member in walk:
+        names.append(member.name)
+        offsets.append(member.offset_data)
+        sizes.append(member.size)
+        if member.name.lower().endswith(suffixes) and member.size <= _MAX_JSON:
+            wh = _dims(walk.read(member))
+            if wh is not None:
+                dims[member.name] = wh
+    if walk.truncation is not None:
+        logger.warning("shard %s is truncated: %s", location, walk.truncation)
+    truncated = walk.truncated
     return ShardIndex(
         location, stamp, size, tuple(names), tuple(offsets), tuple(sizes), dims, truncated
     )

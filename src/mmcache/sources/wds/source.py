@@ -46,7 +46,13 @@ import torch
 from mmcache import keys
 from mmcache.errors import ConfigError, ManifestError, SampleError
 from mmcache.sources.base import OnError, SampleSource, StampKind
-from mmcache.sources.bytesproc import PipelineFields, StagedProcessor, process_bytes
+from mmcache.sources.bytesproc import (
+    PipelineFields,
+    StagedProcessor,
+    byte_limit,
+    check_size,
+    process_bytes,
+)
 from mmcache.sources.files import check_on_error
 from mmcache.sources.items import item_tensors
 from mmcache.sources.rejects import Reject, RejectLog
@@ -63,6 +69,7 @@ from mmcache.sources.wds.table import (
     expand_shards,
     split_name,
 )
+from mmcache.sources.wds.tarwalk import DamagedShard
 
 __all__ = ["IMAGE_EXTS", "WebDatasetSource"]
 
@@ -158,6 +165,7 @@ class WebDatasetSource(
         self.raw = raw
         self.fetch_block = check_block(fetch_block)
         self._fingerprint = pipeline.fingerprint()
+        self.member_limit = byte_limit(pipeline)
         self._rejects = RejectLog()
         self._open_rejects: list[Reject] = []
         self._fds: dict[int, int] = {}
@@ -235,6 +243,9 @@ class WebDatasetSource(
             except (OSError, RemoteError, EOFError) as exc:
                 self._problem(Problem(None, loc, None, f"cannot read the shard: {exc}"))
                 continue
+            except DamagedShard as exc:  # a hostile or corrupt header: never trusted
+                self._problem(Problem(None, loc, exc.member, str(exc)))
+                continue
             except tarfile.TarError as exc:  # not a tar at all
                 self._problem(Problem(None, loc, None, f"not a tar file: {exc}"))
                 continue
@@ -244,6 +255,8 @@ class WebDatasetSource(
                 logger.warning(
                     "shard %s is truncated: %d whole members kept", loc, len(index.names)
                 )
+            if not index.names and not index.truncated:
+                logger.warning("shard %s holds no members (an empty or all-zero tar)", loc)
             for problem in table.add_shard(s, index):
                 self._problem(problem)
         self.columns = table.finish()
@@ -397,6 +410,7 @@ class WebDatasetSource(
         row = self.columns.rows[index]
         shard = self.locations[int(row[C.SHARD])]
         sid = self.columns.id(index)
+        self._check_sizes(index)
         data = self.read_span(index)
         start = self.span(index)[0]
         image = text = None
@@ -416,6 +430,22 @@ class WebDatasetSource(
                     path=f"{shard}:{self.member_name(index, 'text')}",
                 ) from exc
         return process_bytes(self.pipeline, image, text, sample_id=sid, path=where)
+
+    def _check_sizes(self, index: int) -> None:
+        """SampleError when a member of sample ``index`` is over :attr:`member_limit`, from
+        the sizes in the index: the oversized bytes are never read (nor fetched)."""
+        row = self.columns.rows[index]
+        shard = self.locations[int(row[C.SHARD])]
+        for role, size in (("image", int(row[C.IMG_LEN])), ("text", int(row[C.TXT_LEN]))):
+            if size >= 0:
+                name = self.member_name(index, role)
+                check_size(
+                    size,
+                    self.member_limit,
+                    f"{role} member {name}",
+                    sample_id=self.columns.id(index),
+                    path=f"{shard}:{name}",
+                )
 
     def to_item(self, index: int, sample: Mapping[str, np.ndarray]) -> dict[str, Any]:
         return item_tensors(self.columns.id(index), sample, self.channels_last_fields)

@@ -113,9 +113,10 @@ class SampleTable:
     ) -> tuple[dict[str, dict[str, tuple[str, int, int]]], list[Problem]]:
         """``key -> {role: (member, offset, size)}`` of one shard (roles ``image``, ``text``,
         ``json``; the first extension listed wins a role), in first-seen order, and the
-        members repeated within the shard."""
+        members repeated within the shard (their samples are left out of the groups)."""
         groups: dict[str, dict[str, tuple[str, int, int]]] = {}
         seen: set[str] = set()
+        repeated: set[str] = set()
         problems: list[Problem] = []
         ranks = {
             "image": {e: r for r, e in enumerate(image_exts)},
@@ -132,9 +133,17 @@ class SampleTable:
             if role is None:
                 continue
             if name in seen:
-                problems.append(
-                    Problem(key, index.location, name, "member repeated within the shard")
-                )
+                if key not in repeated:
+                    problems.append(
+                        Problem(
+                            key,
+                            index.location,
+                            name,
+                            "member repeated within the shard: the sample is left out "
+                            "(which copy is meant cannot be told)",
+                        )
+                    )
+                repeated.add(key)
                 continue
             seen.add(name)
             members = groups.setdefault(key, {})
@@ -142,6 +151,8 @@ class SampleTable:
             if (key, role) not in best or rank < best[(key, role)]:
                 best[(key, role)] = rank
                 members[role] = (name, offset, size)
+        for key in repeated:  # listed as rejected, so never served
+            groups.pop(key, None)
         return groups, problems
 
     def add_shard(self, shard: int, index: ShardIndex) -> list[Problem]:

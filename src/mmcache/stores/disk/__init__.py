@@ -61,9 +61,10 @@ import lmdb
 from mmcache.checks import check_int
 from mmcache.errors import CacheError, ConfigError
 from mmcache.policies import FIFOPolicy, KeepPolicy, Policy, ValuePolicy, get_policy
+from mmcache.rootfiles import make_dir
 from mmcache.stats import TierStats
 from mmcache.stores.base import EntryInfo, Store, check_key, dir_mode
-from mmcache.stores.disk.counters import STATS_FILE, Counter, CounterFile
+from mmcache.stores.disk.counters import Counter, CounterFile
 from mmcache.stores.disk.env import (
     DISK_FORMAT_VERSION,
     MAP_OVERHEAD,
@@ -84,7 +85,7 @@ from mmcache.stores.disk.maintenance import (
 )
 from mmcache.stores.disk.snapshot import DamagedTotals, Evictor, Totals, parse_meta
 from mmcache.stores.disk.writes import EntryWriter, PendingReads, WriteOp, as_buffer, check_cost
-from mmcache.units import MiB, format_size, parse_size
+from mmcache.units import MAX_SIZE, MiB, format_size, parse_size
 
 __all__ = ["DISK_FORMAT_VERSION", "CompactReport", "DiskStore"]
 
@@ -132,7 +133,7 @@ class DiskStore(DiskGather, Store):
         mode: int = 0o600,
     ) -> None:
         self._path = os.path.abspath(os.fspath(path))
-        self._capacity = parse_size(capacity)
+        self._capacity = parse_size(capacity, name="capacity")
         self._policy = get_policy(policy)
         self._readonly = bool(readonly)
         self._clock = clock
@@ -143,7 +144,11 @@ class DiskStore(DiskGather, Store):
                 check_int("map_size (bytes)", map_size, minimum=1)
             except ConfigError as exc:  # a CacheError, as it always was
                 raise CacheError(str(exc)) from exc
-        self._map_size = map_size if map_size is not None else 2 * self._capacity + MAP_OVERHEAD
+        # Bounded by MAX_SIZE: a larger map is an OverflowError in LMDB's binding, a
+        # bound it never reaches is a clear "Cannot allocate memory" CacheError at open.
+        self._map_size = (
+            map_size if map_size is not None else min(2 * self._capacity + MAP_OVERHEAD, MAX_SIZE)
+        )
         # Only policies that look at reads pay for recording them.
         self._track = not self._readonly and not isinstance(
             self._policy, (ValuePolicy, KeepPolicy, FIFOPolicy)
@@ -155,28 +160,21 @@ class DiskStore(DiskGather, Store):
         )
         self._logged: set[str] = set()
         self._closed = False
-        existed = os.path.isdir(self._path)
         if not self._readonly:
-            try:
-                os.makedirs(self._path, mode=dir_mode(self._mode), exist_ok=True)
-                if not existed:  # makedirs' mode is masked by the umask; the user asked
-                    os.chmod(self._path, dir_mode(self._mode))
+            try:  # the exact mode, keeping a shared root's setgid bit (G15), never a link
+                make_dir(self._path, dir_mode(self._mode))
             except OSError as exc:
                 raise CacheError(f"cannot create the disk cache at {self._path}: {exc}") from exc
         handle = acquire_handle(
             self._path, readonly=self._readonly, map_size=self._map_size, mode=self._mode
         )
         self._handle: EnvHandle | None = handle
-        created = not self._readonly and not existed
         # A store dropped without close() still releases the environment.
         self._finalizer = weakref.finalize(self, release_handle, handle)
         self._pid = os.getpid()
         self._counters = CounterFile(self._path, mode=self._mode, create=not self._readonly)
-        if created:
-            # LMDB and os.open create files with mode & ~umask; give them the mode asked for.
-            for name in ("data.mdb", "lock.mdb", STATS_FILE):
-                with contextlib.suppress(OSError):
-                    os.chmod(os.path.join(self._path, name), self._mode)
+        # data.mdb, lock.mdb and stats.i64 got their mode where they were created
+        # (reserve_files, CounterFile: rootfiles.open_file, never through a link).
         try:
             if not self._readonly:
                 self._trim_to_capacity()

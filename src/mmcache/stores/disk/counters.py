@@ -20,6 +20,8 @@ import struct
 import threading
 from enum import IntEnum
 
+from mmcache.rootfiles import open_file
+
 __all__ = ["STATS_FILE", "Counter", "CounterFile"]
 
 logger = logging.getLogger(__name__)
@@ -60,8 +62,8 @@ class CounterFile:
         self._local = [0] * 9
         path = os.path.join(directory, STATS_FILE)
         flags = os.O_RDWR | (os.O_CREAT if create else 0)
-        try:
-            fd = os.open(path, flags, mode)
+        try:  # never through a link planted in a shared root; a new file gets ``mode``
+            fd, _ = open_file(path, flags, mode)
         except OSError as exc:
             logger.debug("stats file %s not writable (%s): counting per process", path, exc)
             return

@@ -77,7 +77,7 @@ class ValueForm(Protocol):
 
     def pack(self, raw: bytes | memoryview) -> bytes: ...
 
-    def unpack(self, stored: bytes | memoryview) -> bytes: ...
+    def unpack(self, stored: bytes | memoryview, *, limit: int | None = None) -> bytes: ...
 
 
 class FormedDiskStore(DiskStore):
@@ -107,7 +107,7 @@ class FormedDiskStore(DiskStore):
         if stored is None:
             return None
         try:
-            return self._form.unpack(stored)
+            return self._form.unpack(stored, limit=self._capacity)
         except Exception as exc:  # damaged bytes: whatever the decoder raises
             logger.error("corrupt disk-tier entry %s dropped: %s", key.hex(), exc)
             self.discard(key, why="corrupt")
@@ -137,7 +137,7 @@ class FormedDiskStore(DiskStore):
 
         def unpacked_ok(stored: bytes) -> bool:
             try:
-                return check(self._form.unpack(stored))
+                return check(self._form.unpack(stored, limit=self._capacity))
             except Exception:
                 return False
 

@@ -26,6 +26,7 @@ from typing import Any
 import lmdb
 
 from mmcache.errors import CacheError
+from mmcache.rootfiles import make_dir, open_file
 from mmcache.stores.base import dir_mode
 from mmcache.stores.disk.env import (
     EnvHandle,
@@ -116,7 +117,7 @@ def compact_copy(h: EnvHandle, dest: str | os.PathLike[str], *, mode: int) -> No
     Never overwrites an environment (CacheError if ``dest`` holds a data.mdb).
     """
     target = os.fspath(dest)
-    os.makedirs(target, mode=dir_mode(mode), exist_ok=True)
+    make_dir(target, dir_mode(mode))  # exact mode, a shared root's setgid kept
     if os.path.exists(os.path.join(target, "data.mdb")):
         raise CacheError(f"{target} already holds an LMDB environment")
     with h.in_flight:
@@ -163,7 +164,7 @@ def compact_in_place(path: str, *, mode: int, map_size: int) -> CompactReport:
     """
     with no_handle_here(path):
         try:
-            fd = os.open(os.path.join(path, "lock.mdb"), os.O_RDWR | os.O_CLOEXEC)
+            fd, _ = open_file(os.path.join(path, "lock.mdb"), os.O_RDWR, 0)  # no link
         except OSError as exc:
             raise CacheError(f"cannot compact the disk cache at {path}: {exc}") from exc
         try:

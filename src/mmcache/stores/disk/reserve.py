@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import cast
 
 from mmcache.errors import CacheError
+from mmcache.rootfiles import UnsafeFileError, open_file
 from mmcache.stores.base import is_no_space
 
 __all__ = ["MAX_READERS", "reserve_files", "reserve_lock_file"]
@@ -53,25 +54,30 @@ def reserve_files(path: str, *, mode: int, readonly: bool) -> None:
 
     A read-only open creates and reserves lock.mdb as LMDB would (LMDB
     creates it too where the directory is writable) but not data.mdb.
+    Both files are opened through :func:`mmcache.rootfiles.open_file`: a new one
+    gets ``mode`` exactly; a symbolic or hard link a member of a shared root
+    planted raises UnsafeFileError (a CacheError), so LMDB never writes through it.
     Called before ``lmdb.open``, while this process holds no LMDB lock on
     the files (closing a descriptor of lock.mdb would drop them). Raises
     CacheError when the file system has no room; other errors are left to
     ``lmdb.open`` to report in its own words.
     """
-    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+    flags = os.O_RDWR | os.O_CREAT
     try:
-        fd = os.open(os.path.join(path, "lock.mdb"), flags, mode)
+        fd, _ = open_file(os.path.join(path, "lock.mdb"), flags, mode)
         try:
             reserve_lock_file(fd)
         finally:
             os.close(fd)
         if not readonly:  # a read-only open never creates data.mdb
-            fd = os.open(os.path.join(path, "data.mdb"), flags, mode)
+            fd, _ = open_file(os.path.join(path, "data.mdb"), flags, mode)
             try:
                 if os.fstat(fd).st_size < 2 * mmap.PAGESIZE:
                     _allocate_keep_size(fd, 2 * mmap.PAGESIZE)
             finally:
                 os.close(fd)
+    except UnsafeFileError:
+        raise  # a planted link: LMDB, which opens the files by name, must not follow it
     except OSError as exc:
         if is_no_space(exc):
             raise CacheError(

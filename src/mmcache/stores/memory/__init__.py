@@ -451,6 +451,14 @@ class MemoryStore(Store):
         return self._session.temporary
 
     @property
+    def claims_path(self) -> str:
+        """The file whose byte ranges hold the node's production claims
+        (:class:`mmcache.stores.claims.Claims`): the store's lock file, which lives as long
+        as the store, with its owner and mode. Record locks on it are independent of the
+        ``flock`` the store takes on it."""
+        return self._session.lock.path
+
+    @property
     def owner_path(self) -> str | None:
         """The cache root recorded at creation, if any."""
         self._session.ensure_process()

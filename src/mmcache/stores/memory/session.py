@@ -429,7 +429,7 @@ class Session:
             self.unmap()
             self.lock.close()
 
-    def __del__(self) -> None:
+    def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
         # Dropped without close(): detach now, so the attached-process table (and the
         # lifetime of a temporary store) follows the objects really in use. Never
         # wait for the lock here: the garbage collector may run this in a thread
@@ -437,7 +437,11 @@ class Session:
         # The lock may be finalized already (both were garbage in one cycle: its
         # descriptors are closed): then the row stays until this process exits, when
         # the next opener prunes it. Never raises: nobody could catch it.
-        if getattr(self, "closed", True) or sys.is_finalizing():
+        # ``sys.is_finalizing`` is bound as a default: at interpreter exit this runs
+        # after the module's globals were cleared (``sys`` is None by then), and a
+        # store left open by a plain script is common ("Exception ignored in
+        # Session.__del__" was printed at every such exit).
+        if getattr(self, "closed", True) or _finalizing():
             return
         self.closed = True
         try:

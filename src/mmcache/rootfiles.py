@@ -1,0 +1,175 @@
+"""Creating and replacing files inside a cache root that other users may write to.
+
+A root shared by a team (``chgrp team ROOT; chmod 2770 ROOT``, ``Cache(mode=0o660)``)
+is a folder every member can write: any of them can put a symbolic or hard link
+where this process is about to write, under a name it can predict (a pid-named
+temp file, the key log ``fingerprints/<fp>.keys``, ``cache.json``). Following such
+a link makes the job truncate, rewrite, ``chmod`` or append to a file of the
+victim's choosing, with the victim's rights. ``fs.protected_symlinks`` does not
+help: it covers only sticky, world-writable folders.
+
+Every writer of the library goes through this module, whose rules are:
+
+* a file is **replaced** by writing a temp file under a random name created with
+  ``O_CREAT | O_EXCL | O_NOFOLLOW`` (it can never be an existing file or link),
+  ``fchmod``-ed through its descriptor, then renamed over the target: ``rename``
+  replaces a planted link itself, never what it points to
+  (:func:`replace_file`);
+* a file that is **appended to or updated in place** (the key log, the disk
+  tier's counters and LMDB files) is opened with ``O_NOFOLLOW``, created with
+  ``O_EXCL`` (and only then given its mode), and refused unless it is a regular
+  file with a single link (:func:`open_file`);
+* a **folder** is made with the exact mode asked, through a descriptor opened
+  with ``O_NOFOLLOW``, and keeps the set-group-ID bit of its parent, so that
+  in a ``2770`` root every file gets the team's group whatever the creator's
+  primary group is (:func:`make_dir`); an existing link where a folder should
+  be is refused.
+
+What remains: LMDB opens ``data.mdb``/``lock.mdb`` by name itself; they are
+checked here just before (a member racing that check could still redirect it,
+which a sticky root, ``chmod 3770``, prevents for files it did not create).
+Members are trusted with the cache's *contents* (they can write entries); this
+module only keeps them from steering this process's writes to other files.
+Thread-safe and process-safe (no state).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+import stat
+
+from mmcache.errors import CacheError
+
+__all__ = ["UnsafeFileError", "make_dir", "open_file", "replace_file"]
+
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class UnsafeFileError(CacheError):
+    """A file or folder of a cache root is a link (or not what it should be): it was
+    not opened, so nothing was written through it."""
+
+
+def _refuse(path: str, what: str) -> UnsafeFileError:
+    return UnsafeFileError(
+        errno.EPERM,
+        f"refusing to write {path}: it is {what}; another user of this root may have"
+        " planted it to redirect this job's writes (remove it, and make the root sticky:"
+        " chmod 3770 ROOT)",
+    )
+
+
+def _checked(fd: int, path: str) -> int:
+    """``fd`` if it is a regular file with one link, else close it and raise."""
+    st = os.fstat(fd)
+    what = None
+    if not stat.S_ISREG(st.st_mode):
+        what = "not a regular file"
+    elif st.st_nlink != 1:
+        what = f"a hard link ({st.st_nlink} names for one file)"
+    if what is None:
+        return fd
+    os.close(fd)
+    raise _refuse(path, what)
+
+
+def open_file(path: str | os.PathLike[str], flags: int, mode: int) -> tuple[int, bool]:
+    """Open ``path`` for writing without following a link: ``(fd, created)``.
+
+    ``flags`` are the access flags (``os.O_RDWR``, ``os.O_WRONLY | os.O_APPEND``);
+    with ``os.O_CREAT`` in them a missing file is created exclusively and given
+    ``mode`` exactly (``fchmod``: not masked by the umask); an existing one keeps
+    its mode (it may be another member's). Raises :class:`UnsafeFileError` for a
+    symbolic link, a hard link or anything but a regular file, OSError otherwise
+    (``FileNotFoundError`` without ``O_CREAT``).
+    """
+    name = os.fspath(path)
+    create = bool(flags & os.O_CREAT)
+    flags = (flags & ~(os.O_CREAT | os.O_EXCL | os.O_TRUNC)) | _NOFOLLOW
+    while True:
+        if create:
+            try:
+                fd = os.open(name, flags | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:
+                pass  # another process made it first, or it is a planted link
+            else:
+                try:
+                    os.fchmod(fd, mode)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                return fd, True
+        try:
+            fd = os.open(name, flags)
+        except FileNotFoundError:
+            if create:
+                continue  # removed between the two opens: create it after all
+            raise
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise _refuse(name, "a symbolic link") from exc
+            raise
+        return _checked(fd, name), False
+
+
+def replace_file(path: str | os.PathLike[str], data: bytes, mode: int) -> None:
+    """Replace ``path`` by a file holding ``data`` with ``mode``, atomically.
+
+    Readers see the old file or the new one, never a part. The temp file beside
+    it has a random name and is created exclusively, so a link planted at any
+    name this process could be expected to use is never written through; the
+    rename replaces a link at ``path`` itself. Raises OSError (a read-only or
+    full file system); nothing is left behind then.
+    """
+    target = os.fspath(path)
+    folder, name = os.path.split(target)
+    tmp = os.path.join(folder, f".{name}.{secrets.token_hex(8)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def make_dir(path: str | os.PathLike[str], mode: int) -> bool:
+    """Make the folder ``path`` (and missing parents) with ``mode``; True if made here.
+
+    The mode is set exactly (not masked by the umask) through a descriptor opened
+    with ``O_NOFOLLOW``, so a link swapped in after ``mkdir`` is never changed;
+    the set-group-ID bit is kept where the parent has it (``chmod`` would clear
+    it): in a ``2770`` root, files made below get the root's group, and so reach
+    members whose primary group is another. An existing folder is left as it is;
+    an existing symbolic link where the folder should be raises
+    :class:`UnsafeFileError`.
+    """
+    target = os.path.abspath(os.fspath(path))
+    parent = os.path.dirname(target)
+    if parent != target and not os.path.lexists(parent):  # a file there: mkdir says so
+        make_dir(parent, mode)
+    try:
+        os.mkdir(target, 0o700)  # never wider than asked while its mode is set below
+    except FileExistsError:
+        if os.path.islink(target):
+            raise _refuse(target, "a symbolic link, not a folder") from None
+        if not os.path.isdir(target):
+            raise
+        return False
+    fd = os.open(target, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW)
+    try:
+        setgid = os.stat(parent).st_mode & stat.S_ISGID
+        os.fchmod(fd, mode | setgid)
+    finally:
+        os.close(fd)
+    return True

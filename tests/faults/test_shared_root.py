@@ -1,0 +1,160 @@
+"""A cache root shared by a team, tried with real other uids (``setpriv``).
+
+The root is prepared as the README says (``chgrp team ROOT; chmod 2770 ROOT``) and
+opened with ``Cache(mode=0o660)``. The members' primary groups are their own; the team
+is a supplementary group (as on most clusters):
+
+* G1: a member plants symbolic and hard links where another's job writes (``cache.json``,
+  the key log ``fingerprints/<fp>.keys`` and its JSON, the disk tier's counters and
+  ``lock.mdb``): the job never truncates, rewrites, chmods or appends to the file they
+  point to.
+* G15: every folder the library creates keeps the setgid bit, so a second member reads
+  the first one's disk tier and writes into it, and the first reads back the second's.
+
+The uids have no accounts (setpriv needs none). They cannot reach pytest's ``tmp_path``
+(``/tmp/pytest-of-root`` is 0700), so each test works in its own folder of ``/tmp``,
+removed afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+VICTIM, ATTACKER, TEAM = 23401, 23402, 23500
+FP = "ab" * 8
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+# One member's job: open the shared root, write entries and tag them with a fingerprint,
+# read back its own and (when asked) the other member's.
+_JOB = """
+import sys
+import numpy as np
+import mmcache
+
+root, first, last = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+others = [int(i) for i in sys.argv[4].split(",")] if len(sys.argv) > 4 else []
+mine = [i.to_bytes(16, "big") for i in range(first, last)]
+with mmcache.Cache(root, memory=0, disk="1MiB", mode=0o660) as cache:
+    for i, k in zip(range(first, last), mine):
+        assert cache.put(k, {"x": np.arange(8) + i}), i
+    cache.register(FP, "a pipeline")
+    cache.tag(FP, mine)
+    for i in [*range(first, last), *others]:
+        got = cache.get(i.to_bytes(16, "big"))
+        assert got is not None and int(got["x"][0]) == i, i
+print("ok")
+""".replace("FP", repr(FP))
+
+
+def run_as(uid: int, *argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """``argv`` as ``uid`` with its own primary group and the team as a supplementary one."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("running as another user needs root and setpriv")
+    cmd = ["setpriv", f"--reuid={uid}", f"--regid={uid}", f"--groups={TEAM}", *argv]
+    env = {**os.environ, "PYTHONPATH": SRC, "PYTHONWARNINGS": "ignore"}
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    if check:
+        assert result.returncode == 0, result.stderr
+    return result
+
+
+def job(uid: int, root: Path, first: int, last: int, others: str = "") -> str:
+    script = root.parent / "job.py"
+    if not script.exists():
+        script.write_text(textwrap.dedent(_JOB))
+        script.chmod(0o644)
+    argv = [sys.executable, str(script), str(root), str(first), str(last)]
+    return run_as(uid, *argv, *([others] if others else [])).stdout
+
+
+@pytest.fixture
+def team_root() -> Iterator[Path]:
+    """``base/root``: owned by root, group TEAM, mode 2770, as the README prepares it."""
+    base = Path(tempfile.mkdtemp(prefix="mmcache-team-"))
+    base.chmod(0o755)
+    root = base / "root"
+    root.mkdir()
+    os.chown(root, 0, TEAM)
+    root.chmod(0o2770)
+    yield root
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def victims_files(base: Path) -> dict[str, Path]:
+    """The victim's private files, which links in the root will point to."""
+    home = base / "vhome"
+    home.mkdir(mode=0o700)
+    os.chown(home, VICTIM, VICTIM)
+    files = {}
+    for name in ("notes.txt", "train.log", "hardlinked.txt"):
+        path = home / name
+        path.write_text(f"the victim's {name}\n")
+        os.chown(path, VICTIM, VICTIM)
+        path.chmod(0o600)
+        files[name] = path
+    return files
+
+
+def untouched(files: dict[str, Path]) -> None:
+    for name, path in files.items():
+        st = path.stat()
+        assert path.read_text() == f"the victim's {name}\n", name
+        assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o600, VICTIM, VICTIM)
+
+
+def test_links_planted_by_a_member_never_redirect_a_jobs_writes(team_root: Path) -> None:
+    """G1. The attacker makes the folders first and plants links at every fixed name
+    the victim's job writes; a hard link (what ``protected_hardlinks=0``, or a victim's
+    file the attacker may write, allows) stands for the key log's JSON. The job runs,
+    and each of the victim's files keeps its bytes, mode and owner."""
+    files = victims_files(team_root.parent)
+    fingerprints, disk = team_root / "fingerprints", team_root / "disk"
+    plant = (
+        f"umask 007; mkdir {fingerprints} {disk}"
+        f" && ln -s {files['notes.txt']} {team_root}/cache.json"
+        f" && ln -s {files['train.log']} {fingerprints}/{FP}.keys"
+        f" && ln -s {files['notes.txt']} {disk}/stats.i64"
+    )
+    run_as(ATTACKER, "sh", "-c", plant)
+    os.link(files["hardlinked.txt"], fingerprints / f"{FP}.json")
+    assert job(VICTIM, team_root, 0, 4).strip() == "ok"
+    untouched(files)
+    config = team_root / "cache.json"  # the link itself was replaced by the real file
+    assert not config.is_symlink() and json.loads(config.read_text())["format"] == 1
+    assert (fingerprints / f"{FP}.keys").is_symlink()  # refused, left as it was
+
+    # Now the disk tier's lock file, owned by the victim in the attacker's folder:
+    # swapped for a link, the next open is refused, naming it, and writes nothing.
+    lock = disk / "lock.mdb"
+    run_as(ATTACKER, "sh", "-c", f"mv {lock} {disk}/x && ln -s {files['notes.txt']} {lock}")
+    script = team_root.parent / "job.py"
+    refused = run_as(VICTIM, sys.executable, str(script), str(team_root), "0", "1", check=False)
+    assert refused.returncode != 0
+    assert f"refusing to write {lock}: it is a symbolic link" in refused.stderr
+    untouched(files)
+
+
+def test_members_of_another_primary_group_share_the_disk_tier(team_root: Path) -> None:
+    """G15. The first member creates the disk tier; a member whose primary group is
+    not the team reads its entries and adds its own, which the first reads back."""
+    assert job(VICTIM, team_root, 0, 4).strip() == "ok"
+    for folder in (team_root / "disk", team_root / "fingerprints"):
+        st = folder.stat()
+        assert st.st_gid == TEAM and st.st_mode & stat.S_ISGID, (folder, oct(st.st_mode))
+        assert stat.S_IMODE(st.st_mode) & 0o070 == 0o070, folder
+    for path in team_root.rglob("*"):
+        if path.is_file():
+            assert path.stat().st_gid == TEAM, path
+    assert job(ATTACKER, team_root, 4, 8, others="0,1,2,3").strip() == "ok"
+    assert job(VICTIM, team_root, 8, 9, others="4,5,6,7").strip() == "ok"

@@ -1,0 +1,183 @@
+"""One preparation per node: processes that miss the same key at once decode it once.
+
+The production claims (:mod:`mmcache.stores.claims`) are record locks on the memory tier's
+lock file; these tests use them from real processes: a holder killed with ``kill -9``
+never leaves a waiter waiting, threads of one process exclude each other, and three
+training jobs started together with the same order decode each sample about once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mmcache.stores.claims import Claims
+
+KEY = b"k" * 16
+
+
+def _holder(path: Path) -> subprocess.Popen[str]:
+    """A process that claims KEY on ``path``, says so, and sleeps until killed."""
+    code = (
+        "import sys, time\n"
+        "from mmcache.stores.claims import Claims\n"
+        f"c = Claims({str(path)!r}).acquire({KEY!r})\n"
+        "assert c is not None and c.fd >= 0\n"
+        "print('held', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_claim_held_by_another_process_is_waited_for_and_dies_with_it(tmp_path: Path) -> None:
+    path = tmp_path / "lock"
+    path.touch()
+    proc = _holder(path)
+    try:
+        short = Claims(str(path), timeout=0.3).acquire(KEY)
+        assert short is not None and short.waited and short.fd == -1  # held: timed out
+        other = Claims(str(path), timeout=0.3).acquire(b"x" * 16)  # another slot is free
+        assert other is not None and other.fd >= 0 and not other.waited
+        other.release()
+        got: list[Any] = []
+        waiter = threading.Thread(
+            target=lambda: got.append(Claims(str(path), timeout=300).acquire(KEY))
+        )
+        waiter.start()
+        time.sleep(0.3)
+        assert waiter.is_alive()  # still waiting while the holder lives
+        t0 = time.monotonic()
+        os.kill(proc.pid, signal.SIGKILL)
+        waiter.join(120)
+        elapsed = time.monotonic() - t0
+        assert not waiter.is_alive()
+        claim = got[0]
+        assert claim is not None and claim.fd >= 0 and claim.waited  # a real claim, not a pass
+        assert elapsed < 300 / 5  # released by the kernel, not by the waiter's timeout
+        claim.release()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_threads_of_one_process_exclude_each_other(tmp_path: Path) -> None:
+    path = tmp_path / "lock"
+    path.touch()
+    claims = Claims(str(path), timeout=60)
+    first = claims.acquire(KEY)
+    assert first is not None and first.fd >= 0
+    got: list[Any] = []
+    t = threading.Thread(target=lambda: got.append(claims.acquire(KEY)))
+    t.start()
+    time.sleep(0.2)
+    assert t.is_alive()  # per open file description, not per process
+    first.release()
+    first.release()  # idempotent
+    t.join(30)
+    assert got and got[0].fd >= 0 and got[0].waited
+    got[0].release()
+
+
+def test_claims_need_an_existing_file(tmp_path: Path) -> None:
+    assert Claims(str(tmp_path / "absent")).acquire(KEY) is None  # produce unclaimed
+
+
+START_ENV = "MMCACHE_TEST_SWEEP_START"
+
+
+def _slow_image(im: Any) -> np.ndarray:
+    """A decode-sized stage (30 ms a sample) that first waits for the start file: every
+    job's workers begin their misses at one instant and stay in step, as the jobs of a
+    sweep started by one script do (without it, process start-up on a busy machine
+    staggers the jobs, and one that lags simply hits what the first one made)."""
+    start = Path(os.environ[START_ENV])
+    while not start.exists():
+        time.sleep(0.005)
+    at = float(start.read_text() or "0")
+    if time.time() < at:
+        time.sleep(at - time.time())
+    time.sleep(0.03)
+    return np.asarray(im.resize((64, 64)))
+
+
+def _job(paths: tuple[str, str, str], barrier: Any, out: Any, claims: bool) -> None:
+    """One training job: (manifest, tokenizer, cache root); reports its misses and batches."""
+    import mmcache as mc
+    from mmcache.cache import Cache
+
+    if not claims:  # what main did: every job decodes what it misses
+        Cache.claims = property(lambda self: None)  # type: ignore[assignment,method-assign]
+    manifest, tokenizer, root = paths
+    pipe = mc.Pipeline(
+        image=mc.stage(_slow_image, version="1"), text=mc.TextSpec(tokenizer, max_length=16)
+    )
+    ds = mc.MultimodalDataset(manifest, pipeline=pipe)
+    cache = Cache(root, memory="16MiB", disk=None, temporary=True)
+    loader = mc.DataLoader(  # forked workers: they inherit the patch above
+        ds,
+        cache=cache,
+        batch_size=8,
+        shuffle=True,
+        seed=0,
+        num_workers=2,
+        multiprocessing_context="fork",
+    )
+    batches = iter(loader)  # the workers start, and wait for the start file
+    out.put("ready")
+    digest = hashlib.sha256()
+    for batch in batches:
+        digest.update(np.asarray(batch["image"]).tobytes())
+    out.put((loader.stats().epochs[0].misses, digest.hexdigest()))
+    loader.close()
+    barrier.wait(120)  # nobody closes the shared tier while another job still reads it
+    cache.close()
+
+
+def _sweep(tiny_data: Path, tokenizer_json: Path, root: Path, k: int, claims: bool) -> list[Any]:
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(k), ctx.Queue()
+    start = root.parent / "start"
+    os.environ[START_ENV] = str(start)  # inherited by the jobs and their workers
+    args = ((str(tiny_data), str(tokenizer_json), str(root)), barrier, out, claims)
+    procs = [ctx.Process(target=_job, args=args) for _ in range(k)]
+    for p in procs:
+        p.start()
+    try:
+        assert [out.get(timeout=300) for _ in procs] == ["ready"] * k
+        tmp = start.with_suffix(".tmp")
+        tmp.write_text(str(time.time() + 1.0))
+        tmp.rename(start)  # whole, at once
+        results = [out.get(timeout=300) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+    assert all(p.exitcode == 0 for p in procs)
+    return results
+
+
+@pytest.mark.timeout(600)
+def test_three_jobs_with_one_order_decode_each_sample_about_once(
+    tiny_data: Path, tokenizer_json: Path, cache_root: Path
+) -> None:
+    n = 48
+    results = _sweep(tiny_data, tokenizer_json, cache_root, 3, claims=True)
+    print("decodes per job", [r[0] for r in results])
+    decodes = sum(r[0] for r in results)
+    assert decodes <= 1.1 * n, f"3 jobs decoded {decodes} samples of {n}"
+    assert len({r[1] for r in results}) == 1  # every job got the same batches

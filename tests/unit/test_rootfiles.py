@@ -1,0 +1,69 @@
+"""mmcache.rootfiles: writes inside a shared root never go through a planted link."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from mmcache.rootfiles import UnsafeFileError, make_dir, open_file, replace_file
+
+
+@pytest.fixture
+def victim(tmp_path: Path) -> Path:
+    path = tmp_path / "victim.txt"
+    path.write_text("precious\n")
+    path.chmod(0o600)
+    return path
+
+
+def test_replace_file_replaces_a_planted_link_not_its_target(tmp_path: Path, victim: Path) -> None:
+    target = tmp_path / "cache.json"
+    target.symlink_to(victim)
+    replace_file(target, b"{}", 0o660)
+    assert victim.read_text() == "precious\n" and stat.S_IMODE(victim.stat().st_mode) == 0o600
+    assert not target.is_symlink() and target.read_bytes() == b"{}"
+    assert stat.S_IMODE(target.stat().st_mode) == 0o660  # exactly, whatever the umask
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache.json", "victim.txt"]
+
+
+@pytest.mark.parametrize("kind", ["symlink", "hardlink", "dangling"])
+def test_open_file_refuses_links(tmp_path: Path, victim: Path, kind: str) -> None:
+    path = tmp_path / "x.keys"
+    if kind == "symlink":
+        path.symlink_to(victim)
+    elif kind == "hardlink":
+        os.link(victim, path)
+    else:
+        path.symlink_to(tmp_path / "missing")
+    with pytest.raises(UnsafeFileError, match=f"refusing to write {path}"):
+        open_file(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    assert victim.read_text() == "precious\n"
+    assert not (tmp_path / "missing").exists()
+
+
+def test_open_file_creates_with_the_mode_and_reopens(tmp_path: Path) -> None:
+    path = tmp_path / "log"
+    fd, created = open_file(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+    os.close(fd)
+    assert created and stat.S_IMODE(path.stat().st_mode) == 0o640
+    fd, created = open_file(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    os.close(fd)
+    assert not created and stat.S_IMODE(path.stat().st_mode) == 0o640  # left as it is
+    with pytest.raises(FileNotFoundError):
+        open_file(tmp_path / "none", os.O_RDWR, 0o600)
+
+
+def test_make_dir_keeps_the_parents_setgid_bit_and_refuses_a_link(
+    tmp_path: Path, victim: Path
+) -> None:
+    tmp_path.chmod(0o2770)
+    assert make_dir(tmp_path / "a" / "b", 0o770)
+    for folder in (tmp_path / "a", tmp_path / "a" / "b"):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o2770, folder
+    assert not make_dir(tmp_path / "a", 0o700)  # an existing folder is left as it is
+    (tmp_path / "link").symlink_to(tmp_path / "a")
+    with pytest.raises(UnsafeFileError, match="symbolic link"):
+        make_dir(tmp_path / "link", 0o700)
