@@ -20,6 +20,20 @@ same preprocessing (resize 256, crop 224, 32 tokens), batch size, workers and se
 - ``webdataset``: the webdataset library (1.0.2) reading the same shards in place with
   the same preprocessing (no cache: every epoch is a cold one).
 
+Bad weather (issue 27), the same shards behind a
+:class:`~mmcache.testing.faults.FaultProxy` at ``--latency``, default retry policy:
+
+- ``server down, warm epoch``: after a cold and a warm epoch the proxy refuses every
+  connection; the next three epochs (the first pays the tries that open the circuit
+  breaker, the others one refused probe), in seconds, against a warm ``wds`` epoch;
+- ``restart during outage``: a new source opened on the same index folder and raw tier
+  while the store is down (``offline="auto"``: from the kept listing), its open time,
+  and one epoch from the raw tier (no cache: every sample decoded), samples served;
+- ``1% errors, cold epoch``: a cold epoch (empty raw tier and cache, one GET per
+  sample so that 1% is more than a handful) while 1% of the requests are answered 503,
+  against the clean cold epoch of ``wds-s3-<latency>``;
+  the batches are compared with the local ones (bitwise).
+
 Each mmcache row: a cold epoch (empty cache root and raw tier; shard indexes already
 built, as on any run after the first) and warm epochs (everything in the memory tier;
 median of ``--warm`` epochs taken in turns, one of each row after another), in
@@ -53,6 +67,7 @@ from mmcache.sources.bytesproc import process_bytes
 from mmcache.sources.remote import RawTier
 from mmcache.sources.remote.prefetch import RemotePrefetch
 from mmcache.sources.wds import WebDatasetSource, write_shards
+from mmcache.testing.faults import FaultProxy
 from mmcache.testing.s3 import KEY, REGION, SECRET, DelayProxy, free_port
 
 torch.set_num_threads(1)
@@ -189,6 +204,106 @@ def run_webdataset(shards: list[Path], pipe: mc.Pipeline, args: argparse.Namespa
     return {"name": "webdataset", "cold": rates[0], "warm": rates[1], "warm_all": rates[1:]}
 
 
+def bad_weather(
+    *,
+    urls: list[str],
+    shards: list[Path],
+    pipe: mc.Pipeline,
+    index: Path,
+    tmp: Path,
+    args: argparse.Namespace,
+    port: int,
+    local_warm_s: float,
+    clean_cold: float,
+) -> dict[str, str]:
+    """The three bad-weather rows (see the module docstring), as ``case -> figure``."""
+    out: dict[str, str] = {}
+    with FaultProxy("127.0.0.1", port, latency=args.latency) as proxy:
+        options = {
+            "key": KEY,
+            "secret": SECRET,
+            "client_kwargs": {"endpoint_url": proxy.url, "region_name": REGION},
+        }
+
+        def source(raw: Path, **kw: Any) -> WebDatasetSource:
+            return WebDatasetSource(
+                urls,
+                pipeline=pipe,
+                index_dir=index,
+                storage_options=options,
+                raw=RawTier(raw, budget="4GiB"),
+                on_error="skip",
+                **kw,
+            )
+
+        src = source(tmp / "raw-weather")
+        cache = Cache(tmp / "cache-weather", memory="2GiB", disk=None, temporary=True)
+        loader = mc.DataLoader(
+            src,
+            cache=cache,
+            batch_size=args.batch,
+            num_workers=args.workers,
+            persistent_workers=True,
+            seed=0,
+            hooks=[RemotePrefetch(src, threads=16)],
+        )
+        epoch_rate(loader)
+        warm_s = args.n / epoch_rate(loader)
+        proxy.mode = "refuse"
+        down = [args.n / epoch_rate(loader) for _ in range(3)]
+        served = len(src) - len(src.rejects())
+        out["server down, warm epoch"] = (
+            f"{down[0]:.2f} s, then {down[1]:.2f} s and {down[2]:.2f} s (warm S3 epoch before "
+            f"{warm_s:.2f} s; warm local wds {local_warm_s:.2f} s: {down[0] / local_warm_s:.1f}x "
+            f"then {max(down[1:]) / local_warm_s:.1f}x); {served} of {len(src)} served"
+        )
+        loader.close()
+        cache.close()
+        t0 = time.perf_counter()
+        again = source(tmp / "raw-weather")  # the store is still down
+        opened = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        n = sum(len(b["id"]) for b in mc.DataLoader(again, cache=None, batch_size=args.batch))
+        epoch = time.perf_counter() - t0
+        out["restart during outage"] = (
+            f"opened in {opened:.2f} s from the kept listing; epoch from the raw tier "
+            f"{n / epoch:.0f} samples/s, {n} of {len(again)} served, "
+            f"{len(again.rejects())} rejected"
+        )
+        proxy.mode = "up"
+        proxy.error_rate = 0.01
+        flaky = source(tmp / "raw-errors", fetch_block=None)  # a GET per sample: 1% of many
+        cache = Cache(tmp / "cache-errors", memory="2GiB", disk=None, temporary=True)
+        loader = mc.DataLoader(
+            flaky,
+            cache=cache,
+            batch_size=args.batch,
+            num_workers=args.workers,
+            persistent_workers=True,
+            seed=0,
+            hooks=[RemotePrefetch(flaky, threads=16)],
+        )
+        before = len(proxy.requests), proxy.injected
+        t0 = time.perf_counter()
+        got = list(loader)
+        cold = args.n / (time.perf_counter() - t0)
+        local = WebDatasetSource(shards, pipeline=pipe, index_dir=index)
+        want = mc.DataLoader(local, cache=None, batch_size=args.batch, seed=0)
+        same = all(
+            a["id"] == b["id"] and bool((a["image"] == b["image"]).all())
+            for a, b in zip(got, want, strict=True)
+        )
+        out["1% errors, cold epoch"] = (
+            f"{cold:.0f} samples/s ({cold / clean_cold:.2f}x the clean cold S3 epoch); "
+            f"{proxy.injected - before[1]} of "
+            f"{len(proxy.requests) - before[0]} requests answered 503; "
+            f"{len(flaky.rejects())} rejected; batches bitwise the local ones: {same}"
+        )
+        loader.close()
+        cache.close()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--n", type=int, default=3000)
@@ -284,8 +399,22 @@ def main() -> None:
                 for run in runs:
                     run.warm_epoch()
             rows = [run.row() for run in runs] + rows
+            local_warm_s = args.n / max(runs[1].warm)
+            ms = f"{args.latency * 1e3:.0f}"  # the best warm wds epoch, seconds
             for run in runs:
                 run.close()
+            clean = next((r["cold"] for r in rows if r["name"] == f"wds-s3-{ms}ms"), float("nan"))
+            weather = bad_weather(
+                urls=urls,
+                shards=shards,
+                pipe=pipe,
+                index=index,
+                tmp=tmp,
+                args=args,
+                port=port,
+                local_warm_s=local_warm_s,
+                clean_cold=clean,
+            )
         rows.append(run_webdataset(shards, pipe, args))
 
     by = {r["name"]: r for r in rows if "cold" in r}
@@ -332,12 +461,21 @@ def main() -> None:
             lines.append(f"| {r['name']} | - | - ({r['error']}) | - | - | - | - |")
     lines += ["", "| ratio | value |", "|---|---:|"]
     lines += [f"| {k} | {v:.2f} |" for k, v in ratios.items()]
+    lines += ["", "| bad weather | figure |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in weather.items()]
     text = "\n".join(lines)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "sources-latest.md").write_text(text + "\n")
     (args.out / "sources-latest.json").write_text(
-        json.dumps({"rows": rows, "ratios": ratios, "args": vars(args) | {"out": str(args.out)}})
+        json.dumps(
+            {
+                "rows": rows,
+                "ratios": ratios,
+                "weather": weather,
+                "args": vars(args) | {"out": str(args.out)},
+            }
+        )
     )
 
 

@@ -9,6 +9,8 @@ Messages always carry the offending value and, where there is one, the fix.
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 __all__ = [
     "CacheError",
     "ConfigError",
@@ -16,6 +18,8 @@ __all__ = [
     "ManifestError",
     "MmcacheError",
     "RemoteError",
+    "RemoteErrorKind",
+    "RemoteSampleError",
     "SampleError",
 ]
 
@@ -93,23 +97,118 @@ class CorruptEntryError(CacheError):
     """A stored entry failed its header or checksum verification; it is never served."""
 
 
-class RemoteError(MmcacheError):
-    """A remote call that failed: ``url``, HTTP ``status`` (``None`` when no response came:
-    a refused connection, a timeout), ``permanent`` (404/403...) and the reason.
+#: What went wrong with a remote call (:attr:`RemoteError.kind`): the object is not there
+#: (``"not-found"``), not ours to read (``"denied"``), the request was refused for another
+#: reason (``"refused"``: a 4xx), the server failed (``"server"``: a 5xx) or asks us to slow
+#: down (``"throttled"``: 429, 503 SlowDown), no answer came (``"unreachable"``: a refused or
+#: dropped connection; ``"timeout"``: the call's deadline passed), the server sent other bytes
+#: than asked (``"range-ignored"``: it does not honour ``Range``; ``"short-read"``: fewer),
+#: the circuit breaker is open (``"circuit-open"``: the store stopped answering, calls fail at
+#: once until a probe answers) or the source is offline (``"offline"``: never contacted).
+RemoteErrorKind = Literal[
+    "not-found",
+    "denied",
+    "refused",
+    "server",
+    "throttled",
+    "unreachable",
+    "timeout",
+    "range-ignored",
+    "short-read",
+    "circuit-open",
+    "offline",
+]
+_KINDS = frozenset(get_args(RemoteErrorKind))
 
-    Raised by the remote sources (S3, GCS, HTTP through fsspec); a sample that cannot be
-    fetched reaches the training loop as a :class:`SampleError` naming the URL. Not an
-    ``OSError``, so the retry loops that catch ``OSError`` around fsspec calls never take
-    a permanent failure for a transient one. Picklable (workers send it to the parent).
+
+def _kind_of(status: int | None, permanent: bool) -> RemoteErrorKind:
+    if status is None:
+        return "refused" if permanent else "unreachable"
+    if status in (404, 410):
+        return "not-found"
+    if status in (401, 403):
+        return "denied"
+    if status in (429, 503):
+        return "throttled"
+    return "server" if status >= 500 else "refused"
+
+
+class RemoteError(MmcacheError):
+    """A remote call (listing, HEAD, ranged GET) that failed, after mmcache's retries.
+
+    Attributes: ``url``, the HTTP ``status`` (``None`` when no response came), whether it
+    is ``permanent`` (404, 403, a server ignoring ``Range``: retrying cannot help),
+    ``kind`` (a :data:`RemoteErrorKind`) and the ``reason`` (credentials redacted).
+    Not an ``OSError``, so the retry loops that catch ``OSError`` around fsspec calls never
+    take a permanent failure for a transient one. Picklable (workers send it to the parent).
     """
 
-    def __init__(self, url: str, status: int | None, permanent: bool, reason: str) -> None:
-        super().__init__(url, status, permanent, reason)
+    def __init__(
+        self,
+        url: str,
+        status: int | None,
+        permanent: bool,
+        reason: str,
+        *,
+        kind: RemoteErrorKind | None = None,
+    ) -> None:
+        if kind is not None and kind not in _KINDS:
+            raise ValueError(f"unknown RemoteError kind {kind!r}")
         self.url = url
         self.status = status
         self.permanent = permanent
         self.reason = reason
+        self.kind: RemoteErrorKind = kind or _kind_of(status, permanent)
+        super().__init__(str(self))
 
     def __str__(self) -> str:
         status = f"HTTP {self.status}" if self.status is not None else "no response"
         return f"{self.url}: {status}: {self.reason}"
+
+    @property
+    def no_response(self) -> bool:
+        """Whether no answer came at all (what the circuit breaker counts)."""
+        return self.kind in ("unreachable", "timeout")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (
+            _rebuild_remote_error,
+            (self.url, self.status, self.permanent, self.reason, self.kind),
+        )
+
+
+def _rebuild_remote_error(
+    url: str, status: int | None, permanent: bool, reason: str, kind: RemoteErrorKind
+) -> RemoteError:
+    return RemoteError(url, status, permanent, reason, kind=kind)
+
+
+class RemoteSampleError(SampleError, RemoteError):
+    """A sample whose bytes could not be fetched: both a :class:`SampleError` (naming the
+    sample, skipped and listed under ``on_error="skip"``) and a :class:`RemoteError` (the
+    URL, status and kind of the failed call), so ``except RemoteError`` catches it too."""
+
+    def __init__(self, err: RemoteError, *, sample_id: str) -> None:
+        status = f"HTTP {err.status}" if err.status is not None else "no response"
+        self.url = err.url
+        self.status = err.status
+        self.permanent = err.permanent
+        self.kind = err.kind
+        self.remote_reason = err.reason
+        # SampleError's fields, set here: its __init__ would chain to RemoteError's.
+        self.reason = f"cannot fetch {err.url} ({status}, {err.kind}): {err.reason}"
+        self.sample_id = sample_id
+        self.path = err.url
+        self._message = f"sample {sample_id!r} ({err.url}): {self.reason}"
+        Exception.__init__(self, self._message)
+
+    def __str__(self) -> str:
+        return self._message
+
+    def __reduce__(self) -> tuple[object, ...]:
+        err = RemoteError(self.url, self.status, self.permanent, self.remote_reason, kind=self.kind)
+        return (_rebuild_remote_sample_error, (err, self.sample_id))
+
+
+def _rebuild_remote_sample_error(err: RemoteError, sample_id: str) -> RemoteSampleError:
+    return RemoteSampleError(err, sample_id=sample_id)

@@ -224,7 +224,12 @@ def test_retries_transient_errors_but_not_permanent_ones():
     calls["n"] = 0
     with pytest.raises(RemoteError) as info:
         remote.call("s3://b/k", down)
-    assert calls["n"] == 4 and not info.value.permanent and info.value.status is None
+    # three calls in a row without an answer open the circuit breaker: no 4th try
+    assert calls["n"] == 3 and not info.value.permanent and info.value.status is None
+    assert info.value.kind == "timeout" and remote.unreachable
+    with pytest.raises(RemoteError) as info:
+        remote.call("s3://b/k", down)
+    assert calls["n"] == 3 and info.value.kind == "circuit-open"
 
 
 def test_prefetch_needs_a_raw_tier(s3, local_shards, small_pipeline, tmp_path):

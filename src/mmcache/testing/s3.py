@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,11 +69,20 @@ class S3Endpoint:
             "secret": SECRET,
             "client_kwargs": {"endpoint_url": url or self.url, "region_name": REGION},
             "config_kwargs": {
-                "retries": {"max_attempts": attempts, "mode": "standard"},
+                "retries": {"total_max_attempts": attempts, "mode": "standard"},
                 "connect_timeout": 2,
                 "read_timeout": 10,
             },
         }
+
+    def upload(self, paths: Sequence[str | os.PathLike[str]], prefix: str = "wds") -> list[str]:
+        """Upload each local file as ``<prefix>/<its name>`` in bucket ``data``; their URLs."""
+        urls = []
+        for path in paths:
+            name = os.path.basename(os.fspath(path))
+            self.client.upload_file(os.fspath(path), "data", f"{prefix}/{name}")
+            urls.append(f"s3://data/{prefix}/{name}")
+        return urls
 
     def stop(self) -> None:
         if not self.stopped:

@@ -1,8 +1,10 @@
-"""Remote objects behind fsspec: :mod:`.fs` access, retries, batched stamps and error
-classes; :mod:`.raw` the raw-bytes tier on local disk; :mod:`.prefetch` fetching a
-source's misses ahead in the epoch's order (a loader hook)."""
+"""Remote objects behind fsspec: :mod:`.fs` access, batched stamps and error classes;
+:mod:`.retry` the retry policy and circuit breaker; :mod:`.raw` the raw-bytes tier on
+local disk; :mod:`.prefetch` fetching a source's misses ahead in the epoch's order (a
+loader hook)."""
 
 from mmcache.sources.remote.fs import Remote, RemoteError, is_remote
 from mmcache.sources.remote.raw import RawTier
+from mmcache.sources.remote.retry import RetryPolicy
 
-__all__ = ["RawTier", "Remote", "RemoteError", "is_remote"]
+__all__ = ["RawTier", "Remote", "RemoteError", "RetryPolicy", "is_remote"]

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -31,9 +30,9 @@ from mmcache.sources.base import OnError, SampleSource, StampKind
 from mmcache.sources.bytesproc import StagedProcessor, byte_limit, check_size, process_bytes
 from mmcache.sources.files import FileSource, RecordProcessor
 from mmcache.sources.records import Records
-from mmcache.sources.remote.fs import Remote, RemoteError, is_remote
+from mmcache.sources.remote.fs import Offline, Remote, RemoteError, RetryPolicy, is_remote
 from mmcache.sources.remote.raw import RawTier, fetch_bytes
-from mmcache.sources.remote.state import SharedStamps
+from mmcache.sources.remote.state import SharedStamps, private_dir
 
 __all__ = ["RemoteFileSource"]
 
@@ -51,9 +50,14 @@ class RemoteFileSource(FileSource):
             SampleError naming the URL and the HTTP status).
         storage_options: passed to fsspec.
         raw: a :class:`RawTier` keeping the objects on local disk (``None``: none).
-        retries: retries of transient errors.
-        state_dir: where revalidated stamps are handed to other processes (default the
-            temporary directory).
+        retries: a :class:`RetryPolicy` for every remote call, or the retries of a
+            transient error under the default one.
+        offline: when the store cannot be reached at open: ``"auto"`` starts from the
+            listing kept in ``state_dir`` (a warning; cached samples are served),
+            ``True`` never contacts the store, ``False`` raises :class:`RemoteError`.
+        state_dir: where revalidated stamps are handed to other processes and the last
+            listing is kept (default the raw tier's folder, else a 0700 folder of this
+            user: :func:`~mmcache.sources.remote.state.private_dir`).
     """
 
     stamp_kind: StampKind
@@ -66,7 +70,8 @@ class RemoteFileSource(FileSource):
         on_error: OnError = "raise",
         storage_options: Mapping[str, Any] | None = None,
         raw: RawTier | None = None,
-        retries: int = 4,
+        retries: int | RetryPolicy = 4,
+        offline: Offline = "auto",
         state_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if not isinstance(pipeline, StagedProcessor) or not isinstance(pipeline, RecordProcessor):
@@ -75,7 +80,11 @@ class RemoteFileSource(FileSource):
         self.stamp_kind = StampKind.FIXED
         self.staged = pipeline
         self.max_object_bytes = byte_limit(pipeline)  # objects over it are never fetched
-        self.remote = Remote(storage_options, retries=retries)
+        if state_dir is not None:
+            base = os.fspath(state_dir)
+        else:
+            base = os.path.join(raw.path, "state") if raw is not None else private_dir()
+        self.remote = Remote(storage_options, retries=retries, offline=offline, listing_dir=base)
         self.raw = raw
         n = len(self.records)
         urls: list[str] = []
@@ -101,7 +110,6 @@ class RemoteFileSource(FileSource):
         self._memo_rows = np.zeros((n, 16), dtype=np.uint8)
         self._memo_have = np.zeros(n, dtype=bool)
         name = keys.digest("mmcache.remote-files", os.getuid(), *urls).hex()
-        base = os.fspath(state_dir) if state_dir is not None else tempfile.gettempdir()
         self._state = SharedStamps(os.path.join(base, f"mmcache-state-{os.getuid()}-{name}.json"))
 
     def _take(self, found: Mapping[str, tuple[int, str | None] | RemoteError]) -> list[int]:
@@ -143,6 +151,12 @@ class RemoteFileSource(FileSource):
     def _forget(self, changed: Sequence[int]) -> None:
         if changed and self._memo_have is not None:
             self._memo_have[np.isin(self.row_url, np.asarray(changed, dtype=np.int64))] = False
+
+    @property
+    def shared_stamps(self) -> SharedStamps:
+        """The file through which revalidated stamps reach the other processes (and the
+        gate that holds them back while a revalidation is under way)."""
+        return self._state
 
     def revalidate(self) -> list[str]:
         """Check every object's stamp again (batched); re-key the samples of the changed

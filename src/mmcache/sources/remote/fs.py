@@ -1,16 +1,25 @@
 """Objects behind fsspec (``s3://``, ``gs://``, ``http(s)://``...): opening the file system,
-ranged reads with retries, batched stamps (ETags), and what an error means.
+ranged reads under one retry policy, batched stamps (ETags), what an error means, and
+what is done when the store cannot be reached.
 
 - :func:`is_remote` tells a URL from a local path (``file://`` counts as local);
 - :class:`Remote` is the per-process access to one URL scheme with the user's
   ``storage_options``: a file system made lazily in each process (never pickled: an
   s3fs instance owns an event loop thread, which a forked or spawned worker must not
-  share), :meth:`Remote.read` (a ranged GET, retried with backoff on transient errors),
-  :meth:`Remote.stamps` (each object's ETag or version, batched: one listing per
-  directory, ``info`` only for what a listing does not show);
-- :class:`RemoteError` is what a failed call becomes: the URL, the HTTP status where
-  known, and whether it is ``permanent`` (404, 403: retrying cannot help) or transient
-  (5xx, timeouts, throttling, a refused connection).
+  share), :meth:`Remote.read` (a ranged GET), :meth:`Remote.stamps` (each object's ETag
+  or version, batched: one listing per directory, ``info`` only for what a listing does
+  not show). Every call goes through :meth:`Remote.attempt`: the
+  :class:`~mmcache.sources.remote.retry.RetryPolicy` (tries, backoff, a deadline per call
+  and per epoch) and the process's circuit breaker; the file system below is told to
+  make one attempt per call (:mod:`~mmcache.sources.remote.options`);
+- :class:`~mmcache.errors.RemoteError` is what a failed call becomes: the URL, the HTTP
+  status where known, its ``kind`` and whether it is ``permanent`` (404, 403, a server
+  ignoring ``Range``: retrying cannot help) or transient (5xx, timeouts, throttling, a
+  refused connection);
+- ``offline``: when the store cannot be reached, :meth:`Remote.stamps` answers from the
+  last listing kept in ``listing_dir`` (:mod:`~mmcache.sources.remote.listing`):
+  ``"auto"`` (warn once, :attr:`Remote.stale` is then true), ``True`` (never contact the
+  store: every call fails at once, kind ``"offline"``), ``False`` (raise).
 
 fsspec and the scheme's package (``s3fs``, ``gcsfs``, ``aiohttp`` for HTTP) are imported
 lazily; a missing one is a :class:`~mmcache.errors.ConfigError` naming the extra.
@@ -21,18 +30,26 @@ the file system's own event loop); the per-process file system is made under a l
 
 from __future__ import annotations
 
+import asyncio
 import errno
-import json
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal, TypeVar
 
-from mmcache.errors import ConfigError, RemoteError
+from mmcache.errors import ConfigError, RemoteError, RemoteErrorKind
+from mmcache.sources.remote.listing import Entry, ListingFile
+from mmcache.sources.remote.options import backend_options, check_options, quiet_retries, redact
+from mmcache.sources.remote.retry import CircuitBreaker, RetryPolicy
 
-__all__ = ["Remote", "RemoteError", "is_remote", "object_stamp"]
+__all__ = ["Offline", "Remote", "RemoteError", "RetryPolicy", "is_remote", "object_stamp"]
+
+T = TypeVar("T")
+
+#: What a source does when the store cannot be reached (see the module docstring).
+Offline = Literal["auto"] | bool
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +88,25 @@ def _status(exc: BaseException) -> int | None:
     return None
 
 
-def classify(url: str, exc: BaseException) -> RemoteError:
-    """``exc`` raised by a call on ``url`` as a :class:`RemoteError` (see its fields)."""
+def _timed_out(exc: BaseException) -> bool:
+    seen: BaseException | None = exc
+    for _ in range(4):
+        if seen is None:
+            return False
+        if (
+            isinstance(seen, (TimeoutError, asyncio.TimeoutError))
+            or "Timeout" in type(seen).__name__
+        ):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def classify(url: str, exc: BaseException, options: Mapping[str, Any] | None = None) -> RemoteError:
+    """``exc`` raised by a call on ``url`` as a :class:`RemoteError` (see its fields); the
+    reason has the credentials of ``options`` redacted."""
+    if isinstance(exc, RemoteError):
+        return exc
     status = _status(exc)
     if isinstance(exc, FileNotFoundError):
         status = status or 404
@@ -81,8 +115,11 @@ def classify(url: str, exc: BaseException) -> RemoteError:
     permanent = status in _PERMANENT if status is not None else False
     if isinstance(exc, OSError) and exc.errno in (errno.ENOENT, errno.EACCES, errno.EPERM):
         permanent = True
-    reason = f"{type(exc).__name__}: {exc}".strip()
-    return RemoteError(url, status, permanent, reason[:500])
+    reason = redact(f"{type(exc).__name__}: {exc}".strip(), options)
+    kind: RemoteErrorKind | None = None
+    if status is None and not permanent and _timed_out(exc):
+        kind = "timeout"
+    return RemoteError(url, status, permanent, reason[:500], kind=kind)
 
 
 def object_stamp(info: Mapping[str, Any]) -> str | None:
@@ -99,50 +136,114 @@ class Remote:
     """Access to remote objects of one ``storage_options`` from this process.
 
     Args:
-        storage_options: passed to fsspec's file system as they are (credentials,
-            ``client_kwargs={"endpoint_url": ...}``, ``anon``...).
-        retries: attempts after the first on a transient error (5xx, throttling,
-            timeouts, a connection refused).
-        backoff: seconds before the first retry; doubled each time (plus up to 50%
-            jitter-free extra: deterministic, for tests), capped at 5 s.
-        sleep: the sleep function (tests pass a fake one).
+        storage_options: passed to fsspec's file system (credentials,
+            ``client_kwargs={"endpoint_url": ...}``, ``anon``...), plus what makes the
+            layer below make one attempt per call (:func:`~.options.backend_options`).
+            Never printed whole: :func:`~.options.redact` hides credentials.
+        retries: a :class:`RetryPolicy`, or the number of retries after the first try
+            (the default policy otherwise).
+        backoff: with an int ``retries``: seconds before the first retry (doubled each
+            time, capped at the policy's ``max_backoff``).
+        offline: ``"auto"``, ``True`` or ``False`` (see the module docstring).
+        listing_dir: where the last listing of the objects is kept (``None``: nowhere,
+            so ``offline`` has nothing to start from).
+        sleep, clock: the sleep and monotonic clock functions (tests pass fake ones).
 
-    Pickles as its options; each process opens its own file system on first use.
+    Pickles as its options; each process opens its own file system and has its own
+    circuit breaker. Thread-safe.
     """
 
     def __init__(
         self,
         storage_options: Mapping[str, Any] | None = None,
         *,
-        retries: int = 4,
-        backoff: float = 0.1,
+        retries: int | RetryPolicy = 4,
+        backoff: float | None = None,
+        offline: Offline = False,
+        listing_dir: str | os.PathLike[str] | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.storage_options = dict(storage_options or {})
-        try:
-            json.dumps(self.storage_options, default=repr)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"storage_options must be a dict, got {storage_options!r}") from exc
-        if not isinstance(retries, int) or retries < 0:
-            raise ConfigError(f"retries must be an int >= 0, got {retries!r}")
-        self.retries = retries
-        self.backoff = float(backoff)
+        self.storage_options = check_options(storage_options)
+        if isinstance(retries, RetryPolicy):
+            policy = retries
+        else:
+            policy = RetryPolicy.from_retries(retries)
+            if backoff is not None:
+                policy = RetryPolicy(attempts=policy.attempts, backoff=float(backoff))
+        if offline not in ("auto", True, False):
+            raise ConfigError(f"offline must be 'auto', True or False, got {offline!r}")
+        self._policy = policy
+        self.offline: Offline = offline
+        self.listing_dir = os.fspath(listing_dir) if listing_dir is not None else None
         self.sleep = sleep
+        self.clock = clock
+        self._setup()
+
+    def _setup(self) -> None:
         self._lock = threading.Lock()
         self._fs: dict[tuple[int, str], Any] = {}
+        self._breaker_pid = -1
+        self._breaker_obj: CircuitBreaker | None = None
+        #: Whether the last :meth:`stamps` came from the kept listing, not the store.
+        self.stale = False
+        self._warned = False
+        self._saved: dict[str, dict[str, Entry]] = {}  # the listings this process kept
+
+    @property
+    def policy(self) -> RetryPolicy:
+        """The retry policy; setting another one starts this process's breaker afresh
+        (the file system, its connections and credentials, are kept)."""
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy: RetryPolicy) -> None:
+        if not isinstance(policy, RetryPolicy):
+            raise ConfigError(f"policy must be a RetryPolicy, got {type(policy).__name__}")
+        with self._lock:
+            self._policy = policy
+            self._breaker_obj = None
+
+    @property
+    def retries(self) -> int:
+        """Retries after the first try (``policy.attempts - 1``)."""
+        return self.policy.attempts - 1
+
+    def __repr__(self) -> str:
+        return f"Remote({redact(self.storage_options)!r}, offline={self.offline!r}, {self.policy})"
 
     def __getstate__(self) -> dict[str, Any]:
         return {
             "storage_options": self.storage_options,
-            "retries": self.retries,
-            "backoff": self.backoff,
+            "_policy": self._policy,
+            "offline": self.offline,
+            "listing_dir": self.listing_dir,
             "sleep": self.sleep,
+            "clock": self.clock,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._lock = threading.Lock()
-        self._fs = {}
+        self._setup()
+
+    @property
+    def breaker(self) -> CircuitBreaker:
+        """This process's circuit breaker (a forked copy starts with a fresh one)."""
+        with self._lock:
+            if self._breaker_obj is None or self._breaker_pid != os.getpid():
+                self._breaker_obj = CircuitBreaker(self.policy, clock=self.clock)
+                self._breaker_pid = os.getpid()
+            return self._breaker_obj
+
+    @property
+    def unreachable(self) -> bool:
+        """Whether calls fail at once now (offline, or the breaker is open)."""
+        return self.offline is True or self.breaker.is_open
+
+    def new_epoch(self) -> None:
+        """A new epoch begins (called by the revalidation): the epoch's retry budget is
+        full again and an open breaker lets the next call through as a probe."""
+        self.breaker.new_epoch()
 
     def filesystem(self, url: str) -> tuple[Any, str]:
         """``(fs, path)`` of ``url`` in this process (made once per scheme and process)."""
@@ -163,36 +264,103 @@ class Remote:
                     extra = _EXTRA.get(scheme)
                     hint = f": pip install 'mmcache[{extra}]'" if extra else ""
                     raise ConfigError(f"cannot read {url}: {exc}{hint}") from exc
+                options = backend_options(
+                    scheme,
+                    self.storage_options,
+                    connect_timeout=self.policy.connect_timeout,
+                    read_timeout=self.policy.read_timeout,
+                )
                 # skip_instance_cache: a fork or another source with other options
                 # never gets this instance (and its event loop) by accident.
-                fs = cls(skip_instance_cache=True, **self.storage_options)
+                fs = quiet_retries(cls(skip_instance_cache=True, **options))
                 self._fs[slot] = fs
         return fs, fs._strip_protocol(url)
 
-    def call(self, url: str, fn: Callable[[], Any]) -> Any:
-        """``fn()`` retried on transient errors; a :class:`RemoteError` when it gives up."""
-        delay = self.backoff
-        for attempt in range(self.retries + 1):
+    def attempt(self, url: str, op: Callable[[float | None], T]) -> T:
+        """``op(timeout)`` under the retry policy and the circuit breaker (see
+        :mod:`~mmcache.sources.remote.retry`): ``timeout`` is what is left of the call's
+        deadline (``None``: none). Raises :class:`RemoteError` when it gives up."""
+        if self.offline is True:
+            raise RemoteError(
+                url, None, False, "offline=True: the store is never contacted", kind="offline"
+            )
+        breaker = self.breaker
+        full = breaker.admit(url)  # False: a probe, one try
+        policy = self.policy
+        sleeps = policy.sleeps() if full else []
+        deadline = policy.call_deadline
+        if not full:  # a probe of a store that stopped answering: one short try
+            deadline = min(deadline or policy.connect_timeout, policy.connect_timeout)
+        t0 = self.clock()
+        for number in range(len(sleeps) + 1):
+            began = self.clock()
+            left = None if deadline is None else max(deadline - (began - t0), 0.001)
             try:
-                return fn()
+                out = op(left)
             except Exception as exc:  # every error of every fsspec backend is classified
-                err = classify(url, exc)
-                if err.permanent or attempt == self.retries:
+                err = classify(url, exc, self.storage_options)
+                if err.no_response:
+                    waited = left is not None and self.clock() - began >= 0.9 * left
+                    breaker.unanswered(err, waited_out=waited and err.kind == "timeout")
+                else:
+                    breaker.answered()
+                if err.permanent or number == len(sleeps):
                     raise err from exc
-                logger.debug("retrying %s after %s", url, err)
-                self.sleep(min(delay, 5.0))
-                delay *= 2
+                delay = sleeps[number]
+                if not breaker.may_retry(self.clock() - t0, delay):
+                    raise err from exc
+                breaker.spent(self.clock() - began + delay)
+                logger.debug("retrying %s in %.2f s after %s", url, delay, err)
+                self.sleep(delay)
+            except BaseException:
+                breaker.release_probe()
+                raise
+            else:
+                breaker.answered()
+                return out
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def call(self, url: str, fn: Callable[[], T]) -> T:
+        """``fn()`` under the retry policy (see :meth:`attempt`; ``fn`` has no timeout)."""
+        return self.attempt(url, lambda _left: fn())
+
+    @staticmethod
+    def _timeout(fs: Any, left: float | None) -> dict[str, Any]:
+        """fsspec's ``timeout=`` for a sync call of an async file system (it cancels the
+        coroutine when the call's deadline passes); nothing for others."""
+        from fsspec.asyn import AsyncFileSystem
+
+        return {"timeout": left} if left is not None and isinstance(fs, AsyncFileSystem) else {}
+
     def read(self, url: str, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of the object at ``url`` (one ranged GET, retried)."""
+        """Bytes ``[start, end)`` of the object at ``url`` (one ranged GET, retried).
+        A server that ignores ``Range`` (sends more bytes than asked) is a permanent
+        :class:`RemoteError` of kind ``"range-ignored"``."""
         fs, path = self.filesystem(url)
-        data = self.call(url, lambda: fs.cat_file(path, start=start, end=end))
-        if len(data) != end - start:
-            raise RemoteError(
-                url, None, False, f"short read: {len(data)} of {end - start} bytes at {start}"
-            )
-        return bytes(data)
+
+        def get(left: float | None) -> bytes:
+            data = fs.cat_file(path, start=start, end=end, **self._timeout(fs, left))
+            if len(data) > end - start:
+                raise RemoteError(
+                    url,
+                    None,
+                    True,
+                    f"the server ignored the Range request for bytes {start}-{end - 1} "
+                    f"and sent {len(data)} bytes (the whole object?): serve it from a server "
+                    "that answers ranged GETs (HTTP 206), or copy it locally",
+                    kind="range-ignored",
+                )
+            if len(data) < end - start:
+                raise RemoteError(
+                    url,
+                    None,
+                    False,
+                    f"short read: {len(data)} of {end - start} bytes at {start}",
+                    kind="short-read",
+                )
+            return bytes(data)
+
+        return self.attempt(url, get)
 
     def open(self, url: str, *, block_size: int = 8 << 20) -> Any:
         """A seekable binary file of ``url`` (read-ahead in ``block_size`` blocks)."""
@@ -203,20 +371,86 @@ class Remote:
         """The object's fsspec ``info`` (size, ETag...), fresh (never from a listing cache)."""
         fs, path = self.filesystem(url)
 
-        def fresh() -> dict[str, Any]:
+        def fresh(left: float | None) -> dict[str, Any]:
             fs.invalidate_cache(path)
-            out: dict[str, Any] = fs.info(path)
+            out: dict[str, Any] = fs.info(path, **self._timeout(fs, left))
             return out
 
-        info: dict[str, Any] = self.call(url, fresh)
-        return info
+        return self.attempt(url, fresh)
 
     def stamps(self, urls: Sequence[str]) -> dict[str, tuple[int, str | None] | RemoteError]:
         """``url -> (size, stamp)`` of many objects, batched: one fresh listing of each
         directory holding several of them, ``info`` for the rest; an object that cannot
-        be found or read maps to its permanent :class:`RemoteError` (404, 403). Raises
-        :class:`RemoteError` when the store cannot be reached (a transient error that
-        outlived the retries)."""
+        be found or read maps to its permanent :class:`RemoteError` (404, 403).
+
+        When the store cannot be reached (or ``offline=True``) and ``offline`` allows it,
+        the answer is the last listing kept in ``listing_dir`` (:attr:`stale` is set; one
+        warning per process); else :class:`RemoteError`. An answer from the store is
+        kept there for the next time."""
+        listing = ListingFile(self.listing_dir, urls) if self.listing_dir is not None else None
+        try:
+            if self.offline is True:
+                raise RemoteError(
+                    urls[0] if urls else "?", None, False, "offline=True", kind="offline"
+                )
+            out = self._fresh_stamps(urls)
+        except RemoteError as err:
+            if err.permanent or self.offline is False:
+                raise
+            kept = listing.load() if listing is not None else None
+            if kept is None or listing is None:
+                raise
+            return self._from_listing(urls, kept, err, listing)
+        self.stale = False
+        if listing is not None:
+            entries: dict[str, Entry] = {
+                url: got if not isinstance(got, RemoteError) else (-1, f"error:{got.status}")
+                for url, got in out.items()
+            }
+            if self._saved.get(listing.path) != entries:  # written when it changed only
+                listing.save(entries)
+                self._saved[listing.path] = entries
+        return out
+
+    def _from_listing(
+        self,
+        urls: Sequence[str],
+        kept: tuple[dict[str, Entry], float],
+        err: RemoteError,
+        listing: ListingFile,
+    ) -> dict[str, tuple[int, str | None] | RemoteError]:
+        entries, taken = kept
+        missing = [u for u in urls if u not in entries]
+        if missing:
+            raise RemoteError(
+                missing[0], None, False, f"{err.reason}; the kept listing does not name it"
+            ) from err
+        if not self._warned:
+            self._warned = True
+            age = max(time.time() - taken, 0.0)
+            why = "offline=True" if self.offline is True else f"the store cannot be reached ({err})"
+            logger.warning(
+                "%s: using the listing of %d remote objects kept %.0f s ago in %s; it is not "
+                "fresh: what the raw tier and the cache hold is served, objects changed "
+                "since are seen only once the store answers",
+                why,
+                len(urls),
+                age,
+                listing.path,
+            )
+        self.stale = True
+        out: dict[str, tuple[int, str | None] | RemoteError] = {}
+        for url in urls:
+            size, stamp = entries[url]
+            if size < 0 and isinstance(stamp, str) and stamp.startswith("error:"):
+                code = stamp.removeprefix("error:")
+                status = int(code) if code.isdigit() else None
+                out[url] = RemoteError(url, status, True, "(as of the kept listing)")
+            else:
+                out[url] = (size, stamp)
+        return out
+
+    def _fresh_stamps(self, urls: Sequence[str]) -> dict[str, tuple[int, str | None] | RemoteError]:
         by_dir: dict[str, list[str]] = {}
         for url in urls:
             by_dir.setdefault(url.rsplit("/", 1)[0], []).append(url)
@@ -225,13 +459,17 @@ class Remote:
             if len(members) > 1:
                 fs, path = self.filesystem(directory)
 
-                def listing(fs: Any = fs, path: str = path) -> list[dict[str, Any]]:
+                def listing(
+                    left: float | None, fs: Any = fs, path: str = path
+                ) -> list[dict[str, Any]]:
                     fs.invalidate_cache(path)
-                    entries: list[dict[str, Any]] = fs.ls(path, detail=True)
+                    entries: list[dict[str, Any]] = fs.ls(
+                        path, detail=True, **self._timeout(fs, left)
+                    )
                     return entries
 
                 try:
-                    entries = self.call(directory, listing)
+                    entries = self.attempt(directory, listing)
                 except RemoteError as err:
                     if not err.permanent:
                         raise

@@ -7,9 +7,13 @@ thread that iterates the loader) it
 
 1. calls ``source.revalidate()``: every remote object's stamp (ETag) checked once,
    batched (one listing per directory of shards); a changed object is re-keyed, so
-   nothing of its old version is served. When the store cannot be reached it logs one
-   warning for the epoch and goes on: what the raw tier and the cache hold is still
-   served, only misses fail (as SampleErrors naming the URL);
+   nothing of its old version is served. It runs on the prefetch thread while the
+   loader gathers the first batches, which wait for its answer before they are served
+   (a source's ``shared_stamps`` gate, :mod:`~mmcache.sources.remote.state`). When the
+   store cannot be reached it logs one warning for the epoch and goes on: what the raw
+   tier and the cache hold is still served, only misses fail (as
+   :class:`~mmcache.errors.RemoteSampleError` naming the URL; at once once the circuit
+   breaker is open, :mod:`~mmcache.sources.remote.retry`);
 2. starts a thread that walks the epoch's batches (``EpochContext.batches``) from the
    batch it starts at and fetches what the raw tier lacks into it, never more than
    ``ahead`` batches past the batch the training loop last received (``after_assemble``
@@ -107,6 +111,7 @@ class RemotePrefetch:
         self.gets = 0
         self.revalidated = True
         self.revalidate_s = 0.0
+        self._changed = False
         # One bit per sample: its bytes were fetched or found held by this process (for
         # the source version ``_version``): a warm epoch does not look at them again.
         self._known: np.ndarray | None = None
@@ -127,38 +132,87 @@ class RemotePrefetch:
         return self._known
 
     def before_epoch(self, ctx: Any) -> None:
-        """Revalidate, then prefetch epoch ``ctx.epoch`` from batch ``ctx.start``."""
+        """Start revalidating, then prefetching, epoch ``ctx.epoch`` from batch ``ctx.start``.
+
+        With a source that shares its stamps (``shared_stamps``), the revalidation runs on
+        the prefetch thread while the loader gathers the first batches: every process's
+        next look at the source's keys waits until it has answered (see
+        :mod:`~mmcache.sources.remote.state`), so a batch gathered meanwhile is checked
+        against the new keys and an overwritten object is never served. Otherwise it
+        runs here, before the epoch."""
         self.close()
-        t0 = time.perf_counter()
-        changed: list[str] = []
-        try:
-            changed = self.source.revalidate()
-        except RemoteError as err:
-            self.revalidated = False
-            logger.warning(
-                "epoch %d: cannot revalidate remote objects (%s); serving what is cached, "
-                "misses will fail",
-                ctx.epoch,
-                err,
-            )
-        else:
-            self.revalidated = True
-            if changed:
-                logger.info("epoch %d: %d remote objects changed", ctx.epoch, len(changed))
-        self.revalidate_s = time.perf_counter() - t0
+        self.source.remote.new_epoch()
         with self._cond:
             self._consumed = -1
         self._stop = threading.Event()
         self.fetched = self.gets = 0
-        if not self.revalidated:
+        gate = getattr(self.source, "shared_stamps", None)
+        if gate is None:
+            self._revalidate(ctx.epoch)
+            self._start_fetching(ctx)
+            return
+        gate.begin()
+        started = threading.Event()
+
+        def run() -> None:
+            try:
+                self._revalidate(ctx.epoch)
+            finally:
+                gate.end()
+                started.set()
+            self._start_fetching(ctx, inline=True)
+
+        self._thread = threading.Thread(target=run, name="mmcache-prefetch", daemon=True)
+        try:
+            self._thread.start()
+        except BaseException:
+            gate.end()
+            raise
+
+    def _revalidate(self, epoch: int) -> None:
+        t0 = time.perf_counter()
+        changed: list[str] = []
+        try:
+            changed = self.source.revalidate()
+        except (RemoteError, OSError) as err:
+            self.revalidated = False
+            logger.warning(
+                "epoch %d: cannot revalidate remote objects (%s); serving what is cached, "
+                "misses will fail",
+                epoch,
+                err,
+            )
+        else:
+            # an answer from the kept listing (the store is down, offline="auto"/True)
+            # is not a revalidation: the listing is not fresh
+            self.revalidated = not self.source.remote.stale
+            if not self.revalidated:
+                logger.warning(
+                    "epoch %d: cannot revalidate remote objects (the store cannot be "
+                    "reached: the kept listing answered, it is not fresh); serving what is "
+                    "cached, misses will fail",
+                    epoch,
+                )
+            if changed:
+                logger.info("epoch %d: %d remote objects changed", epoch, len(changed))
+        self._changed = bool(changed)
+        self.revalidate_s = time.perf_counter() - t0
+
+    def _start_fetching(self, ctx: Any, *, inline: bool = False) -> None:
+        """Walk the epoch's batches and fetch ahead (here when ``inline``: already on the
+        prefetch thread; else on a new one). Nothing when the store is down or all held."""
+        if not self.revalidated or self.source.remote.unreachable:
             return  # the store is down: do not queue a GET per miss
-        known = self._known_bits(bool(changed))
+        known = self._known_bits(self._changed)
         batches = [np.asarray(b, dtype=np.int64) for b in ctx.batches(ctx.epoch)[ctx.start :]]
         if not batches or bool(known[np.concatenate(batches)].all()):
-            return  # a warm epoch: nothing to fetch, no thread
+            return  # a warm epoch: nothing to fetch
         raw = self.source.raw
         assert raw is not None
         raw.heartbeat()  # before the first producer looks (it waits for us, not GETs twice)
+        if inline:
+            self._run(batches, known, self._stop)
+            return
         self._thread = threading.Thread(
             target=self._run,
             args=(batches, known, self._stop),
@@ -230,8 +284,8 @@ class RemotePrefetch:
                     with self._cond:
                         while not stop.is_set() and number > self._consumed + self.ahead:
                             self._cond.wait(0.1)
-                    if stop.is_set():
-                        break
+                    if stop.is_set() or self.source.remote.unreachable:
+                        break  # the breaker opened: misses fail at once, no waiting for us
                     todo = batch[~known[batch]]
                     if not todo.size:
                         continue

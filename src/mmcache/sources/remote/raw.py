@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mmcache import keys
-from mmcache.errors import SampleError
+from mmcache.errors import RemoteSampleError
 from mmcache.policies import Policy
 from mmcache.rootfiles import make_dir, replace_file
 from mmcache.sources.remote.fs import Remote, RemoteError
@@ -156,22 +156,21 @@ def fetch_bytes(
     """Bytes ``[start, end)`` of version ``stamp`` of ``url`` (``span``): from ``raw`` if it holds
     them (``wait``: or once a running prefetcher has put them there, within a second, so
     that the producer and the prefetcher do not both GET them), else one ranged GET
-    (retried on transient errors) kept in ``raw``. Raises
-    :class:`~mmcache.errors.SampleError` naming the URL and the HTTP status."""
+    (under the retry policy) kept in ``raw``. Raises
+    :class:`~mmcache.errors.RemoteSampleError` (a SampleError and a RemoteError) naming
+    the sample, the URL, the HTTP status and the kind; a miss does not wait for the
+    prefetcher while the store is unreachable (the breaker is open)."""
     url, stamp, start, end = span
     if raw is not None:
         held = raw.get(url, stamp, start, end)
-        if held is None and wait:
+        if held is None and wait and not remote.unreachable:
             held = raw.wait_for(url, stamp, start, end)
         if held is not None:
             return held
     try:
         data = remote.read(url, start, end)
     except RemoteError as err:
-        status = f"HTTP {err.status}" if err.status is not None else "no response"
-        raise SampleError(
-            f"cannot fetch {url} ({status}): {err.reason}", sample_id=sample_id, path=url
-        ) from err
+        raise RemoteSampleError(err, sample_id=sample_id) from err
     if raw is not None:
         raw.put(url, stamp, start, end, data)
     return data

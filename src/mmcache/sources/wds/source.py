@@ -37,7 +37,6 @@ import contextlib
 import logging
 import os
 import tarfile
-import tempfile
 from collections.abc import Mapping, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
@@ -58,9 +57,9 @@ from mmcache.sources.files import check_on_error
 from mmcache.sources.items import item_tensors
 from mmcache.sources.rejects import Reject, RejectLog
 from mmcache.sources.remote.blocks import DEFAULT_BLOCK, check_block
-from mmcache.sources.remote.fs import Remote, RemoteError, is_remote
+from mmcache.sources.remote.fs import Offline, Remote, RemoteError, RetryPolicy, is_remote
 from mmcache.sources.remote.raw import RawTier
-from mmcache.sources.remote.state import SharedStamps
+from mmcache.sources.remote.state import SharedStamps, private_dir
 from mmcache.sources.wds.fetching import RemoteShards
 from mmcache.sources.wds.home import index_home, state_home
 from mmcache.sources.wds.index import ShardIndex, load_or_build
@@ -106,7 +105,11 @@ class WebDatasetSource(
         storage_options: for remote shards, passed to fsspec (``{"key": ..., "secret":
             ..., "client_kwargs": {"endpoint_url": ...}}`` for S3).
         raw: a :class:`RawTier` keeping remote bytes on local disk (``None``: none).
-        retries: retries of a transient remote error (5xx, timeouts, throttling).
+        retries: a :class:`RetryPolicy` for every remote call, or the retries of a
+            transient error (5xx, timeouts, throttling) under the default one.
+        offline: when the store cannot be reached at open: ``"auto"`` starts from the
+            last listing kept in ``index_dir`` (a warning; what the raw tier and the
+            cache hold is served), ``True`` never contacts the store, ``False`` fails.
         fetch_block: the prefetcher fetches the samples of a remote shard whose bytes
             start in one aligned block of this size with one ranged GET (``"8MiB"``
             by default; ``None``: one GET per sample). See
@@ -128,8 +131,9 @@ class WebDatasetSource(
         index_dir: str | os.PathLike[str] | bool | None = None,
         storage_options: Mapping[str, Any] | None = None,
         raw: RawTier | None = None,
-        retries: int = 4,
+        retries: int | RetryPolicy = 4,
         fetch_block: int | str | None = DEFAULT_BLOCK,
+        offline: Offline = "auto",
     ) -> None:
         self.on_error = check_on_error(on_error)
         if not isinstance(pipeline, StagedProcessor):
@@ -153,7 +157,9 @@ class WebDatasetSource(
             self.index_dir: str | None = None
         else:
             self.index_dir = os.path.abspath(os.fspath(index_dir))
-        self.remote = Remote(storage_options, retries=retries)
+        self.remote = Remote(
+            storage_options, retries=retries, offline=offline, listing_dir=self.index_dir
+        )
         self.raw = raw
         self.fetch_block = check_block(fetch_block)
         self._fingerprint = pipeline.fingerprint()
@@ -474,9 +480,15 @@ class WebDatasetSource(
     # -- revalidation (remote shards) ----------------------------------------------------
     def _make_state_path(self) -> str:
         raw_path = None if self.raw is None else self.raw.path
-        base = self.index_dir or state_home(raw_path) or tempfile.gettempdir()
+        base = self.index_dir or state_home(raw_path) or private_dir()
         name = keys.digest("mmcache.wds-state", os.getuid(), *self.locations).hex()
         return os.path.join(base, f"mmcache-wds-state-{os.getuid()}-{name}.json")
+
+    @property
+    def shared_stamps(self) -> SharedStamps:
+        """The file through which revalidated stamps reach the other processes (and the
+        gate that holds them back while a revalidation is under way)."""
+        return self._state
 
     def revalidate(self) -> list[str]:
         """Check every shard's stamp again (a ``stat``; the ETags of remote shards batched),
