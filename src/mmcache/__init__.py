@@ -34,6 +34,7 @@ from mmcache.features import (
     load_factory,
     warm_features,
 )
+from mmcache.hfpipeline import hf_processor
 from mmcache.loader import BatchContext, DataLoader, EpochContext, LoaderHook, PackSpec
 from mmcache.manifest import Records, read_manifest
 from mmcache.pipeline import (
@@ -146,6 +147,7 @@ __all__ = [
     "format_size",
     "get_policy",
     "hf_image_processor",
+    "hf_processor",
     "keys",
     "load_factory",
     "normalize",
