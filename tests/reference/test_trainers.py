@@ -64,8 +64,8 @@ class MmcacheTrainer(transformers.Trainer):
         return super().compute_loss(model, inputs, *args, **kw)
 
 
-def _run(out: Path, steps: int, resume: Path | None = None) -> MmcacheTrainer:
-    source = SyntheticSFTSource(
+def _source() -> SyntheticSFTSource:
+    return SyntheticSFTSource(
         32,
         seed=3,
         vocab=256,
@@ -74,6 +74,10 @@ def _run(out: Path, steps: int, resume: Path | None = None) -> MmcacheTrainer:
         image_counts=(1,),
         shapes=((SIZE, SIZE),),
     )
+
+
+def _run(out: Path, steps: int, resume: Path | None = None) -> MmcacheTrainer:
+    source = _source()
     loader = mmcache.DataLoader(source, cache=None, batch_size=4, seed=7, hooks=[ToModelInputs()])
     if resume is not None:
         loader.load_state_dict(json.loads((resume / STATE).read_text()))
@@ -105,3 +109,28 @@ def test_trainer_trains_and_resumes_the_loader_exactly(tmp_path: Path) -> None:
     assert first.seen == whole.seen[:2]
     rest = _run(tmp_path / "part", steps=4, resume=tmp_path / "part" / "checkpoint-2")
     assert rest.seen == whole.seen[2:4]
+
+
+def test_accelerate_prepare_leaves_the_loader_as_is_and_trains() -> None:
+    accelerate = need("accelerate")
+    accelerator = accelerate.Accelerator(cpu=True)
+    loader = mmcache.DataLoader(
+        _source(), cache=None, batch_size=4, seed=7, hooks=[ToModelInputs()]
+    )
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer, prepared = accelerator.prepare(model, optimizer, loader)
+    # Not re-wrapped into a DataLoaderShard: the cache, the order and state_dict stay.
+    assert prepared is loader
+    expected = [b["id"] for b in mmcache.DataLoader(_source(), cache=None, batch_size=4, seed=7)]
+    got = []
+    for step, batch in enumerate(prepared):
+        got.append(batch.pop("id"))
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        assert torch.isfinite(loss)
+        if step == 2:
+            break
+    assert got == expected[:3]
