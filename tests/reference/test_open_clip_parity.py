@@ -149,7 +149,7 @@ def test_same_box_pixels_within_one_level_of_torchvision() -> None:
         )
         ref = torch.from_numpy(np.array(theirs)).permute(2, 0, 1)
         diffs.append((ours.int() - ref.int()).abs().float().mean().item())
-    # Measured: 0.2-0.4 levels per box (two resamplings against torchvision's one).
+    # Measured: 0.70-0.80 levels per box (two resamplings against torchvision's one).
     assert max(diffs) <= 1.0, diffs
 
 
