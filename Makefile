@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mmcache-installed
 
-.PHONY: demo test lint typecheck docs unit bench install clean
+.PHONY: demo test lint typecheck docs unit reference ref-env bench install clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,6 +17,22 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The reference environment: open_clip, torchvision, transformers, accelerate and lightning at the
+# pinned releases of tests/reference/requirements.txt, with mmcache installed from this checkout.
+# Separate from .venv because torchvision needs the (CUDA) torch it was built for; it runs on CPU.
+REF_VENV ?= .venv-ref
+REF_PY := $(REF_VENV)/bin/python
+REF_STAMP := $(REF_VENV)/.mmcache-ref-installed
+
+$(REF_STAMP): tests/reference/requirements.txt pyproject.toml
+	test -x $(REF_PY) || $(PYTHON) -m venv $(REF_VENV)
+	$(REF_PY) -m pip install -q --upgrade pip
+	$(REF_PY) -m pip install -q -r tests/reference/requirements.txt
+	$(REF_PY) -m pip install -q -e '.[testing,hf,chat]' pytest-timeout
+	touch $(REF_STAMP)
+
+ref-env: $(REF_STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/mmcache demo
@@ -38,10 +54,14 @@ docs: $(STAMP)
 unit: $(STAMP)
 	MMCACHE_TEST_SHM_STRICT=1 $(PY) -m pytest -q
 
-test: lint typecheck docs unit
+# The parity tests against the real libraries, under the reference venv (tests/reference).
+reference: $(REF_STAMP)
+	MMCACHE_REF_ENV=1 $(REF_PY) -m pytest -q tests/reference
+
+test: lint typecheck docs unit reference
 
 bench: $(STAMP)
 	$(PY) benchmarks/pipeline.py
 
 clean:
-	rm -rf $(VENV) build site *.egg-info .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) $(REF_VENV) build site *.egg-info .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -13,7 +13,12 @@ same batch size, workers and seed, side by side:
     warm epochs) against (a)'s median epoch, and the CPU seconds per sample it costs
     the training process (``time.process_time``: both assembling threads; workers
     and the stat prefetcher are other processes);
-(c) for scale: (b)'s warm epoch without the augment.
+(c) for scale: (b)'s warm epoch without the augment;
+(o) when open_clip is importable (the reference venv, ``make ref-env``): open_clip's own
+    ``image_transform(224, is_train=True)`` (its ``preprocess_train``: bicubic RRC, no
+    flip, ToTensor + Normalize) in ``__getitem__``, and (o') its split by
+    ``mmcache.augment.from_torchvision``: the whole image cached at 273 px, the same
+    crop distribution after the cache, normalised in the training process.
 
 torch runs with one intra-op thread in the training process (as benchmarks/loader.py).
 Every figure is measured in this run; nothing here is a pass/fail time.
@@ -21,6 +26,7 @@ Every figure is measured in this run; nothing here is a pass/fail time.
     .venv/bin/python benchmarks/augment.py                 # ~2-4 min on 2 cores
     .venv/bin/python benchmarks/augment.py --quick         # smoke run
     .venv/bin/python benchmarks/augment.py --device cuda   # augment on the GPU
+    .venv-ref/bin/python benchmarks/augment.py             # with open_clip's own rows
 """
 
 from __future__ import annotations
@@ -95,8 +101,31 @@ class OpenClipStyle(torch.utils.data.Dataset):  # type: ignore[type-arg]
         return torch.from_numpy(np.asarray(out).transpose(2, 0, 1).copy())
 
 
-def run_uncached(paths: list[str], args: argparse.Namespace) -> list[float]:
-    ds = OpenClipStyle(paths, seed=0)
+class OpenClipOwn(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """``__getitem__`` runs open_clip's own ``preprocess_train`` on one decoded image."""
+
+    def __init__(self, paths: list[str], preprocess: Any) -> None:
+        self.paths, self.preprocess, self.epoch = paths, preprocess, 0
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        with Image.open(self.paths[i]) as f:
+            return self.preprocess(f)  # type: ignore[no-any-return]
+
+
+def open_clip_train() -> Any | None:
+    """open_clip's ``preprocess_train`` for 224 px, or None when open_clip is not here."""
+    try:
+        from open_clip.transform import image_transform
+    except Exception:  # not installed, or torchvision beside another torch build
+        return None
+    return image_transform(SIZE, is_train=True)
+
+
+def run_uncached(paths: list[str], args: argparse.Namespace, ds: Any = None) -> list[float]:
+    ds = OpenClipStyle(paths, seed=0) if ds is None else ds
     loader = torch.utils.data.DataLoader(
         ds,
         batch_size=args.batch_size,
@@ -187,6 +216,14 @@ def main() -> None:
         b = run_cached(ds, tmp / "cache-b", args, augment=aug)
         bl = run_cached(interleaved, tmp / "cache-bl", args, augment=aug)
         c = run_cached(ds, tmp / "cache-c", args, augment=None)
+        preprocess = open_clip_train()
+        if preprocess is not None:
+            from mmcache.augment import from_torchvision
+
+            o = run_uncached(paths, args, OpenClipOwn(paths, preprocess))
+            stage, split = from_torchvision(preprocess)
+            faithful = mc.MultimodalDataset(manifest, pipeline=mc.Pipeline(image=stage))
+            op = run_cached(faithful, tmp / "cache-o", args, augment=split)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     n = args.n
@@ -208,6 +245,18 @@ def main() -> None:
         ("(b) mmcache cold epoch (same loader)", b["cold"], None, f"{a_s / b['cold']:.2f}x"),
         ("(c) mmcache warm, no augment (256 px centre crops)", c_s, cpu_c, f"{a_s / c_s:.1f}x"),
     ]
+    if preprocess is not None:
+        o_s, op_s = statistics.median(o), statistics.median(op["warm"])
+        rows += [
+            ("(o) open_clip's own preprocess_train, uncached", o_s, None, f"{a_s / o_s:.1f}x"),
+            (
+                f"(o') from_torchvision(preprocess_train) warm, augment on {where}",
+                op_s,
+                statistics.median(op["cpu"]) / n,
+                f"{a_s / op_s:.1f}x; {o_s / op_s:.1f}x vs (o)",
+            ),
+            ("(o') cold epoch", op["cold"], None, f"{o_s / op['cold']:.2f}x vs (o)"),
+        ]
     lines = [
         f"n={n} COCO-sized synthetic JPEGs, batch {args.batch_size}, {args.workers} workers, "
         f"{args.epochs} epochs (median), augment device: {where}; (b) batches {b['shape']}, "

@@ -35,6 +35,7 @@ from mmcache.errors import (
     SampleError,
 )
 from mmcache.features import FeatureCache, FeatureStats, warm_features
+from mmcache.hfpipeline import hf_processor
 from mmcache.loader import BatchContext, DataLoader, EpochContext, LoaderHook, PackSpec
 from mmcache.pipeline import ImageSpec, Pipeline, TextSpec, normalize, train_tokenizer
 from mmcache.plot import plot
@@ -97,6 +98,7 @@ __all__ = [
     "WebDatasetSource",
     "__version__",
     "hf_image_processor",
+    "hf_processor",
     "normalize",
     "plot",
     "read_manifest",

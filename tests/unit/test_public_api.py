@@ -54,6 +54,7 @@ PUBLIC = [
     "WebDatasetSource",
     "__version__",
     "hf_image_processor",
+    "hf_processor",
     "normalize",
     "plot",
     "read_manifest",

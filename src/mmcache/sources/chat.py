@@ -332,7 +332,8 @@ def chat_lengths(
     if image_stage is not None and output_hw(image_stage, 64, 48) is None:
         raise ConfigError(
             "lengths() needs the image stage's resize rule to size images from their "
-            f"headers: ImageSpec or SmartResize, got {type(image_stage).__name__}"
+            "headers: ImageSpec, SmartResize or an hf_image_processor whose size rule is "
+            f"known, got {type(image_stage).__name__}"
         )
     n = len(records)
     columns: dict[str, npt.NDArray[Any]] = {

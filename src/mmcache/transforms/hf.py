@@ -149,10 +149,16 @@ class HFImageStage:
         # not one uint8-valued image (patches, crops, a float resample).
         probe = np.linspace(0, 255, 40 * 30 * 3).reshape(30, 40, 3).astype(np.uint8)
         try:
-            self._run(Image.fromarray(probe))
+            out = self._run(Image.fromarray(probe))
         except SampleError as exc:
             reason = exc.reason
             raise ConfigError(f"hf_image_processor cannot cache this processor: {reason}") from None
+        # The size rule read from the configuration is trusted only if it predicts what
+        # the processor made of the probe (and of a tall one); else lengths() refuses.
+        self._sized = self._rule(30, 40) == tuple(out.shape[1:])
+        if self._sized:
+            tall = self._run(Image.fromarray(probe.transpose(1, 0, 2).copy()))
+            self._sized = self._rule(40, 30) == tuple(tall.shape[1:])
 
     def _normalization(self) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
         """``(mean, std)`` with ``(x / 255 - mean) / std == (x * rescale - m) / s``."""
@@ -168,6 +174,35 @@ class HFImageStage:
             (mean[0] / k, mean[1] / k, mean[2] / k),
             (std[0] / k, std[1] / k, std[2] / k),
         )
+
+    def output_size(self, height: int, width: int) -> tuple[int, int] | None:
+        """The ``(h, w)`` the processor makes of an upright ``height x width`` image, from
+        its configuration (``do_center_crop`` + ``crop_size``, ``size`` as
+        ``height``/``width`` or ``shortest_edge``), without decoding: what
+        ``lengths()``, ``text_report()``, ``group_by_length`` and ``pack`` size images
+        by. ``None`` for a rule not read here (checked on two probes when the stage is
+        built)."""
+        return self._rule(height, width) if self._sized else None
+
+    def _rule(self, height: int, width: int) -> tuple[int, int] | None:
+        p = self.processor
+        if getattr(p, "do_center_crop", False):
+            crop = _hw(getattr(p, "crop_size", None))
+            if crop is not None:
+                return crop  # a crop larger than the resized image pads to crop_size
+        if not getattr(p, "do_resize", True):
+            return (height, width)
+        size = getattr(p, "size", None)
+        fixed = _hw(size)
+        if fixed is not None:
+            return fixed
+        short = _field(size, "shortest_edge")
+        if short is None or _field(size, "longest_edge") is not None:
+            return None
+        # transformers' get_resize_output_image_size(default_to_square=False)
+        if height <= width:
+            return (short, int(short * width / height))
+        return (int(short * height / width), short)
 
     def fingerprint(self) -> str:
         """Digest of the processor's class, configuration and transformers' major version."""
@@ -201,6 +236,17 @@ class HFImageStage:
         """A decoded image (stored frame) -> the processor's resized and cropped uint8
         ``[3, H, W]``, before rescale and normalise."""
         return self._run(upright_rgb(im))
+
+
+def _field(size: Any, key: str) -> int | None:
+    """``size[key]`` of a processor's size (a dict or transformers' ``SizeDict``)."""
+    value = size.get(key) if isinstance(size, dict) else getattr(size, key, None)
+    return int(value) if isinstance(value, (int, np.integer)) and value > 0 else None
+
+
+def _hw(size: Any) -> tuple[int, int] | None:
+    h, w = _field(size, "height"), _field(size, "width")
+    return (h, w) if h is not None and w is not None else None
 
 
 def hf_image_processor(processor: Any) -> HFImageStage:

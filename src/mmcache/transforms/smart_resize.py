@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -36,7 +36,17 @@ from mmcache.transforms.image import _RESAMPLE, ImageSpec, Interpolation
 from mmcache.transforms.pixels import resized_size, upright_rgb
 from mmcache.transforms.stage import StageKind
 
-__all__ = ["SmartResize", "output_hw", "smart_resize"]
+__all__ = ["SizeRule", "SmartResize", "output_hw", "smart_resize"]
+
+
+@runtime_checkable
+class SizeRule(Protocol):
+    """An image stage that knows the ``(h, w)`` it makes of an upright ``height x width``
+    image without decoding it (``None``: not known for this one), such as
+    ``hf_image_processor(...)``."""
+
+    def output_size(self, height: int, width: int) -> tuple[int, int] | None: ...
+
 
 _MAX_ASPECT = 200
 
@@ -160,7 +170,8 @@ class SmartResize:
 def output_hw(stage: object, width: int, height: int, turn: int = 1) -> tuple[int, int] | None:
     """The ``(h, w)`` ``stage`` makes of an image stored as ``width x height`` with EXIF
     orientation ``turn``; ``None`` for a stage whose geometry is not known here (a user
-    or HF stage: only decoding tells). Pure: no pixel is read."""
+    stage, an HF processor whose size rule is not read: only decoding tells). Pure: no
+    pixel is read."""
     if turn >= 5:  # upright, the sides are swapped
         width, height = height, width
     if isinstance(stage, SmartResize):
@@ -175,6 +186,8 @@ def output_hw(stage: object, width: int, height: int, turn: int = 1) -> tuple[in
             width = height = max(width, height)
         uw, uh = resized_size(width, height, stage.resize_to, stage.max_size)
         return (uh, uw)
+    if isinstance(stage, SizeRule):
+        return stage.output_size(height, width)
     return None
 
 

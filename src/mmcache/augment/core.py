@@ -18,12 +18,16 @@ same generators on, so each transform draws after the previous one).
 
 - :class:`RandomResizedCrop`: torchvision's parameter sampling and geometry
   (``RandomResizedCrop.get_params``: ten tries at a random area and log-uniform
-  aspect ratio, then a centre crop clipped to the image), then a bilinear
-  resize with antialiasing to ``size x size``; always returns a uint8 tensor
+  aspect ratio, then a centre crop clipped to the image), then an antialiased
+  bilinear or bicubic resize to ``size x size``; always returns a uint8 tensor
   ``[B,3,size,size]``. The crop box always lies inside the image (a crop
   larger than a small image is clipped, as torchvision's is).
 - :class:`RandomHorizontalFlip`: ``torch.rand(1) < p`` per image, as torchvision.
 - :class:`Compose`: the transforms in order.
+
+The colour transforms (``ColorJitter``, ``RandomGrayscale``), ``Normalize`` and
+:func:`~mmcache.augment.torchvision.from_torchvision` (a torchvision ``Compose``
+split into a cached stage and these) live beside this module in the package.
 
 >>> import torch
 >>> images = torch.randint(0, 256, (4, 3, 64, 80), dtype=torch.uint8)
@@ -46,7 +50,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Protocol, TypeAlias, runtime_checkable
+from typing import Literal, Protocol, TypeAlias, runtime_checkable
 
 import numpy as np
 import torch
@@ -60,10 +64,15 @@ __all__ = [
     "Images",
     "RandomHorizontalFlip",
     "RandomResizedCrop",
+    "Resample",
     "batch_generator",
+    "check_images",
     "sample_generators",
     "sample_seed",
 ]
+
+#: The resampling filters of :class:`RandomResizedCrop` (torch's antialiased ones).
+Resample = Literal["bilinear", "bicubic"]
 
 #: A batch of images: one uint8 tensor ``[B,3,H,W]``, or ``B`` tensors ``[3,H_i,W_i]``.
 Images: TypeAlias = "torch.Tensor | list[torch.Tensor]"
@@ -120,7 +129,7 @@ class Augment(Protocol):
     def __call__(self, images: Images, generators: Sequence[torch.Generator], /) -> Images: ...
 
 
-def _check_images(images: Images, generators: Sequence[torch.Generator], who: str) -> int:
+def check_images(images: Images, generators: Sequence[torch.Generator], who: str) -> int:
     if isinstance(images, torch.Tensor):
         if images.dim() != 4 or images.dtype != torch.uint8:
             raise ConfigError(
@@ -157,8 +166,10 @@ class RandomResizedCrop:
         scale: the range of the crop's area, as a fraction of the image's.
         ratio: the range of the crop's aspect ratio (width / height), sampled
             log-uniformly.
-        antialias: antialiased bilinear resampling (as torchvision's default);
-            False: plain bilinear.
+        antialias: antialiased resampling (as torchvision's default); False: plain.
+        interpolation: ``"bilinear"`` (torchvision's default) or ``"bicubic"``
+            (open_clip's ``image_transform``, torchvision's ``InterpolationMode.BICUBIC``);
+            bicubic overshoots are clamped to 0..255, as torchvision's are.
 
     The parameters are torchvision's ``RandomResizedCrop.get_params`` drawn from
     each image's generator (the same draws, in the same order), so a generator
@@ -172,6 +183,7 @@ class RandomResizedCrop:
         scale: Sequence[float] = (0.08, 1.0),
         ratio: Sequence[float] = (3 / 4, 4 / 3),
         antialias: bool = True,
+        interpolation: Resample = "bilinear",
     ) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ConfigError(f"RandomResizedCrop size must be an int >= 1, got {size!r}")
@@ -181,12 +193,18 @@ class RandomResizedCrop:
             raise ConfigError(f"RandomResizedCrop scale must lie in (0, 1], got {scale!r}")
         self.ratio = _pair("RandomResizedCrop ratio", ratio)
         self.antialias = bool(antialias)
+        if interpolation not in ("bilinear", "bicubic"):
+            raise ConfigError(
+                f"RandomResizedCrop interpolation must be 'bilinear' or 'bicubic', "
+                f"got {interpolation!r}"
+            )
+        self.interpolation: Resample = interpolation
         self._log_ratio = (math.log(self.ratio[0]), math.log(self.ratio[1]))
 
     def __repr__(self) -> str:
         return (
             f"RandomResizedCrop({self.size}, scale={self.scale}, ratio={self.ratio}, "
-            f"antialias={self.antialias})"
+            f"antialias={self.antialias}, interpolation={self.interpolation!r})"
         )
 
     def params(self, height: int, width: int, g: torch.Generator) -> tuple[int, int, int, int]:
@@ -224,7 +242,7 @@ class RandomResizedCrop:
         return (height - h) // 2, (width - w) // 2, h, w
 
     def __call__(self, images: Images, generators: Sequence[torch.Generator], /) -> torch.Tensor:
-        n = _check_images(images, generators, "RandomResizedCrop")
+        n = check_images(images, generators, "RandomResizedCrop")
         seq = list(images) if isinstance(images, torch.Tensor) else images
         channels = seq[0].shape[0] if n else 3
         device = seq[0].device if n else torch.device("cpu")
@@ -258,7 +276,11 @@ class RandomResizedCrop:
     def _resize(self, crop: torch.Tensor) -> torch.Tensor:
         s = self.size
         return F.interpolate(
-            crop, size=(s, s), mode="bilinear", align_corners=False, antialias=self.antialias
+            crop,
+            size=(s, s),
+            mode=self.interpolation,
+            align_corners=False,
+            antialias=self.antialias,
         )
 
 
@@ -283,7 +305,7 @@ class RandomHorizontalFlip:
         """The flips of :meth:`__call__`; ``in_place=True`` flips a CPU batch tensor's rows
         in place (what :class:`Compose` does with the fresh output of a crop: a new
         9.6 MB batch would cost its page faults again on every batch)."""
-        n = _check_images(images, generators, "RandomHorizontalFlip")
+        n = check_images(images, generators, "RandomHorizontalFlip")
         flip = [bool(torch.rand(1, generator=g).item() < self.p) for g in generators]
         if isinstance(images, torch.Tensor):
             if images.device.type != "cpu":
@@ -326,10 +348,6 @@ class Compose:
                 images = t(images, generators)
                 fresh = isinstance(t, RandomResizedCrop)
         return images
-
-
-#: The classes whose instances get one generator per image (any other augment one per batch).
-BUILTINS = (RandomResizedCrop, RandomHorizontalFlip, Compose)
 
 
 def output_size(augment: object) -> int | None:

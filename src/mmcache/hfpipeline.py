@@ -1,0 +1,145 @@
+"""A whole HF multimodal processor as an mmcache :class:`~mmcache.Pipeline`: :func:`hf_processor`.
+
+A LLaVA or Qwen2-VL training script holds one ``transformers`` processor that knows
+the image processor, the tokenizer, the chat template, the image token and how many
+of them an image becomes. :func:`hf_processor` reads all of that from it:
+
+- ``LlavaProcessor``: the image processor as the cached stage
+  (:func:`~mmcache.hf_image_processor`), a :class:`~mmcache.ChatSpec` with the
+  processor's tokenizer and chat template, its ``image_token``, and the count
+  ``(h // patch_size) * (w // patch_size) + num_additional_image_tokens``, less one
+  for ``vision_feature_select_strategy="default"`` (LlavaProcessor's own rule, on
+  the processed image's size);
+- ``Qwen2VLProcessor`` / ``Qwen2_5_VLProcessor``: a :class:`~mmcache.SmartResize`
+  with the image processor's ``min_pixels``, ``max_pixels`` and ``patch_size *
+  merge_size``, and ``<|image_pad|>`` runs of its grid rule between
+  ``<|vision_start|>`` and ``<|vision_end|>``; the records' placeholder stays
+  ``<image>``;
+- ``LlavaNextProcessor`` (any-resolution tiles: several crops per image, a token
+  count of the original size) is refused: its output is not one cached image.
+
+The template must render a message's ``content`` given as a string with the image
+placeholders inline (what ChatSpec renders); a template that reads only a list of
+``{"type": "image"}`` parts is the processor's own business and gives no images.
+
+Pure function of the processor; the Pipeline it returns is as thread-safe as any.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mmcache.errors import ConfigError
+from mmcache.pipeline import Pipeline
+from mmcache.transforms.chat import ChatSpec
+from mmcache.transforms.hf import hf_image_processor
+from mmcache.transforms.smart_resize import SmartResize
+
+__all__ = ["hf_processor", "llava_image_tokens"]
+
+
+def llava_image_tokens(processor: Any, height: int, width: int) -> int:
+    """LlavaProcessor's image-token count for an image processed to ``height x width``."""
+    patch = getattr(processor, "patch_size", None)
+    if not isinstance(patch, int) or patch < 1:
+        raise ConfigError(
+            f"{type(processor).__name__} has no patch_size: build it with "
+            "patch_size=, vision_feature_select_strategy= (as the model config says)"
+        )
+    n = (height // patch) * (width // patch) + int(processor.num_additional_image_tokens or 0)
+    if processor.vision_feature_select_strategy == "default":
+        n -= 1
+    return n
+
+
+def _parts(processor: Any) -> tuple[Any, Any, str]:
+    tokenizer = getattr(processor, "tokenizer", None)
+    images = getattr(processor, "image_processor", None)
+    if tokenizer is None or images is None:
+        raise ConfigError(
+            f"hf_processor takes a multimodal processor with a tokenizer and an image "
+            f"processor (LlavaProcessor, Qwen2VLProcessor), got {type(processor).__name__}"
+        )
+    template = getattr(processor, "chat_template", None) or getattr(
+        tokenizer, "chat_template", None
+    )
+    if not template:
+        raise ConfigError(
+            f"{type(processor).__name__} has no chat_template (nor has its tokenizer): "
+            "pass template="
+        )
+    return tokenizer, images, template
+
+
+def _qwen(processor: Any, tokenizer: Any, images: Any, template: str, max_length: int) -> Pipeline:
+    """Qwen2-VL's smart resize and grid rule (see the module docstring)."""
+    factor = int(images.patch_size) * int(images.merge_size)
+    size = getattr(images, "size", None) or {}
+
+    def bound(attr: str, key: str) -> int:
+        value = getattr(images, attr, None)
+        if value is None:
+            value = size.get(key) if isinstance(size, dict) else getattr(size, key, None)
+        if value is None:
+            raise ConfigError(f"{type(images).__name__} has no {attr} (nor size[{key!r}])")
+        return int(value)
+
+    stage = SmartResize(
+        min_pixels=bound("min_pixels", "shortest_edge"),
+        max_pixels=bound("max_pixels", "longest_edge"),
+        factor=factor,
+    )
+    spec = ChatSpec(
+        tokenizer,
+        template,
+        max_length,
+        image_token_id=int(processor.image_token_id),
+        image_tokens=stage.image_tokens,
+        image_prefix="<|vision_start|>",
+        image_suffix="<|vision_end|>",
+    )
+    return Pipeline(image=stage, text=spec)
+
+
+def hf_processor(
+    processor: Any, max_length: int = 2048, *, template: str | None = None
+) -> Pipeline:
+    """The :class:`~mmcache.Pipeline` equivalent to ``processor`` (see the module docstring).
+
+    Args:
+        processor: a ``LlavaProcessor``, ``Qwen2VLProcessor`` or ``Qwen2_5_VLProcessor``.
+        max_length: the most tokens a sample keeps, image tokens included.
+        template: a chat template to use instead of the processor's.
+
+    Raises:
+        ConfigError: another processor class, a missing part, or a LlavaNext processor.
+    """
+    name = type(processor).__name__
+    if name.startswith("LlavaNext") or name.startswith("LlavaOnevision"):
+        raise ConfigError(
+            f"hf_processor cannot cache {name}: its any-resolution tiles make several "
+            "crops per image and a token count of the original size; use LlavaProcessor "
+            "or a SmartResize pipeline"
+        )
+    tokenizer, images, own = _parts(processor)
+    template = template or own
+    if name in ("Qwen2VLProcessor", "Qwen2_5_VLProcessor"):
+        return _qwen(processor, tokenizer, images, template, max_length)
+    if name != "LlavaProcessor":
+        raise ConfigError(
+            f"hf_processor knows LlavaProcessor, Qwen2VLProcessor and Qwen2_5_VLProcessor, "
+            f"got {name}: build the Pipeline from hf_image_processor and ChatSpec"
+        )
+    stage = hf_image_processor(images)
+    fixed = stage.output_size(1, 1) == stage.output_size(999, 333)
+    hw = stage.output_size(1, 1)
+    if not fixed or hw is None:
+        raise ConfigError(
+            f"{type(images).__name__} does not crop to one size: LLaVA's image-token "
+            "count then depends on each image; set do_center_crop with crop_size"
+        )
+    count = llava_image_tokens(processor, *hw)
+    spec = ChatSpec(
+        tokenizer, template, max_length, image_token=processor.image_token, image_tokens=count
+    )
+    return Pipeline(image=stage, text=spec)
