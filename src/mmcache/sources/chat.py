@@ -35,6 +35,7 @@ from PIL import Image
 
 from mmcache import keys
 from mmcache.errors import ConfigError, ManifestError, SampleError
+from mmcache.sources import identity
 from mmcache.sources.records import RecordReject, Records
 from mmcache.transforms.chat import Chat, ChatSpec
 from mmcache.transforms.pixels import DECODE_ERRORS, orientation
@@ -90,7 +91,7 @@ def multi_stamp(paths: Sequence[str], *, content: bool) -> str:
     own stamp for one (as a single-image sample), each file's joined by ``|`` for more."""
     if not paths:
         return "none"
-    return "|".join(keys.source_stamp(p, content=content) for p in paths)
+    return "|".join(identity.file_identity(p, content=content) for p in paths)
 
 
 def multi_stamp_fields(paths: Sequence[str]) -> npt.NDArray[np.int64]:
