@@ -25,6 +25,13 @@ from mmcache.pipeline import Pipeline
 from mmcache.sources import identity
 
 
+@pytest.fixture
+def own_data(tmp_path: Path, tiny_data: Path) -> Path:
+    """A copy of the session's tiny dataset that a test may rewrite (``cp -a``)."""
+    shutil.copytree(tiny_data.parent, tmp_path / "own", copy_function=shutil.copy2)
+    return tmp_path / "own" / tiny_data.name
+
+
 def _keys(manifest: Path, pipeline: Pipeline) -> list[bytes]:
     ds = MultimodalDataset(manifest, pipeline=pipeline)
     return [r.tobytes() for r in ds.key_rows(np.arange(len(ds)))]
@@ -45,9 +52,9 @@ def test_a_cp_a_copy_elsewhere_has_the_same_keys(
 
 
 def test_chmod_and_rename_keep_the_key_of_unchanged_bytes(
-    tiny_data: Path, small_pipeline: Pipeline
+    own_data: Path, small_pipeline: Pipeline
 ) -> None:
-    ds = MultimodalDataset(tiny_data, pipeline=small_pipeline)
+    ds = MultimodalDataset(own_data, pipeline=small_pipeline)
     before = ds.key_rows([0, 1]).copy()
     path = Path(ds.records.image_path(0) or "")
     ino = path.stat().st_ino
@@ -61,9 +68,9 @@ def test_chmod_and_rename_keep_the_key_of_unchanged_bytes(
 
 
 def test_a_same_size_rewrite_with_mtime_restored_gets_a_new_key(
-    tiny_data: Path, small_pipeline: Pipeline
+    own_data: Path, small_pipeline: Pipeline
 ) -> None:
-    ds = MultimodalDataset(tiny_data, pipeline=small_pipeline)
+    ds = MultimodalDataset(own_data, pipeline=small_pipeline)
     before = ds.key_rows([0]).copy()
     path = Path(ds.records.image_path(0) or "")
     st = path.stat()
@@ -74,7 +81,7 @@ def test_a_same_size_rewrite_with_mtime_restored_gets_a_new_key(
     assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
     assert ds.key_rows([0])[0].tobytes() != before[0].tobytes()
     # a new source (a restart) agrees: the ledger is keyed by the new evidence
-    assert _keys(tiny_data, small_pipeline)[0] == ds.key(0)
+    assert _keys(own_data, small_pipeline)[0] == ds.key(0)
 
 
 def test_identity_is_the_content_digest(tmp_path: Path) -> None:
