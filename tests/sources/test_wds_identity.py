@@ -12,20 +12,23 @@ from __future__ import annotations
 
 import io
 import os
-import shutil
 import tarfile
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
 from mmcache.cache import Cache
 from mmcache.loader import DataLoader
 from mmcache.pipeline import Pipeline
 from mmcache.sources.wds import WebDatasetSource
+from mmcache.testing.identity_contract import (
+    IdentityContract,
+    produced_images,
+    run_epoch,
+    wrong_ids,
+)
 
 N = 8
 MTIME_NS = 1_600_000_000_000_000_000  # as `tar x` restores it
@@ -56,54 +59,20 @@ def _source(path: Path, pipeline: Pipeline, index_dir: Path) -> WebDatasetSource
     return WebDatasetSource(path, pipeline=pipeline, image_exts=("bmp",), index_dir=index_dir)
 
 
-def _pixels(src: WebDatasetSource) -> dict[str, torch.Tensor]:
-    return {src.sample_id(i): torch.from_numpy(src.produce(i)["image"]) for i in range(len(src))}
+class TestWebDatasetIdentity(IdentityContract):
+    """G4: two datasets of equal names, sizes and mtimes; a rewrite with both restored."""
 
+    __test__ = True
 
-def _wrong(batches: list[dict[str, Any]], want: dict[str, torch.Tensor]) -> list[str]:
-    return [
-        sid
-        for b in batches
-        for sid, image in zip(b["id"], b["image"], strict=True)
-        if not torch.equal(image, want[sid])
-    ]
+    @pytest.fixture(autouse=True)
+    def _where(self, tmp_path: Path, small_pipeline: Pipeline) -> None:
+        self.pipeline, self.index_dir = small_pipeline, tmp_path / "idx"
 
+    def write_dataset(self, folder: Path, variant: int) -> Path:
+        return _shard(folder / "00000.tar", [variant * 100 + i for i in range(N)])
 
-def _epoch(loader: DataLoader, epoch: int) -> list[dict[str, Any]]:
-    loader.set_epoch(epoch)
-    return list(loader)
-
-
-def test_two_datasets_of_equal_names_sizes_and_mtimes_get_their_own_pixels(
-    tmp_path: Path, small_pipeline: Pipeline, cache_root: Path
-) -> None:
-    a = _shard(tmp_path / "a" / "00000.tar", list(range(N)))
-    b = _shard(tmp_path / "b" / "00000.tar", list(range(100, 100 + N)))
-    assert a.stat().st_size == b.stat().st_size
-    for shard in (a, b, a):
-        src = _source(shard, small_pipeline, tmp_path / "idx")
-        want = _pixels(src)
-        with Cache(cache_root, memory="16MiB", disk="64MiB") as cache:
-            loader = DataLoader(src, cache=cache, batch_size=3, seed=1, num_workers=0)
-            for epoch in (0, 1):
-                assert _wrong(_epoch(loader, epoch), want) == [], (shard, epoch)
-            loader.close()
-
-
-def test_a_shard_rewritten_with_size_and_mtime_restored_is_served_new(
-    tmp_path: Path, small_pipeline: Pipeline, cache_root: Path
-) -> None:
-    shard = _shard(tmp_path / "a" / "00000.tar", list(range(N)))
-    with Cache(cache_root, memory="16MiB", disk="64MiB") as cache:
-        src = _source(shard, small_pipeline, tmp_path / "idx")
-        loader = DataLoader(src, cache=cache, batch_size=4, num_workers=0)
-        _epoch(loader, 0)
-        loader.close()
-        _shard(shard, [s + 50 for s in range(N)])  # other pixels; size and mtime the same
-        again = _source(shard, small_pipeline, tmp_path / "idx")
-        loader = DataLoader(again, cache=cache, batch_size=4, num_workers=0)
-        assert _wrong(_epoch(loader, 0), _pixels(again)) == []
-        loader.close()
+    def open_source(self, location: Path) -> WebDatasetSource:
+        return _source(location, self.pipeline, self.index_dir)
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -114,23 +83,12 @@ def test_a_shard_rewritten_during_a_run_is_indexed_again_before_any_read(
     src = _source(shard, small_pipeline, tmp_path / "idx")
     with Cache(cache_root, memory="64KiB", temporary=True) as cache:  # holds some
         loader = DataLoader(src, cache=cache, batch_size=4, seed=3, num_workers=workers)
-        _epoch(loader, 0)
+        run_epoch(loader, 0)
         # the same keys and member sizes in reverse order, rewritten in place
         reordered = _shard(tmp_path / "reordered.tar", list(reversed(range(N)))).read_bytes()
         with open(shard, "r+b") as fh:  # the same inode: an open fd reads the new bytes
             fh.write(reordered)
         os.utime(shard, ns=(MTIME_NS, MTIME_NS))
-        want = _pixels(_source(shard, small_pipeline, tmp_path / "idx2"))
-        assert _wrong(_epoch(loader, 1), want) == []
+        want = produced_images(_source(shard, small_pipeline, tmp_path / "idx2"))
+        assert wrong_ids(run_epoch(loader, 1), want) == []
         loader.close()
-
-
-def test_a_cp_a_copy_of_the_shards_has_the_same_keys(
-    tmp_path: Path, small_pipeline: Pipeline
-) -> None:
-    shard = _shard(tmp_path / "node-a" / "00000.tar", list(range(N)))
-    shutil.copytree(shard.parent, tmp_path / "node-b", copy_function=shutil.copy2)
-    a = _source(shard, small_pipeline, tmp_path / "idx-a")
-    b = _source(tmp_path / "node-b" / "00000.tar", small_pipeline, tmp_path / "idx-b")
-    np.testing.assert_array_equal(a.key_rows(range(N)), b.key_rows(range(N)))
-    assert [a.key(i) for i in range(N)] == [b.key(i) for i in range(N)]

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sqlite3
@@ -18,11 +19,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from mmcache import keys
 from mmcache.dataset import MultimodalDataset
 from mmcache.pipeline import Pipeline
 from mmcache.sources import identity
+from mmcache.testing.identity_contract import IdentityContract
+
+MTIME_NS = 1_600_000_000_000_000_000  # as `tar x` restores it
 
 
 @pytest.fixture
@@ -119,3 +124,30 @@ def test_the_ledger_is_shared_by_ledgers_of_one_file_and_survives_damage(
 def test_off_keeps_the_ledger_in_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MMCACHE_IDENTITY_DIR", "off")
     assert identity.ledger().path is None
+
+
+class TestFileSourceIdentity(IdentityContract):
+    """Loose files: fixed-size BMPs extracted with their mtimes (``tar x``)."""
+
+    __test__ = True
+
+    @pytest.fixture(autouse=True)
+    def _where(self, small_pipeline: Pipeline) -> None:
+        self.pipeline = small_pipeline
+
+    def write_dataset(self, folder: Path, variant: int) -> Path:
+        (folder / "images").mkdir(parents=True, exist_ok=True)
+        rows = []
+        for i in range(6):
+            pixels = np.random.default_rng(variant * 100 + i).integers(0, 256, (32, 32, 3))
+            path = folder / "images" / f"{i:04d}.bmp"
+            Image.fromarray(pixels.astype(np.uint8)).save(path, format="BMP")
+            os.utime(path, ns=(MTIME_NS, MTIME_NS))
+            rows.append({"id": f"{i:04d}", "image_path": f"images/{i:04d}.bmp", "caption": "a cat"})
+        manifest = folder / "manifest.jsonl"
+        manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        os.utime(manifest, ns=(MTIME_NS, MTIME_NS))
+        return manifest
+
+    def open_source(self, location: Path) -> MultimodalDataset:
+        return MultimodalDataset(location, pipeline=self.pipeline)

@@ -46,9 +46,9 @@ import torch
 
 from mmcache import keys
 from mmcache.errors import ConfigError, ManifestError, SampleError
+from mmcache.sources import identity
 from mmcache.sources.base import OnError, SampleSource, StampKind
 from mmcache.sources.bytesproc import PipelineFields, StagedProcessor, process_bytes
-from mmcache.sources import identity
 from mmcache.sources.files import check_on_error
 from mmcache.sources.items import item_tensors
 from mmcache.sources.rejects import Reject, RejectLog
@@ -310,7 +310,8 @@ class WebDatasetSource(
     def key(self, index: int) -> bytes:
         """The sample's 16-byte cache key: id, the identity of its bytes, the layout of
         its members, pipeline (see :meth:`key_rows`)."""
-        return self.key_rows([index])[0].tobytes()
+        key: bytes = self.key_rows([index])[0].tobytes()
+        return key
 
     def _layout(self, index: int) -> str:
         """Where the members lie in the sample's span (relative offsets, sizes, extension):
@@ -340,10 +341,12 @@ class WebDatasetSource(
                 continue
             fields = [int(f) for f in self.shard_stamps[shard].split(":")]
             spans = [self.span(i) for i in members]
+
+            def read(start: int, end: int, shard: int = shard) -> bytes:
+                return self._pread(shard, start, end)
+
             try:
-                idents = identity.span_identities(
-                    loc, fields, spans, lambda a, b, s=shard: self._pread(s, a, b)
-                )
+                idents = identity.span_identities(loc, fields, spans, read)
             except (OSError, SampleError) as exc:  # produce() reports it, naming the sample
                 idents = [f"error:{type(exc).__name__}"] * len(members)
             out.update(zip(members, idents, strict=True))
