@@ -89,7 +89,7 @@ def test_a_file_rewritten_with_its_size_and_mtime_restored_is_served_new(
     with Cache(cache_root, memory="16MiB", temporary=True) as cache:
         loader = DataLoader(ds, cache=cache, batch_size=3, seed=2, num_workers=workers)
         run_epoch(loader, 0)  # cold
-        assert wrong_ids(run_epoch(loader, 1), produced_images(ds)) == []  # warm: swept with workers
+        assert wrong_ids(run_epoch(loader, 1), produced_images(ds)) == []  # warm: swept
         path = tmp_path / "a" / "images" / "0003.bmp"
         before = path.stat()
         _write_bmp(path, seed=4242)  # other pixels, same size; mtime restored (touch -d)
