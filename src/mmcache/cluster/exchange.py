@@ -157,6 +157,7 @@ class ClusterExchange:
         self._peers = list(self.topology.peers(self.topology.rank))
         self._stats = ExchangeStats()
         self._dead: list[int] = []
+        self._warned_keys = False  # the one warning of entries refused for their keys
         self._cond = threading.Condition()
         self._cursor: Pos | None = None  # the next window to exchange
         self._done: tuple[int, int] = (0, -1)  # the last (epoch, batch) assembled here
@@ -411,10 +412,15 @@ class ClusterExchange:
             ok = (indices >= 0) & (indices < self.home.shape[0])
             mine = self._keys(indices[ok]) if ok.any() else []
             want = dict(zip(indices[ok].tolist(), mine, strict=True))
+            other_keys = 0
             for i, key, raw in entries:
                 home = int(self.home[i]) if 0 <= i < self.home.shape[0] else -1
-                if want.get(i) != key or not (home == me or i in foreign) or not codec.verify(raw):
-                    self._stats.refused += 1  # another version of the sample, or damaged
+                if want.get(i) != key:
+                    other_keys += i in want
+                    self._stats.refused += 1  # another version of the sample
+                    continue
+                if not (home == me or i in foreign) or not codec.verify(raw):
+                    self._stats.refused += 1  # not this node's to hold, or damaged
                     continue
                 # Home samples go under the budget; other homes' to the in-flight tier.
                 tier = self._memory if home == me else self._flight
@@ -430,8 +436,25 @@ class ClusterExchange:
                     if home != me:
                         window.received.add(i)
                         window.transient.append(key)
+            if other_keys:
+                self._warn_keys(other_keys, len(entries))
         with self._cond:
             self._windows[(epoch, w)] = window
+
+    def _warn_keys(self, refused: int, entries: int) -> None:
+        """Say once why entries are refused for their keys (G17: it was silent before)."""
+        if self._warned_keys:
+            return
+        self._warned_keys = True
+        logger.warning(
+            "cluster exchange: %d of %d entries received from other nodes were refused "
+            "because their keys differ from this node's keys of the same samples: the "
+            "nodes read other bytes (another version of the data, or copies that differ; "
+            "copies made with cp -a/rsync -a of one dataset give equal keys) or another "
+            "pipeline; those samples are produced locally (stats().refused counts them)",
+            refused,
+            entries,
+        )
 
     def _drop(self, peer: int, why: str) -> None:
         if peer in self._peers:
