@@ -51,6 +51,7 @@ import logging
 import os
 import socket
 import sqlite3
+import stat
 import threading
 from collections.abc import Callable, Sequence
 
@@ -61,6 +62,7 @@ from mmcache import keys
 
 __all__ = [
     "CONTENT_PREFIX",
+    "MAX_DIGEST_BYTES",
     "Ledger",
     "content_digest",
     "evidence",
@@ -75,6 +77,9 @@ logger = logging.getLogger(__name__)
 #: Every identity of bytes starts with this; ``keys.source_stamp(content=True)`` makes the same.
 CONTENT_PREFIX = "xxh3:"
 _CHUNK = 1 << 20
+#: Files larger than this are not digested for a key (far over any image's ``max_bytes``):
+#: their identity is their local evidence. Sources of big files (Parquet) pass their own.
+MAX_DIGEST_BYTES = 1 << 30
 
 
 def content_digest(data: bytes | memoryview) -> str:
@@ -87,6 +92,10 @@ def evidence(path: str | bytes, fields: Sequence[int], *extra: int) -> bytes:
     :func:`~mmcache.keys.stat_fields`), plus ``extra`` (a byte span's offsets)."""
     where = os.fsencode(os.path.abspath(path))
     return keys.digest("mmcache.evidence", where, *(int(f) for f in fields), *extra)
+
+
+#: Connections a forked child inherited: referenced so that they are never closed there.
+_INHERITED: list[sqlite3.Connection] = []
 
 
 class Ledger:
@@ -110,7 +119,9 @@ class Ledger:
             return None
         if self._pid != os.getpid():
             # A connection is never used across fork (SQLite's rule): the child opens its own
-            # and leaves the inherited one alone.
+            # and leaves the inherited one alone, never even closing it (kept referenced).
+            if self._conn is not None:
+                _INHERITED.append(self._conn)
             self._conn, self._pid = None, os.getpid()
         if self._conn is None:
             try:
@@ -200,28 +211,42 @@ def ledger() -> Ledger:
         return got
 
 
-def _digest_file(path: str | bytes, want: Sequence[int]) -> tuple[str, bool]:
+def _digest_file(path: str | bytes, want: Sequence[int], max_bytes: int | None) -> tuple[str, bool]:
     """``(identity, stable)``: the digest of the file's bytes, and whether the file's
-    evidence was ``want`` before and after the read (only then is it remembered)."""
-    hasher = xxhash.xxh3_128()
-    with open(path, "rb") as fh:
-        before = keys.stat_fields(os.fstat(fh.fileno()))
+    evidence was ``want`` before and after the read (only then is it remembered).
+
+    Hostile files are bounded before a byte is read: the file is opened non-blocking (a
+    FIFO never blocks here) and one that is not a regular file, or is over ``max_bytes``
+    (a 1 TiB sparse "image"), is not read: its identity is its local evidence
+    (``"stat:..."``), never stale, and the sample's load refuses it with the real reason."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with open(fd, "rb", closefd=True) as fh:
+        st = os.fstat(fd)
+        before = keys.stat_fields(st)
+        if not stat.S_ISREG(st.st_mode) or (max_bytes is not None and st.st_size > max_bytes):
+            return "stat:" + keys.fields_stamp(before), False
+        hasher = xxhash.xxh3_128()
         while chunk := fh.read(_CHUNK):
             hasher.update(chunk)
-        after = keys.stat_fields(os.fstat(fh.fileno()))
+        after = keys.stat_fields(os.fstat(fd))
     stable = before == after == tuple(int(f) for f in want)
     return CONTENT_PREFIX + hasher.hexdigest(), stable
 
 
 def file_identities(
-    paths: Sequence[str | bytes | None], fields: np.ndarray, *, content: bool = False
+    paths: Sequence[str | bytes | None],
+    fields: np.ndarray,
+    *,
+    content: bool = False,
+    max_bytes: int | None = MAX_DIGEST_BYTES,
 ) -> list[str]:
     """The identity of each file (see the module docstring), for key computation.
 
     ``fields``: ``int64 [n, 4]``, each file's :func:`~mmcache.keys.stat_fields` taken just
     before (``-2`` where none: no path, missing, unreadable). Rows without fields get
     :func:`mmcache.keys.source_stamp`'s ``"none"``, ``"missing"`` or ``"error:..."``.
-    ``content=True`` reads every file (nothing taken from the ledger).
+    ``content=True`` reads every file (nothing taken from the ledger). A file over
+    ``max_bytes``, or not a regular file, is never read (see :func:`_digest_file`).
     """
     out: list[str | None] = [None] * len(paths)
     evs: dict[int, bytes] = {}
@@ -240,7 +265,7 @@ def file_identities(
         path = paths[j]
         assert path is not None
         try:
-            ident, stable = _digest_file(path, fields[j].tolist())
+            ident, stable = _digest_file(path, fields[j].tolist(), max_bytes)
         except (OSError, ValueError):
             out[j] = _unstamped(path)  # vanished or unreadable since the stat
             continue

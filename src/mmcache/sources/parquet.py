@@ -354,7 +354,9 @@ class ParquetSource(RowSource):
         seen = (f, *stamp.tolist())
         ident = self._idents.get(seen)
         if ident is None:
-            ident = identity.file_identities([self.files[f]], stamp.reshape(1, -1))[0]
+            # No cap: the source reads the whole file's row groups anyway.
+            one = stamp.reshape(1, -1)
+            ident = identity.file_identities([self.files[f]], one, max_bytes=None)[0]
             self._idents[seen] = ident
         return f"parquet:{ident}:{r}"
 

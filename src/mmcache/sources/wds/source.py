@@ -73,6 +73,7 @@ logger = logging.getLogger(__name__)
 #: Default image extensions, in order of preference when a key has several.
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 C = SampleColumns
+MAX_DIGEST = identity.MAX_DIGEST_BYTES
 
 
 def _default_index_dir() -> str:
@@ -332,14 +333,21 @@ class WebDatasetSource(
         by_shard: dict[int, list[int]] = {}
         for i in todo:
             by_shard.setdefault(int(self.columns.rows[i, C.SHARD]), []).append(i)
-        for shard, members in by_shard.items():
+        for shard, listed in by_shard.items():
             loc = self.locations[shard]
             if is_remote(loc) or not self.shard_stamps[shard]:
-                for i in members:
+                for i in listed:
                     start, end = self.span(i)
                     out[i] = f"{self.shard_stamps[shard]}:{start}:{end}"
                 continue
             fields = [int(f) for f in self.shard_stamps[shard].split(":")]
+            # A span over the digest bound (a hostile member size) is never read for a key:
+            # its identity is the shard's local evidence and the span; produce refuses it.
+            big = {i for i in listed if self.span(i)[1] - self.span(i)[0] > MAX_DIGEST}
+            for i in big:
+                start, end = self.span(i)
+                out[i] = f"stat:{self.shard_stamps[shard]}:{start}:{end}"
+            members = [i for i in listed if i not in big]
             spans = [self.span(i) for i in members]
 
             def read(start: int, end: int, shard: int = shard) -> bytes:
@@ -347,8 +355,10 @@ class WebDatasetSource(
 
             try:
                 idents = identity.span_identities(loc, fields, spans, read)
-            except (OSError, SampleError) as exc:  # produce() reports it, naming the sample
-                idents = [f"error:{type(exc).__name__}"] * len(members)
+            except (OSError, SampleError):  # produce() reports it, naming the sample
+                # Keyed by the local evidence instead (never stale: a rewrite changes it).
+                stamp = self.shard_stamps[shard]
+                idents = [f"stat:{stamp}:{a}:{b}" for a, b in spans]
             out.update(zip(members, idents, strict=True))
         return out
 
