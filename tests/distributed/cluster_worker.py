@@ -79,7 +79,9 @@ def main() -> None:
     out = Path(args.out)
     (out / f"pid{rank}").write_text(str(os.getpid()))  # the test kills what is left
     node = os.environ.get("MMCACHE_NODE", "")
-    ds = CountingDataset(args.manifest, pipeline=Pipeline(image=ImageSpec(size=args.size)))
+    # "{node}" in the manifest: each node reads its own copy of the data (cp -a on each node)
+    manifest = args.manifest.replace("{node}", node)
+    ds = CountingDataset(manifest, pipeline=Pipeline(image=ImageSpec(size=args.size)))
     cache = Cache(
         args.root, memory=args.budget, scope=args.scope, peer_timeout=args.timeout,
         temporary=True,

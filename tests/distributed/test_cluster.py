@@ -18,6 +18,7 @@ import glob
 import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -188,6 +189,19 @@ def test_two_nodes_hold_half_each_and_decode_nothing_after_the_first_epoch(
 ) -> None:
     results = _launch(manifest, root, tmp_path / "out", budget, "--lockstep")
     _check_zero_decodes(results, _reference(manifest, 4))
+
+
+def test_nodes_reading_their_own_cp_a_copies_decode_nothing_after_the_first_epoch(
+    manifest: Path, root: Path, tmp_path: Path, budget: int
+) -> None:
+    # G17: each node its own `cp -a` copy (other inodes and ctimes, same relative names,
+    # sizes, mtimes and bytes): keys are equal, so the exchange serves every node.
+    for node in NODES:
+        shutil.copytree(manifest.parent, tmp_path / node / "data", copy_function=shutil.copy2)
+    per_node = tmp_path / "{node}" / "data" / manifest.name
+    results = _launch(per_node, root, tmp_path / "out", budget, "--lockstep")
+    _check_zero_decodes(results, _reference(manifest, 4))
+    assert all(r["epochs"][-1]["exchange"]["refused"] == 0 for r in results)
 
 
 def test_with_persistent_workers_nothing_is_decoded_after_the_first_epoch_either(

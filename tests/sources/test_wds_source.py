@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from mmcache import keys
 from mmcache.dataset import MultimodalDataset
 from mmcache.errors import ManifestError, SampleError
 from mmcache.loader import DataLoader
@@ -153,7 +154,7 @@ def test_index_is_kept_by_stamp_and_reads_no_image_data(
     # a damaged index file is rebuilt, not trusted
     monkeypatch.undo()
     st = os.stat(paths[0])
-    bad = index_path(str(idx), str(paths[0]), f"{st.st_size}:{st.st_mtime_ns}")
+    bad = index_path(str(idx), str(paths[0]), keys.stat_stamp(st))
     Path(bad).write_text(json.dumps({"format": "mmcache.wds-index", "version": 1}))
     rebuilt = WebDatasetSource(paths, pipeline=small_pipeline, index_dir=idx)
     np.testing.assert_array_equal(rebuilt.key_rows(range(12)), src.key_rows(range(12)))

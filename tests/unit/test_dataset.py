@@ -1,5 +1,6 @@
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,13 @@ import mmcache
 from mmcache.dataset import MultimodalDataset, collate
 from mmcache.errors import ConfigError, SampleError
 from mmcache.pipeline import ImageSpec, Pipeline, TextSpec
+
+
+@pytest.fixture
+def own_data(tmp_path: Path, tiny_data: Path) -> Path:
+    """A copy of the session's tiny dataset that a test may rewrite (``cp -a``)."""
+    shutil.copytree(tiny_data.parent, tmp_path / "own", copy_function=shutil.copy2)
+    return tmp_path / "own" / tiny_data.name
 
 
 def _manifest_with_bad(tmp_path: Path, tiny_data: Path) -> Path:
@@ -77,25 +85,28 @@ def test_skip_drops_counts_and_lists(
 
 
 def test_keys_change_with_file_caption_and_pipeline(
-    tmp_path: Path, tiny_data: Path, small_pipeline: Pipeline, tokenizer_json: Path
+    tmp_path: Path, own_data: Path, small_pipeline: Pipeline, tokenizer_json: Path
 ) -> None:
-    ds = MultimodalDataset(tiny_data, pipeline=small_pipeline)
+    ds = MultimodalDataset(own_data, pipeline=small_pipeline)
     k0 = ds.key(0)
     assert ds.key(0) == k0 and ds.key(1) != k0
-    # touching the image file changes its stamp, so the key
+    # touching the image file keeps its bytes, so its identity and the key; a rewrite
+    # with other bytes changes them (see mmcache.sources.identity)
     path = ds.records.image_path(0)
     assert path is not None
     st = os.stat(path)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    assert ds.key(0) == k0
+    Path(path).write_bytes(Path(ds.records.image_path(1) or "").read_bytes())
     assert ds.key(0) != k0
     # another pipeline: another fingerprint
     other = Pipeline(image=ImageSpec(size=32), text=TextSpec(tokenizer_json, max_length=16))
-    assert MultimodalDataset(tiny_data, pipeline=other).key(1) != ds.key(1)
+    assert MultimodalDataset(own_data, pipeline=other).key(1) != ds.key(1)
     # another caption
-    lines = tiny_data.read_text().splitlines()
+    lines = own_data.read_text().splitlines()
     rec = json.loads(lines[1])
     rec["caption"] += " changed"
-    rec["image_path"] = str(tiny_data.parent / rec["image_path"])
+    rec["image_path"] = str(own_data.parent / rec["image_path"])
     m = tmp_path / "one.jsonl"
     m.write_text(json.dumps(rec) + "\n")
     assert MultimodalDataset(m, pipeline=small_pipeline).key(0) != ds.key(1)
@@ -126,17 +137,16 @@ def test_public_names() -> None:
 
 
 def test_batched_keys_equal_single_keys_and_see_changes(
-    tiny_data: Path, small_pipeline: Pipeline
+    own_data: Path, small_pipeline: Pipeline
 ) -> None:
-    ds = MultimodalDataset(tiny_data, pipeline=small_pipeline)
+    ds = MultimodalDataset(own_data, pipeline=small_pipeline)
     idx = [5, 0, 17, 5]
     old = ds.keys(idx)
     assert old == [ds.key(i) for i in idx]
     assert ds.keys(idx) == old  # from the memo
     path = ds.records.image_path(17)
     assert path is not None
-    st = os.stat(path)
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
+    Path(path).write_bytes(Path(ds.records.image_path(3) or "").read_bytes())
     again = ds.keys(idx)
     assert again[2] != old[2] and again == [ds.key(i) for i in idx]
     assert again[:2] == old[:2]
@@ -149,8 +159,8 @@ def test_batched_keys_equal_single_keys_and_see_changes(
         assert missing == ds.key(17) != again[2]
     finally:
         os.rename(path + ".away", path)
-    # (a rename sets the file's ctime, part of the stamp: the key is a new one)
-    assert ds.key_rows([17])[0].tobytes() == ds.key(17) != missing
+    # (a rename sets the file's ctime: a content check finds the same bytes, the same key)
+    assert ds.key_rows([17])[0].tobytes() == ds.key(17) == again[2] != missing
     assert ds.key_rows([]).shape == (0, 16)
     with pytest.raises(IndexError):
         ds.key_rows([len(ds)])

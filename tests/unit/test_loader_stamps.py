@@ -12,17 +12,16 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
 from mmcache.cache import Cache
 from mmcache.dataset import MultimodalDataset
 from mmcache.loader import DataLoader
 from mmcache.pipeline import Pipeline
+from mmcache.testing.identity_contract import produced_images, run_epoch, wrong_ids
 
 N = 8
 MTIME_NS = 1_600_000_000_000_000_000  # as `tar x` restores it
@@ -47,43 +46,23 @@ def _bmp_dataset(folder: Path, seed: int) -> Path:
     return manifest
 
 
-def _pixels(ds: MultimodalDataset) -> dict[str, torch.Tensor]:
-    """What each id's image really decodes to (no cache)."""
-    return {ds.sample_id(i): torch.from_numpy(ds.produce(i)["image"]) for i in range(len(ds))}
-
-
-def _wrong(batches: list[dict[str, Any]], want: dict[str, torch.Tensor]) -> list[str]:
-    """Ids served with pixels that are not their own file's."""
-    return [
-        sid
-        for b in batches
-        for sid, image in zip(b["id"], b["image"], strict=True)
-        if not torch.equal(image, want[sid])
-    ]
-
-
-def _epoch(loader: DataLoader, epoch: int) -> list[dict[str, Any]]:
-    loader.set_epoch(epoch)
-    return list(loader)
-
-
 @pytest.mark.parametrize("workers", [0, 2])
-def test_two_datasets_on_one_root_get_their_own_pixels(
+def test_two_datasets_on_one_root_get_their_ownproduced_images(
     tmp_path: Path, small_pipeline: Pipeline, cache_root: Path, workers: int
 ) -> None:
     a = _bmp_dataset(tmp_path / "a", seed=1)
     b = _bmp_dataset(tmp_path / "b", seed=2)
     for manifest in (a, b, a):  # A, then B on the same root, then A again
         ds = MultimodalDataset(manifest, pipeline=small_pipeline)
-        want = _pixels(ds)
+        want = produced_images(ds)
         with Cache(cache_root, memory="16MiB", disk="64MiB") as cache:
             loader = DataLoader(ds, cache=cache, batch_size=3, seed=1, num_workers=workers)
             for epoch in (0, 1):  # the second one warm (swept, with workers)
-                assert _wrong(_epoch(loader, epoch), want) == [], (manifest, epoch)
+                assert wrong_ids(run_epoch(loader, epoch), want) == [], (manifest, epoch)
             loader.close()
 
 
-def test_a_record_pointed_at_another_file_of_the_same_size_and_mtime_gets_its_pixels(
+def test_a_record_pointed_at_another_file_of_the_same_size_and_mtime_gets_itsproduced_images(
     tmp_path: Path, small_pipeline: Pipeline, cache_root: Path
 ) -> None:
     manifest = _bmp_dataset(tmp_path / "a", seed=1)
@@ -91,14 +70,14 @@ def test_a_record_pointed_at_another_file_of_the_same_size_and_mtime_gets_its_pi
     with Cache(cache_root, memory="16MiB", disk="64MiB") as cache:
         ds = MultimodalDataset(manifest, pipeline=small_pipeline)
         loader = DataLoader(ds, cache=cache, batch_size=4, num_workers=0)
-        _epoch(loader, 0)
+        run_epoch(loader, 0)
         rows = [json.loads(line) for line in manifest.read_text().splitlines()]
         rows[0]["image_path"] = "images/spare.bmp"  # same id, caption, size and mtime
         edited = manifest.with_name("edited.jsonl")
         edited.write_text("".join(json.dumps(r) + "\n" for r in rows))
         ds2 = MultimodalDataset(edited, pipeline=small_pipeline)
         loader2 = DataLoader(ds2, cache=cache, batch_size=4, num_workers=0)
-        assert _wrong(_epoch(loader2, 0), _pixels(ds2)) == []
+        assert wrong_ids(run_epoch(loader2, 0), produced_images(ds2)) == []
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -109,14 +88,14 @@ def test_a_file_rewritten_with_its_size_and_mtime_restored_is_served_new(
     ds = MultimodalDataset(manifest, pipeline=small_pipeline)
     with Cache(cache_root, memory="16MiB", temporary=True) as cache:
         loader = DataLoader(ds, cache=cache, batch_size=3, seed=2, num_workers=workers)
-        _epoch(loader, 0)  # cold
-        assert _wrong(_epoch(loader, 1), _pixels(ds)) == []  # warm: swept with workers
+        run_epoch(loader, 0)  # cold
+        assert wrong_ids(run_epoch(loader, 1), produced_images(ds)) == []  # warm: swept
         path = tmp_path / "a" / "images" / "0003.bmp"
         before = path.stat()
         _write_bmp(path, seed=4242)  # other pixels, same size; mtime restored (touch -d)
         os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
         assert path.stat().st_size == before.st_size
         assert path.stat().st_mtime_ns == before.st_mtime_ns
-        assert _wrong(_epoch(loader, 2), _pixels(ds)) == []
+        assert wrong_ids(run_epoch(loader, 2), produced_images(ds)) == []
         assert loader.stats().epochs[2].misses == 1
         loader.close()

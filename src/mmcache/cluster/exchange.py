@@ -162,6 +162,7 @@ class ClusterExchange:
         # Each received entry must be what this rank would make (received.py).
         self._check = EntryCheck(fixed_shapes=fixed_shapes)
         self._dead: list[int] = []
+        self._warned_keys = False  # the one warning of entries refused for their keys
         self._cond = threading.Condition()
         self._cursor: Pos | None = None  # the next window to exchange
         self._done: tuple[int, int] = (0, -1)  # the last (epoch, batch) assembled here
@@ -419,10 +420,12 @@ class ClusterExchange:
             ok = (indices >= 0) & (indices < self.home.shape[0])
             mine = self._keys(indices[ok]) if ok.any() else []
             want = dict(zip(indices[ok].tolist(), mine, strict=True))
+            other_keys = 0
             for i, key, raw in entries:
                 home = int(self.home[i]) if 0 <= i < self.home.shape[0] else -1
                 why = self._check.refusal(want.get(i), key, raw)
                 if why is not None or not (home == me or i in foreign):
+                    other_keys += i in want and want[i] != key  # for the one warning below
                     self._stats.refused += 1  # another version of the sample, or damaged
                     logger.debug("cluster exchange: refused sample %d: %s", i, why)
                     continue
@@ -440,8 +443,25 @@ class ClusterExchange:
                     if home != me:
                         window.received.add(i)
                         window.transient.append(key)
+            if other_keys:
+                self._warn_keys(other_keys, len(entries))
         with self._cond:
             self._windows[(epoch, w)] = window
+
+    def _warn_keys(self, refused: int, entries: int) -> None:
+        """Say once why entries are refused for their keys (G17: it was silent before)."""
+        if self._warned_keys:
+            return
+        self._warned_keys = True
+        logger.warning(
+            "cluster exchange: %d of %d entries received from other nodes were refused "
+            "because their keys differ from this node's keys of the same samples: the "
+            "nodes read other bytes (another version of the data, or copies that differ; "
+            "copies made with cp -a/rsync -a of one dataset give equal keys) or another "
+            "pipeline; those samples are produced locally (stats().refused counts them)",
+            refused,
+            entries,
+        )
 
     def _drop(self, peer: int, why: str) -> None:
         if peer in self._peers:

@@ -38,6 +38,7 @@ import xxhash
 from mmcache import keys
 from mmcache.errors import ConfigError, ManifestError, SampleError
 from mmcache.rootfiles import make_dir, replace_file
+from mmcache.sources import identity
 from mmcache.sources.records import RecordReject, Records
 from mmcache.transforms.chat import Chat, ChatSpec, FullyMaskedError
 from mmcache.transforms.image import DEFAULT_MAX_BYTES, image_header
@@ -96,7 +97,7 @@ def multi_stamp(paths: Sequence[str], *, content: bool) -> str:
     own stamp for one (as a single-image sample), each file's joined by ``|`` for more."""
     if not paths:
         return "none"
-    return "|".join(keys.source_stamp(p, content=content) for p in paths)
+    return "|".join(identity.file_identity(p, content=content) for p in paths)
 
 
 def multi_stamp_fields(paths: Sequence[str]) -> npt.NDArray[np.int64]:

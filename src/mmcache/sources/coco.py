@@ -14,7 +14,9 @@ an id or a file name, a caption that is not a string, a duplicate id, and
 (with ``per="image"``) an image without a caption raise ManifestError naming
 the file, the entry (``annotations[12]``, its 1-based place as ``line``) and the
 id under ``on_error="raise"``, and are left out and listed in ``rejects()``
-under ``"skip"``. A missing image *file* is found when the sample is produced:
+under ``"skip"``. Two ``images`` entries with one id raise ManifestError naming both,
+under ``"skip"`` too: which file that id's captions belong to cannot be known. A missing
+image *file* is found when the sample is produced:
 a SampleError naming the file.
 
 Thread/process safety: :func:`read_coco` is reentrant; a ``CocoSource`` is a
@@ -91,6 +93,7 @@ def read_coco(
     root = os.path.abspath(os.path.dirname(source) if image_root is None else image_root)
     builder = RecordsBuilder(source, on_error, "entry")
     files: dict[str, str] = {}  # image id -> absolute image path
+    entry: dict[str, int] = {}  # image id -> its entry in 'images'
     order: list[tuple[int, str]] = []
     for k, image in enumerate(document["images"]):
         iid = _id_of(image.get("id")) if isinstance(image, dict) else None
@@ -98,6 +101,18 @@ def read_coco(
         if iid is None or not isinstance(name, str) or not name or "\x00" in name:
             builder.reject(f"images[{k}]: needs an id and a file_name", k + 1, iid)
             continue
+        if iid in entry:
+            # Under both on_error modes (as Parquet's and HF's duplicate ids): which file the
+            # annotations of this id mean cannot be known, and keeping either one pairs
+            # captions with the other image's file (G8).
+            first = entry[iid]
+            raise ManifestError(
+                f"duplicate image id {iid}: images[{first}] "
+                f"({document['images'][first].get('file_name')!r}) and images[{k}] ({name!r})",
+                path=source,
+                sample_id=iid,
+            )
+        entry[iid] = k
         files[iid] = os.path.join(root, name)
         order.append((k, iid))
     captions: dict[str, list[str]] = {}

@@ -34,6 +34,7 @@ import numpy as np
 from mmcache import keys
 from mmcache.errors import ConfigError, SampleError
 from mmcache.sources import chat as _chat
+from mmcache.sources import identity
 from mmcache.sources.base import OnError, SampleSource, StampKind
 from mmcache.sources.bytesproc import PipelineFields
 from mmcache.sources.items import item_tensors
@@ -167,7 +168,7 @@ class FileSource(PipelineFields):
                 self.records.id(index), stamp, self._fingerprint, self._chat_text(index)
             )
         path = self.records.image_path(index)
-        stamp = keys.source_stamp(path, content=self.content_stamp)
+        stamp = identity.file_identity(path, content=self.content_stamp)
         return keys.sample_key(
             self.records.id(index), stamp, self._fingerprint, self.records.text(index)
         )
@@ -258,21 +259,28 @@ class FileSource(PipelineFields):
         if stamps is None:
             stamps = self.stamps(idx)
         stale = np.flatnonzero((stamps != memo_stamp[idx]).any(axis=1) | (stamps[:, 0] == -2))
+        single: list[int] = []  # rows keyed by one file's identity, digested in one pass
         for j in stale.tolist():
             i = int(idx[j])
             if stamps[j, 0] == -2:
                 # Not memoised: the stamp ("none", "missing", "error:...") says why.
                 memo_keys[i] = np.frombuffer(self.key(i), dtype=np.uint8)
                 memo_stamp[i] = -1
-                continue
-            if self._chat is not None and self._multi_file(i):
-                key = self.key(i)  # its row stands for several files' stamps
+            elif self._chat is not None and self._multi_file(i):
+                memo_keys[i] = np.frombuffer(self.key(i), dtype=np.uint8)  # several files
+                memo_stamp[i] = stamps[j]
             else:
-                stamp = keys.fields_stamp(stamps[j].tolist())
+                single.append(j)
+        if single:
+            sel = np.asarray(single, dtype=np.int64)
+            paths = self.records.stat_paths(idx[sel])
+            idents = identity.file_identities(paths, stamps[sel])
+            for j, ident in zip(single, idents, strict=True):
+                i = int(idx[j])
                 text = self.records.chat_json(i) if self._chat else self.records.text(i)
-                key = keys.sample_key(self.records.id(i), stamp, self._fingerprint, text)
-            memo_keys[i] = np.frombuffer(key, dtype=np.uint8)
-            memo_stamp[i] = stamps[j]
+                key = keys.sample_key(self.records.id(i), ident, self._fingerprint, text)
+                memo_keys[i] = np.frombuffer(key, dtype=np.uint8)
+                memo_stamp[i] = stamps[j]
         rows: np.ndarray = memo_keys[idx]
         return rows
 

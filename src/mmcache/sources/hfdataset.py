@@ -35,7 +35,7 @@ from mmcache.errors import ConfigError, ManifestError, SampleError
 from mmcache.sources.base import OnError, SampleSource, StampKind
 from mmcache.sources.bytesproc import byte_limit
 from mmcache.sources.cells import check_image_type, image_cell
-from mmcache.sources.rows import IdColumn, RowSource, StagedProcessor, check_columns
+from mmcache.sources.rows import IdColumn, RowSource, StagedProcessor, check_columns, path_column
 
 __all__ = ["HFDatasetSource"]
 
@@ -125,6 +125,7 @@ class HFDatasetSource(RowSource):
                 sample_id=self._ids.id(dup),
             )
         self._view: Any = None
+        self._refs: list[str | None] | None = None
 
     def stamps(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
         """``int64 [n, 2]``: a hash of the dataset's fingerprint, and the row index."""
@@ -136,6 +137,24 @@ class HFDatasetSource(RowSource):
 
     def stamp_string(self, index: int, stamp: npt.NDArray[np.int64]) -> str:
         return f"hf:{self.fingerprint_of_data}:{index}"
+
+    def image_refs(self, indices: npt.NDArray[np.int64]) -> list[str | None]:
+        """Files named by an ``Image()`` column of paths (``cast_column`` from paths,
+        imagefolder-style): read once from the Arrow table's ``path`` field, no bytes."""
+        if self._refs is None:
+            self._refs = []
+            column = self.columns["image"]
+            if column:
+                paths = path_column(self.dataset.data.column(column), "")
+                if paths is not None:
+                    mapping = getattr(self.dataset, "_indices", None)  # select(), shuffle()
+                    if mapping is not None:
+                        rows = mapping.column(0).to_pylist()
+                        paths = [paths[r] for r in rows]
+                    self._refs = paths
+        if not self._refs:
+            return [None] * int(indices.shape[0])
+        return [self._refs[i] for i in indices.tolist()]
 
     def read_row(self, index: int) -> tuple[bytes | None, str | None, str | None, str]:
         if self._view is None:
@@ -171,6 +190,7 @@ class HFDatasetSource(RowSource):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_view"] = None
+        state["_refs"] = None
         return state
 
 

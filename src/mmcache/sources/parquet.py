@@ -40,11 +40,12 @@ import xxhash
 
 from mmcache import keys
 from mmcache.errors import ConfigError, ManifestError, SampleError
+from mmcache.sources import identity
 from mmcache.sources.base import OnError, SampleSource, StampKind
 from mmcache.sources.bytesproc import byte_limit
 from mmcache.sources.cells import check_image_type, image_cell
 from mmcache.sources.rejects import Reject
-from mmcache.sources.rows import IdColumn, RowSource, StagedProcessor, check_columns
+from mmcache.sources.rows import IdColumn, RowSource, StagedProcessor, check_columns, path_column
 from mmcache.units import parse_size
 
 __all__ = ["ParquetSource"]
@@ -173,6 +174,9 @@ class ParquetSource(RowSource):
             raise ConfigError("columns: a ParquetSource needs an image or a text column")
         self.storage_options = dict(storage_options or {})
         self._readers: OrderedDict[int, _Reader] = OrderedDict()
+        # Per process: the identity of each file version, and its path-only image cells.
+        self._idents: dict[tuple[int, ...], str] = {}
+        self._refs: dict[int, tuple[tuple[int, ...] | None, list[str | None] | None]] = {}
         self._groups: OrderedDict[tuple[int, int, tuple[int, ...]], Any] = OrderedDict()
         self._group_bytes = 0
         self._lock = threading.Lock()
@@ -337,10 +341,46 @@ class ParquetSource(RowSource):
         return stamps
 
     def stamp_string(self, index: int, stamp: npt.NDArray[np.int64]) -> str:
-        r = self._place(index)[1]
+        """A local file's row: the identity of the file's bytes
+        (:mod:`mmcache.sources.identity`: equal on a ``cp -a`` copy, new when the bytes
+        change) and the row; a remote one's: its size, mtime and ETag read at open."""
+        f, r = self._place(index)
         if int(stamp[0]) == -2:
             return f"parquet:missing:{r}"
-        return f"parquet:{keys.fields_stamp(stamp.tolist())}:{r}"
+        if self.remote:
+            return f"parquet:{keys.fields_stamp(stamp.tolist())}:{r}"
+        seen = (f, *stamp.tolist())
+        ident = self._idents.get(seen)
+        if ident is None:
+            # No cap: the source reads the whole file's row groups anyway.
+            one = stamp.reshape(1, -1)
+            ident = identity.file_identities([self.files[f]], one, max_bytes=None)[0]
+            self._idents[seen] = ident
+        return f"parquet:{ident}:{r}"
+
+    def image_refs(self, indices: npt.NDArray[np.int64]) -> list[str | None]:
+        """Files named by path-only image cells (G7), read once per file version from the
+        column's ``path`` field (no image bytes)."""
+        if self.remote or not self.columns["image"]:
+            return [None] * int(indices.shape[0])
+        out: list[str | None] = []
+        for index in indices.tolist():
+            f, r = self._place(index)
+            now = self._stat(self.files[f])
+            refs = self._refs.get(f)
+            if refs is None or refs[0] != now:
+                refs = self._refs[f] = (now, self._read_refs(self.files[f]))
+            out.append(refs[1][r] if refs[1] is not None and r < len(refs[1]) else None)
+        return out
+
+    def _read_refs(self, name: str) -> list[str | None] | None:
+        try:
+            table = _pyarrow().ParquetFile(name).read(columns=[f"{self.columns['image']}.path"])
+        except Exception:  # not a struct column, or unreadable: read_row reports it
+            return None
+        if not table.num_columns:
+            return None
+        return path_column(table.column(0), os.path.dirname(name))
 
     # -- reading a row ------------------------------------------------------------------
     def _reader(self, f: int) -> _Reader:
@@ -443,6 +483,7 @@ class ParquetSource(RowSource):
         state = super().__getstate__()
         state["_readers"], state["_groups"], state["_lock"] = OrderedDict(), OrderedDict(), None
         state["_group_bytes"] = 0
+        state["_idents"], state["_refs"] = {}, {}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

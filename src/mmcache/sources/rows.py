@@ -21,6 +21,7 @@ Thread/process safety: read-only after construction but for the reject log
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -30,6 +31,7 @@ import xxhash
 
 from mmcache import keys
 from mmcache.errors import ConfigError, SampleError
+from mmcache.sources import identity
 from mmcache.sources.base import OnError, StampKind
 from mmcache.sources.bytesproc import PipelineFields, StagedProcessor, process_bytes
 from mmcache.sources.cells import image_cell
@@ -42,6 +44,7 @@ __all__ = [
     "StagedProcessor",
     "check_columns",
     "image_cell",
+    "path_column",
     "process_bytes",
 ]
 
@@ -180,6 +183,13 @@ class RowSource(PipelineFields):
         row in messages. Raises SampleError."""
         raise NotImplementedError
 
+    def image_refs(self, indices: npt.NDArray[np.int64]) -> list[str | None]:
+        """The local file each row's image cell names by path (``None``: none), read
+        without the image bytes. A row that names one is keyed by that file's identity
+        too (G7, and HF ``Image()`` columns of paths): its key changes when the file's
+        bytes change, as a loose file's does. The default: no row names a file."""
+        return [None] * int(indices.shape[0])
+
     # -- which sample -------------------------------------------------------------------
     def __len__(self) -> int:
         return self._ids.n
@@ -227,6 +237,22 @@ class RowSource(PipelineFields):
             memo_keys[i] = np.frombuffer(key, dtype=np.uint8)
             memo_stamp[i] = stamps[j] if stamps[j, 0] != -2 else -1  # missing: not memoised
         rows: np.ndarray = memo_keys[idx]
+        refs = self.image_refs(idx)
+        named = [j for j, ref in enumerate(refs) if ref is not None]
+        if named:  # stat-checked at every call, as loose files are; never memoised here
+            rows = rows.copy()
+            fields = np.full((len(named), len(keys.STAT_FIELDS)), -2, dtype=np.int64)
+            for n, j in enumerate(named):
+                try:
+                    fields[n] = keys.stat_fields(os.stat(refs[j] or ""))
+                except (OSError, ValueError):
+                    continue
+            idents = identity.file_identities([refs[j] for j in named], fields)
+            for j, ident in zip(named, idents, strict=True):
+                i = int(idx[j])
+                stamp = f"{self.stamp_string(i, stamps[j])}|image:{ident}"
+                key = keys.sample_key(self._ids.id(i), stamp, self._fingerprint, None)
+                rows[j] = np.frombuffer(key, dtype=np.uint8)
         return rows
 
     # -- produce ------------------------------------------------------------------------
@@ -269,3 +295,28 @@ class RowSource(PipelineFields):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+
+
+def path_column(column: Any, base_dir: str) -> list[str | None] | None:
+    """The ``path`` field of an image column (pyarrow, HF ``Image`` structs) as the files it
+    names where its ``bytes`` are null (the cells :func:`image_cell` reads from a file,
+    joined with ``base_dir`` likewise), or None when the column has no ``path`` field.
+    Reads no image bytes: a struct's field is a view of its child array, and only the
+    ``bytes`` child's validity bitmap is looked at."""
+    import pyarrow as pa
+    import pyarrow.compute
+
+    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+    out: list[str | None] = []
+    for chunk in chunks:
+        if not pa.types.is_struct(chunk.type) or chunk.type.get_field_index("path") < 0:
+            return None
+        paths = chunk.field("path").to_pylist()
+        named = chunk.is_valid()
+        if chunk.type.get_field_index("bytes") >= 0:
+            named = pa.compute.and_(named, chunk.field("bytes").is_null())
+        out += [
+            os.path.normpath(os.path.join(base_dir, p)) if ok and p else None
+            for p, ok in zip(paths, named.to_pylist(), strict=True)
+        ]
+    return out

@@ -26,6 +26,7 @@ import numpy as np
 
 from mmcache import keys
 from mmcache.errors import ConfigError, SampleError
+from mmcache.sources import identity
 from mmcache.sources.base import OnError, SampleSource, StampKind
 from mmcache.sources.bytesproc import StagedProcessor, byte_limit, check_size, process_bytes
 from mmcache.sources.files import FileSource, RecordProcessor
@@ -104,6 +105,7 @@ class RemoteFileSource(FileSource):
                 urls.append(path)
         self.urls = urls
         self.row_url = row_url
+        self._warned_unversioned = False
         self.object_stamps: list[str] = [""] * len(urls)
         self.object_sizes = np.full(len(urls), -1, dtype=np.int64)
         self._take(self.remote.stamps(urls) if urls else {})
@@ -123,12 +125,33 @@ class RemoteFileSource(FileSource):
                 stamp, size = f"error:{got.status}", -1
             else:
                 size, etag = got
-                stamp = etag or f"size={size}"
+                stamp = etag or self._content_stamp(url, size)
             if stamp != self.object_stamps[u] or size != self.object_sizes[u]:
                 self.object_stamps[u] = stamp
                 self.object_sizes[u] = size
                 changed.append(u)
         return changed
+
+    def _content_stamp(self, url: str, size: int) -> str:
+        """The stamp of an object that has no ETag or version id (G6: a same-size overwrite
+        was never noticed): the digest of its bytes, fetched now (and kept in the raw tier,
+        so producing does not GET it again). Warns once per source, naming the object."""
+        if not self._warned_unversioned:
+            self._warned_unversioned = True
+            logger.warning(
+                "%s has no ETag or version id: its server gives no change detector, so "
+                "each such object of this source is fetched and digested at open and at "
+                "each revalidation (one GET each)",
+                url,
+            )
+        try:
+            data = self.remote.read(url, 0, size)
+        except RemoteError as err:
+            return f"error:{err.status}"
+        stamp = identity.content_digest(data)
+        if self.raw is not None:
+            self.raw.put(url, stamp, 0, size, data)
+        return stamp
 
     # -- which sample --------------------------------------------------------------------
     def _refresh(self) -> None:
@@ -190,7 +213,11 @@ class RemoteFileSource(FileSource):
     def key(self, index: int) -> bytes:
         self._checked([index])
         u = int(self.row_url[index])
-        stamp = "none" if u < 0 else f"obj:{self.object_stamps[u]}:{self.object_sizes[u]}"
+        stamp = (
+            "none"
+            if u < 0
+            else f"obj:{self.urls[u]}:{self.object_stamps[u]}:{self.object_sizes[u]}"
+        )
         return keys.sample_key(
             self.records.id(index), stamp, self._fingerprint, self.records.text(index)
         )

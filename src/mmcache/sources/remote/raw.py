@@ -8,6 +8,11 @@ so new keys, and its old bytes are never found again (they age out under the pol
 So a run whose decoded samples do not fit the cache's budgets still reads from local
 disk after its first epoch, and goes on through an object-store outage on what it has.
 
+Every value carries the xxh3_128 of its bytes (16 bytes in front of them), checked on every
+read: a value damaged on disk (one flipped byte was decoded and served before, G3) is
+dropped and fetched again, never served. DiskStore does not checksum values (the sample
+codec carries its own checksum); raw bytes have none of their own, so the tier adds it.
+
 Thread- and process-safe (the DiskStore is); pickles as its configuration and reopens
 the environment in each process.
 """
@@ -15,10 +20,13 @@ the environment in each process.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Callable
 from typing import Any
+
+import xxhash
 
 from mmcache import keys
 from mmcache.errors import RemoteSampleError
@@ -29,6 +37,11 @@ from mmcache.stores.disk import DiskStore
 from mmcache.units import parse_size
 
 __all__ = ["RawTier", "fetch_bytes"]
+
+logger = logging.getLogger(__name__)
+
+#: Bytes of the checksum in front of every value (xxh3_128 of the payload).
+_SUM = 16
 
 #: A prefetcher that beat within this many seconds is running.
 _BEAT_S = 2.0
@@ -76,19 +89,43 @@ class RawTier:
 
     @staticmethod
     def key(url: str, stamp: str, start: int, end: int) -> bytes:
-        """The key of bytes ``[start, end)`` of version ``stamp`` of ``url``."""
-        return keys.digest("mmcache.raw", 1, url, stamp, start, end)
+        """The key of bytes ``[start, end)`` of version ``stamp`` of ``url`` (version 2 of the
+        scheme: values framed with their checksum; version-1 values are never read)."""
+        return keys.digest("mmcache.raw", 2, url, stamp, start, end)
+
+    @staticmethod
+    def _framed(data: bytes | memoryview) -> bytes:
+        return xxhash.xxh3_128_digest(data) + bytes(data)
 
     def get(self, url: str, stamp: str, start: int, end: int) -> bytes | None:
-        """The bytes if held, else ``None``."""
-        return self.store.get(self.key(url, stamp, start, end))
+        """The bytes if held and intact, else ``None``. A held value whose checksum or
+        length does not match is deleted (one warning naming the URL and the span) and
+        reads as a miss, so the caller fetches it again."""
+        key = self.key(url, stamp, start, end)
+        value = self.store.get(key)
+        if value is None:
+            return None
+        data = value[_SUM:]
+        if len(data) == end - start and xxhash.xxh3_128_digest(data) == value[:_SUM]:
+            return data
+        logger.warning(
+            "raw tier %s: the held bytes [%d, %d) of %s fail their checksum (damaged on "
+            "disk): dropped, fetched again",
+            self.path,
+            start,
+            end,
+            url,
+        )
+        with contextlib.suppress(Exception):  # a failed delete only leaves a miss behind
+            self.store.delete(key)
+        return None
 
     def contains(self, url: str, stamp: str, start: int, end: int) -> bool:
         return self.store.contains(self.key(url, stamp, start, end))
 
     def put(self, url: str, stamp: str, start: int, end: int, data: bytes) -> bool:
         """Keep ``data``; False when the policy or the budget refuses it."""
-        return self.store.put(self.key(url, stamp, start, end), data)
+        return self.store.put(self.key(url, stamp, start, end), self._framed(data))
 
     def put_spans(
         self, url: str, stamp: str, spans: list[tuple[int, int, bytes | memoryview]]
@@ -96,7 +133,7 @@ class RawTier:
         """Keep each ``(start, end, data)`` of version ``stamp`` of ``url`` (few write
         transactions: what one GET of a fetch group brings)."""
         return self.store.put_many(
-            [(self.key(url, stamp, s, e), data, 0.0, 0.0) for s, e, data in spans]
+            [(self.key(url, stamp, s, e), self._framed(data), 0.0, 0.0) for s, e, data in spans]
         )
 
     # -- the prefetcher's heartbeat: a producer that misses waits for it a little ---------

@@ -45,6 +45,7 @@ import torch
 
 from mmcache import keys
 from mmcache.errors import ConfigError, ManifestError, SampleError
+from mmcache.sources import identity
 from mmcache.sources.base import OnError, SampleSource, StampKind
 from mmcache.sources.bytesproc import (
     PipelineFields,
@@ -79,6 +80,7 @@ logger = logging.getLogger(__name__)
 #: Default image extensions, in order of preference when a key has several.
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 C = SampleColumns
+MAX_DIGEST = identity.MAX_DIGEST_BYTES
 
 
 class WebDatasetSource(
@@ -178,7 +180,11 @@ class WebDatasetSource(
 
     # -- opening -----------------------------------------------------------------------
     def _shard_stats(self) -> dict[int, tuple[int, str] | Exception]:
-        """``shard number -> (size, stamp)``, or the error that kept it from being read."""
+        """``shard number -> (size, stamp)``, or the error that kept it from being read.
+
+        A local shard's stamp is its local evidence (:func:`mmcache.keys.stat_stamp`: size,
+        mtime, ctime, inode), so that a rewrite with size and mtime restored is indexed
+        again; the samples' keys are made from their bytes (:meth:`key`), not from it."""
         out: dict[int, tuple[int, str] | Exception] = {}
         urls = [loc for loc in self.locations if is_remote(loc)]
         remote: dict[str, tuple[int, str | None] | RemoteError] = {}
@@ -188,8 +194,6 @@ class WebDatasetSource(
             except RemoteError as err:  # the store cannot be reached
                 remote = dict.fromkeys(urls, err)
         for s, loc in enumerate(self.locations):
-            if s in out:
-                continue
             if is_remote(loc):
                 got = remote[loc]
                 if isinstance(got, RemoteError):
@@ -205,7 +209,7 @@ class WebDatasetSource(
             except OSError as exc:
                 out[s] = exc
                 continue
-            out[s] = (st.st_size, f"{st.st_size}:{st.st_mtime_ns}")
+            out[s] = (st.st_size, keys.stat_stamp(st))
         return out
 
     def _index(self, s: int, size: int, stamp: str) -> ShardIndex:
@@ -327,28 +331,97 @@ class WebDatasetSource(
         return int.from_bytes(raw, "little") & ((1 << 63) - 1)
 
     def key(self, index: int) -> bytes:
-        """The sample's 16-byte cache key: id, shard stamp, member offsets and sizes, pipeline."""
-        self._checked([index])
-        self._refresh()
+        """The sample's 16-byte cache key: id, the identity of its bytes, the layout of
+        its members, pipeline (see :meth:`key_rows`)."""
+        key: bytes = self.key_rows([index])[0].tobytes()
+        return key
+
+    def _layout(self, index: int) -> str:
+        """Where the members lie in the sample's span (relative offsets, sizes, extension):
+        two samples with equal span bytes but other members are keyed apart."""
         row = self.columns.rows[index]
-        stamp = "wds:{}:{}".format(
-            self.shard_stamps[int(row[C.SHARD])],
-            ":".join(str(int(v)) for v in row[[C.IMG_OFF, C.IMG_LEN, C.TXT_OFF, C.TXT_LEN, C.EXT]]),
-        )
-        return keys.sample_key(self.columns.id(index), stamp, self._fingerprint, None)
+        start = self.span(index)[0]
+        parts = [int(row[C.IMG_OFF]) - start, int(row[C.IMG_LEN])]
+        parts += [int(row[C.TXT_OFF]) - start, int(row[C.TXT_LEN]), int(row[C.EXT])]
+        return ":".join(str(v) for v in parts)
+
+    def _identities(self, todo: list[int]) -> dict[int, str]:
+        """The identity of each sample's bytes: for a local shard the digest of its span
+        (:func:`~mmcache.sources.identity.span_identities`: read once per node and shard
+        version, then remembered), so the same bytes give the same key on every copy of
+        the shard and other bytes another; for a remote shard its ETag (or version) and
+        the span's place in it."""
+        out: dict[int, str] = {}
+        by_shard: dict[int, list[int]] = {}
+        for i in todo:
+            by_shard.setdefault(int(self.columns.rows[i, C.SHARD]), []).append(i)
+        for shard, listed in by_shard.items():
+            loc = self.locations[shard]
+            if is_remote(loc) or not self.shard_stamps[shard]:
+                for i in listed:
+                    start, end = self.span(i)
+                    out[i] = f"{self.shard_stamps[shard]}:{start}:{end}"
+                continue
+            fields = [int(f) for f in self.shard_stamps[shard].split(":")]
+            # A span over the digest bound (a hostile member size) is never read for a key:
+            # its identity is the shard's local evidence and the span; produce refuses it.
+            big = {i for i in listed if self.span(i)[1] - self.span(i)[0] > MAX_DIGEST}
+            for i in big:
+                start, end = self.span(i)
+                out[i] = f"stat:{self.shard_stamps[shard]}:{start}:{end}"
+            members = [i for i in listed if i not in big]
+            spans = [self.span(i) for i in members]
+
+            def read(start: int, end: int, shard: int = shard) -> bytes:
+                return self._pread(shard, start, end)
+
+            try:
+                idents = identity.span_identities(loc, fields, spans, read)
+            except (OSError, SampleError):  # produce() reports it, naming the sample
+                # Keyed by the local evidence instead (never stale: a rewrite changes it).
+                stamp = self.shard_stamps[shard]
+                idents = [f"stat:{stamp}:{a}:{b}" for a, b in spans]
+            out.update(zip(members, idents, strict=True))
+        return out
 
     def key_rows(
         self, indices: Sequence[int] | np.ndarray, *, stamps: np.ndarray | None = None
     ) -> np.ndarray:
-        """Keys of ``indices`` as ``uint8 [n, 16]`` (memoised; a revalidated shard's
-        samples are keyed again). Not thread-safe."""
+        """Keys of ``indices`` as ``uint8 [n, 16]`` (memoised; a changed shard's samples
+        are keyed again: remote ones after :meth:`revalidate`, local ones after the
+        ``stat`` of their shards that every call makes). Not thread-safe."""
         idx = self._checked(indices)
         self._refresh()
-        for i in np.unique(idx[~self._memo_ok[idx]]).tolist():
-            self._memo[i] = np.frombuffer(self.key(i), dtype=np.uint8)
-            self._memo_ok[i] = True
+        self._check_local(idx)
+        todo = np.unique(idx[~self._memo_ok[idx]]).tolist()
+        if todo:
+            idents = self._identities(todo)
+            for i in todo:
+                stamp = f"wds:{idents[i]}:{self._layout(i)}"
+                key = keys.sample_key(self.columns.id(i), stamp, self._fingerprint, None)
+                self._memo[i] = np.frombuffer(key, dtype=np.uint8)
+                self._memo_ok[i] = True
         rows: np.ndarray = self._memo[idx]
         return rows
+
+    def _check_local(self, idx: np.ndarray) -> None:
+        """``stat`` the local shards of ``idx`` (one each) and index again those whose
+        evidence changed (G5: a shard rewritten during a run is never read at old offsets)."""
+        shards = np.unique(self.columns.rows[idx, C.SHARD]).tolist() if idx.size else []
+        for shard in shards:
+            loc = self.locations[shard]
+            if is_remote(loc) or not self.shard_stamps[shard]:
+                continue
+            try:
+                st = os.stat(loc)
+            except OSError:
+                continue  # produce() reports it, naming the sample
+            stamp = keys.stat_stamp(st)
+            if stamp != self.shard_stamps[shard]:
+                try:
+                    self._apply(shard, self._index(shard, st.st_size, stamp))
+                except (OSError, EOFError, tarfile.TarError) as exc:
+                    logger.warning("cannot index the changed shard %s again: %s", loc, exc)
 
     # -- produce -------------------------------------------------------------------------
     def member_name(self, index: int, role: str) -> str:
@@ -378,23 +451,33 @@ class WebDatasetSource(
         if end == start:
             return b""
         if not is_remote(loc):
-            try:
-                data = os.pread(self._fd(shard), end - start, start)
-            except OSError as exc:
-                raise SampleError(
-                    f"cannot read shard {loc} (members of key {sid!r}): {exc.strerror or exc}",
-                    sample_id=sid,
-                    path=loc,
-                ) from exc
-            if len(data) != end - start:
-                raise SampleError(
-                    f"shard {loc} is shorter than its index says (key {sid!r}): it changed "
-                    "after it was opened",
-                    sample_id=sid,
-                    path=loc,
-                )
-            return data
+            return self._pread(shard, start, end, sid)
         return self.fetch(loc, self.shard_stamps[shard], start, end, sample_id=sid)
+
+    def _pread(self, shard: int, start: int, end: int, sid: str | None = None) -> bytes:
+        """Bytes ``[start, end)`` of local shard ``shard``, checked to come from the version
+        that was indexed: the shard's ``fstat`` after the read must equal its stamp, else
+        SampleError (it changed since; its samples are indexed and keyed again at the next
+        :meth:`key_rows`)."""
+        loc = self.locations[shard]
+        what = f" (members of key {sid!r})" if sid is not None else ""
+        who = sid if sid is not None else f"<shard {loc}>"
+        try:
+            fd = self._fd(shard)
+            data = os.pread(fd, end - start, start)
+            now = keys.stat_stamp(os.fstat(fd))
+        except OSError as exc:
+            raise SampleError(
+                f"cannot read shard {loc}{what}: {exc.strerror or exc}", sample_id=who, path=loc
+            ) from exc
+        if now != self.shard_stamps[shard] or len(data) != end - start:
+            raise SampleError(
+                f"shard {loc} changed after it was indexed{what}: its samples are indexed "
+                "and keyed again, nothing is read at the old offsets",
+                sample_id=who,
+                path=loc,
+            )
+        return data
 
     def _fd(self, shard: int) -> int:
         if self._fd_pid != os.getpid():
@@ -410,6 +493,7 @@ class WebDatasetSource(
         the shard, the member and the key."""
         self._checked([index])
         self._refresh()
+        self._check_local(np.array([index], dtype=np.int64))
         row = self.columns.rows[index]
         shard = self.locations[int(row[C.SHARD])]
         sid = self.columns.id(index)

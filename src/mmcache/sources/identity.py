@@ -1,0 +1,325 @@
+"""The identity of a sample's bytes: the one model every source keys its samples by.
+
+A sample's cache key is its pipeline's fingerprint plus the *identity of the bytes it was
+made from* (:func:`mmcache.keys.sample_key`). This module says what that identity is, so
+that every source gets the same promises:
+
+- **Equal wherever the same bytes are.** One shared file system, or node-local copies made
+  with ``cp -a``/``rsync -a``/``tar x``: the same relative names and the same bytes give the
+  same keys on every node, so ``scope="cluster"`` can exchange entries between nodes that
+  each read their own copy, and a disk tier copied to another machine stays warm.
+- **Different whenever the bytes differ.** Two datasets with the same relative names, sizes
+  and mtimes but other pixels (fixed-size BMP or ``.npy`` files, archives extracted with
+  their mtimes) share no entry; a rewrite that restores the size and the mtime
+  (``touch -d``, ``cp -p``) is fresh at the next key computation.
+- **Never a new key for unchanged bytes.** A ``chmod``, a new hard link, a ``cp -a`` or a
+  remount changes a file's local evidence but not its identity.
+
+How: the identity of a local file (or of a byte span of a local shard) is the xxh3_128 of
+its bytes, ``"xxh3:<32 hex>"``, exactly what ``content_stamp=True`` always computed. Reading
+every file for every key would cost what ``content_stamp=True`` costs, so each digest is
+remembered in a node-local :class:`Ledger` under the file's **local evidence**: its absolute
+path and :func:`mmcache.keys.stat_fields` (size, mtime, ctime, inode). The ctime is set by
+every write, ``utime``, rename and ``chmod`` and cannot be set back, so while the evidence
+is unchanged the bytes are unchanged and the remembered digest is served after one
+``stat``; when any of it changes (a rewrite with size and mtime restored changes the ctime)
+the file is read and digested again: a content check, never a stale key and never a new key
+for bytes that did not change. ``content_stamp=True`` skips the ledger and digests every
+time (for file systems whose ctimes or inode numbers cannot be trusted).
+
+Rejected alternatives: keys from ``(size, mtime, ctime, inode)`` (turn 2) are never stale but
+differ on every copy (G17: the cluster refused every exchanged entry); keys from
+``(size, mtime)`` are equal on copies but serve another dataset's or an old version's pixels
+(G4). A digest is the only identity that is both; the ledger makes it cost a ``stat``.
+
+The ledger is an SQLite file (stdlib ``sqlite3``: process-safe, crash-safe, no server) per
+node, in ``$MMCACHE_IDENTITY_DIR`` (default ``$XDG_CACHE_HOME/mmcache/identity``), named by
+the host so that a home directory shared between nodes never has two nodes lock one file.
+``MMCACHE_IDENTITY_DIR=off`` keeps it in memory (one per process: every process digests
+what it keys once). It holds only digests of bytes this node read; losing it, or any error
+reading or writing it, costs a re-read, never a wrong key (one warning, then in memory).
+
+Remote objects are identified by their ETag or version id (:mod:`mmcache.sources.remote`).
+
+Thread/process safety: :func:`ledger` returns one ledger per process (re-opened in a forked
+child); its methods take an internal lock, and SQLite serialises processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sqlite3
+import stat
+import threading
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import xxhash
+
+from mmcache import keys
+
+__all__ = [
+    "CONTENT_PREFIX",
+    "MAX_DIGEST_BYTES",
+    "Ledger",
+    "content_digest",
+    "evidence",
+    "file_identities",
+    "file_identity",
+    "ledger",
+    "span_identities",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Every identity of bytes starts with this; ``keys.source_stamp(content=True)`` makes the same.
+CONTENT_PREFIX = "xxh3:"
+_CHUNK = 1 << 20
+#: Files larger than this are not digested for a key (far over any image's ``max_bytes``):
+#: their identity is their local evidence. Sources of big files (Parquet) pass their own.
+MAX_DIGEST_BYTES = 1 << 30
+
+
+def content_digest(data: bytes | memoryview) -> str:
+    """The identity of ``data``: ``"xxh3:<32 hex>"`` of its bytes."""
+    return CONTENT_PREFIX + xxhash.xxh3_128_hexdigest(data)
+
+
+def evidence(path: str | bytes, fields: Sequence[int], *extra: int) -> bytes:
+    """The 16-byte ledger key of ``path`` as ``stat`` saw it (``fields``: its
+    :func:`~mmcache.keys.stat_fields`), plus ``extra`` (a byte span's offsets)."""
+    where = os.fsencode(os.path.abspath(path))
+    return keys.digest("mmcache.evidence", where, *(int(f) for f in fields), *extra)
+
+
+#: Connections a forked child inherited: referenced so that they are never closed there.
+_INHERITED: list[sqlite3.Connection] = []
+
+
+class Ledger:
+    """Remembered digests, by local evidence (see the module docstring).
+
+    ``path=None``: in memory only. Otherwise an SQLite file, opened lazily once per
+    process. Every failure of the file (full disk, damaged or locked database) logs one
+    warning and continues in memory: the ledger is a cost saver, never a source of truth.
+    """
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._mem: dict[bytes, bytes] = {}
+        self._conn: sqlite3.Connection | None = None
+        self._pid = -1
+        self._failed = path is None
+
+    def _connection(self) -> sqlite3.Connection | None:
+        if self._failed or self.path is None:
+            return None
+        if self._pid != os.getpid():
+            # A connection is never used across fork (SQLite's rule): the child opens its own
+            # and leaves the inherited one alone, never even closing it (kept referenced).
+            if self._conn is not None:
+                _INHERITED.append(self._conn)
+            self._conn, self._pid = None, os.getpid()
+        if self._conn is None:
+            try:
+                os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
+                conn = sqlite3.connect(self.path, timeout=30, check_same_thread=False)
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute("PRAGMA synchronous=NORMAL")
+                conn.execute(
+                    "CREATE TABLE IF NOT EXISTS digest (ev BLOB PRIMARY KEY, d BLOB NOT NULL)"
+                    " WITHOUT ROWID"
+                )
+                conn.commit()
+            except (OSError, sqlite3.Error) as exc:
+                self._fail(exc)
+                return None
+            self._conn = conn
+        return self._conn
+
+    def _fail(self, exc: BaseException) -> None:
+        logger.warning(
+            "the identity ledger %s cannot be used (%s): digests are kept in memory by "
+            "this process only (samples are keyed correctly; files are read once more "
+            "per process)",
+            self.path,
+            exc,
+        )
+        self._failed = True
+        self._conn = None
+
+    def get_many(self, evs: Sequence[bytes]) -> list[bytes | None]:
+        """The remembered 16-byte digest of each evidence key, or None."""
+        with self._lock:
+            found = {ev: self._mem[ev] for ev in evs if ev in self._mem}
+            missing = [ev for ev in evs if ev not in found]
+            conn = self._connection() if missing else None
+            if conn is not None:
+                try:
+                    # One indexed lookup per key (a few microseconds each): no SQL text is
+                    # ever built from data.
+                    cur = conn.cursor()
+                    for ev in missing:
+                        row = cur.execute("SELECT d FROM digest WHERE ev = ?", (ev,)).fetchone()
+                        if row is not None:
+                            found[ev] = bytes(row[0])
+                except sqlite3.Error as exc:
+                    self._fail(exc)
+            return [found.get(ev) for ev in evs]
+
+    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+        """Remember ``(evidence, digest)`` pairs (one transaction)."""
+        if not items:
+            return
+        with self._lock:
+            self._mem.update(items)
+            conn = self._connection()
+            if conn is None:
+                return
+            try:
+                with conn:
+                    conn.executemany("INSERT OR REPLACE INTO digest VALUES (?, ?)", items)
+            except sqlite3.Error as exc:
+                self._fail(exc)
+
+
+_LEDGERS: dict[str | None, Ledger] = {}
+_LEDGERS_LOCK = threading.Lock()
+
+
+def _ledger_path() -> str | None:
+    where = os.environ.get("MMCACHE_IDENTITY_DIR")
+    if where is not None and where.strip().lower() in ("", "off", "none", "0"):
+        return None
+    if not where:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        where = os.path.join(base, "mmcache", "identity")
+    host = "".join(c if c.isalnum() or c in "-._" else "_" for c in socket.gethostname())
+    return os.path.join(where, f"{host or 'host'}-{os.getuid()}.sqlite")
+
+
+def ledger() -> Ledger:
+    """This process's ledger (``$MMCACHE_IDENTITY_DIR``, read when first asked for a path)."""
+    path = _ledger_path()
+    with _LEDGERS_LOCK:
+        got = _LEDGERS.get(path)
+        if got is None:
+            got = _LEDGERS[path] = Ledger(path)
+        return got
+
+
+def _digest_file(path: str | bytes, want: Sequence[int], max_bytes: int | None) -> tuple[str, bool]:
+    """``(identity, stable)``: the digest of the file's bytes, and whether the file's
+    evidence was ``want`` before and after the read (only then is it remembered).
+
+    Hostile files are bounded before a byte is read: the file is opened non-blocking (a
+    FIFO never blocks here) and one that is not a regular file, or is over ``max_bytes``
+    (a 1 TiB sparse "image"), is not read: its identity is its local evidence
+    (``"stat:..."``), never stale, and the sample's load refuses it with the real reason."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with open(fd, "rb", closefd=True) as fh:
+        st = os.fstat(fd)
+        before = keys.stat_fields(st)
+        if not stat.S_ISREG(st.st_mode) or (max_bytes is not None and st.st_size > max_bytes):
+            return "stat:" + keys.fields_stamp(before), False
+        hasher = xxhash.xxh3_128()
+        while chunk := fh.read(_CHUNK):
+            hasher.update(chunk)
+        after = keys.stat_fields(os.fstat(fd))
+    stable = before == after == tuple(int(f) for f in want)
+    return CONTENT_PREFIX + hasher.hexdigest(), stable
+
+
+def file_identities(
+    paths: Sequence[str | bytes | None],
+    fields: np.ndarray,
+    *,
+    content: bool = False,
+    max_bytes: int | None = MAX_DIGEST_BYTES,
+) -> list[str]:
+    """The identity of each file (see the module docstring), for key computation.
+
+    ``fields``: ``int64 [n, 4]``, each file's :func:`~mmcache.keys.stat_fields` taken just
+    before (``-2`` where none: no path, missing, unreadable). Rows without fields get
+    :func:`mmcache.keys.source_stamp`'s ``"none"``, ``"missing"`` or ``"error:..."``.
+    ``content=True`` reads every file (nothing taken from the ledger). A file over
+    ``max_bytes``, or not a regular file, is never read (see :func:`_digest_file`).
+    """
+    out: list[str | None] = [None] * len(paths)
+    evs: dict[int, bytes] = {}
+    for j, path in enumerate(paths):
+        if path is None or int(fields[j, 0]) == -2:
+            out[j] = _unstamped(path)
+        else:
+            evs[j] = evidence(path, fields[j].tolist())
+    book = ledger()
+    known = book.get_many(list(evs.values())) if evs and not content else [None] * len(evs)
+    learned: list[tuple[bytes, bytes]] = []
+    for (j, ev), got in zip(evs.items(), known, strict=True):
+        if got is not None:
+            out[j] = CONTENT_PREFIX + got.hex()
+            continue
+        path = paths[j]
+        assert path is not None
+        try:
+            ident, stable = _digest_file(path, fields[j].tolist(), max_bytes)
+        except (OSError, ValueError):
+            out[j] = _unstamped(path)  # vanished or unreadable since the stat
+            continue
+        out[j] = ident
+        if stable:
+            learned.append((ev, bytes.fromhex(ident[len(CONTENT_PREFIX) :])))
+    book.put_many(learned)
+    return [s if s is not None else "missing" for s in out]
+
+
+def _unstamped(path: str | bytes | None) -> str:
+    """Why a file has no identity: ``"none"`` (no file), ``"missing"`` or ``"error:<ERRNO>"``
+    (:func:`mmcache.keys.source_stamp`'s words; the sample's load reports the real error)."""
+    if path is None:
+        return "none"
+    stamp = keys.source_stamp(os.fsdecode(path))
+    if stamp in ("none", "missing") or stamp.startswith("error:"):
+        return stamp
+    return "error:changed"  # it appeared between the caller's stat and now
+
+
+def file_identity(path: str | os.PathLike[str] | None, *, content: bool = False) -> str:
+    """:func:`file_identities` of one file (one ``stat``)."""
+    if path is None:
+        return "none"
+    p = os.fspath(path)
+    try:
+        row = np.array([keys.stat_fields(os.stat(p))], dtype=np.int64)
+    except (OSError, ValueError):
+        return _unstamped(p)
+    return file_identities([p], row, content=content)[0]
+
+
+def span_identities(
+    path: str | bytes,
+    fields: Sequence[int],
+    spans: Sequence[tuple[int, int]],
+    read: Callable[[int, int], bytes],
+) -> list[str]:
+    """The identity of byte spans ``[start, end)`` of one local file (a shard's members),
+    remembered under the file's evidence and the span; ``read(start, end)`` reads one.
+
+    The caller checks that the file's evidence is still ``fields`` after reading (a shard
+    rewritten meanwhile is indexed again and its spans keyed again)."""
+    evs = [evidence(path, fields, start, end) for start, end in spans]
+    book = ledger()
+    known = book.get_many(evs)
+    out: list[str] = []
+    learned: list[tuple[bytes, bytes]] = []
+    for ev, (start, end), got in zip(evs, spans, known, strict=True):
+        digest = got
+        if digest is None:
+            digest = xxhash.xxh3_128_digest(read(start, end))
+            learned.append((ev, digest))
+        out.append(CONTENT_PREFIX + digest.hex())
+    book.put_many(learned)
+    return out
