@@ -43,6 +43,14 @@ def add_inspect_parser(sub: Any, pipeline_for: Callable[[argparse.Namespace], An
 
 
 def inspect_path(path: str, pipeline: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """:func:`_inspect`, with the identity ledger kept in memory (nothing written)."""
+    from mmcache.sources import identity
+
+    with identity.memory_only():
+        return _inspect(path, pipeline, options)
+
+
+def _inspect(path: str, pipeline: Any, options: dict[str, Any]) -> dict[str, Any]:
     """``{"path", "format", "samples", "first"}`` of ``path`` read with ``pipeline``;
     ``first`` is ``None`` for an empty source, else ``{"index", "id", "key", "fields"}``
     with ``fields`` ``{name: {"dtype", "shape"}}``. ``options``: ``format``,

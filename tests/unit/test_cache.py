@@ -306,9 +306,12 @@ def test_invalidation_touch_caption_pipeline(
         cds[0]
         assert cache.get(ds.key(0)) is not None  # now cached
         first_key = ds.key(0)
-        # 1. touch the image file
+        # 1. touch the image file: the same bytes keep their key and their entry
         st = img.stat()
         os.utime(img, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        assert ds.key(0) == first_key and cache.get(ds.key(0)) is not None
+        # 1b. other bytes in the same file: a new key, never the old entry
+        img.write_bytes((tiny_data.parent / recs[1]["image_path"]).read_bytes())
         assert cache.get(ds.key(0)) is None and ds.key(0) != first_key
         # 2. change the caption
         write("a blue dog")

@@ -12,6 +12,7 @@ from chat_support import make_tokenizer, turns, write_image, write_llava
 
 from mmcache import ChatSpec, FileSource, ImageSpec, Pipeline, TextSpec, keys, read_manifest
 from mmcache.errors import ManifestError
+from mmcache.sources import identity
 from mmcache.sources.readers import llava_text
 
 pytest.importorskip("jinja2")
@@ -123,7 +124,7 @@ def test_plain_pipeline_keys_are_unchanged_for_llava_records(tmp_path: Path) -> 
     )
     pipe = Pipeline(image=ImageSpec(size=16), text=TextSpec(make_tokenizer(), max_length=8))
     source = FileSource(path, pipeline=pipe)
-    stamp = keys.source_stamp(str(tmp_path / "img/a.jpg"))
+    stamp = identity.file_identity(str(tmp_path / "img/a.jpg"))  # the identity of its bytes
     assert source.key(0) == keys.sample_key(
         "a", stamp, pipe.fingerprint(), "human: What?\ngpt: A cat."
     )

@@ -56,9 +56,9 @@ def test_a_manifest_prints_format_count_and_the_first_samples_fields_and_key(
     assert "image" in out and "uint8" in out and "[3, 32, 32]" in out
     assert "input_ids" in out and "int32" in out and "[32]" in out
     pipe = mc.Pipeline(image=mc.ImageSpec(size=32), text=mc.TextSpec(tokenizer_json))
+    assert _tree(tmp_path) == before  # nothing written (checked before this test's own key)
     key = mc.MultimodalDataset(manifest, pipeline=pipe).key(0).hex()
     assert f"key:   {key}" in out  # the key the cache would hold for this pipeline
-    assert _tree(tmp_path) == before  # nothing written
 
 
 def test_shards_are_inspected_without_writing_their_index(

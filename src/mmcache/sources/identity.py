@@ -47,13 +47,14 @@ child); its methods take an internal lock, and SQLite serialises processes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import sqlite3
 import stat
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import xxhash
@@ -188,9 +189,24 @@ class Ledger:
 
 _LEDGERS: dict[str | None, Ledger] = {}
 _LEDGERS_LOCK = threading.Lock()
+_MEMORY_ONLY = [0]  # depth of memory_only() blocks in this process
+
+
+@contextlib.contextmanager
+def memory_only() -> Iterator[None]:
+    """Within the block, this process's digests are remembered in memory only: the ledger
+    file is neither created nor written (what ``mmcache inspect`` needs to write nothing).
+    Process-wide while it lasts; for commands, not for threads of a training job."""
+    _MEMORY_ONLY[0] += 1
+    try:
+        yield
+    finally:
+        _MEMORY_ONLY[0] -= 1
 
 
 def _ledger_path() -> str | None:
+    if _MEMORY_ONLY[0]:
+        return None
     where = os.environ.get("MMCACHE_IDENTITY_DIR")
     if where is not None and where.strip().lower() in ("", "off", "none", "0"):
         return None
