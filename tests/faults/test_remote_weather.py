@@ -101,8 +101,8 @@ def test_an_outage_after_a_warm_epoch_costs_at_most_twice_a_warm_local_epoch(
     urls = s3.upload(shards)
     src = remote_source(urls, small_pipeline, s3, proxy, tmp_path, on_error="skip")
     local = WebDatasetSource(shards, pipeline=small_pipeline, index_dir=tmp_path / "lidx")
-    cache = Cache(cache_root / "r", memory="64MiB", disk=None)
-    lcache = Cache(cache_root / "l", memory="64MiB", disk=None)
+    cache = Cache(cache_root / "r", memory="64MiB", disk=None, temporary=True)
+    lcache = Cache(cache_root / "l", memory="64MiB", disk=None, temporary=True)
     try:
         kw: dict[str, Any] = {"batch_size": 8, "shuffle": True, "seed": 1}
         loader = DataLoader(src, cache=cache, hooks=[RemotePrefetch(src, threads=4)], **kw)
