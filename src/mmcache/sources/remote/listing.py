@@ -17,16 +17,15 @@ only decides which *keys* are looked up, and keys hold the stamps). Process-safe
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import stat
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 
 from mmcache import keys
+from mmcache.rootfiles import replace_file
 
 __all__ = ["MAX_BYTES", "Entry", "ListingFile"]
 
@@ -57,15 +56,8 @@ class ListingFile:
         }
         try:
             os.makedirs(self.directory, mode=0o700, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-listing-")
-            try:
-                with os.fdopen(fd, "w", encoding="utf-8") as out:
-                    json.dump(payload, out, separators=(",", ":"))
-                os.replace(tmp, self.path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
+            text = json.dumps(payload, separators=(",", ":"))
+            replace_file(self.path, text.encode("utf-8"), 0o600)
         except OSError as exc:
             logger.warning("cannot keep the listing of remote objects in %s: %s", self.path, exc)
 

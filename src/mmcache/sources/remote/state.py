@@ -37,6 +37,7 @@ import time
 from typing import Any
 
 from mmcache.errors import ConfigError
+from mmcache.rootfiles import replace_file
 
 __all__ = ["SharedStamps", "private_dir"]
 
@@ -96,15 +97,7 @@ class SharedStamps:
     def _write(self, path: str, text: str) -> None:
         directory = os.path.dirname(path)
         os.makedirs(directory, mode=0o700, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as out:
-                out.write(text)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        replace_file(path, text.encode("utf-8"), 0o600)
 
     def publish(self, payload: dict[str, Any]) -> bool:
         """Write ``payload`` (JSON data) for the other processes; ``False`` (and a
