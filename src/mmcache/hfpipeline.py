@@ -18,9 +18,9 @@ of them an image becomes. :func:`hf_processor` reads all of that from it:
 - ``LlavaNextProcessor`` (any-resolution tiles: several crops per image, a token
   count of the original size) is refused: its output is not one cached image.
 
-The template must render a message's ``content`` given as a string with the image
-placeholders inline (what ChatSpec renders); a template that reads only a list of
-``{"type": "image"}`` parts is the processor's own business and gives no images.
+A template that reads a message's content only as a list of ``{"type": "image"}`` /
+``{"type": "text"}`` parts (llava-1.5-hf's) is found by a probe render, and ChatSpec
+then renders the records' contents as such parts (:mod:`mmcache.transforms.chat_parts`).
 
 Pure function of the processor; the Pipeline it returns is as thread-safe as any.
 """
