@@ -81,3 +81,20 @@ def test_pixel_values_hook_in_a_loader(tmp_path: Path) -> None:
     want = images(pics, return_tensors="np")
     assert batch["image_grid_thw"].tolist() == want["image_grid_thw"].tolist()
     assert torch.allclose(batch["pixel_values"], torch.from_numpy(want["pixel_values"]), atol=1e-5)
+
+
+def test_model_only_keeps_the_models_inputs() -> None:
+    batch = {
+        "id": ["a", "b"],
+        "input_ids": torch.ones(2, 4, dtype=torch.int64),
+        "labels": torch.ones(2, 4, dtype=torch.int64),
+        "attention_mask": torch.ones(2, 4, dtype=torch.int64),
+        "images": torch.full((2, 3, 4, 4), 255, dtype=torch.uint8),
+        "image_sizes": torch.full((2, 2), 4),
+        "image_counts": torch.ones(2, dtype=torch.int64),
+    }
+    out = PixelValues("siglip", model_only=True).after_assemble(dict(batch), None)
+    assert set(out) == {"input_ids", "labels", "attention_mask", "pixel_values"}
+    assert torch.equal(out["pixel_values"], torch.ones(2, 3, 4, 4))
+    kept = PixelValues("siglip").after_assemble(dict(batch), None)
+    assert set(kept) == set(batch) - {"images"} | {"pixel_values"}

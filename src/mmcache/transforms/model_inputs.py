@@ -32,7 +32,12 @@ from mmcache.transforms.normalize import normalize, resolve_mean_std
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["PixelValues", "qwen_patches"]
+__all__ = ["MODEL_INPUTS", "PixelValues", "qwen_patches"]
+
+#: The fields ``PixelValues(model_only=True)`` keeps: what an HF VLM's ``forward`` takes.
+MODEL_INPUTS = frozenset(
+    {"input_ids", "attention_mask", "labels", "position_ids", "pixel_values", "image_grid_thw"}
+)
 
 _Images = Any  # a uint8 [N, 3, H, W] tensor or a sequence of [3, h, w] tensors
 
@@ -111,9 +116,12 @@ class PixelValues:
         patch_size, merge_size, temporal_patch_size: Qwen's patch geometry.
         device: where to normalise (``"cuda"``: the uint8 batch is copied there
             first); ``None``: where the batch is.
+        model_only: keep only :data:`MODEL_INPUTS` (the batch is then
+            ``model(**batch)``'s keyword arguments, as a ``transformers.Trainer``
+            passes them); False: every other field passes through.
 
     The batch's uint8 ``images`` (SFT batches) or ``image`` (caption batches) is
-    replaced by ``pixel_values``; every other field passes through. Immutable.
+    replaced by ``pixel_values``. Immutable.
     """
 
     def __init__(
@@ -126,6 +134,7 @@ class PixelValues:
         merge_size: int = 2,
         temporal_patch_size: int = 2,
         device: Any = None,
+        model_only: bool = False,
     ) -> None:
         if layout not in ("image", "qwen"):
             raise ConfigError(f"PixelValues.layout must be 'image' or 'qwen', got {layout!r}")
@@ -133,9 +142,12 @@ class PixelValues:
         self.layout = layout
         self.patch = (patch_size, merge_size, temporal_patch_size)
         self.device = device
+        self.model_only = bool(model_only)
 
     @classmethod
-    def from_processor(cls, processor: Any, *, device: Any = None) -> PixelValues:
+    def from_processor(
+        cls, processor: Any, *, device: Any = None, model_only: bool = False
+    ) -> PixelValues:
         """The hook for an HF processor (or its image processor): its rescale, mean and
         std, and the layout of its class (Qwen2-VL's patches, else
         plain images)."""
@@ -152,8 +164,9 @@ class PixelValues:
                 merge_size=int(images.merge_size),
                 temporal_patch_size=int(images.temporal_patch_size),
                 device=device,
+                model_only=model_only,
             )
-        return cls(mean, std, device=device)
+        return cls(mean, std, device=device, model_only=model_only)
 
     def after_assemble(self, batch: dict[str, Any], ctx: object) -> dict[str, Any]:
         """``batch`` with its uint8 images replaced by ``pixel_values`` (see the class)."""
@@ -161,7 +174,7 @@ class PixelValues:
 
         name = "images" if "images" in batch else "image"
         if name not in batch:
-            return batch
+            return self._kept(batch)
         images = batch.pop(name)
         if self.device is not None:
             if isinstance(images, torch.Tensor):
@@ -179,7 +192,12 @@ class PixelValues:
             batch["pixel_values"] = [normalize(t, self.mean, self.std) for t in images]
         else:
             batch["pixel_values"] = normalize(images, self.mean, self.std)
-        return batch
+        return self._kept(batch)
+
+    def _kept(self, batch: dict[str, Any]) -> dict[str, Any]:
+        if not self.model_only:
+            return batch
+        return {k: v for k, v in batch.items() if k in MODEL_INPUTS}
 
     def __repr__(self) -> str:
         return f"PixelValues(layout={self.layout!r}, mean={self.mean}, std={self.std})"
