@@ -23,10 +23,10 @@ trl = need("trl")
 datasets = need("datasets")
 need("accelerate")
 sys.path.insert(0, str(Path(__file__).parent.parent / "unit"))
-from test_llava_client import IMAGE_TOKEN, PATCH, SIZE, _model  # noqa: E402
+from test_llava_client import _model  # noqa: E402
+from test_trainers import _source  # noqa: E402
 
 import mmcache  # noqa: E402
-from mmcache.testing.sft import SyntheticSFTSource  # noqa: E402
 from mmcache.transforms import PixelValues  # noqa: E402
 
 
@@ -45,15 +45,7 @@ class MmcacheSFTTrainer(trl.SFTTrainer):
 
 
 def test_sft_trainer_trains_a_tiny_llava_on_mmcache_batches(tmp_path: Path) -> None:
-    source = SyntheticSFTSource(
-        32,
-        seed=3,
-        vocab=256,
-        image_token_id=IMAGE_TOKEN,
-        image_tokens=lambda h, w: (h // PATCH) * (w // PATCH),
-        image_counts=(1,),
-        shapes=((SIZE, SIZE),),
-    )
+    source = _source()  # test_trainers' tiny LLaVA data
     hook = PixelValues("clip", model_only=True)
     loader = mmcache.DataLoader(source, cache=None, batch_size=4, seed=7, hooks=[hook])
     tokenizer = transformers.PreTrainedTokenizerFast(
