@@ -12,7 +12,9 @@ of them an image becomes. :func:`hf_processor` reads all of that from it:
   the processed image's size);
 - ``Qwen2VLProcessor`` / ``Qwen2_5_VLProcessor``: a :class:`~mmcache.SmartResize`
   with the image processor's ``min_pixels``, ``max_pixels`` and ``patch_size *
-  merge_size``, and ``<|image_pad|>`` runs of its grid rule between
+  merge_size`` whose pixels are the processor's own resize
+  (:class:`~mmcache.transforms.hf_qwen.QwenImageStage`: torchvision's and Pillow's
+  bicubic differ by a level), and ``<|image_pad|>`` runs of its grid rule between
   ``<|vision_start|>`` and ``<|vision_end|>``; the records' placeholder stays
   ``<image>``;
 - ``LlavaNextProcessor`` (any-resolution tiles: several crops per image, a token
@@ -33,6 +35,7 @@ from mmcache.errors import ConfigError
 from mmcache.pipeline import Pipeline
 from mmcache.transforms.chat import ChatSpec
 from mmcache.transforms.hf import hf_image_processor
+from mmcache.transforms.hf_qwen import QwenImageStage
 from mmcache.transforms.smart_resize import SmartResize
 
 __all__ = ["hf_processor", "llava_image_tokens"]
@@ -84,17 +87,19 @@ def _qwen(processor: Any, tokenizer: Any, images: Any, template: str, max_length
             raise ConfigError(f"{type(images).__name__} has no {attr} (nor size[{key!r}])")
         return int(value)
 
-    stage = SmartResize(
+    stage = QwenImageStage(
         min_pixels=bound("min_pixels", "shortest_edge"),
         max_pixels=bound("max_pixels", "longest_edge"),
         factor=factor,
+        processor=images,
     )
     spec = ChatSpec(
         tokenizer,
         template,
         max_length,
         image_token_id=int(processor.image_token_id),
-        image_tokens=stage.image_tokens,
+        # the plain rule's method: the same count, fingerprinted without the processor
+        image_tokens=SmartResize(stage.min_pixels, stage.max_pixels, factor).image_tokens,
         image_prefix="<|vision_start|>",
         image_suffix="<|vision_end|>",
     )

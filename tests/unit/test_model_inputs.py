@@ -98,3 +98,24 @@ def test_model_only_keeps_the_models_inputs() -> None:
     assert torch.equal(out["pixel_values"], torch.ones(2, 3, 4, 4))
     kept = PixelValues("siglip").after_assemble(dict(batch), None)
     assert set(kept) == set(batch) - {"images"} | {"pixel_values"}
+
+
+def test_qwen_image_stage_caches_the_processors_own_resize() -> None:
+    import pickle
+
+    from mmcache.transforms.hf_qwen import QwenImageStage
+
+    images = qwen_image_processor()
+    stage = QwenImageStage(56 * 56, 28 * 28 * 16, 28, processor=images)
+    plain = mc.SmartResize(56 * 56, 28 * 28 * 16, 28)
+    assert stage.fingerprint() != plain.fingerprint()
+    again = pickle.loads(pickle.dumps(stage))
+    for pic in (photo(90, 60, 4), photo(40, 130, 5)):
+        got = stage(pic)
+        assert got.dtype == np.uint8 and got.shape[1:] == plain.output_size(pic.height, pic.width)
+        np.testing.assert_array_equal(got, plain(pic))  # the Pillow backend: Pillow's resize
+        np.testing.assert_array_equal(again(pic), got)
+        mean, std = processor_mean_std(images)
+        pixels, _ = qwen_patches([torch.from_numpy(got)], mean, std)
+        want = images(pic, return_tensors="np")["pixel_values"]
+        assert torch.allclose(pixels, torch.from_numpy(want), atol=1e-5)

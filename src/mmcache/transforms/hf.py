@@ -53,7 +53,12 @@ from mmcache.transforms.pixels import upright_rgb
 from mmcache.transforms.stage import Stage, StageKind
 from mmcache.transforms.user import image_output
 
-__all__ = ["HFImageStage", "hf_image_processor", "processor_mean_std"]
+__all__ = [
+    "HFImageStage",
+    "hf_image_processor",
+    "processor_identity",
+    "processor_mean_std",
+]
 
 #: Bump when what this stage caches for the same processor changes.
 HF_STAGE_VERSION = 1
@@ -126,19 +131,9 @@ class HFImageStage:
                 f"CLIPImageProcessor), got {type(processor).__name__}"
             )
         self.processor = processor
-        config = {
-            k: v
-            for k, v in processor.to_dict().items()
-            if k not in _PROVENANCE_KEYS and not k.startswith("_")
-        }
         blob = json.dumps(
-            {
-                "stage": "hf_image_processor",
-                "version": HF_STAGE_VERSION,
-                "class": type(processor).__qualname__,
-                "transformers_major": _transformers_major(),
-                "config": config,
-            },
+            {"stage": "hf_image_processor", "version": HF_STAGE_VERSION}
+            | processor_identity(processor),
             sort_keys=True,
             separators=(",", ":"),
             default=repr,
@@ -221,6 +216,22 @@ class HFImageStage:
         """A decoded image (stored frame) -> the processor's resized and cropped uint8
         ``[3, H, W]``, before rescale and normalise."""
         return self._run(upright_rgb(im))
+
+
+def processor_identity(processor: Any) -> dict[str, Any]:
+    """What names an image processor's output in a fingerprint: its class, its JSON
+    configuration (``to_dict()``, provenance keys dropped) and transformers' major
+    version (its resize code can change between majors)."""
+    config = {
+        k: v
+        for k, v in processor.to_dict().items()
+        if k not in _PROVENANCE_KEYS and not k.startswith("_")
+    }
+    return {
+        "class": type(processor).__qualname__,
+        "transformers_major": _transformers_major(),
+        "config": config,
+    }
 
 
 def processor_mean_std(
