@@ -17,8 +17,10 @@ of them an image becomes. :func:`hf_processor` reads all of that from it:
   bicubic differ by a level), and ``<|image_pad|>`` runs of its grid rule between
   ``<|vision_start|>`` and ``<|vision_end|>``; the records' placeholder stays
   ``<image>``;
-- ``LlavaNextProcessor`` (any-resolution tiles: several crops per image, a token
-  count of the original size) is refused: its output is not one cached image.
+- ``LlavaNextProcessor`` / ``LlavaOnevisionProcessor`` are refused (ConfigError): their
+  any-resolution output is 1 + k crops per image and their token count is a function of
+  the original image size, while a chat pipeline caches one image per placeholder and
+  counts tokens from that image's size.
 
 A template that reads a message's content only as a list of ``{"type": "image"}`` /
 ``{"type": "text"}`` parts (llava-1.5-hf's) is found by a probe render, and ChatSpec
@@ -122,8 +124,11 @@ def hf_processor(
     name = type(processor).__name__
     if name.startswith("LlavaNext") or name.startswith("LlavaOnevision"):
         raise ConfigError(
-            f"hf_processor cannot cache {name}: its any-resolution tiles make several "
-            "crops per image and a token count of the original size; use LlavaProcessor "
+            f"hf_processor cannot cache {name}: its pixel_values are 1 + k crops per image "
+            "(the base image and the k tiles of the best of image_grid_pinpoints) and its "
+            "image-token count is a function of the original image size (the unpadded "
+            "features), while a chat pipeline caches one [3, h, w] image per placeholder "
+            "and counts its tokens from that image's size; use LlavaProcessor (one crop) "
             "or a SmartResize pipeline"
         )
     tokenizer, images, own = _parts(processor)

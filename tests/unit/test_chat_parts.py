@@ -4,6 +4,8 @@ labels are the replies' tokens exactly, and a template that renders strings keep
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 from chat_support import make_tokenizer
 
@@ -47,6 +49,7 @@ def test_a_parts_only_template_is_probed_and_labels_are_the_replies() -> None:
     tok = make_tokenizer()
     spec = mc.ChatSpec(tok, PARTS_ONLY, 256, image_tokens=3)
     assert spec.content_parts is True
+    assert pickle.loads(pickle.dumps(spec)).content_parts is True  # workers render alike
     chat = Chat((("user", "<image>\nWhat is in the picture?"), ("assistant", "A cat.")), ((8, 8),))
     enc = spec.encode(chat)
     text = tok.decode(enc.input_ids.tolist(), skip_special_tokens=False)
