@@ -12,15 +12,19 @@ of them an image becomes. :func:`hf_processor` reads all of that from it:
   the processed image's size);
 - ``Qwen2VLProcessor`` / ``Qwen2_5_VLProcessor``: a :class:`~mmcache.SmartResize`
   with the image processor's ``min_pixels``, ``max_pixels`` and ``patch_size *
-  merge_size``, and ``<|image_pad|>`` runs of its grid rule between
+  merge_size`` whose pixels are the processor's own resize
+  (:class:`~mmcache.transforms.hf_qwen.QwenImageStage`: torchvision's and Pillow's
+  bicubic differ by a level), and ``<|image_pad|>`` runs of its grid rule between
   ``<|vision_start|>`` and ``<|vision_end|>``; the records' placeholder stays
   ``<image>``;
-- ``LlavaNextProcessor`` (any-resolution tiles: several crops per image, a token
-  count of the original size) is refused: its output is not one cached image.
+- ``LlavaNextProcessor`` / ``LlavaOnevisionProcessor`` are refused (ConfigError): their
+  any-resolution output is 1 + k crops per image and their token count is a function of
+  the original image size, while a chat pipeline caches one image per placeholder and
+  counts tokens from that image's size.
 
-The template must render a message's ``content`` given as a string with the image
-placeholders inline (what ChatSpec renders); a template that reads only a list of
-``{"type": "image"}`` parts is the processor's own business and gives no images.
+A template that reads a message's content only as a list of ``{"type": "image"}`` /
+``{"type": "text"}`` parts (llava-1.5-hf's) is found by a probe render, and ChatSpec
+then renders the records' contents as such parts (:mod:`mmcache.transforms.chat_parts`).
 
 Pure function of the processor; the Pipeline it returns is as thread-safe as any.
 """
@@ -33,6 +37,7 @@ from mmcache.errors import ConfigError
 from mmcache.pipeline import Pipeline
 from mmcache.transforms.chat import ChatSpec
 from mmcache.transforms.hf import hf_image_processor
+from mmcache.transforms.hf_qwen import QwenImageStage
 from mmcache.transforms.smart_resize import SmartResize
 
 __all__ = ["hf_processor", "llava_image_tokens"]
@@ -84,17 +89,19 @@ def _qwen(processor: Any, tokenizer: Any, images: Any, template: str, max_length
             raise ConfigError(f"{type(images).__name__} has no {attr} (nor size[{key!r}])")
         return int(value)
 
-    stage = SmartResize(
+    stage = QwenImageStage(
         min_pixels=bound("min_pixels", "shortest_edge"),
         max_pixels=bound("max_pixels", "longest_edge"),
         factor=factor,
+        processor=images,
     )
     spec = ChatSpec(
         tokenizer,
         template,
         max_length,
         image_token_id=int(processor.image_token_id),
-        image_tokens=stage.image_tokens,
+        # the plain rule's method: the same count, fingerprinted without the processor
+        image_tokens=SmartResize(stage.min_pixels, stage.max_pixels, factor).image_tokens,
         image_prefix="<|vision_start|>",
         image_suffix="<|vision_end|>",
     )
@@ -117,8 +124,11 @@ def hf_processor(
     name = type(processor).__name__
     if name.startswith("LlavaNext") or name.startswith("LlavaOnevision"):
         raise ConfigError(
-            f"hf_processor cannot cache {name}: its any-resolution tiles make several "
-            "crops per image and a token count of the original size; use LlavaProcessor "
+            f"hf_processor cannot cache {name}: its pixel_values are 1 + k crops per image "
+            "(the base image and the k tiles of the best of image_grid_pinpoints) and its "
+            "image-token count is a function of the original image size (the unpadded "
+            "features), while a chat pipeline caches one [3, h, w] image per placeholder "
+            "and counts its tokens from that image's size; use LlavaProcessor (one crop) "
             "or a SmartResize pipeline"
         )
     tokenizer, images, own = _parts(processor)

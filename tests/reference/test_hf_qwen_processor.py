@@ -38,3 +38,40 @@ def test_qwen2_vl_grid_and_token_count_equal_the_processor() -> None:
         h, w = pipe.image.output_size(height, width)
         assert list(pipe.image.grid_thw(h, w)) == out["image_grid_thw"][0].tolist()
         assert pipe.text.image_tokens(h, w) == len(out["input_ids"][0]) - 2
+
+
+def test_qwen_processors_pixel_values_from_the_cached_images() -> None:
+    """Qwen2-VL and Qwen2.5-VL (their default image processor: the torchvision backend):
+    hf_processor's cached SmartResize images -> qwen_patches == the processor's
+    pixel_values within 1e-5, and the same image_grid_thw."""
+    import numpy as np
+    import torch
+
+    from mmcache.transforms import PixelValues
+
+    tok = hf_tokenizer(make_tokenizer(), "{{ messages }}", bos="<s>", eos="</s>")
+    specials = ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"]
+    tok.add_special_tokens({"additional_special_tokens": specials})
+    rng = np.random.default_rng(0)
+    pics = [
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+        for w, h in [(90, 60), (40, 130), (300, 200)]
+    ]
+    for cls in (transformers.Qwen2VLProcessor, transformers.Qwen2_5_VLProcessor):
+        processor = cls(
+            image_processor=transformers.Qwen2VLImageProcessor(
+                min_pixels=56 * 56, max_pixels=28 * 28 * 16
+            ),
+            tokenizer=tok,
+            video_processor=transformers.Qwen2VLVideoProcessor(),
+            chat_template="{{ messages }}",
+        )
+        pipe = mc.hf_processor(processor, 512)
+        want = processor.image_processor(pics, return_tensors="pt")
+        hook = PixelValues.from_processor(processor)
+        batch = hook.after_assemble(
+            {"images": [torch.from_numpy(pipe.image(p)) for p in pics]}, None
+        )
+        assert batch["image_grid_thw"].tolist() == want["image_grid_thw"].tolist()
+        diff = (batch["pixel_values"] - want["pixel_values"]).abs().max()
+        assert diff <= 1e-5, (cls.__name__, float(diff))

@@ -106,3 +106,76 @@ def test_llava_processor_pipeline_equals_apply_chat_template(tmp_path: Path) -> 
 def test_llava_next_and_unknown_processors_are_refused() -> None:
     with pytest.raises(mc.ConfigError, match="LlavaProcessor"):
         mc.hf_processor(object())
+
+
+# llava-hf/llava-1.5-7b-hf's own chat template: it reads content only as a list of parts
+# (a string content renders as nothing) and writes each image part as "<image>\n".
+LLAVA_15_HF = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}"
+    "{{ message['role'].upper() + ': '}}{% endif %}{# Render all images first #}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\\n' }}{% endfor %}{# Render all text next #}"
+    "{% if message['role'] != 'assistant' %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ content['text'] + ' '}}{% endfor %}{% else %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{% generation %}{{ content['text'] + ' '}}{% endgeneration %}{% endfor %}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+
+def test_a_template_of_content_parts_only(tmp_path: Path) -> None:
+    processor = llava_processor()
+    processor.chat_template = LLAVA_15_HF
+    pipe = mc.hf_processor(processor, max_length=512)
+    assert pipe.text.content_parts is True  # probed: strings render as nothing
+    records = []
+    for i, conv in enumerate(CONVERSATIONS):
+        write_image(tmp_path / f"{i}.jpg", (48, 40), shade=50 * i)
+        records.append({"id": f"s{i}", "image": f"{i}.jpg", "conversations": turns(*conv)})
+    ds = mc.MultimodalDataset(write_llava(tmp_path / "m.json", records), pipeline=pipe)
+    tok = processor.tokenizer
+    for i, conv in enumerate(CONVERSATIONS):
+        with Image.open(tmp_path / f"{i}.jpg") as im:
+            image = im.convert("RGB")
+        messages = as_messages(conv, image)
+        for m in messages:  # what a processor user writes: no newline left by <image>
+            for p in m["content"]:
+                if p["type"] == "text":
+                    p["text"] = p["text"].strip()
+        ref = processor.apply_chat_template(
+            [messages],
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+            return_tensors="np",
+        )
+        ids = ref["input_ids"][0]
+        sample = ds.produce(i)
+        assert sample["input_ids"].tolist() == ids.tolist()
+        # Trained: exactly the tokens of the replies (the first one carries the space
+        # before it, as a byte-level BPE token does).
+        replies = [text for who, text in conv if who == "gpt"]
+        trained = sample["labels"] != -100
+        runs = np.split(sample["labels"], np.flatnonzero(np.diff(trained.astype(int))) + 1)
+        assert [tok.decode(r.tolist()) for r in runs if (r != -100).all()] == [
+            " " + r for r in replies
+        ]
+        # HF's mask: the same, plus the token holding the space the template writes
+        # after each reply inside {% generation %} (" USER", or a lone " " at the end).
+        hf = ref["assistant_masks"][0] == 1
+        assert not (trained & ~hf).any()
+        extra = [tok.decode([int(ids[j])]) for j in np.flatnonzero(hf & ~trained)]
+        assert all(t.startswith(" ") and t.strip() in ("", "USER") for t in extra), extra
+
+
+def test_llava_next_is_refused_saying_why() -> None:
+    tok = hf_tokenizer(make_tokenizer(), TEMPLATE, bos="<s>", eos="</s>")
+    cls = getattr(transformers, "LlavaNextImageProcessorPil", None) or (
+        transformers.LlavaNextImageProcessor
+    )
+    processor = transformers.LlavaNextProcessor(
+        image_processor=cls(), tokenizer=tok, patch_size=8, chat_template=TEMPLATE
+    )
+    with pytest.raises(mc.ConfigError, match="original image size"):
+        mc.hf_processor(processor)

@@ -10,7 +10,9 @@ decode step and the crop/resize/colour stage), :class:`SmartResize`
 stages through ``mmcache.stage`` (:class:`UserStage`, :mod:`~mmcache.transforms.user`)
 and HF image processors through ``mmcache.hf_image_processor``
 (:mod:`~mmcache.transforms.hf`); the normalisation of
-:mod:`mmcache.transforms.normalize` runs after the cache, on the device. Neither
+:mod:`mmcache.transforms.normalize` runs after the cache, on the device, and
+:mod:`~mmcache.transforms.model_inputs` gives an HF model its ``pixel_values``
+(:class:`PixelValues`, a loader hook; :func:`qwen_patches`, Qwen2-VL's patches). Neither
 ``stage`` nor ``normalize`` is re-exported here, where each would hide the module of
 that name; ``mmcache.stage`` and ``mmcache.normalize`` are those functions.
 """
@@ -18,6 +20,7 @@ that name; ``mmcache.stage`` and ``mmcache.normalize`` are those functions.
 from mmcache.transforms.chat import IGNORE_INDEX, Chat, ChatEncoding, ChatSpec
 from mmcache.transforms.fingerprint import callable_fingerprint
 from mmcache.transforms.image import ALPHA_BACKGROUND, ImageSpec, Interpolation, decode_bytes
+from mmcache.transforms.model_inputs import PixelValues, qwen_patches
 from mmcache.transforms.normalize import CLIP_MEAN, CLIP_STD, IMAGENET_MEAN, IMAGENET_STD
 from mmcache.transforms.smart_resize import SmartResize
 from mmcache.transforms.stage import Stage, StageKind
@@ -37,6 +40,7 @@ __all__ = [
     "ChatSpec",
     "ImageSpec",
     "Interpolation",
+    "PixelValues",
     "SmartResize",
     "Stage",
     "StageKind",
@@ -46,5 +50,6 @@ __all__ = [
     "VideoTokens",
     "callable_fingerprint",
     "decode_bytes",
+    "qwen_patches",
     "train_tokenizer",
 ]

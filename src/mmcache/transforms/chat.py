@@ -42,6 +42,7 @@ from tokenizers import Tokenizer
 
 from mmcache.checks import check_int
 from mmcache.errors import ConfigError, SampleError
+from mmcache.transforms.chat_parts import parts_messages, reads_parts
 from mmcache.transforms.chat_templates import BUILTIN_TEMPLATES, compile_template, render
 from mmcache.transforms.chat_tokenizer import (
     SPECIAL_NAMES,
@@ -157,6 +158,10 @@ class ChatSpec:
         video: how each ``<video>`` placeholder expands
             (:class:`~mmcache.transforms.video.VideoTokens`: Qwen2.5-VL's video tokens, or
             LLaVA-Video's per-frame image runs); ``None``: a placeholder stays text.
+        content_parts: render each message's content as a list of ``{"type": "image"}``
+            / ``{"type": "text"}`` parts (:mod:`~mmcache.transforms.chat_parts`), for a
+            template that reads only that form (llava-1.5-hf's); ``None``: when the
+            template renders no string content (probed once); ``False``: strings.
 
     The fingerprint covers the tokenizer's content (canonical JSON), the template text,
     ``max_length`` and every option. Immutable, picklable, thread-safe; ConfigError on
@@ -170,6 +175,7 @@ class ChatSpec:
         "_json",
         "_tokenizer",
         "_wrap",
+        "content_parts",
         "end_of_turn",
         "image_prefix",
         "image_suffix",
@@ -202,6 +208,7 @@ class ChatSpec:
     _wrap: tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]
     video: VideoTokens | None
     video_token_id: int
+    content_parts: bool
 
     def __init__(
         self,
@@ -219,6 +226,7 @@ class ChatSpec:
         image_suffix: str = "",
         pad_id: int | None = None,
         video: VideoTokens | None = None,
+        content_parts: bool | None = None,
     ) -> None:
         tokenizer_json, specials, own_template = tokenizer_parts(tokenizer)
         name: str | None = None
@@ -262,6 +270,7 @@ class ChatSpec:
             image_suffix,
             pad_id,
             video,
+            content_parts,
         )
 
     def _setup(  # noqa: PLR0917 (positional: it is called with __getstate__'s tuple)
@@ -279,6 +288,7 @@ class ChatSpec:
         image_suffix: str,
         pad_id: int,
         video: VideoTokens | None = None,
+        content_parts: bool | None = False,
     ) -> None:
         max_length = check_int("ChatSpec.max_length", max_length, minimum=1)
         pad_id = check_int("ChatSpec.pad_id", pad_id, minimum=0)
@@ -316,6 +326,12 @@ class ChatSpec:
                 raise ConfigError(f"the tokenizer has no token {video.pad_token!r} (VideoTokens)")
             video_id = int(found_id)
         compile_template(template)  # ConfigError now for a template that does not parse
+        if content_parts is None:
+            content_parts = reads_parts(lambda m: render(template, m, specials), image_token)
+        elif not isinstance(content_parts, bool):
+            raise ConfigError(
+                f"ChatSpec.content_parts must be a bool or None, got {content_parts!r}"
+            )
         setattr_ = object.__setattr__
         setattr_(self, "_json", tokenizer_json)
         setattr_(self, "_digest", tokenizer_digest(tokenizer_json))
@@ -333,6 +349,7 @@ class ChatSpec:
         setattr_(self, "image_suffix", image_suffix)
         setattr_(self, "video", video)
         setattr_(self, "video_token_id", video_id)
+        setattr_(self, "content_parts", content_parts)
         setattr_(
             self,
             "_wrap",
@@ -361,6 +378,7 @@ class ChatSpec:
             self.image_suffix,
             self.pad_id,
             self.video,
+            self.content_parts,
         )
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
@@ -406,6 +424,8 @@ class ChatSpec:
         fields = self.fingerprint_fields()
         if self.video is not None:
             fields = {**fields, "video": self.video.fingerprint_fields()}
+        if self.content_parts:  # absent otherwise: a string-content spec keeps its key
+            fields = {**fields, "content": "parts"}
         blob = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return xxhash.xxh3_128_hexdigest(blob.encode())
 
@@ -433,6 +453,8 @@ class ChatSpec:
     def _render(self, messages: list[dict[str, str]]) -> str:
         import jinja2
 
+        if self.content_parts:
+            messages = parts_messages(messages, self.image_token)
         try:
             return render(self.template, messages, self.special_tokens)
         except jinja2.exceptions.TemplateError as exc:

@@ -53,7 +53,12 @@ from mmcache.transforms.pixels import upright_rgb
 from mmcache.transforms.stage import Stage, StageKind
 from mmcache.transforms.user import image_output
 
-__all__ = ["HFImageStage", "hf_image_processor"]
+__all__ = [
+    "HFImageStage",
+    "hf_image_processor",
+    "processor_identity",
+    "processor_mean_std",
+]
 
 #: Bump when what this stage caches for the same processor changes.
 HF_STAGE_VERSION = 1
@@ -126,25 +131,15 @@ class HFImageStage:
                 f"CLIPImageProcessor), got {type(processor).__name__}"
             )
         self.processor = processor
-        config = {
-            k: v
-            for k, v in processor.to_dict().items()
-            if k not in _PROVENANCE_KEYS and not k.startswith("_")
-        }
         blob = json.dumps(
-            {
-                "stage": "hf_image_processor",
-                "version": HF_STAGE_VERSION,
-                "class": type(processor).__qualname__,
-                "transformers_major": _transformers_major(),
-                "config": config,
-            },
+            {"stage": "hf_image_processor", "version": HF_STAGE_VERSION}
+            | processor_identity(processor),
             sort_keys=True,
             separators=(",", ":"),
             default=repr,
         )
         self._fingerprint = xxhash.xxh3_128_hexdigest(blob.encode())
-        self.mean, self.std = self._normalization()
+        self.mean, self.std = processor_mean_std(processor)
         # Refuse now, not in a worker at the first sample, a processor whose output is
         # not one uint8-valued image (patches, crops, a float resample).
         probe = np.linspace(0, 255, 40 * 30 * 3).reshape(30, 40, 3).astype(np.uint8)
@@ -159,21 +154,6 @@ class HFImageStage:
         if self._sized:
             tall = self._run(Image.fromarray(probe.transpose(1, 0, 2).copy()))
             self._sized = self._rule(40, 30) == tuple(tall.shape[1:])
-
-    def _normalization(self) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
-        """``(mean, std)`` with ``(x / 255 - mean) / std == (x * rescale - m) / s``."""
-        p = self.processor
-        do_rescale = getattr(p, "do_rescale", True)
-        rescale = float(getattr(p, "rescale_factor", 1 / 255)) if do_rescale else 1.0
-        if getattr(p, "do_normalize", False):
-            mean, std = _three(p.image_mean, "image_mean"), _three(p.image_std, "image_std")
-        else:
-            mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
-        k = 255.0 * rescale
-        return (
-            (mean[0] / k, mean[1] / k, mean[2] / k),
-            (std[0] / k, std[1] / k, std[2] / k),
-        )
 
     def output_size(self, height: int, width: int) -> tuple[int, int] | None:
         """The ``(h, w)`` the processor makes of an upright ``height x width`` image, from
@@ -236,6 +216,42 @@ class HFImageStage:
         """A decoded image (stored frame) -> the processor's resized and cropped uint8
         ``[3, H, W]``, before rescale and normalise."""
         return self._run(upright_rgb(im))
+
+
+def processor_identity(processor: Any) -> dict[str, Any]:
+    """What names an image processor's output in a fingerprint: its class, its JSON
+    configuration (``to_dict()``, provenance keys dropped) and transformers' major
+    version (its resize code can change between majors)."""
+    config = {
+        k: v
+        for k, v in processor.to_dict().items()
+        if k not in _PROVENANCE_KEYS and not k.startswith("_")
+    }
+    return {
+        "class": type(processor).__qualname__,
+        "transformers_major": _transformers_major(),
+        "config": config,
+    }
+
+
+def processor_mean_std(
+    processor: Any,
+) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+    """``(mean, std)`` of an HF image processor for :func:`mmcache.normalize`'s
+    ``(x / 255 - mean) / std``: equal to its ``(x * rescale_factor - image_mean) /
+    image_std`` (``do_rescale`` and ``do_normalize`` honoured)."""
+    p = processor
+    do_rescale = getattr(p, "do_rescale", True)
+    rescale = float(getattr(p, "rescale_factor", 1 / 255)) if do_rescale else 1.0
+    if getattr(p, "do_normalize", False):
+        mean, std = _three(p.image_mean, "image_mean"), _three(p.image_std, "image_std")
+    else:
+        mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
+    k = 255.0 * rescale
+    return (
+        (mean[0] / k, mean[1] / k, mean[2] / k),
+        (std[0] / k, std[1] / k, std[2] / k),
+    )
 
 
 def _field(size: Any, key: str) -> int | None:

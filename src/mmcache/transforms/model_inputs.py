@@ -1,0 +1,203 @@
+"""After the cache, on the device: cached uint8 images -> the ``pixel_values`` an HF model takes.
+
+The cache holds each processed image as uint8 ``[3, h, w]`` (4x smaller than float32).
+HF vision-language models take float32 pixels under the name ``pixel_values``, in the
+layout of their processor:
+
+- LLaVA, CLIP, SigLIP: ``[N, 3, H, W]``, ``(x * rescale - mean) / std``
+  (:func:`~mmcache.transforms.normalize.normalize` with the stage's mean/std);
+- Qwen2-VL / Qwen2.5-VL: flattened patches ``[sum(t*h*w), C * tp * p * p]`` with
+  ``image_grid_thw`` ``[N, 3]`` (:func:`qwen_patches`: the processor's ``patchify``, the
+  image repeated ``temporal_patch_size`` times, merge-size blocks kept together);
+
+:class:`PixelValues` is a loader hook (``DataLoader(..., hooks=[PixelValues(...)])``)
+that does it to each batch and names the result ``pixel_values``;
+:meth:`PixelValues.from_processor` reads the mean, std and layout from the processor.
+Each function runs on the device of its input (copy the uint8 batch first: 4x fewer
+bytes than float32) and equals the processor's own output within 1e-5 (float rounding;
+tested against transformers).
+
+Thread safety: pure functions; a :class:`PixelValues` is immutable and may run on the
+loader's assembling threads at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from mmcache.errors import ConfigError
+from mmcache.transforms.normalize import normalize, resolve_mean_std
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["MODEL_INPUTS", "PixelValues", "qwen_patches"]
+
+#: The fields ``PixelValues(model_only=True)`` keeps: what an HF VLM's ``forward`` takes.
+MODEL_INPUTS = frozenset(
+    {"input_ids", "attention_mask", "labels", "position_ids", "pixel_values", "image_grid_thw"}
+)
+
+_Images = Any  # a uint8 [N, 3, H, W] tensor or a sequence of [3, h, w] tensors
+
+
+def _each(images: _Images) -> list[torch.Tensor]:
+    import torch
+
+    if isinstance(images, torch.Tensor):
+        if images.dim() == 3:
+            return [images]
+        if images.dim() != 4:
+            raise ConfigError(f"images must be [N, 3, H, W] or [3, H, W], got {list(images.shape)}")
+        return list(images.unbind(0))
+    if isinstance(images, Sequence) and all(isinstance(t, torch.Tensor) for t in images):
+        return list(images)
+    raise ConfigError(
+        f"images must be a uint8 tensor or a list of [3, h, w] tensors, got {type(images).__name__}"
+    )
+
+
+def qwen_patches(
+    images: _Images,
+    mean: Sequence[float] | str | object = "clip",
+    std: Sequence[float] | None = None,
+    *,
+    patch_size: int = 14,
+    merge_size: int = 2,
+    temporal_patch_size: int = 2,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen2-VL's ``(pixel_values, image_grid_thw)`` of cached uint8 images (``SmartResize``'s).
+
+    ``pixel_values`` is float32 ``[sum(grid_h * grid_w), 3 * temporal_patch_size *
+    patch_size**2]``: each image normalised, cut into ``patch_size`` squares ordered by
+    ``merge_size`` blocks, each square repeated ``temporal_patch_size`` times (a still
+    image is a clip of that many equal frames), as ``Qwen2VLImageProcessor`` does;
+    ``image_grid_thw`` int64 ``[N, 3]`` = ``(1, h / patch_size, w / patch_size)``.
+    On the images' device. ConfigError naming the image whose sides are not multiples of
+    ``patch_size * merge_size`` (not a SmartResize output of that factor)."""
+    import torch
+
+    mean_t, std_t = resolve_mean_std(mean, std)
+    factor = patch_size * merge_size
+    rows: list[torch.Tensor] = []
+    grids: list[tuple[int, int, int]] = []
+    device = None
+    for i, image in enumerate(_each(images)):
+        c, h, w = image.shape
+        if h % factor or w % factor:
+            raise ConfigError(
+                f"image {i} is {h}x{w}: Qwen2-VL's patches need both sides multiples of "
+                f"patch_size * merge_size = {factor} (SmartResize(factor={factor}))"
+            )
+        x = normalize(image, mean_t, std_t)
+        gh, gw = h // patch_size, w // patch_size
+        m, p = merge_size, patch_size
+        x = x.reshape(c, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
+        x = x.unsqueeze(5).expand(*x.shape[:5], temporal_patch_size, p, p)
+        rows.append(x.reshape(gh * gw, c * temporal_patch_size * p * p))
+        grids.append((1, gh, gw))
+        device = image.device
+    if not rows:
+        empty = torch.zeros((0, 3 * temporal_patch_size * patch_size**2), dtype=torch.float32)
+        return empty, torch.zeros((0, 3), dtype=torch.int64)
+    grid = torch.tensor(grids, dtype=torch.int64, device=device)
+    return torch.cat(rows), grid
+
+
+class PixelValues:
+    """A loader hook naming a batch's pixels ``pixel_values`` as an HF model takes them.
+
+    Args:
+        mean, std: as :func:`~mmcache.transforms.normalize.normalize` takes them (3
+            floats each, a preset name, or a stage with ``mean``/``std``).
+        layout: ``"image"`` (``[N, 3, H, W]``, or a list when shapes vary) or ``"qwen"``
+            (:func:`qwen_patches`, with ``image_grid_thw``).
+        patch_size, merge_size, temporal_patch_size: Qwen's patch geometry.
+        device: where to normalise (``"cuda"``: the uint8 batch is copied there
+            first); ``None``: where the batch is.
+        model_only: keep only :data:`MODEL_INPUTS` (the batch is then
+            ``model(**batch)``'s keyword arguments, as a ``transformers.Trainer``
+            passes them); False: every other field passes through.
+
+    The batch's uint8 ``images`` (SFT batches) or ``image`` (caption batches) is
+    replaced by ``pixel_values``. Immutable.
+    """
+
+    def __init__(
+        self,
+        mean: Sequence[float] | str | object = "clip",
+        std: Sequence[float] | None = None,
+        *,
+        layout: str = "image",
+        patch_size: int = 14,
+        merge_size: int = 2,
+        temporal_patch_size: int = 2,
+        device: Any = None,
+        model_only: bool = False,
+    ) -> None:
+        if layout not in ("image", "qwen"):
+            raise ConfigError(f"PixelValues.layout must be 'image' or 'qwen', got {layout!r}")
+        self.mean, self.std = resolve_mean_std(mean, std)
+        self.layout = layout
+        self.patch = (patch_size, merge_size, temporal_patch_size)
+        self.device = device
+        self.model_only = bool(model_only)
+
+    @classmethod
+    def from_processor(
+        cls, processor: Any, *, device: Any = None, model_only: bool = False
+    ) -> PixelValues:
+        """The hook for an HF processor (or its image processor): its rescale, mean and
+        std, and the layout of its class (Qwen2-VL's patches, else
+        plain images)."""
+        from mmcache.transforms.hf import processor_mean_std
+
+        images = getattr(processor, "image_processor", None) or processor
+        mean, std = processor_mean_std(images)
+        if hasattr(images, "merge_size") and hasattr(images, "temporal_patch_size"):
+            return cls(
+                mean,
+                std,
+                layout="qwen",
+                patch_size=int(images.patch_size),
+                merge_size=int(images.merge_size),
+                temporal_patch_size=int(images.temporal_patch_size),
+                device=device,
+                model_only=model_only,
+            )
+        return cls(mean, std, device=device, model_only=model_only)
+
+    def after_assemble(self, batch: dict[str, Any], ctx: object) -> dict[str, Any]:
+        """``batch`` with its uint8 images replaced by ``pixel_values`` (see the class)."""
+        import torch
+
+        name = "images" if "images" in batch else "image"
+        if name not in batch:
+            return self._kept(batch)
+        images = batch.pop(name)
+        if self.device is not None:
+            if isinstance(images, torch.Tensor):
+                images = images.to(self.device, non_blocking=True)
+            else:
+                images = [t.to(self.device, non_blocking=True) for t in _each(images)]
+        if self.layout == "qwen":
+            p, m, t = self.patch
+            pixels, grid = qwen_patches(
+                images, self.mean, self.std, patch_size=p, merge_size=m, temporal_patch_size=t
+            )
+            batch["pixel_values"] = pixels
+            batch["image_grid_thw"] = grid
+        elif isinstance(images, list):
+            batch["pixel_values"] = [normalize(t, self.mean, self.std) for t in images]
+        else:
+            batch["pixel_values"] = normalize(images, self.mean, self.std)
+        return self._kept(batch)
+
+    def _kept(self, batch: dict[str, Any]) -> dict[str, Any]:
+        if not self.model_only:
+            return batch
+        return {k: v for k, v in batch.items() if k in MODEL_INPUTS}
+
+    def __repr__(self) -> str:
+        return f"PixelValues(layout={self.layout!r}, mean={self.mean}, std={self.std})"
