@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 from chat_support import make_tokenizer
-from video_support import write_clip
+from video_support import run_epochs, write_clip
 
 import mmcache
 from mmcache import ChatSpec, MultimodalDataset, PackSpec, Pipeline, VideoSpec
@@ -71,41 +71,25 @@ def _run(
     ds = MultimodalDataset(manifest, pipeline=pipe)
     hook = VideoFrameSampler.for_chat(pipe.chat, KEEP, pad_token_id=ds.pad_token_id)  # type: ignore[arg-type]
     pack = PackSpec(max_tokens=int(ds.lengths().max()) * 2)
-    out: list[dict[str, Any]] = []
     with mmcache.Cache(root, memory="64MiB", disk="128MiB") as cache:
 
         def make() -> mmcache.DataLoader:
             return mmcache.DataLoader(ds, cache=cache, batch_size=1, seed=5, pack=pack,
                                       num_workers=workers, hooks=[hook])  # fmt: skip
 
-        loader, state, done, epoch = make(), None, 0, 0
-        try:
-            while epoch < 2:
-                loader.set_epoch(epoch)
-                for batch in loader:
-                    out.append({
-                        "epoch": epoch, "id": list(batch["id"]),
-                        "input_ids": batch["input_ids"][0].tolist(),
-                        "labels": batch["labels"][0].tolist(),
-                        "position_ids": batch["position_ids"][0].tolist(),
-                        "cu": batch["cu_seqlens"].tolist(), "max_seqlen": batch["max_seqlen"],
-                        "sizes": batch["video_sizes"].tolist(),
-                        "frames": [[int(f.sum()) for f in c] for c in batch["videos"]],
-                        "counts": batch["video_counts"].tolist(),
-                    })  # fmt: skip
-                    done += 1
-                    if resume_after is not None and done == resume_after:
-                        state = loader.state_dict()
-                        break
-                else:
-                    epoch += 1
-                    continue
-                loader.close()
-                loader = make()
-                loader.load_state_dict(state)
-                resume_after = None
-        finally:
-            loader.close()
+        def record(epoch: int, batch: dict[str, Any]) -> dict[str, Any]:
+            return {
+                "epoch": epoch, "id": list(batch["id"]),
+                "input_ids": batch["input_ids"][0].tolist(),
+                "labels": batch["labels"][0].tolist(),
+                "position_ids": batch["position_ids"][0].tolist(),
+                "cu": batch["cu_seqlens"].tolist(), "max_seqlen": batch["max_seqlen"],
+                "sizes": batch["video_sizes"].tolist(),
+                "frames": [[int(f.sum()) for f in c] for c in batch["videos"]],
+                "counts": batch["video_counts"].tolist(),
+            }  # fmt: skip
+
+        out = run_epochs(make, record, resume_after=resume_after)
     return out
 
 

@@ -12,8 +12,10 @@ the test environment does not install, so its rules are compared from its source
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import av
 import numpy as np
@@ -190,3 +192,38 @@ def decoded_frames(path: Path) -> list[np.ndarray]:
     with av.open(str(path)) as container:
         frames = [(f.pts, f.to_ndarray(format="rgb24")) for f in container.decode(video=0)]
     return [f for _, f in sorted(frames, key=lambda pf: pf[0])]
+
+
+# -- runs ----------------------------------------------------------------------------------
+
+
+def run_epochs(
+    make: Callable[[], Any],
+    record: Callable[[int, dict[str, Any]], Any],
+    *,
+    epochs: int = 2,
+    resume_after: int | None = None,
+) -> list[Any]:
+    """``record(epoch, batch)`` of every batch of ``epochs`` epochs of the loader ``make()``
+    gives; with ``resume_after``, the loader is stopped after that many batches and a new
+    one resumes from its ``state_dict``. Every loader made is closed."""
+    out, loader, done, epoch = [], make(), 0, 0
+    try:
+        while epoch < epochs:
+            loader.set_epoch(epoch)
+            for batch in loader:
+                out.append(record(epoch, batch))
+                done += 1
+                if resume_after is not None and done == resume_after:
+                    state = loader.state_dict()
+                    break
+            else:
+                epoch += 1
+                continue
+            loader.close()
+            loader = make()
+            loader.load_state_dict(state)
+            resume_after = None
+    finally:
+        loader.close()
+    return out
