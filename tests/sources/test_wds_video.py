@@ -16,27 +16,19 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "unit"))
-from chat_support import make_tokenizer
-from video_support import write_clip
+from video_support import video_chat_pipeline, write_clip
 
 import mmcache
-from mmcache import ChatSpec, ImageSpec, MultimodalDataset, Pipeline, VideoSpec
+from mmcache import MultimodalDataset, Pipeline
 from mmcache.errors import SampleError
 from mmcache.sources.wds import WebDatasetSource
-from mmcache.transforms import VideoTokens
 
 pytest.importorskip("av")
 pytest.importorskip("jinja2")
 
 
 def _pipeline(max_bytes: int | None = None) -> Pipeline:
-    tok = make_tokenizer()
-    tok.add_special_tokens(["<|vision_start|>", "<|vision_end|>", "<|video_pad|>", "<video>"])
-    return Pipeline(
-        image=ImageSpec(size=28, max_bytes=max_bytes),  # its max_bytes bounds every member
-        text=ChatSpec(tok, "chatml", 4096, video=VideoTokens()),
-        video=VideoSpec(min_pixels=4 * 28 * 28, max_pixels=16 * 28 * 28),
-    )
+    return video_chat_pipeline(max_bytes)  # type: ignore[no-any-return]
 
 
 def _shard(path: Path, members: list[tuple[str, bytes]]) -> Path:

@@ -227,3 +227,20 @@ def run_epochs(
     finally:
         loader.close()
     return out
+
+
+def video_chat_pipeline(max_bytes: int | None = None) -> Any:
+    """A small Qwen2.5-VL-style video SFT pipeline (frames of 4-16 tokens of 28 x 28)
+    whose ``ImageSpec(max_bytes=)`` bounds every member or object a source reads."""
+    from chat_support import make_tokenizer
+
+    from mmcache import ChatSpec, ImageSpec, Pipeline, VideoSpec
+    from mmcache.transforms import VideoTokens
+
+    tok = make_tokenizer()
+    tok.add_special_tokens(["<|vision_start|>", "<|vision_end|>", "<|video_pad|>", "<video>"])
+    return Pipeline(
+        image=ImageSpec(size=28, max_bytes=max_bytes),
+        text=ChatSpec(tok, "chatml", 4096, video=VideoTokens()),
+        video=VideoSpec(min_pixels=4 * 28 * 28, max_pixels=16 * 28 * 28),
+    )
