@@ -15,8 +15,9 @@ one ``<video>`` per record), batch size 1, 2 workers each:
 (c) the warm epochs (every sample from the memory tier). Both (b) and (c) turn each
     served clip into float32 in the timing, so both sides hand over the same tensors.
 
-Also: the bytes one sample caches (uint8 frames, and the frames as JPEGs of quality 90,
-what the ``jpeg:90`` form would hold per frame) against the float32 tensors of (a).
+Also: the bytes one sample takes in the disk tier, read from the cache itself (each
+sample put in a ``Cache(disk_form="raw")`` and a ``Cache(disk_form="jpeg:90")``, one
+JPEG per frame; the tier's ``nbytes()``), against the float32 frames of (a).
 
     .venv/bin/python benchmarks/video.py                # 8 clips
     .venv/bin/python benchmarks/video.py --clips 16 --epochs 3 --data /tmp/clips
@@ -25,7 +26,6 @@ what the ``jpeg:90`` form would hold per frame) against the float32 tensors of (
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import random
 import statistics
@@ -38,7 +38,6 @@ from typing import Any
 import av
 import numpy as np
 import torch
-from PIL import Image
 
 import mmcache
 from mmcache import ChatSpec, MultimodalDataset, Pipeline, VideoSpec
@@ -138,15 +137,22 @@ def epoch_time(loader: Any, *, to_float: bool) -> float:
     return time.perf_counter() - start
 
 
-def jpeg_bytes(frames: np.ndarray, quality: int = 90) -> int:
-    total = 0
-    for f in frames:
-        buf = io.BytesIO()
-        Image.fromarray(np.ascontiguousarray(f.transpose(1, 2, 0))).save(
-            buf, "JPEG", quality=quality
-        )
-        total += buf.tell()
-    return total
+def cached_bytes(ds: MultimodalDataset, root: Path) -> tuple[float, float, float]:
+    """Mean bytes per sample as the disk tier stores it, raw and in the ``jpeg:90`` form
+    (each sample put in a cache of each form, its disk tier's ``nbytes()`` read back),
+    and the float32 frames (a)'s ``fetch_video`` makes of the same clips."""
+    n = len(ds)
+    samples = [ds.produce(i) for i in range(n)]
+    out = []
+    for form in ("raw", "jpeg:90"):
+        with mmcache.Cache(root / f"bytes-{form.replace(':', '')}", memory=0, disk="8GiB",
+                           disk_form=form) as cache:  # fmt: skip
+            for i, sample in enumerate(samples):
+                cache.put(ds.key(i), sample)
+            assert cache.disk is not None
+            out.append(cache.disk.nbytes() / n)
+    out.append(sum(s["videos"].nbytes * 4 for s in samples) / n)
+    return out[0], out[1], out[2]
 
 
 def main() -> None:
@@ -179,18 +185,12 @@ def main() -> None:
             hits = loader.stats()
         finally:
             cache.close()
-        sizes = []
-        for i in range(len(ds)):
-            s = ds.produce(i)
-            t, h, w = s["video_sizes"][0].tolist()
-            frames = s["videos"].reshape(t, 3, h, w)
-            raw = sum(v.nbytes for v in s.values())
-            sizes.append((raw, jpeg_bytes(frames) + raw - frames.nbytes, frames.nbytes * 4))
+        sizes = cached_bytes(ds, root)
     med_a, med_c = statistics.median(a), statistics.median(c)
     print(f"(a) qwen-style __getitem__ epoch: {med_a:.2f}s (median of {a})")
     print(f"(b) mmcache cold epoch:           {b:.2f}s  -> {med_a / b:.2f}x (a)")
     print(f"(c) mmcache warm epoch:           {med_c:.3f}s -> {med_a / med_c:.1f}x (a)")
-    raw, jpg, f32 = (statistics.mean(x) / 2**20 for x in zip(*sizes, strict=True))
+    raw, jpg, f32 = (x / 2**20 for x in sizes)
     print(f"bytes per sample: raw {raw:.1f} MiB, jpeg:90 {jpg:.2f} MiB, float32 {f32:.1f} MiB")
     print(f"stats: {hits}")
 

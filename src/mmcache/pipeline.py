@@ -321,7 +321,9 @@ class Pipeline:
         return out
 
     def _videos(self, videos: Sequence[Mapping[str, Any]], sample_id: str) -> list[Clip]:
-        """Each video part decoded to its spec's frames (one decode per clip)."""
+        """Each video part decoded to its spec's frames (one decode per clip): ``video``
+        a path or the clip's bytes; optional ``name`` (what errors call it) and
+        ``max_bytes`` (a larger clip is refused before it is opened)."""
         if videos and self.video is None:
             raise SampleError(
                 "record has videos, but the pipeline has no VideoSpec (Pipeline(video=...))",
@@ -329,11 +331,15 @@ class Pipeline:
             )
         clips = []
         for part in videos:
+            # A part of a shard member or an object carries the clip's bytes, the name
+            # errors give it and the size limit it was read under.
+            name = part.get("name", part["video"])
             try:
                 spec = cast(VideoSpec, self.video).for_part(part)
             except ConfigError as exc:
-                raise SampleError(str(exc), sample_id=sample_id, path=part["video"]) from exc
-            clips.append(load_clip(spec, part["video"], sample_id=sample_id))
+                raise SampleError(str(exc), sample_id=sample_id, path=name) from exc
+            clips.append(load_clip(spec, part["video"], sample_id=sample_id, name=name,
+                                   max_bytes=part.get("max_bytes")))  # fmt: skip
         return clips
 
     def process(

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from chat_support import make_tokenizer
-from video_support import decoded_frames, qwen_indices_and_size, write_clip
+from video_support import decoded_frames, qwen_indices_and_size, run_epochs, write_clip
 
 import mmcache
 from mmcache import ChatSpec, MultimodalDataset, Pipeline, VideoSpec
@@ -439,37 +439,19 @@ def _sampled_run(
         pad_token_id=ds.pad_token_id,  # type: ignore[union-attr, arg-type]
     )
     cache = mmcache.Cache(root, memory="64MiB", disk="128MiB")
-    out = []
     try:
 
         def make() -> mmcache.DataLoader:
             return mmcache.DataLoader(ds, cache=cache, batch_size=1, shuffle=True, seed=3,
                                       num_workers=workers, hooks=[hook])  # fmt: skip
 
-        loaders = [make()]
-        state, done, epoch = None, 0, 0
-        while epoch < 2:
-            loader = loaders[-1]
-            loader.set_epoch(epoch)
-            for batch in loader:
-                clips = batch["videos"]
-                frames = [[int(f.sum()) for f in c] for c in clips]
-                ids = batch["input_ids"][0][batch["attention_mask"][0].bool()].tolist()
-                out.append((epoch, batch["id"][0], frames, ids))
-                done += 1
-                if resume_after is not None and done == resume_after:
-                    state = loader.state_dict()
-                    break
-            else:
-                epoch += 1
-                continue
-            loader.close()
-            loaders.append(make())
-            loaders[-1].load_state_dict(state)
-            resume_after = None
+        def record(epoch: int, batch: dict[str, Any]) -> tuple[Any, ...]:
+            frames = [[int(f.sum()) for f in c] for c in batch["videos"]]
+            ids = batch["input_ids"][0][batch["attention_mask"][0].bool()].tolist()
+            return (epoch, batch["id"][0], frames, ids)
+
+        out = run_epochs(make, record, resume_after=resume_after)
     finally:
-        for loader in loaders:
-            loader.close()
         cache.close()
     return out
 

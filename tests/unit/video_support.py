@@ -12,8 +12,10 @@ the test environment does not install, so its rules are compared from its source
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import av
 import numpy as np
@@ -190,3 +192,55 @@ def decoded_frames(path: Path) -> list[np.ndarray]:
     with av.open(str(path)) as container:
         frames = [(f.pts, f.to_ndarray(format="rgb24")) for f in container.decode(video=0)]
     return [f for _, f in sorted(frames, key=lambda pf: pf[0])]
+
+
+# -- runs ----------------------------------------------------------------------------------
+
+
+def run_epochs(
+    make: Callable[[], Any],
+    record: Callable[[int, dict[str, Any]], Any],
+    *,
+    epochs: int = 2,
+    resume_after: int | None = None,
+) -> list[Any]:
+    """``record(epoch, batch)`` of every batch of ``epochs`` epochs of the loader ``make()``
+    gives; with ``resume_after``, the loader is stopped after that many batches and a new
+    one resumes from its ``state_dict``. Every loader made is closed."""
+    out, loader, done, epoch = [], make(), 0, 0
+    try:
+        while epoch < epochs:
+            loader.set_epoch(epoch)
+            for batch in loader:
+                out.append(record(epoch, batch))
+                done += 1
+                if resume_after is not None and done == resume_after:
+                    state = loader.state_dict()
+                    break
+            else:
+                epoch += 1
+                continue
+            loader.close()
+            loader = make()
+            loader.load_state_dict(state)
+            resume_after = None
+    finally:
+        loader.close()
+    return out
+
+
+def video_chat_pipeline(max_bytes: int | None = None) -> Any:
+    """A small Qwen2.5-VL-style video SFT pipeline (frames of 4-16 tokens of 28 x 28)
+    whose ``ImageSpec(max_bytes=)`` bounds every member or object a source reads."""
+    from chat_support import make_tokenizer
+
+    from mmcache import ChatSpec, ImageSpec, Pipeline, VideoSpec
+    from mmcache.transforms import VideoTokens
+
+    tok = make_tokenizer()
+    tok.add_special_tokens(["<|vision_start|>", "<|vision_end|>", "<|video_pad|>", "<video>"])
+    return Pipeline(
+        image=ImageSpec(size=28, max_bytes=max_bytes),
+        text=ChatSpec(tok, "chatml", 4096, video=VideoTokens()),
+        video=VideoSpec(min_pixels=4 * 28 * 28, max_pixels=16 * 28 * 28),
+    )

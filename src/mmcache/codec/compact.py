@@ -13,6 +13,10 @@ stores (:meth:`DiskForm.pack`) and back into an entry (:meth:`DiskForm.unpack`):
   fallback), the other fields kept as they are. **Lossy**: ``unpack`` returns a
   new entry (fresh checksum, same creation time and cost) whose image differs
   from the raw one by the JPEG error (PSNR ~35 dB at Q=90 on the synthetic set).
+  A video entry's frames (the ``videos`` field of
+  :func:`~mmcache.transforms.video_decode.video_fields`: each clip's uint8
+  ``[t, 3, h, w]`` bytes one after the other, shaped by ``video_sizes``) become one
+  JPEG per frame, the same way (PSNR >= 30 dB per frame at Q=90 on the tests' clips).
 
 The packed bytes are themselves a codec entry (a zstd frame is wrapped in one),
 so every stored value carries an xxh3 checksum, checked on unpack: a damaged
@@ -36,9 +40,15 @@ Hostile records: a stored entry can be well formed, checksum included, and still
 declare an entry far larger than itself (a 32 KiB zstd frame of 943 MiB of zeros, a
 2 KiB JPEG whose header says 12000x12000). Every decode is told the size first: the
 zstd frame's declared content size and the JPEG headers' dimensions (read without
-decoding) are checked against the batch layout's entry length in a gather, and against
-the disk budget in :meth:`DiskForm.unpack`, before anything is allocated; over it, the
-entry is :class:`~mmcache.errors.CorruptEntryError` (discarded and produced again).
+decoding) are checked against the batch layout's entry length in a gather (over it: an
+entry of another layout, absent there and read on its own, as a raw entry of another
+shape is) and against the disk budget in :meth:`DiskForm.unpack` (over it: the entry is
+:class:`~mmcache.errors.CorruptEntryError`, discarded and produced again), before
+anything is allocated. A
+video's frames are decoded only into the size its record's ``video_sizes`` declares:
+the frame count, every frame's JPEG header and the byte lengths must all agree with it
+(read without decoding), else the entry is damaged; each decode writes into its
+frame's own ``3 * h * w`` bytes.
 
 Codecs are optional: ``pip install 'mmcache[compact]'``. Pure functions but for a
 bounded memo of templates and per-thread scratch buffers; thread- and
@@ -53,7 +63,7 @@ import io
 import re
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -69,6 +79,11 @@ __all__ = ["ZSTD_LEVEL", "DiskForm", "jpeg_backend", "parse_disk_form"]
 ZSTD_LEVEL = 3
 _ZSTD_FIELD = "\x00zstd"  # the one field of a packed zstd entry: the frame
 _JPEG_PREFIX = "\x00jpeg:"  # a JPEG-packed image field: "\x00jpeg:<name>"
+# A video entry's frames (transforms.video_decode.video_fields' names: the codec layer
+# cannot import the transforms): "\x00jpegv:videos" holds every frame's JPEG one after
+# another, "\x00jpegl:videos" (int64 [T], right after it) their byte lengths.
+_VIDEOS, _VIDEO_SIZES = "videos", "video_sizes"
+_FRAMES_PREFIX, _LENGTHS_PREFIX = "\x00jpegv:", "\x00jpegl:"
 _FORM_RE = re.compile(r"^(raw|zstd|jpeg:(\d{1,3}))$")
 
 
@@ -151,8 +166,14 @@ class DiskForm:
         sample = codec.decode(raw, verify=False)
         out: dict[str, np.ndarray] = {}
         bf16 = {f.name for f in header.fields if f.logical_dtype == "bfloat16"}
+        frames = _video_frames(sample)
         for name, arr in sample.items():
-            if _is_image(arr) and name not in bf16:
+            if name == _VIDEOS and frames is not None:
+                jpgs = [_jpeg_encode(np.ascontiguousarray(f.transpose(1, 2, 0)), self.quality)
+                        for f in frames]  # fmt: skip
+                out[_FRAMES_PREFIX + name] = np.frombuffer(b"".join(jpgs), dtype=np.uint8)
+                out[_LENGTHS_PREFIX + name] = np.array([len(j) for j in jpgs], dtype=np.int64)
+            elif _is_image(arr) and name not in bf16:
                 hwc = np.ascontiguousarray(arr.transpose(1, 2, 0))
                 jpg = _jpeg_encode(hwc, self.quality)
                 out[_JPEG_PREFIX + name] = np.frombuffer(jpg, dtype=np.uint8)
@@ -176,20 +197,17 @@ class DiskForm:
             declared = _zstd_declared(frame)
             _check_declared(declared, limit)
             return _zstd_decompress(frame, declared)
-        _check_declared(_jpeg_declared(body), limit)
-        out: dict[str, np.ndarray] = {}
         bf16 = {f.name for f in header.fields if f.logical_dtype == "bfloat16"}
-        for name, arr in body.items():
-            if name.startswith(_JPEG_PREFIX):
-                try:
-                    hwc = _jpeg_decode(arr)
-                except Exception as exc:  # any decoder error: a damaged entry
-                    raise CorruptEntryError(f"JPEG field does not decode: {exc}") from None
-                out[name[len(_JPEG_PREFIX) :]] = np.ascontiguousarray(hwc.transpose(2, 0, 1))
-            elif name.startswith("\x00"):
-                raise CorruptEntryError(f"unknown packed field {name!r}")
+        plan = _jpeg_plan(body, bf16)
+        _check_declared(sum(f.nbytes for f in plan), limit)
+        out: dict[str, np.ndarray] = {}
+        for f in plan:
+            if f.fill is None:
+                out[f.name] = f.arr
             else:
-                out[name] = arr
+                buf = np.empty(f.nbytes, dtype=np.uint8)
+                f.fill(buf)
+                out[f.name] = buf.reshape(f.shape)
         return codec.encode(out, ctime=header.ctime, cost=header.cost, bfloat16=bf16)
 
     def write_ranges(
@@ -240,17 +258,97 @@ def _zstd_decompress(frame: npt.NDArray[np.uint8], declared: int) -> bytes:
     return bytes(raw)
 
 
-def _jpeg_declared(body: dict[str, np.ndarray]) -> int:
-    """The bytes of the fields ``body`` unpacks into, JPEG fields by their headers'
-    dimensions (read without decoding): a lower bound of the entry's length."""
-    total = 0
+class _Field(NamedTuple):
+    """One field of the raw entry a jpeg-form body unpacks into: its layout, and how
+    its bytes are made (``fill`` decodes into a uint8 buffer of ``nbytes``; ``None``:
+    the stored ``arr`` is the field itself)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    bf16: bool
+    nbytes: int
+    arr: npt.NDArray[Any]
+    fill: Callable[[npt.NDArray[np.uint8]], None] | None
+
+
+def _jpeg_plan(body: dict[str, np.ndarray], bf16: set[str]) -> list[_Field]:
+    """The fields ``body`` (a jpeg-form entry) unpacks into, in order, sized from the
+    JPEG headers and the record's ``video_sizes`` (read without decoding; nothing of
+    the declared size is allocated here). CorruptEntryError when they disagree."""
+    plan: list[_Field] = []
     for name, arr in body.items():
         if name.startswith(_JPEG_PREFIX):
             h, w = _jpeg_dims(arr)
-            total += 3 * h * w
+            fill = functools.partial(_decode_chw, arr, h, w)
+            plan.append(_Field(name[len(_JPEG_PREFIX) :], "|u1", (3, h, w), False, 3 * h * w,
+                               arr, fill))  # fmt: skip
+        elif name.startswith(_FRAMES_PREFIX):
+            plan.append(_frames_field(name[len(_FRAMES_PREFIX) :], arr, body))
+        elif name.startswith(_LENGTHS_PREFIX) and name[len(_LENGTHS_PREFIX) :] == _VIDEOS:
+            continue  # read with its frames
+        elif name.startswith("\x00"):
+            raise CorruptEntryError(f"unknown packed field {name!r}")
         else:
-            total += arr.nbytes
-    return total
+            plan.append(_Field(name, arr.dtype.str, tuple(arr.shape), name in bf16, arr.nbytes,
+                               arr, None))  # fmt: skip
+    return plan
+
+
+def _video_frames(sample: dict[str, np.ndarray]) -> list[npt.NDArray[np.uint8]] | None:
+    """A video entry's frames, each a uint8 ``[3, h, w]`` view of ``videos``, in order;
+    None when ``sample`` has no video frames in that layout (they stay raw)."""
+    videos, sizes = sample.get(_VIDEOS), sample.get(_VIDEO_SIZES)
+    if videos is None or sizes is None or videos.dtype != np.uint8 or videos.ndim != 1:
+        return None
+    if sizes.ndim != 2 or sizes.shape[1] != 3 or sizes.shape[0] == 0 or sizes.dtype.kind != "i":
+        return None
+    dims = [(int(t), int(h), int(w)) for t, h, w in sizes.tolist()]
+    if min(min(d) for d in dims) <= 0 or sum(t * 3 * h * w for t, h, w in dims) != videos.size:
+        return None
+    frames, at = [], 0
+    for t, h, w in dims:
+        for _ in range(t):
+            frames.append(videos[at : at + 3 * h * w].reshape(3, h, w))
+            at += 3 * h * w
+    return frames
+
+
+def _frames_field(name: str, blob: npt.NDArray[np.uint8], body: dict[str, np.ndarray]) -> _Field:
+    """The ``videos`` field of a jpeg-form video entry, checked against the record: one
+    JPEG per frame ``video_sizes`` declares, each of that frame's ``h x w``, the byte
+    lengths adding up to the stored frames exactly."""
+    lengths, sizes = body.get(_LENGTHS_PREFIX + name), body.get(_VIDEO_SIZES)
+    if name != _VIDEOS or lengths is None or sizes is None:
+        raise CorruptEntryError("a video's JPEG frames without their lengths or video_sizes")
+    if sizes.ndim != 2 or sizes.shape[1] != 3 or sizes.dtype.kind != "i" or lengths.ndim != 1:
+        raise CorruptEntryError(f"video_sizes of shape {sizes.shape} (not [n, 3] integers)")
+    count = int(sizes[:, 0].astype(np.int64).sum())
+    if sizes.size == 0 or int(sizes.min()) <= 0 or count != lengths.size:
+        raise CorruptEntryError(
+            f"video_sizes {sizes.tolist()[:8]} declare {count} frames, "
+            f"the entry stores {lengths.size} JPEGs"
+        )
+    dims = [(h, w) for t, h, w in sizes.tolist() for _ in range(t)]  # as many as JPEGs
+    ends = np.cumsum(lengths.astype(np.int64))
+    if int(lengths.min()) <= 0 or int(ends[-1]) != blob.size:
+        raise CorruptEntryError("the video's JPEG lengths do not add up to its stored frames")
+    starts = ends - lengths
+    jpgs = [blob[a:b] for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
+    for k, (jpg, hw) in enumerate(zip(jpgs, dims, strict=True)):
+        if _jpeg_dims(jpg) != hw:
+            raise CorruptEntryError(
+                f"video frame {k}'s JPEG header says {_jpeg_dims(jpg)}, video_sizes {hw}"
+            )
+    nbytes = sum(3 * h * w for h, w in dims)
+
+    def fill(dst: npt.NDArray[np.uint8]) -> None:
+        at = 0
+        for jpg, (h, w) in zip(jpgs, dims, strict=True):
+            _decode_chw(jpg, h, w, dst[at : at + 3 * h * w])
+            at += 3 * h * w
+
+    return _Field(name, "|u1", (nbytes,), False, nbytes, blob, fill)
 
 
 def _check_declared(declared: int, limit: int | None) -> None:
@@ -352,31 +450,25 @@ def _decode_chw(data: npt.NDArray[np.uint8], h: int, w: int, dst: npt.NDArray[np
     np.copyto(dst.reshape(3, h, w), hwc.transpose(2, 0, 1))
 
 
-def _paint(
-    dst: npt.NDArray[np.uint8],
-    start: int,
-    span: tuple[int, int],
-    src: tuple[npt.NDArray[Any], tuple[int, int] | None],
-) -> None:
-    """Write the field ``src`` (its stored array; its JPEG dims, None if copied), which
-    lies at ``span`` of the raw entry, into ``dst`` (raw bytes from ``start`` on)."""
+def _paint(dst: npt.NDArray[np.uint8], start: int, span: tuple[int, int], src: _Field) -> None:
+    """Write the field ``src``, which lies at ``span`` of the raw entry, into ``dst``
+    (raw bytes from ``start`` on)."""
     offset, nbytes = span
     lo, hi = max(offset, start), min(offset + nbytes, start + dst.shape[0])
     if hi <= lo:
         return
-    arr, dims = src
     if lo == offset and hi == offset + nbytes:  # the whole field: straight in
         whole = dst[lo - start : hi - start]
-        if dims is None:
-            whole[...] = arr.reshape(-1).view(np.uint8)
+        if src.fill is None:
+            whole[...] = src.arr.reshape(-1).view(np.uint8)
         else:
-            _decode_chw(arr, dims[0], dims[1], whole)
+            src.fill(whole)
         return
     tmp = np.empty(nbytes, dtype=np.uint8)
-    if dims is None:
-        tmp[...] = arr.reshape(-1).view(np.uint8)
+    if src.fill is None:
+        tmp[...] = src.arr.reshape(-1).view(np.uint8)
     else:
-        _decode_chw(arr, dims[0], dims[1], tmp)
+        src.fill(tmp)
     dst[lo - start : hi - start] = tmp[lo - offset : hi - offset]
 
 
@@ -388,21 +480,15 @@ def _layout_length(targets: Sequence[_Target]) -> int:
 def _jpeg_ranges(stored: bytes, targets: Sequence[_Target], row: int) -> bool:
     header = codec.read_header(stored)
     body = codec.decode(stored, verify=False)
-    # before the template (an entry of the JPEGs' claimed size): not this layout's size
-    _check_declared(_jpeg_declared(body), _layout_length(targets))
     bf16 = {f.name for f in header.fields if f.logical_dtype == "bfloat16"}
-    spec: list[tuple[str, str, tuple[int, ...], bool]] = []
-    srcs: list[tuple[npt.NDArray[Any], tuple[int, int] | None]] = []
-    for name, arr in body.items():
-        if name.startswith(_JPEG_PREFIX):
-            h, w = _jpeg_dims(arr)
-            spec.append((name[len(_JPEG_PREFIX) :], "|u1", (3, h, w), False))
-            srcs.append((arr, (h, w)))
-        elif name.startswith("\x00"):
-            raise CorruptEntryError(f"unknown packed field {name!r}")
-        else:
-            spec.append((name, arr.dtype.str, tuple(arr.shape), name in bf16))
-            srcs.append((arr, None))
+    plan = _jpeg_plan(body, bf16)
+    # Before the template (an entry of the JPEGs' claimed size): larger than the batch's
+    # entries is another layout, absent here (a varying field's entry of another shape,
+    # read on its own through ``unpack``, under the disk budget; a crafted one is
+    # refused there). Never allocated at the claimed size.
+    if sum(f.nbytes for f in plan) > _layout_length(targets):
+        return False
+    spec = [(f.name, f.dtype, f.shape, f.bf16) for f in plan]
     tmpl = _template(tuple(spec))
     if any(offset + length > tmpl.length for offset, length, _ in targets):
         return False  # another layout than the batch's: absent
@@ -417,7 +503,7 @@ def _jpeg_ranges(stored: bytes, targets: Sequence[_Target], row: int) -> bool:
             dst[...] = 0  # the alignment padding between fields
             if offset < len(head):
                 dst[: min(len(head), stop) - offset] = head_arr[offset : min(len(head), stop)]
-        for span, src in zip(tmpl.spans, srcs, strict=True):
+        for span, src in zip(tmpl.spans, plan, strict=True):
             _paint(dst, offset, span, src)
     return True
 
@@ -426,7 +512,8 @@ def _zstd_ranges(stored: bytes, targets: Sequence[_Target], row: int) -> bool:
     body = codec.decode(stored, verify=False)
     frame = _zstd_frame(body)
     declared = _zstd_declared(frame)
-    _check_declared(declared, _layout_length(targets))  # larger than the batch's entries
+    if declared > _layout_length(targets):  # another layout (see _jpeg_ranges): absent
+        return False
     src = np.frombuffer(_zstd_decompress(frame, declared), dtype=np.uint8)
     if any(offset + length > src.shape[0] for offset, length, _ in targets):
         return False

@@ -429,6 +429,12 @@ class ChatSpec:
         blob = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return xxhash.xxh3_128_hexdigest(blob.encode())
 
+    @property
+    def image_wrap_lengths(self) -> tuple[int, int]:
+        """How many tokens go before and after each image's run (``image_prefix`` and
+        ``image_suffix`` tokenized): what a frame sampler drops with a frame's run."""
+        return len(self._wrap[0]), len(self._wrap[1])
+
     # -- encoding -------------------------------------------------------------------
     def tokens_for_image(self, h: int, w: int) -> int:
         """How many tokens an image processed to ``h x w`` becomes (>= 1)."""

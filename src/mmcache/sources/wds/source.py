@@ -72,6 +72,7 @@ from mmcache.sources.wds.table import (
     split_name,
 )
 from mmcache.sources.wds.tarwalk import DamagedShard
+from mmcache.sources.wds.video import VIDEO_EXTS, is_video_member, produce_video
 
 __all__ = ["IMAGE_EXTS", "WebDatasetSource"]
 
@@ -100,6 +101,9 @@ class WebDatasetSource(
             are left out, counted and listed by :meth:`rejects`.
         image_exts, text_exts, json_exts: member extensions of each role (lower case;
             the first listed wins when a key has several).
+        video_exts: member extensions of video clips (:mod:`~mmcache.sources.wds.video`):
+            a sample's media member is an image or a clip, images preferred
+            (:attr:`image_exts` then holds both lists, in that order).
         index_dir: where member indexes are kept (e.g. ``cache.root / "wds-index"``,
             which ``mmcache gc`` sweeps); default: beside the raw tier for remote
             shards, in a per-user folder beside local shards (see
@@ -130,6 +134,7 @@ class WebDatasetSource(
         image_exts: Sequence[str] = IMAGE_EXTS,
         text_exts: Sequence[str] = ("txt",),
         json_exts: Sequence[str] = ("json",),
+        video_exts: Sequence[str] = VIDEO_EXTS,
         index_dir: str | os.PathLike[str] | bool | None = None,
         storage_options: Mapping[str, Any] | None = None,
         raw: RawTier | None = None,
@@ -145,12 +150,17 @@ class WebDatasetSource(
             )
         if raw is not None and not isinstance(raw, RawTier):
             raise ConfigError(f"raw must be a RawTier or None, got {type(raw).__name__}")
-        for name, exts in (("image_exts", image_exts), ("text_exts", text_exts)):
+        named = (("image_exts", image_exts), ("text_exts", text_exts), ("video_exts", video_exts))
+        for name, exts in named:
             if isinstance(exts, str) or not all(isinstance(e, str) and e for e in exts):
                 raise ConfigError(f"{name} must be a list of extensions, got {exts!r}")
         self.pipeline = pipeline
         self.locations = expand_shards(shards)
         self.image_exts = tuple(e.lower().lstrip(".") for e in image_exts)
+        self.video_exts = tuple(
+            e for e in (v.lower().lstrip(".") for v in video_exts) if e not in self.image_exts
+        )
+        self.image_exts += self.video_exts  # one media role: an image or a clip
         self.text_exts = tuple(e.lower().lstrip(".") for e in text_exts)
         self.json_exts = tuple(e.lower().lstrip(".") for e in json_exts)
         # index_dir None: each shard's default home (index_home), chosen when indexed.
@@ -516,6 +526,9 @@ class WebDatasetSource(
                     sample_id=sid,
                     path=f"{shard}:{self.member_name(index, 'text')}",
                 ) from exc
+        if image is not None and is_video_member(where, self.video_exts):
+            return produce_video(self.pipeline, image, text, sample_id=sid, path=where,
+                                 max_bytes=self.member_limit)  # fmt: skip
         return process_bytes(self.pipeline, image, text, sample_id=sid, path=where)
 
     def _check_sizes(self, index: int) -> None:
