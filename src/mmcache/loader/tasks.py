@@ -195,19 +195,40 @@ class WorkerPlanner(torch.utils.data.Dataset[PackedPlan]):
         takes the entry it publishes instead of decoding the sample a second time. The
         wait is bounded, and a producer that dies releases its claim as it dies.
         """
-        result = self._run(index, key, cached=cached, wait=True)
+        return self._waited(index, key, cached=cached)
+
+    def _waited(self, index: int, key: bytes, *, cached: bool, looked: bool = False) -> TaskResult:
+        """:meth:`_run`, waiting for another producer (so never None)."""
+        result = self._run(index, key, cached=cached, wait=True, looked=looked)
         if result is None:  # pragma: no cover - only wait=False returns None
             raise RuntimeError("a waited task returned nothing")
         return result
 
-    def _run(self, index: int, key: bytes, *, cached: bool, wait: bool) -> TaskResult | None:
-        """:meth:`run`; with ``wait=False``, None instead of waiting for another producer."""
+    def _run(
+        self,
+        index: int,
+        key: bytes,
+        *,
+        cached: bool,
+        wait: bool,
+        looked: bool = False,
+        asked: bool = False,
+    ) -> TaskResult | None:
+        """:meth:`run`; with ``wait=False``, None instead of waiting for another producer.
+
+        ``looked``: this task already looked ``key`` up and missed (a row deferred while
+        another process produced it), so it is not looked up again before the claim: a
+        second lookup would count the sample as a miss twice in every tier's counters.
+        ``asked``: the first tier was asked for ``key`` a moment ago (:meth:`plan`'s
+        ``contains_many`` of the batch) and did not hold it; it is not asked again.
+        """
         cache = self.cache
         if cache is None or not cached:
             return self._produce(index, key)
-        found = self._cached(index, key)
-        if found is not None:
-            return found
+        if not looked:
+            found = self._cached(index, key, asked=asked)
+            if found is not None:
+                return found
         claims = self._claims()
         claim = claims.acquire(key, wait=wait) if claims is not None else None
         if claim is not None and claim.fd < 0 and not wait:
@@ -223,12 +244,17 @@ class WorkerPlanner(torch.utils.data.Dataset[PackedPlan]):
                 claim.release()
 
     def _published(self, key: bytes, *, waited: bool) -> bool:
-        """Whether to look ``key`` up again once claimed: always after waiting for another
-        producer; otherwise only if the first tier now holds it (another process produced
-        and released it between this one's lookup and its claim), which asks the first
-        tier without counting a second miss."""
+        """Whether to look ``key`` up again once claimed: after waiting for another
+        producer, if some tier (or this process's write-behind) now holds it; otherwise
+        only if the first tier does (another process produced and released it between
+        this one's lookup and its claim). Both ask without counting: the lookup that
+        missed has counted the miss, and a producer that died publishing nothing must
+        not make it two."""
         if waited:
-            return True
+            cache = self.cache
+            return cache is not None and (
+                cache.contains(key) or pending_write(cache, key) is not None
+            )
         reader = self._first_tier()
         return reader is not None and bool(reader.contains_many([key])[0])
 
@@ -239,14 +265,17 @@ class WorkerPlanner(torch.utils.data.Dataset[PackedPlan]):
             self._claims_known = True
         return self._claims_obj
 
-    def _cached(self, index: int, key: bytes) -> TaskResult | None:
-        """The task's result when some tier (or this process's write-behind) holds ``key``."""
+    def _cached(self, index: int, key: bytes, *, asked: bool = False) -> TaskResult | None:
+        """The task's result when some tier (or this process's write-behind) holds ``key``.
+
+        ``asked``: the first tier has just said it does not hold ``key`` (see :meth:`_run`).
+        """
         cache = self.cache
         if cache is None:
             return None
         in_worker = torch.utils.data.get_worker_info() is not None
         reader = self._first_tier()
-        if in_worker and reader is not None and reader.contains_many([key])[0]:
+        if in_worker and not asked and reader is not None and reader.contains_many([key])[0]:
             return TaskResult(index, SampleOrigin.MEMORY_HIT, reader.name, in_memory=True)
         sample, tier = cache.lookup(key)
         if sample is not None:
@@ -312,11 +341,21 @@ class WorkerPlanner(torch.utils.data.Dataset[PackedPlan]):
         missing = np.flatnonzero(~planned).tolist()
         # First the misses nobody else is producing, then (waiting) the ones another
         # process is: jobs that share an order then split a batch's decodes between them.
+        # A deferred row has been looked up once (``looked``): one miss counted, not two.
         first = [
-            self._run(int(indices[r]), keys[r].tobytes(), cached=True, wait=False) for r in missing
+            self._run(
+                int(indices[r]),
+                keys[r].tobytes(),
+                cached=True,
+                wait=False,
+                asked=reader is not None,
+            )
+            for r in missing
         ]
         results = [
-            res if res is not None else self.run(int(indices[r]), keys[r].tobytes())
+            res
+            if res is not None
+            else self._waited(int(indices[r]), keys[r].tobytes(), cached=True, looked=True)
             for r, res in zip(missing, first, strict=True)
         ]
         return BatchPlan(indices, keys, planned, results, stamps)

@@ -35,6 +35,7 @@ a ``Cache`` rebuilds its TieredStore in each process instead.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -206,8 +207,13 @@ class TieredStore(Store):
         """The value from the first tier holding ``key``, promoted into the faster tiers
         (with the cost and creation time that tier recorded)."""
         check_key(key)
+        return self._get_from(key, 0)
+
+    def _get_from(self, key: bytes, start: int) -> bytes | None:
+        """:meth:`get`, asking the tiers from ``start`` on."""
         tiers = self._tiers
-        for i, t in enumerate(tiers):
+        for i in range(start, len(tiers)):
+            t = tiers[i]
             raw = t.store.get(key)
             if raw is None:
                 continue
@@ -219,6 +225,26 @@ class TieredStore(Store):
             return raw
         self._misses += 1
         return None
+
+    @contextlib.contextmanager
+    def view(self, key: bytes) -> Iterator[memoryview | None]:
+        """Lend the value without a copy when the first tier holds it (that tier's own
+        :meth:`~mmcache.stores.base.Store.view`, under its rules: keep the block short);
+        else :meth:`get` from the lower tiers (promoted, as ``get`` does), lent from
+        that copy. None if absent. Valid only inside the ``with`` block.
+
+        What the loader reads an entry of another shape with (a row of varied length):
+        the default ``view`` copied every such entry out of shared memory twice."""
+        check_key(key)
+        tiers = self._tiers
+        if tiers:
+            with tiers[0].store.view(key) as mv:
+                if mv is not None:
+                    self._hits += 1
+                    yield mv
+                    return
+        raw = self._get_from(key, 1 if tiers else 0)
+        yield None if raw is None else memoryview(raw)
 
     # -- writes -----------------------------------------------------------------------------
     def put(
