@@ -200,7 +200,11 @@ class WebDatasetSource(
                     out[s] = got
                     continue
                 size, stamp = got
-                out[s] = (size, stamp or f"size={size}")
+                if stamp is None:
+                    digest = self.unversioned_stamp(loc, size)
+                    out[s] = digest if isinstance(digest, RemoteError) else (size, digest)
+                else:
+                    out[s] = (size, stamp)
                 continue
             try:
                 st = os.stat(loc)
