@@ -36,6 +36,7 @@ import numpy.typing as npt
 import xxhash
 
 from mmcache.errors import ManifestError
+from mmcache.sources.ids import duplicate_message
 
 #: An image reference that is a URL (``scheme://``, but not a Windows drive ``C:\\``).
 _URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+://")
@@ -577,7 +578,7 @@ class RecordsBuilder:
             return
         first = self.first_line.get(id_bytes)
         if first is not None:
-            self.reject(f"duplicate id (first seen at {self.where} {first})", line, sample_id)
+            self.reject(duplicate_message(f"{self.where} {first}"), line, sample_id)
             return
         self.first_line[id_bytes] = line
         self.ids.append(id_bytes)
