@@ -143,8 +143,8 @@ def open_source(
         )
     if pipeline is not None and pipeline.fingerprint() != source.fingerprint():
         raise ConfigError(
-            "the source was made with another pipeline than pipeline=: give the pipeline "
-            "to the source"
+            "pipeline=: the pipeline differs from the source's own (the source was made "
+            "with another pipeline); give the pipeline to the source"
         )
     if isinstance(source, torch.utils.data.Dataset) and not isinstance(source, FileSource):
         return source

@@ -44,8 +44,6 @@ class IdColumn:
     """The ids of a source's samples: a UTF-8 buffer plus ``int64`` offsets (``n + 1`` of
     them), or, with no buffer, each sample's position as a decimal string."""
 
-    __slots__ = ("_buf", "_off", "n")
-
     def __init__(
         self, n: int, buf: npt.NDArray[np.uint8] | None = None, offsets: Any = None
     ) -> None:
