@@ -303,7 +303,7 @@ class WebDatasetSource(
         return self.columns.id(index)
 
     def ids(self, indices: Sequence[int] | np.ndarray) -> list[str]:
-        return [self.columns.id(int(i)) for i in self._checked(indices)]
+        return self.columns.id_column.ids(self._checked(indices))
 
     def ids_digest(self) -> str:
         return self.columns.ids_digest()

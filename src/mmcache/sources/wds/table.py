@@ -25,10 +25,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import xxhash
 
 from mmcache.errors import ConfigError
-from mmcache.sources.ids import duplicate_message
+from mmcache.sources.ids import IdColumn, duplicate_message
 from mmcache.sources.remote.fs import is_remote
 from mmcache.sources.wds.index import ShardIndex
 
@@ -216,16 +215,14 @@ class SampleColumns:
         self.rows = rows
         self.id_buf = id_buf
         self.id_off = id_off
+        #: The keys as every source holds its ids (sources/ids.py).
+        self.id_column = IdColumn(int(rows.shape[0]), id_buf, id_off)
 
     def __len__(self) -> int:
         return int(self.rows.shape[0])
 
     def id(self, i: int) -> str:
-        start, stop = int(self.id_off[i]), int(self.id_off[i + 1])
-        return self.id_buf[start:stop].tobytes().decode("utf-8", "surrogatepass")
+        return self.id_column.id(i)
 
     def ids_digest(self) -> str:
-        hasher = xxhash.xxh3_64()
-        hasher.update(np.ascontiguousarray(self.id_buf).data)
-        hasher.update(np.ascontiguousarray(self.id_off, dtype="<i8").data)
-        return hasher.hexdigest()
+        return self.id_column.digest()
