@@ -24,7 +24,7 @@ from typing import Any
 
 from mmcache.cache import Cache
 from mmcache.cached import CachedDataset
-from mmcache.dataset import MultimodalDataset, SourceDataset
+from mmcache.dataset import MultimodalDataset, SourceDataset, open_source
 from mmcache.errors import (
     CacheError,
     ConfigError,
@@ -100,6 +100,7 @@ __all__ = [
     "hf_image_processor",
     "hf_processor",
     "normalize",
+    "open_source",
     "plot",
     "read_manifest",
     "stage",
@@ -107,9 +108,6 @@ __all__ = [
     "warm",
     "warm_features",
 ]
-
-# ``mmcache.open_source`` (a source from any location) is added here once it exists in
-# :mod:`mmcache.sources`; until then ``MultimodalDataset(location)`` opens any format.
 
 #: Old top-level name -> the module that holds it now. ``mmcache.<name>`` still works
 #: for one release, with a DeprecationWarning naming the new spelling.

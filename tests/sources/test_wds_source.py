@@ -267,9 +267,11 @@ def test_image_without_text_and_text_without_image(tmp_path: Path, small_pipelin
 def test_duplicate_keys_across_shards(tmp_path: Path, small_pipeline: Pipeline):
     a = write_tar(tmp_path / "a.tar", sample_members("k", 0) + sample_members("x", 1))
     b = write_tar(tmp_path / "b.tar", sample_members("k", 2) + sample_members("y", 3))
-    with pytest.raises(ManifestError, match="duplicate key") as info:
+    with pytest.raises(ManifestError, match="duplicate id") as info:
         WebDatasetSource([a, b], pipeline=small_pipeline, index_dir=False)
     assert info.value.path == str(b) and info.value.sample_id == "k" and "k.jpg" in str(info.value)
+    # both entries named, in the words every source uses (sources/ids.py)
+    assert f"duplicate id (first seen at shard {a}, member k." in str(info.value)
     skip = WebDatasetSource([a, b], pipeline=small_pipeline, on_error="skip", index_dir=False)
     assert skip.ids(range(len(skip))) == ["k", "x", "y"]
     (rej,) = skip.rejects()

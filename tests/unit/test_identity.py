@@ -25,7 +25,9 @@ from mmcache import keys
 from mmcache.dataset import MultimodalDataset
 from mmcache.pipeline import Pipeline
 from mmcache.sources import identity
+from mmcache.sources.coco import CocoSource
 from mmcache.testing.identity_contract import IdentityContract
+from mmcache.testing.tabular import write_coco
 
 MTIME_NS = 1_600_000_000_000_000_000  # as `tar x` restores it
 
@@ -151,3 +153,16 @@ class TestFileSourceIdentity(IdentityContract):
 
     def open_source(self, location: Path) -> MultimodalDataset:
         return MultimodalDataset(location, pipeline=self.pipeline)
+
+
+class TestCocoSourceIdentity(TestFileSourceIdentity):
+    """COCO captions over the same fixed-size BMPs (the annotation file's mtime restored)."""
+
+    def write_dataset(self, folder: Path, variant: int) -> Path:
+        manifest = super().write_dataset(folder, variant)
+        coco = write_coco(manifest, folder / "captions.json")
+        os.utime(coco, ns=(MTIME_NS, MTIME_NS))
+        return coco
+
+    def open_source(self, location: Path) -> CocoSource:  # type: ignore[override]
+        return CocoSource(location, pipeline=self.pipeline, per="image")

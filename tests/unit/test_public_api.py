@@ -56,6 +56,7 @@ PUBLIC = [
     "hf_image_processor",
     "hf_processor",
     "normalize",
+    "open_source",
     "plot",
     "read_manifest",
     "stage",

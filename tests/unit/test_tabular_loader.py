@@ -16,7 +16,7 @@ import torch
 import mmcache as mc
 from mmcache.cache import Cache
 from mmcache.cli import main
-from mmcache.dataset import MultimodalDataset, SourceDataset
+from mmcache.dataset import MultimodalDataset, SourceDataset, open_source
 from mmcache.errors import ConfigError
 from mmcache.loader import DataLoader
 from mmcache.pipeline import Pipeline
@@ -80,7 +80,7 @@ def test_every_source_gives_the_loose_files_batches_cold_and_warm(
     ref_loader = DataLoader(reference, cache=None, batch_size=6, seed=3)
     expected = [_epoch(ref_loader, 0), _epoch(ref_loader, 1)]
     columns = {"id": "id"} if fmt in ("parquet", "hf") else None
-    ds = MultimodalDataset(data[fmt], pipeline=small_pipeline, columns=columns)
+    ds = open_source(data[fmt], pipeline=small_pipeline, columns=columns)
     assert len(ds) == N and ds.ids(range(N)) == reference.ids(range(N))
     with Cache(tmp_path / "cache", memory="32MiB", disk=None, temporary=True) as cache:
         loader = DataLoader(ds, cache=cache, batch_size=6, seed=3, num_workers=0)

@@ -178,6 +178,8 @@ def test_parquet_missing_column_and_duplicate_id(tmp_path: Path, pipeline: Pipel
     with pytest.raises(ManifestError, match="duplicate id") as info:
         ParquetSource(dup, pipeline=pipeline, columns={"id": "id"})
     assert info.value.line == 2 and info.value.sample_id == "a"
+    # both entries named, in the words every source uses (sources/ids.py)
+    assert f"duplicate id (first seen at {dup} row 0)" in str(info.value)
 
 
 def test_parquet_rewritten_file_is_read_again(tmp_path: Path, pipeline: Pipeline) -> None:

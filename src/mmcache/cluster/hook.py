@@ -18,6 +18,7 @@ from mmcache.cache import Cache
 from mmcache.cluster.exchange import ClusterExchange
 from mmcache.dist import dist_initialized
 from mmcache.sources.base import SampleSource
+from mmcache.sources.capabilities import layout_of
 
 __all__ = ["cluster_exchange"]
 
@@ -48,7 +49,7 @@ def cluster_exchange(
     backend = os.environ.get(BACKEND_ENV, "gloo")
     # A source without varying_fields makes every sample with the same shapes (as the
     # loader reads it: loader/varying.py): received entries must then have its layout.
-    fixed = not getattr(dataset, "varying_fields", ())
+    fixed = not layout_of(dataset).varying
     return ClusterExchange(
         cache, dataset, batches, seed=seed, timeout=cache.peer_timeout, backend=backend,
         planned_ahead=planned_ahead, fixed_shapes=fixed,

@@ -26,6 +26,7 @@ from mmcache.loader.stream import BatchOrder
 from mmcache.loader.varying import varying_fields
 from mmcache.sampler import EpochSampler
 from mmcache.sources.base import SampleSource
+from mmcache.sources.capabilities import layout_of
 
 __all__ = ["Batching", "plan_batching"]
 
@@ -60,8 +61,8 @@ def plan_batching(
         raise ConfigError("pack= and group_by_length=True are exclusive: a pack is one batch")
     sft = {"input_ids", "labels"} <= varying_fields(source)
     if pad_token_id is None:
-        pad_token_id = getattr(source, "pad_token_id", None)
-        pad_token_id = 0 if pad_token_id is None else int(pad_token_id)
+        pad_token_id = layout_of(source).pad_token_id
+        pad_token_id = 0 if pad_token_id is None else pad_token_id
     check_pad_config(pad_token_id, pad_to_multiple_of)
     if pack is not None:
         if not sft:

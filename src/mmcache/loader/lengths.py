@@ -8,24 +8,23 @@ by producing a sample:
   token runs included), what its cached ``input_ids`` will hold; 0 for a sample the
   source will refuse (fully masked, under ``on_error="skip"``): grouped and packed
   batches leave it out;
-- ``modalities() -> bool [N]`` (optional): whether each sample has at least one
-  image. A source without it is all text (one group).
+- ``modalities() -> bool [N]``: whether each sample has at least one image.
 
-:func:`sample_lengths` and :func:`sample_has_image` read them, checked. The names
-are the two constants below: a source naming them differently adapts here, in one line.
+The two are the capability :class:`~mmcache.sources.capabilities.HasLengths`; a source
+without it gets a ConfigError naming it when grouping or packing is asked for.
+:func:`sample_lengths` and :func:`sample_has_image` read them, checked.
 
 Thread/process safety: pure functions.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
-
 import numpy as np
 
 from mmcache.errors import ConfigError
+from mmcache.sources.capabilities import HasLengths, require
 
-__all__ = ["LengthSource", "sample_has_image", "sample_lengths"]
+__all__ = ["HasLengths", "sample_has_image", "sample_lengths"]
 
 #: The source's method giving the tokens per sample.
 LENGTHS = "lengths"
@@ -33,28 +32,13 @@ LENGTHS = "lengths"
 HAS_IMAGE = "modalities"
 
 
-@runtime_checkable
-class LengthSource(Protocol):
-    """A source that knows each sample's token count without producing it."""
-
-    def __len__(self) -> int: ...
-
-    def lengths(self) -> np.ndarray:
-        """``int64 [N]``: tokens of each sample."""
-        ...
-
-
 def sample_lengths(source: object, *, why: str) -> np.ndarray:
     """``source.lengths()`` as ``int64 [len(source)]``, every value >= 0; ConfigError
     (saying ``why`` they are needed) when the source has none or they are malformed."""
-    fn = getattr(source, LENGTHS, None)
-    if fn is None or not callable(fn):
-        raise ConfigError(
-            f"{why} needs the source's token counts, but {type(source).__name__} has no "
-            f"{LENGTHS}() method (a chat-template source has one: tokens per sample, int64 [N])"
-        )
+    require(source, HasLengths, why=f"{why} (tokens per sample, from a chat-template source)")
+    assert isinstance(source, HasLengths)  # for mypy: require raised otherwise
     n = len(source)  # type: ignore[arg-type]
-    lengths = np.asarray(fn())
+    lengths = np.asarray(source.lengths())
     if lengths.shape != (n,) or not np.issubdtype(lengths.dtype, np.integer):
         raise ConfigError(
             f"{type(source).__name__}.{LENGTHS}() must be an integer array of shape ({n},), "
@@ -68,12 +52,12 @@ def sample_lengths(source: object, *, why: str) -> np.ndarray:
 
 
 def sample_has_image(source: object) -> np.ndarray:
-    """``source.modalities()`` as ``bool [len(source)]``; all False without one."""
+    """``source.modalities()`` as ``bool [len(source)]``; all False for a source that is
+    not :class:`HasLengths`."""
     n = len(source)  # type: ignore[arg-type]
-    fn = getattr(source, HAS_IMAGE, None)
-    if fn is None or not callable(fn):
+    if not isinstance(source, HasLengths):
         return np.zeros(n, dtype=bool)
-    flags = np.asarray(fn())
+    flags = np.asarray(source.modalities())
     if flags.shape != (n,):
         raise ConfigError(
             f"{type(source).__name__}.{HAS_IMAGE}() must have shape ({n},), got {flags.shape}"

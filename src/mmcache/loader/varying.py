@@ -30,6 +30,7 @@ import torch
 
 from mmcache import codec
 from mmcache.errors import CorruptEntryError
+from mmcache.sources.capabilities import layout_of
 from mmcache.stores.base import Store
 
 __all__ = [
@@ -44,15 +45,13 @@ __all__ = [
 
 def varying_fields(source: object) -> frozenset[str]:
     """The fields whose shapes vary between samples of ``source`` (empty: fixed shapes)."""
-    names = getattr(source, "varying_fields", ())
-    return frozenset(str(n) for n in names) if names else frozenset()
+    return layout_of(source).varying
 
 
 def channels_last_fields(source: object) -> frozenset[str]:
     """The fields ``source`` caches as ``[H, W, C]`` (``ImageSpec(channels_last=True)``):
     batches present them as ``[B, C, H, W]`` tensors in ``channels_last`` strides."""
-    names = getattr(source, "channels_last_fields", ())
-    return frozenset(str(n) for n in names) if names else frozenset()
+    return layout_of(source).channels_last
 
 
 def present_channels_last(batch: dict[str, Any], fields: Collection[str]) -> None:

@@ -24,10 +24,21 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["OnError", "SampleSource", "StampKind"]
+from mmcache.errors import ConfigError
+
+__all__ = ["OnError", "SampleSource", "StampKind", "check_on_error"]
 
 #: What a source does with a sample it cannot produce.
 OnError = Literal["raise", "skip"]
+
+
+def check_on_error(on_error: object) -> OnError:
+    """``on_error`` if it is ``"raise"`` or ``"skip"``, else ConfigError."""
+    if on_error == "raise":
+        return "raise"
+    if on_error == "skip":
+        return "skip"
+    raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
 
 
 class StampKind(str, Enum):

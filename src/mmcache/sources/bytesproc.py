@@ -169,3 +169,10 @@ class PipelineFields:
         """The fields cached as ``[H, W, C]`` and presented as ``[C, H, W]`` views (the
         pipeline's ``channels_last_fields``; see :mod:`mmcache.sources.items`)."""
         return frozenset(getattr(self.pipeline, "channels_last_fields", ()))
+
+    @property
+    def pad_token_id(self) -> int | None:
+        """What SFT batches pad ``input_ids`` with: the chat stage's ``pad_id``
+        (``ChatSpec(pad_id=)`` or its tokenizer's pad token); None without a chat stage."""
+        chat = getattr(self.pipeline, "chat", None)
+        return None if chat is None else int(chat.pad_id)

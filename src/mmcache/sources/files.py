@@ -35,7 +35,7 @@ from mmcache import keys
 from mmcache.errors import ConfigError, SampleError
 from mmcache.sources import chat as _chat
 from mmcache.sources import identity
-from mmcache.sources.base import OnError, SampleSource, StampKind
+from mmcache.sources.base import OnError, SampleSource, StampKind, check_on_error
 from mmcache.sources.bytesproc import PipelineFields
 from mmcache.sources.items import item_tensors
 from mmcache.sources.readers import read_manifest
@@ -48,8 +48,6 @@ logger = logging.getLogger(__name__)
 
 #: The cacheable output of a pipeline: field name -> numpy array.
 Sample = dict[str, np.ndarray]
-
-_ON_ERROR = ("raise", "skip")
 
 
 @runtime_checkable
@@ -65,15 +63,6 @@ class RecordProcessor(Protocol):
     ) -> dict[str, np.ndarray]:
         """One record -> its arrays. Raises :class:`SampleError`."""
         ...
-
-
-def check_on_error(on_error: object) -> OnError:
-    """``on_error`` if it is ``"raise"`` or ``"skip"``, else ConfigError."""
-    if on_error == "raise":
-        return "raise"
-    if on_error == "skip":
-        return "skip"
-    raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
 
 
 class FileSource(PipelineFields):
@@ -151,13 +140,6 @@ class FileSource(PipelineFields):
     def ids_digest(self) -> str:
         """:meth:`Records.ids_digest`: every id in index order, for resume checks."""
         return self.records.ids_digest()
-
-    @property
-    def pad_token_id(self) -> int | None:
-        """What SFT batches pad ``input_ids`` with: the chat stage's ``pad_id``
-        (``ChatSpec(pad_id=)`` or its tokenizer's pad token); None without a chat stage."""
-        chat = getattr(self.pipeline, "chat", None)
-        return None if chat is None else int(chat.pad_id)
 
     def key(self, index: int) -> bytes:
         """The 16-byte cache key of sample ``index``: changes when its image file,

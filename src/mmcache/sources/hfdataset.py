@@ -35,6 +35,7 @@ from mmcache.errors import ConfigError, ManifestError, SampleError
 from mmcache.sources.base import OnError, SampleSource, StampKind
 from mmcache.sources.bytesproc import byte_limit
 from mmcache.sources.cells import check_image_type, image_cell
+from mmcache.sources.ids import duplicate_message
 from mmcache.sources.rows import IdColumn, RowSource, StagedProcessor, check_columns, path_column
 
 __all__ = ["HFDatasetSource"]
@@ -116,13 +117,13 @@ class HFDatasetSource(RowSource):
                 raise ManifestError(f"id column {self.columns['id']!r} is null", path=self.where)
             ids = IdColumn.of_arrow(column)
         super().__init__(pipeline=pipeline, ids=ids, on_error=on_error)
-        dup = self._ids.duplicate()
-        if dup is not None:
+        pair = self._ids.duplicate_pair()
+        if pair is not None:
             raise ManifestError(
-                "duplicate id (ids must be unique)",
+                duplicate_message(f"row {pair[0]}"),
                 path=self.where,
-                line=dup,
-                sample_id=self._ids.id(dup),
+                line=pair[1],
+                sample_id=self._ids.id(pair[1]),
             )
         self._view: Any = None
         self._refs: list[str | None] | None = None

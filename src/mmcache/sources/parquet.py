@@ -44,6 +44,7 @@ from mmcache.sources import identity
 from mmcache.sources.base import OnError, SampleSource, StampKind
 from mmcache.sources.bytesproc import byte_limit
 from mmcache.sources.cells import check_image_type, image_cell
+from mmcache.sources.ids import duplicate_message
 from mmcache.sources.rejects import Reject
 from mmcache.sources.rows import IdColumn, RowSource, StagedProcessor, check_columns, path_column
 from mmcache.units import parse_size
@@ -210,14 +211,14 @@ class ParquetSource(RowSource):
         self._file_start = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
         super().__init__(pipeline=pipeline, ids=self._id_column(id_parts), on_error=on_error)
         self.open_rejects = rejects
-        dup = self._ids.duplicate()
-        if dup is not None:
-            f, r = self._place(dup)
+        pair = self._ids.duplicate_pair()
+        if pair is not None:
+            (f0, r0), (f, r) = self._place(pair[0]), self._place(pair[1])
             raise ManifestError(
-                "duplicate id (ids must be unique)",
+                duplicate_message(f"{self.files[f0]} row {r0}"),
                 path=self.files[f],
                 line=r,
-                sample_id=self._ids.id(dup),
+                sample_id=self._ids.id(pair[1]),
             )
 
     # -- opening ------------------------------------------------------------------------

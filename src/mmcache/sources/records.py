@@ -36,6 +36,7 @@ import numpy.typing as npt
 import xxhash
 
 from mmcache.errors import ManifestError
+from mmcache.sources.ids import IdColumn, duplicate_message
 
 #: An image reference that is a URL (``scheme://``, but not a Windows drive ``C:\\``).
 _URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+://")
@@ -120,6 +121,8 @@ class Records:
         # with another working directory resolves relative image paths the same way.
         self._base_dir = base_dir
         self._id_buf, self._id_off = ids
+        # The ids as every source holds them (sources/ids.py): id, ids and their digest.
+        self._id_col = IdColumn(len(lines), self._id_buf, self._id_off)
         self._text_buf, self._text_off = texts
         self._image_buf, self._image_off = images
         self._has_image = has_image
@@ -152,8 +155,7 @@ class Records:
 
     def id(self, i: int) -> str:
         """Return the id of row ``i``."""
-        i = self._row(i)
-        return _field(self._id_buf, self._id_off, i)
+        return self._id_col.id(self._row(i))
 
     def ids(self, rows: npt.NDArray[np.integer[Any]]) -> list[str]:
         """Return the ids of ``rows`` (in range, not negative): what a batch's ``"id"`` holds.
@@ -162,10 +164,7 @@ class Records:
         and the bytes decoded straight from the buffer (the loader asks it for
         every batch).
         """
-        view = self._id_buf.data
-        starts = self._id_off[rows].tolist()
-        stops = self._id_off[rows + 1].tolist()
-        return [str(view[a:b], "utf-8") for a, b in zip(starts, stops, strict=True)]
+        return self._id_col.ids(np.asarray(rows, dtype=np.int64))
 
     def text(self, i: int) -> str:
         """Return the text of row ``i``: the caption (JSONL) or
@@ -384,11 +383,7 @@ class Records:
         two manifests exactly when they list the same ids in the same order, but for
         a 2**-64 chance. One pass over the id buffer and its offsets (no per-row
         objects); a resumed loader compares it with the one it saved."""
-        start, stop = int(self._id_off[0]), int(self._id_off[-1])
-        hasher = xxhash.xxh3_64()
-        hasher.update(np.ascontiguousarray(self._id_buf[start:stop]).data)
-        hasher.update(np.ascontiguousarray(self._id_off - start, dtype="<i8").data)
-        return hasher.hexdigest()
+        return self._id_col.digest()
 
     def content_digest(self) -> str:
         """Return a digest (16 hex digits) of every row's id, image references, text and
@@ -577,7 +572,7 @@ class RecordsBuilder:
             return
         first = self.first_line.get(id_bytes)
         if first is not None:
-            self.reject(f"duplicate id (first seen at {self.where} {first})", line, sample_id)
+            self.reject(duplicate_message(f"{self.where} {first}"), line, sample_id)
             return
         self.first_line[id_bytes] = line
         self.ids.append(id_bytes)

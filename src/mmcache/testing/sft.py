@@ -89,6 +89,7 @@ class SyntheticSFTSource:
         self.pad_token_id = pad_token_id
         self.on_error: OnError = on_error
         self.varying_fields = frozenset(_FIELDS)
+        self.channels_last_fields: frozenset[str] = frozenset()
         rng = np.random.default_rng([seed, n])
         self._text = rng.integers(min_text, max_text + 1, size=n).astype(np.int64)
         counts = list(image_counts)

@@ -27,7 +27,9 @@ a changed input changes its sample's key and no other; ``produce`` gives a dict 
 numpy arrays, the same each time; a sample that cannot be produced raises
 :class:`~mmcache.errors.SampleError` naming it, which ``record_reject`` accepts; a
 copy in a spawned worker process (:mod:`mmcache.testing.spawned`) answers
-everything the same.
+everything the same; each capability the source claims (:mod:`mmcache.sources.capabilities`)
+keeps its shapes, and :class:`~mmcache.dataset.SourceDataset` over it claims the same
+(:mod:`mmcache.testing.capability_contract`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,13 @@ import pytest
 
 from mmcache.errors import SampleError
 from mmcache.sources.base import OnError, SampleSource, StampKind
+from mmcache.testing.capability_contract import (
+    FaceContract,
+    FieldLayoutContract,
+    HasLengthsContract,
+    HasRejectsContract,
+    RevalidatingContract,
+)
 from mmcache.testing.spawned import spawned_worker
 
 __all__ = ["SourceContract"]
@@ -76,8 +85,16 @@ def _same_sample(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> bo
     )
 
 
-class SourceContract:
-    """Contract tests for a :class:`SampleSource`; subclasses provide the source."""
+class SourceContract(
+    HasLengthsContract,
+    FieldLayoutContract,
+    HasRejectsContract,
+    RevalidatingContract,
+    FaceContract,
+):
+    """Contract tests for a :class:`SampleSource`; subclasses provide the source. The
+    capability mixins (:mod:`mmcache.testing.capability_contract`) check each capability
+    the source claims, and that its torch face claims the same."""
 
     __test__ = False
 

@@ -53,31 +53,23 @@ from typing import Any, Protocol
 import numpy as np
 
 from mmcache.errors import ConfigError, SampleError
-from mmcache.sources.remote.fs import Remote, RemoteError
-from mmcache.sources.remote.raw import RawTier
+from mmcache.sources.capabilities import GroupedFetching, Revalidating, SharesStamps, require
+from mmcache.sources.remote.fs import RemoteError
 
 __all__ = ["PrefetchSource", "RemotePrefetch"]
 
 logger = logging.getLogger(__name__)
 
 
-class PrefetchSource(Protocol):
-    """What :class:`RemotePrefetch` needs of a source."""
-
-    raw: RawTier | None
-    remote: Remote
+class PrefetchSource(Revalidating, Protocol):
+    """What :class:`RemotePrefetch` needs of a source: the
+    :class:`~mmcache.sources.capabilities.Revalidating` capability and its size and ids
+    (:class:`~mmcache.sources.capabilities.GroupedFetching` and
+    :class:`~mmcache.sources.capabilities.SharesStamps` are used when offered)."""
 
     def __len__(self) -> int: ...
 
     def sample_id(self, index: int) -> str: ...
-
-    def remote_span(self, index: int) -> tuple[str, str, int, int] | None: ...
-
-    def fetch(
-        self, url: str, stamp: str, start: int, end: int, *, sample_id: str, wait: bool = True
-    ) -> bytes: ...
-
-    def revalidate(self) -> list[str]: ...
 
 
 class RemotePrefetch:
@@ -90,7 +82,8 @@ class RemotePrefetch:
     """
 
     def __init__(self, source: PrefetchSource, *, threads: int = 16, ahead: int = 64) -> None:
-        if getattr(source, "raw", None) is None:
+        require(source, Revalidating, why="RemotePrefetch")
+        if source.raw is None:
             raise ConfigError(
                 "RemotePrefetch needs a source with a raw tier to fetch into (raw=RawTier(...))"
             )
@@ -118,8 +111,7 @@ class RemotePrefetch:
         self._version: Any = None
 
     def _known_bits(self, changed: bool) -> np.ndarray:
-        version_of = getattr(self.source, "remote_version", None)
-        version = version_of() if version_of is not None else None
+        version = self.source.remote_version()
         n = len(self.source)
         if (
             self._known is None
@@ -146,11 +138,11 @@ class RemotePrefetch:
             self._consumed = -1
         self._stop = threading.Event()
         self.fetched = self.gets = 0
-        gate = getattr(self.source, "shared_stamps", None)
-        if gate is None:
+        if not isinstance(self.source, SharesStamps):
             self._revalidate(ctx.epoch)
             self._start_fetching(ctx)
             return
+        gate = self.source.shared_stamps
         gate.begin()
         started = threading.Event()
 
@@ -229,7 +221,8 @@ class RemotePrefetch:
 
     def _members(self, item: int, grouped: bool) -> tuple[str, str, list[tuple[int, int, int]]]:
         if grouped:
-            url, stamp, members = self.source.fetch_group(item)  # type: ignore[attr-defined]
+            assert isinstance(self.source, GroupedFetching)
+            url, stamp, members = self.source.fetch_group(item)
             return url, stamp, members
         span = self.source.remote_span(item)
         if span is None:
@@ -265,7 +258,7 @@ class RemotePrefetch:
     def _run(self, batches: list[np.ndarray], known: np.ndarray, stop: threading.Event) -> None:
         raw = self.source.raw
         assert raw is not None
-        grouped = callable(getattr(self.source, "fetch_groups", None))
+        grouped = isinstance(self.source, GroupedFetching)
         limit = threading.BoundedSemaphore(self.threads * 2)
         submitted: set[int] = set()
 
@@ -290,7 +283,8 @@ class RemotePrefetch:
                     if not todo.size:
                         continue
                     if grouped:
-                        groups = self.source.fetch_groups(todo)  # type: ignore[attr-defined]
+                        assert isinstance(self.source, GroupedFetching)
+                        groups = self.source.fetch_groups(todo)
                         known[todo[groups < 0]] = True
                         items = groups[groups >= 0].tolist()
                     else:

@@ -12,19 +12,26 @@ worker never needs them); made once per process, under the GIL, read-only after.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
+import xxhash
 
+from mmcache.sources import identity
 from mmcache.sources.remote.blocks import FetchGroups
-from mmcache.sources.remote.fs import Remote, is_remote
+from mmcache.sources.remote.fs import Remote, RemoteError, is_remote
 from mmcache.sources.remote.raw import RawTier, fetch_bytes
 from mmcache.sources.wds.table import SampleColumns
 
 __all__ = ["RemoteShards"]
 
+logger = logging.getLogger(__name__)
+
 C = SampleColumns
+#: An unversioned shard is digested in reads of this size (each one ranged GET, retried).
+_DIGEST_BLOCK = 8 << 20
 
 
 class RemoteShards:
@@ -42,6 +49,30 @@ class RemoteShards:
         def span(self, index: int) -> tuple[int, int]: ...
 
     _fetch_groups: FetchGroups | None = None
+    _warned_unversioned = False
+
+    def unversioned_stamp(self, url: str, size: int) -> str | RemoteError:
+        """The stamp of a shard whose server gives no ETag or version id (G6: its size alone
+        missed a same-size overwrite): the digest of its bytes, read now in ranged GETs of
+        8 MiB, at open and at each revalidation, as
+        :class:`~mmcache.sources.remote.files.RemoteFileSource` stamps such objects. Warns
+        once per source, naming the object; a failed read is returned, not raised."""
+        if not self._warned_unversioned:
+            self._warned_unversioned = True
+            logger.warning(
+                "%s has no ETag or version id: its server gives no change detector, so each "
+                "such shard of this source is read and digested at open and at each "
+                "revalidation (%d bytes here)",
+                url,
+                size,
+            )
+        hasher = xxhash.xxh3_128()
+        try:
+            for start in range(0, size, _DIGEST_BLOCK):
+                hasher.update(self.remote.read(url, start, min(size, start + _DIGEST_BLOCK)))
+        except RemoteError as err:
+            return err
+        return identity.CONTENT_PREFIX + hasher.hexdigest()
 
     def remote_span(self, index: int) -> tuple[str, str, int, int] | None:
         """``(url, stamp, start, end)`` of sample ``index``'s bytes if its shard is remote

@@ -55,7 +55,7 @@ from mmcache.sources.bytesproc import (
     process_bytes,
 )
 from mmcache.sources.files import check_on_error
-from mmcache.sources.items import item_tensors
+from mmcache.sources.items import item_tensors, serve
 from mmcache.sources.rejects import Reject, RejectLog
 from mmcache.sources.remote.blocks import DEFAULT_BLOCK, check_block
 from mmcache.sources.remote.fs import Offline, Remote, RemoteError, RetryPolicy, is_remote
@@ -210,7 +210,11 @@ class WebDatasetSource(
                     out[s] = got
                     continue
                 size, stamp = got
-                out[s] = (size, stamp or f"size={size}")
+                if stamp is None:
+                    digest = self.unversioned_stamp(loc, size)
+                    out[s] = digest if isinstance(digest, RemoteError) else (size, digest)
+                else:
+                    out[s] = (size, stamp)
                 continue
             try:
                 st = os.stat(loc)
@@ -309,7 +313,7 @@ class WebDatasetSource(
         return self.columns.id(index)
 
     def ids(self, indices: Sequence[int] | np.ndarray) -> list[str]:
-        return [self.columns.id(int(i)) for i in self._checked(indices)]
+        return self.columns.id_column.ids(self._checked(indices))
 
     def ids_digest(self) -> str:
         return self.columns.ids_digest()
@@ -551,14 +555,7 @@ class WebDatasetSource(
         return item_tensors(self.columns.id(index), sample, self.channels_last_fields)
 
     def __getitem__(self, index: int) -> dict[str, Any] | None:
-        try:
-            sample = self.produce(index)
-        except SampleError as err:
-            if self.on_error == "raise":
-                raise
-            self.record_reject(err)
-            return None
-        return self.to_item(index, sample)
+        return serve(self, index)
 
     # -- rejects -------------------------------------------------------------------------
     def record_reject(self, err: Exception) -> None:

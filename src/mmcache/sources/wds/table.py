@@ -25,9 +25,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import xxhash
 
 from mmcache.errors import ConfigError
+from mmcache.sources.ids import IdColumn, duplicate_message
 from mmcache.sources.remote.fs import is_remote
 from mmcache.sources.wds.index import ShardIndex
 
@@ -102,7 +102,7 @@ class SampleTable:
         self.json_exts = tuple(e.lower() for e in json_exts)
         self._rows: list[tuple[int, int, int, int, int, int, int, int, int]] = []
         self._ids: list[str] = []
-        self._where: dict[str, int] = {}  # key -> shard number of its first occurrence
+        self._where: dict[str, str] = {}  # key -> "shard S, member M" of its first occurrence
 
     @staticmethod
     def group(
@@ -161,18 +161,11 @@ class SampleTable:
         groups, problems = self.group(index, self.image_exts, self.text_exts, self.json_exts)
         for key, members in groups.items():
             first = self._where.get(key)
-            if first is not None:
-                member = next(iter(members.values()))[0]
-                problems.append(
-                    Problem(
-                        key,
-                        index.location,
-                        member,
-                        f"duplicate key: already in shard number {first} (the first one is kept)",
-                    )
-                )
+            member = next(iter(members.values()))[0]
+            if first is not None:  # the first is kept (sources/ids.py: one rule for all)
+                problems.append(Problem(key, index.location, member, duplicate_message(first)))
                 continue
-            self._where[key] = shard
+            self._where[key] = f"shard {index.location}, member {member}"
             img = members.get("image")
             txt = members.get("text")
             js = members.get("json")
@@ -222,16 +215,14 @@ class SampleColumns:
         self.rows = rows
         self.id_buf = id_buf
         self.id_off = id_off
+        #: The keys as every source holds its ids (sources/ids.py).
+        self.id_column = IdColumn(int(rows.shape[0]), id_buf, id_off)
 
     def __len__(self) -> int:
         return int(self.rows.shape[0])
 
     def id(self, i: int) -> str:
-        start, stop = int(self.id_off[i]), int(self.id_off[i + 1])
-        return self.id_buf[start:stop].tobytes().decode("utf-8", "surrogatepass")
+        return self.id_column.id(i)
 
     def ids_digest(self) -> str:
-        hasher = xxhash.xxh3_64()
-        hasher.update(np.ascontiguousarray(self.id_buf).data)
-        hasher.update(np.ascontiguousarray(self.id_off, dtype="<i8").data)
-        return hasher.hexdigest()
+        return self.id_column.digest()

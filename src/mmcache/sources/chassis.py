@@ -1,0 +1,184 @@
+"""``BaseSource``: the chassis of a source, so that each format writes only what is its own.
+
+Every source answers the same questions the same way: how many samples, what each is
+called (:class:`~mmcache.sources.ids.IdColumn`), the digest of the ids, each sample's key
+(memoised by its stamp), the reject log, ``source[i]`` (the one raise-or-record,
+:func:`~mmcache.sources.items.serve`) and how it travels to a worker process. This class
+implements them once; a format supplies three things:
+
+- :meth:`BaseSource.stamps`: ``int64 [n, k]`` per-sample stamps (what changes when the
+  sample's input changes; a row starting with ``-2``: none, never memoised);
+- :meth:`BaseSource.stamp_string`: the identity text of one sample from its stamp row
+  (what the key is made of beside the id and the pipeline's fingerprint);
+- :meth:`BaseSource.produce`: the sample's arrays.
+
+and may override :meth:`BaseSource.key_text` (a text the key holds, e.g. a caption).
+
+Keys (:meth:`BaseSource.key_rows`): ``keys.sample_key(id, stamp_string, fingerprint,
+key_text)``, hashed again only for samples whose stamp row changed since the last call;
+the comparison is one vectorised step over the batch, so a warm batch costs its
+``stamps`` and no hashing.
+
+Per-process state is declared once, in :attr:`BaseSource._per_process`: those attributes
+are dropped when the source is pickled (a spawned worker, a forked one's copy is its own)
+and rebuilt on first use. Thread/process safety: read-only after construction but for
+the reject log (process-safe, :mod:`~mmcache.sources.rejects`) and the per-process
+attributes (one thread per process calls :meth:`key_rows`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+import numpy.typing as npt
+
+from mmcache import keys
+from mmcache.errors import SampleError
+from mmcache.sources.base import OnError, StampKind, check_on_error
+from mmcache.sources.bytesproc import PipelineFields
+from mmcache.sources.ids import IdColumn
+from mmcache.sources.items import item_tensors, serve
+from mmcache.sources.rejects import Reject, RejectLog
+
+__all__ = ["BaseSource"]
+
+logger = logging.getLogger(__name__)
+
+
+class BaseSource(PipelineFields):
+    """The members of :class:`~mmcache.sources.base.SampleSource` that do not depend on
+    the format (see the module docstring for what a subclass implements).
+
+    A subclass sets :attr:`stamp_kind` and calls ``__init__`` with its pipeline (anything
+    with ``fingerprint()``; the subclass checks what more it needs), its ids and
+    ``on_error``; what it leaves out when opened goes to :attr:`open_rejects`.
+    """
+
+    stamp_kind: StampKind
+    on_error: OnError
+    #: Attributes of one process: not pickled, rebuilt on first use (a subclass adds its
+    #: own, e.g. open file handles: ``_per_process = (*BaseSource._per_process, "_fds")``).
+    _per_process: ClassVar[tuple[str, ...]] = ("_memo_keys", "_memo_stamp")
+
+    def __init__(self, *, pipeline: Any, ids: IdColumn, on_error: OnError) -> None:
+        self.on_error = check_on_error(on_error)
+        self.pipeline = pipeline
+        self._fingerprint = pipeline.fingerprint()
+        self._ids = ids
+        self._memo_keys: npt.NDArray[np.uint8] | None = None
+        self._memo_stamp: npt.NDArray[np.int64] | None = None
+        self._rejects = RejectLog()
+        #: Samples left out when the source was opened (under ``on_error="skip"``).
+        self.open_rejects: list[Reject] = []
+
+    # -- what a format implements -----------------------------------------------------
+    def stamps(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        """``int64 [n, k]`` stamps of ``indices`` (see :class:`StampKind`)."""
+        raise NotImplementedError
+
+    def stamp_string(self, index: int, stamp: npt.NDArray[np.int64]) -> str:
+        """The identity text of sample ``index`` (in its key) from its :meth:`stamps` row."""
+        raise NotImplementedError
+
+    def produce(self, index: int) -> dict[str, np.ndarray]:
+        """The arrays of sample ``index``. Raises :class:`SampleError`."""
+        raise NotImplementedError
+
+    def key_text(self, index: int) -> str | None:
+        """A text the key of sample ``index`` holds beside its stamp (default: none)."""
+        return None
+
+    # -- which sample -------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self._ids.n
+
+    def _checked(self, indices: Sequence[int] | np.ndarray) -> npt.NDArray[np.int64]:
+        """``indices`` as ``int64 [n]``; IndexError for one outside ``[0, len)``."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        n = self._ids.n
+        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= n):
+            raise IndexError(f"sample index out of range for {n} samples")
+        return idx
+
+    def sample_id(self, index: int) -> str:
+        """The user's id of sample ``index``."""
+        return self._ids.ids(self._checked([index]))[0]
+
+    def ids(self, indices: Sequence[int] | np.ndarray) -> list[str]:
+        """The ids of ``indices``, in order (a batch's ``"id"`` field)."""
+        return self._ids.ids(self._checked(indices))
+
+    def ids_digest(self) -> str:
+        """A digest of every id in index order (for resume checks)."""
+        return self._ids.digest()
+
+    # -- keys ---------------------------------------------------------------------------
+    def key(self, index: int) -> bytes:
+        """The 16-byte cache key of sample ``index`` (``key_rows([index])[0]``)."""
+        key: bytes = self.key_rows([index])[0].tobytes()
+        return key
+
+    def key_rows(
+        self, indices: Sequence[int] | np.ndarray, *, stamps: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Keys as ``uint8 [n, 16]``: ``sample_key(id, stamp_string, fingerprint, key_text)``,
+        hashed again only for samples whose stamp changed since the last call (a stamp
+        row starting with ``-2``, no stamp, is never memoised). Not thread-safe."""
+        idx = self._checked(indices)
+        if stamps is None:
+            stamps = self.stamps(idx)
+        if self._memo_keys is None or self._memo_stamp is None:
+            n = self._ids.n
+            self._memo_keys = np.zeros((n, 16), dtype=np.uint8)
+            self._memo_stamp = np.full((n, stamps.shape[1]), -1, dtype=np.int64)
+        memo_keys, memo_stamp = self._memo_keys, self._memo_stamp
+        stale = np.flatnonzero((stamps != memo_stamp[idx]).any(axis=1))
+        for j in stale.tolist():
+            i = int(idx[j])
+            key = keys.sample_key(
+                self._ids.id(i),
+                self.stamp_string(i, stamps[j]),
+                self._fingerprint,
+                self.key_text(i),
+            )
+            memo_keys[i] = np.frombuffer(key, dtype=np.uint8)
+            memo_stamp[i] = stamps[j] if stamps[j, 0] != -2 else -1  # missing: not memoised
+        rows: np.ndarray = memo_keys[idx]
+        return rows
+
+    # -- serving ------------------------------------------------------------------------
+    def to_item(self, index: int, sample: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        """What ``source[index]`` returns for a produced or cached sample (tensors + id)."""
+        return item_tensors(self._ids.id(index), sample, self.channels_last_fields)
+
+    def __getitem__(self, index: int) -> dict[str, Any] | None:
+        return serve(self, index)
+
+    # -- rejects ------------------------------------------------------------------------
+    def record_reject(self, err: Exception) -> None:
+        """Append a reject to the process-shared log (one atomic O_APPEND write)."""
+        if not isinstance(err, SampleError):  # the loader only skips SampleErrors
+            err = SampleError(f"{type(err).__name__}: {err}", sample_id="<unknown>")
+        self._rejects.record(err)
+        logger.warning("skipped %s", err)
+
+    def rejects(self) -> list[Reject]:
+        """What was left out at open (:attr:`open_rejects`), then the samples skipped
+        since in any process (deduplicated by id, first reason kept)."""
+        out: dict[str, Reject] = {}
+        for rej in [*self.open_rejects, *self._rejects.read()]:
+            out.setdefault(rej.sample_id, rej)
+        return list(out.values())
+
+    # -- to a worker ----------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for name in self._per_process:
+            state[name] = None  # rebuilt on first use
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)

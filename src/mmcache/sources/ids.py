@@ -1,0 +1,120 @@
+"""The ids of a source's samples: one column type for every source (:class:`IdColumn`).
+
+A source names each sample by a user id (a manifest's ``id``, a WebDataset key, a Parquet
+column) or by its position. The ids are held as one UTF-8 buffer plus ``int64`` offsets,
+never as per-sample Python objects, so a source of millions of samples pickles to its
+workers as two numpy arrays. The digest (:meth:`IdColumn.digest`) is what a loader's
+``state_dict`` records, so that a resume over a reordered or different source is refused.
+
+**Duplicate ids, one rule** (:meth:`IdColumn.duplicate_pair`, :func:`duplicate_message`):
+two entries with one id are never both served, since their cache entries would be one.
+The message names both entries (file and line, shard and member, file and row): the
+later one by the error's path, line or member and id, the earlier one in the words of
+:func:`duplicate_message`, so that every source says it the same way; a source
+raises it as a :class:`~mmcache.errors.ManifestError` under ``on_error="raise"``; under
+``"skip"`` a source that can leave an entry out keeps the first and lists the second in
+its rejects (JSONL and LLaVA manifests, WebDataset shards), and one that cannot tell which
+entry its other data means raises under both (a COCO file: its captions refer to the
+image id).
+
+Thread/process safety: read-only after construction; pickles as its two arrays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import xxhash
+
+__all__ = ["IdColumn", "duplicate_message"]
+
+
+def duplicate_message(first: str) -> str:
+    """The one wording of a duplicate id: ``"duplicate id (first seen at <first>)"``, where
+    ``first`` names the earlier entry (``"line 3"``, ``"shard a.tar, member k.jpg"``,
+    ``"a.parquet row 7"``); the error or reject carrying it names the later one (its
+    path, line or member, and the id)."""
+    return f"duplicate id (first seen at {first})"
+
+
+class IdColumn:
+    """The ids of a source's samples: a UTF-8 buffer plus ``int64`` offsets (``n + 1`` of
+    them), or, with no buffer, each sample's position as a decimal string."""
+
+    def __init__(
+        self, n: int, buf: npt.NDArray[np.uint8] | None = None, offsets: Any = None
+    ) -> None:
+        self.n = n
+        self._buf = buf
+        self._off: npt.NDArray[np.int64] | None = offsets
+
+    @classmethod
+    def of_strings(cls, values: Sequence[str]) -> IdColumn:
+        """From Python strings (small inputs: a COCO file, a shard table, tests)."""
+        encoded = [v.encode("utf-8", "surrogatepass") for v in values]
+        off = np.zeros(len(encoded) + 1, dtype=np.int64)
+        off[1:] = np.cumsum([len(e) for e in encoded])
+        return cls(len(encoded), np.frombuffer(b"".join(encoded), dtype=np.uint8).copy(), off)
+
+    @classmethod
+    def of_arrow(cls, array: Any) -> IdColumn:
+        """From a pyarrow array (or chunked array) of any type castable to string,
+        without null: its buffers copied, no per-row objects."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        ids = pc.cast(array, pa.large_string())
+        if isinstance(ids, pa.ChunkedArray):
+            ids = ids.combine_chunks()
+        _, off_buf, data_buf = ids.buffers()
+        off = np.frombuffer(off_buf, dtype=np.int64)[ids.offset : ids.offset + len(ids) + 1]
+        start, stop = int(off[0]), int(off[-1])
+        data = np.zeros(0, dtype=np.uint8)
+        if data_buf is not None:
+            data = np.frombuffer(data_buf, dtype=np.uint8)[start:stop].copy()
+        return cls(len(ids), data, (off - start).astype(np.int64))
+
+    def __len__(self) -> int:
+        return self.n
+
+    def id(self, i: int) -> str:
+        """The id of sample ``i`` (not range-checked: the source checks its indices)."""
+        if self._buf is None or self._off is None:
+            return str(i)
+        return self._buf[self._off[i] : self._off[i + 1]].tobytes().decode("utf-8", "surrogatepass")
+
+    def ids(self, idx: npt.NDArray[np.int64]) -> list[str]:
+        """The ids of ``idx`` (checked indices), in order."""
+        if self._buf is None or self._off is None:
+            return [str(i) for i in idx.tolist()]
+        view = self._buf.data
+        starts, stops = self._off[idx].tolist(), self._off[idx + 1].tolist()
+        return [
+            str(view[a:b], "utf-8", "surrogatepass") for a, b in zip(starts, stops, strict=True)
+        ]
+
+    def digest(self) -> str:
+        """A digest of every id in order (the bytes and the lengths; positions by count)."""
+        hasher = xxhash.xxh3_64()
+        if self._buf is None or self._off is None:
+            hasher.update(f"positions:{self.n}".encode())
+        else:
+            start, stop = int(self._off[0]), int(self._off[-1])
+            hasher.update(np.ascontiguousarray(self._buf[start:stop]).data)
+            hasher.update(np.ascontiguousarray(self._off - start, dtype="<i8").data)
+        return hasher.hexdigest()
+
+    def duplicate_pair(self) -> tuple[int, int] | None:
+        """``(first, second)``: the first sample whose id an earlier one has, and that
+        earlier one; None when every id is unique (positions always are)."""
+        if self._buf is None or self._off is None:
+            return None
+        seen: dict[str, int] = {}
+        for i, sid in enumerate(self.ids(np.arange(self.n, dtype=np.int64))):
+            first = seen.setdefault(sid, i)
+            if first != i:
+                return first, i
+        return None

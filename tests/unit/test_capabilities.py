@@ -1,0 +1,98 @@
+"""The core asks a source for its capabilities by ``isinstance``, and names the one it lacks.
+
+On main, ``MultimodalDataset("x.parquet")`` was a ``SourceDataset`` that inherited
+``FileSource.lengths`` without its state, so ``group_by_length=True`` failed with an
+``AttributeError`` about ``_chat`` instead of saying what the source lacks.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mmcache as mc
+from mmcache.dataset import SourceDataset
+from mmcache.errors import ConfigError
+from mmcache.loader import DataLoader
+from mmcache.pipeline import Pipeline
+from mmcache.sources.capabilities import (
+    FieldLayout,
+    HasLengths,
+    HasRejects,
+    Revalidating,
+    layout_of,
+    members_of,
+)
+from mmcache.sources.remote.prefetch import RemotePrefetch
+from mmcache.synth import make_dataset
+from mmcache.testing.sft import SyntheticSFTSource
+from mmcache.testing.tabular import write_parquet
+
+
+@pytest.fixture
+def parquet(tmp_path: Path) -> Path:
+    return write_parquet(make_dataset(tmp_path / "loose", 6, seed=2), tmp_path / "pq")[0]
+
+
+def test_group_by_length_on_a_source_without_lengths_names_the_capability(
+    parquet: Path, small_pipeline: Pipeline
+) -> None:
+    ds = mc.MultimodalDataset(parquet, pipeline=small_pipeline)
+    assert isinstance(ds, SourceDataset)
+    assert not isinstance(ds, HasLengths)
+    with pytest.raises(ConfigError, match=r"group_by_length=True.*HasLengths.*lengths"):
+        DataLoader(ds, cache=None, batch_size=2, group_by_length=True)
+
+
+def test_the_face_claims_a_capability_exactly_when_its_source_does(
+    parquet: Path, small_pipeline: Pipeline
+) -> None:
+    ds = mc.open_source(parquet, pipeline=small_pipeline)
+    assert isinstance(ds, SourceDataset)
+    assert isinstance(ds, FieldLayout) and isinstance(ds, HasRejects)
+    assert not isinstance(ds, Revalidating)
+    assert layout_of(ds).varying == ds.source.varying_fields  # type: ignore[attr-defined]
+    assert ds.pad_token_id is None
+    sft = SourceDataset(SyntheticSFTSource(8, seed=1))
+    assert isinstance(sft, HasLengths)
+    assert np.array_equal(sft.lengths(), sft.source.lengths())  # type: ignore[attr-defined]
+    again = pickle.loads(pickle.dumps(ds))
+    assert again.ids([0, 1]) == ds.ids([0, 1]) and not hasattr(again, "lengths")
+
+
+def test_remote_prefetch_of_a_local_source_names_revalidating(
+    parquet: Path, small_pipeline: Pipeline
+) -> None:
+    ds = mc.open_source(parquet, pipeline=small_pipeline)
+    with pytest.raises(ConfigError, match=r"RemotePrefetch needs a source with Revalidating"):
+        RemotePrefetch(ds)
+
+
+class _HalfLayout(SyntheticSFTSource):
+    """A layout without ``channels_last_fields``: half read, its batches would be wrong."""
+
+    def __getattribute__(self, name: str) -> object:
+        if name == "channels_last_fields":
+            raise AttributeError(name)
+        return super().__getattribute__(name)
+
+
+def test_half_a_field_layout_is_refused_naming_the_missing_member() -> None:
+    assert members_of(FieldLayout) == ["channels_last_fields", "pad_token_id", "varying_fields"]
+    with pytest.raises(ConfigError, match=r"FieldLayout.*has no channels_last_fields"):
+        DataLoader(_HalfLayout(8, seed=1), cache=None, batch_size=2)
+
+
+def test_open_source_refuses_what_a_manifest_does_not_take(
+    tmp_path: Path, small_pipeline: Pipeline
+) -> None:
+    manifest = make_dataset(tmp_path / "loose", 3, seed=3)
+    ds = mc.open_source(manifest, pipeline=small_pipeline)
+    assert type(ds) is mc.MultimodalDataset and len(ds) == 3
+    with pytest.raises(ConfigError, match="columns="):
+        mc.open_source(manifest, pipeline=small_pipeline, columns={"id": "id"})
+    with pytest.raises(ConfigError, match="content_stamp"):
+        mc.open_source(write_parquet(manifest, tmp_path / "pq")[0], content_stamp=True)
