@@ -322,7 +322,9 @@ class MemoryStore(Store):
         Every range of every key is copied under one shared lock, so no entry
         can be replaced between two of its ranges (a batch never mixes two
         versions of a sample). A key is found when it is present and holds
-        every range; only found rows are written. ``count=False`` leaves the hit
+        every range; only found rows are written, but for those of entries that fail
+        the read check (:meth:`enable_gather`: copied, then checked; not found, so the
+        caller fills them). ``count=False`` leaves the hit
         and miss counters alone (a caller that may not serve what it read counts
         with :meth:`count_reads`). Thread/process-safe.
         """
@@ -343,19 +345,20 @@ class MemoryStore(Store):
                 e = eids[idx]
                 fits = t.size[e] >= end
                 idx, e = idx[fits], e[fits]
-                if idx.shape[0]:
+                if idx.shape[0] and check is not None:  # each entry copied, then checked
+                    entries = [t.payload(x, s.slabs) for x in e.tolist()]
+                    bad = check.copy_checked(idx.tolist(), entries, targets)
+                    if bad.any():
+                        corrupt = [q[i].tobytes() for i in idx[bad].tolist()]
+                        idx, e = idx[~bad], e[~bad]
+                elif idx.shape[0]:
                     cls, slots = t.cls[e], t.slot[e]
                     for offset, length, out in targets:
                         if length:
                             s.slabs.copy_rows(
                                 out, idx, cls, slots, start=offset, stop=offset + length
                             )
-                    if check is not None:  # the copies are checked while cache-hot
-                        entries = [t.payload(x, s.slabs) for x in e.tolist()]
-                        bad = check.failed(idx.tolist(), entries, targets)
-                        if bad.any():
-                            corrupt = [q[i].tobytes() for i in idx[bad].tolist()]
-                            idx, e = idx[~bad], e[~bad]
+                if idx.shape[0]:
                     t.touch_many(e, self._clock())  # a key twice in a batch: two hits
                 found[idx] = True
         except (LockTimeout, Damaged) as exc:
