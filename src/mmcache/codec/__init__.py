@@ -485,7 +485,7 @@ def checksum_matches_copied(
         if offset > pos:
             _hash_piece(hasher, view[pos:offset], pos)
         if offset >= _CHECKSUM_END:  # the usual piece (a field): no call per piece
-            hasher.update(copy)
+            hasher.update(copy.data)
         else:
             _hash_piece(hasher, copy, offset)
         pos = offset + len(copy)

@@ -593,11 +593,12 @@ class MemoryStore(Store):
     def verify(self, check: Callable[[bytes], bool]) -> list[bytes]:
         """Keys whose value fails ``check`` (the Cache passes the codec's checksum).
 
-        Entries are trusted on reads (see the package docstring), so this is how a
-        byte changed in ``/dev/shm`` is found. Each entry is copied under its own
-        short shared section (writers wait for one copy, not the whole pass) and
-        no hit, miss or access time is recorded. Bad entries are counted as
-        ``corrupt`` but not deleted: the caller decides. Thread/process-safe.
+        Reads check the entries they serve (with the check the owner installs,
+        :meth:`enable_gather`); this finds every byte changed in ``/dev/shm``, read or
+        not. Each entry is copied under its own short shared section (writers wait
+        for one copy, not the whole pass) and no hit, miss or access time is
+        recorded. Bad entries are counted as ``corrupt`` but not deleted: the caller
+        decides. Thread/process-safe.
         """
         s = self._session
         bad: list[bytes] = []
