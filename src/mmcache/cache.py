@@ -9,9 +9,12 @@ tier's policy admits it. A write (:meth:`Cache.put`) encodes the sample once
 this run, disk for the next runs; :func:`mmcache.writeback.write_behind` defers
 the disk half to a background thread.
 
-Verification: disk reads are checked against their xxhash checksum (LMDB does
-not checksum its pages); memory reads are not (verified or produced on entry;
-checking would cost much of the gather speed); ``mmcache verify`` checks both.
+Verification: every read of every tier is checked against the entry's xxh3
+checksum, so a flipped byte is never served: disk reads (LMDB does not checksum its
+pages) and memory reads (``/dev/shm`` can be written by any process of the user),
+batch gathers included (the copies are checked while they are in the CPU cache,
+:mod:`mmcache.stores.gathercheck`); a damaged entry is dropped, counted ``corrupt``
+and produced again. ``mmcache verify`` checks every entry of both.
 
 TTL: every entry carries its creation time from ``clock`` (default
 ``time.time``: persisted entries outlive the process, so a monotonic clock,
@@ -32,7 +35,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import numpy as np
 
@@ -63,7 +66,9 @@ from mmcache.units import parse_duration, parse_size
 if TYPE_CHECKING:
     from mmcache.stores.disk import CompactReport
 
-__all__ = ["Cache", "GcReport", "VerifyReport"]
+__all__ = ["Cache", "GcReport", "VerifyReport", "check_reads"]
+
+S = TypeVar("S", bound=Store)
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +80,19 @@ OpenedAs = Literal["owner", "worker", "inspect"]
 
 
 _to_key = as_key  # 16 bytes and 32 hex as they are, any other str/bytes hashed
+
+
+def check_reads(store: S) -> S:
+    """Install the codec's checksum as the read check of ``store``'s batch gathers, as
+    the cache does for each of its tiers, and return it: a memory store (the memory
+    tier, the cluster's in-flight tier) checks the copies it made; a disk store its
+    entries (a formed one the stored entry, before its decode). Other stores are
+    returned as they are (their reads go through the tier list's check)."""
+    if isinstance(store, FormedDiskStore):
+        store.enable_gather(codec.checksum_matches)  # decodes its hits (disk/formed.py)
+    elif isinstance(store, (MemoryStore, DiskStore)):
+        store.enable_gather(codec.checksum_matches, copied=codec.checksum_matches_copied)
+    return store
 
 
 @dataclass(frozen=True)
@@ -220,7 +238,10 @@ class Cache:
                 MemoryStore.name,
                 self.memory_budget > 0,
                 self._open_memory,
-                verify=False,  # holds only bytes verified or produced on the way in
+                # Every read is checked: /dev/shm can be written by any process of the
+                # user after an entry was checked on the way in (a gather checks the
+                # copies it made while cache-hot: MemoryStore.enable_gather).
+                verify=True,
                 deferred=False,
             ),
             _TierSpec(DiskStore.name, self.disk_budget is not None, self._open_disk, True, True),
@@ -283,19 +304,17 @@ class Cache:
         form, root, policy = self.disk_form, self.root, self.policy
         if form.kind == "raw":
             disk = DiskStore(root / "disk", capacity=capacity, policy=policy, mode=self.mode)
-            disk.enable_gather(codec.checksum_matches, copied=codec.checksum_matches_copied)
-            return disk
+            return check_reads(disk)
         formed = FormedDiskStore(
             root / f"disk-{form.tag}", form=form, capacity=capacity, policy=policy, mode=self.mode
         )
-        formed.enable_gather(codec.checksum_matches)  # decodes its hits (disk/formed.py)
-        return formed
+        return check_reads(formed)
 
     def _open_memory(self) -> Store | None:
         group = memory_group(self.root, self.mode)
         if self._inspect and not store_exists(self.memory_name, group=group):
             return None  # inspecting a cache must not allocate shared memory
-        return MemoryStore(
+        memory = MemoryStore(
             self.memory_name,
             capacity=self.memory_budget,
             policy=self.policy,
@@ -306,6 +325,7 @@ class Cache:
             mode=self.mode & 0o660 if group is not None else 0o600,
             group=group,
         )
+        return check_reads(memory)
 
     def _options(self) -> dict[str, Any]:
         """The options ``cache.json`` records (see :func:`mmcache.cacheroot.write_config`)."""
@@ -592,8 +612,9 @@ class Cache:
 
     def use_flight(self, store: Store) -> None:
         """Gather from ``store`` after the memory tier (:attr:`reader`): ``scope="cluster"``'s
-        in-flight tier, outside the budget and policy (:mod:`mmcache.cluster`)."""
-        self.flight = store
+        in-flight tier, outside the budget and policy (:mod:`mmcache.cluster`). Its
+        gathers are checked like the memory tier's (a flipped byte is never served)."""
+        self.flight = check_reads(store)
 
     def close(self) -> None:
         """Release every handle (idempotent); shared and persisted data stay."""

@@ -276,6 +276,18 @@ def _absent(cache: Any) -> str:
     )
 
 
+def _ledger(prune: bool) -> tuple[Any, str | None]:
+    """The node's identity ledger (:mod:`mmcache.sources.identity`), pruned if ``prune``:
+    its report, or None and why it was refused (another user's ledger)."""
+    from mmcache.errors import CacheError
+    from mmcache.sources.identity import ledger_report, prune_ledger
+
+    try:
+        return (prune_ledger() if prune else ledger_report()), None
+    except CacheError as exc:
+        return None, str(exc)
+
+
 def _cmd_stats(args: argparse.Namespace) -> int:
     from mmcache.maintenance import damaged_tiers
     from mmcache.sources.chat import read_text_reports
@@ -294,10 +306,12 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         cache.close()
     # SFT length passes recorded here (FileSource.text_report(root=...))
     reports = read_text_reports(os.path.expanduser(args.cache))
+    book, refused = _ledger(prune=False)
     if args.json:
         texts = [r.as_dict() for r in reports]
         out = {**stats.as_dict(), "not_present": absent, "text_reports": texts}
-        _print_json({**out, "damaged": damaged})
+        ident = book.as_dict() if book is not None else {"refused": refused}
+        _print_json({**out, "damaged": damaged, "identity_ledger": ident})
         return 0
     fields = ["items", "bytes", "budget", "hits", "misses", "evictions", "expired", "corrupt"]
     rows = []
@@ -320,6 +334,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
             print(f"  {fp}  last used {last}  {info['keys_logged']} keys  {info['description']}")
     for report in reports:
         print(f"\n{report}")
+    print(f"\n{book}" if book is not None else f"\nidentity ledger: refused: {refused}")
     return 0
 
 
@@ -342,8 +357,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             note += "\nmemory tier: damaged store removed (the next run makes a new one)"
     finally:
         cache.close()
+    book, refused = _ledger(prune=False)
     if args.json:
-        _print_json({**report.as_dict(), "damaged": damaged})
+        ident = book.as_dict() if book is not None else {"refused": refused}
+        _print_json({**report.as_dict(), "damaged": damaged, "identity_ledger": ident})
     else:
         where = " and ".join(report.tiers) or "no"
         print(
@@ -353,6 +370,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         )
         for key, tier in list(zip(report.bad, report.bad_tiers, strict=True))[:20]:
             print(f"  bad entry {key} ({tier} tier)")
+        print(book if book is not None else f"identity ledger: refused: {refused}")
     if damaged:
         return 1  # a tier that cannot be read was not checked (nor repaired, if in use)
     return 0 if report.ok or args.repair else 1
@@ -373,11 +391,13 @@ def _cmd_gc(args: argparse.Namespace) -> int:
                 "shared-memory stores of every root)"
             )
         report = sweep_orphans()
+        book, refused = _ledger(prune=True)
         if args.json:
-            _print_json(report.as_dict())
+            _print_json({**report.as_dict(), "identity_ledger": _pruned_json(book, refused)})
         else:
             print(f"{len(report.orphan_segments)} orphaned shared-memory segments removed")
-        return 0
+            _print_pruned(book, refused)
+        return 0 if refused is None else 1
     cache = _open(args)
     try:
         report = cache.gc(
@@ -391,9 +411,11 @@ def _cmd_gc(args: argparse.Namespace) -> int:
         left = "" if report.orphan_segments or "memory" not in cache.degraded else _absent(cache)
     finally:
         cache.close()
+    book, refused = _ledger(prune=True)
     if args.json:
         extra = {"compact": compacted.as_dict()} if compacted is not None else {}
-        _print_json({**report.as_dict(), **extra})
+        ident = {"identity_ledger": _pruned_json(book, refused)}
+        _print_json({**report.as_dict(), **extra, **ident})
     else:
         print(
             f"freed {format_size(report.freed_bytes)}: {report.expired} expired, "
@@ -408,7 +430,26 @@ def _cmd_gc(args: argparse.Namespace) -> int:
             print(f"disk tier compacted: {before} -> {after}")
         if left:
             print(left.strip())
-    return 0
+        _print_pruned(book, refused)
+    return 0 if refused is None else 1
+
+
+def _pruned_json(book: Any, refused: str | None) -> dict[str, Any]:
+    return book.as_dict() if book is not None else {"refused": refused}
+
+
+def _print_pruned(book: Any, refused: str | None) -> None:
+    """What gc did to the identity ledger (a refusal on stderr: gc then exits 1)."""
+    if book is None:
+        print(f"mmcache gc: identity ledger not pruned: {refused}", file=sys.stderr)
+        return
+    if book.path is not None and book.exists:
+        print(
+            f"{book}: removed {book.gone} rows of files gone, {book.changed} of files"
+            f" changed, {book.over} over the bound"
+        )
+    else:
+        print(book)
 
 
 # -- bench --------------------------------------------------------------------------------
@@ -602,7 +643,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_verify)
 
-    p = sub.add_parser("gc", help="remove expired, corrupt, orphaned and over-budget data")
+    p = sub.add_parser(
+        "gc",
+        help="remove expired, corrupt, orphaned and over-budget data; prune the identity ledger",
+    )
     p.add_argument("--cache", help="cache root (not needed for --all alone)")
     p.add_argument("--older-than", type=duration, help="remove entries older than this (e.g. 7d)")
     p.add_argument("--max-size", type=size, help="shrink the disk tier to this size (e.g. 10GiB)")

@@ -3,9 +3,10 @@ benchmarks/cluster.py): trains over a few epochs, writes what it saw to ``OUT/ra
 
 Per epoch: a digest of every batch (ids and image bytes), the samples this process
 produced (decoded), the node's memory entries and bytes, the exchange's counters,
-seconds. ``--kill-node N --kill-at E:B``: the ranks of node N stop before batch B of epoch
-E: the first of them is killed (SIGKILL, a dead rank), the others freeze (SIGSTOP, a
-silent peer whose connections stay open). ``--stop-at E:B``: save the loader state there and stop.
+seconds; and the warnings the cluster logged (``warnings``).
+``--kill-node N --kill-at E:B``: the ranks of node N stop before batch B of epoch E:
+the first of them is killed (SIGKILL, a dead rank), the others freeze (SIGSTOP, a silent
+peer whose connections stay open). ``--stop-at E:B``: save the loader state there and stop.
 ``--resume FILE``: load a state first (another world size allowed).
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -39,6 +41,17 @@ class CountingDataset(MultimodalDataset):
         CountingDataset.produced += 1
         CountingDataset.which.append(index)
         return super().produce(index)
+
+
+class _Warnings(logging.Handler):
+    """Keeps the messages of the warnings logged (the result's ``warnings``)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def digest(batch: dict[str, Any]) -> str:
@@ -68,12 +81,12 @@ def main() -> None:
     ap.add_argument("--persistent", action="store_true")
     args = ap.parse_args()
     if os.environ.get("CLUSTER_DEBUG"):
-        import logging
-
         logging.basicConfig(
             level=logging.DEBUG, format=f"%(relativeCreated)d r{os.environ.get('RANK')} %(message)s"
         )
         logging.getLogger("mmcache.cluster").setLevel(logging.DEBUG)
+    warned = _Warnings()  # what the exchange warned of, for the G17 tests
+    logging.getLogger("mmcache.cluster").addHandler(warned)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     out = Path(args.out)
@@ -143,6 +156,7 @@ def main() -> None:
         )
         if "state" in result:
             break
+    result["warnings"] = warned.messages
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     if kill is None and stop is None:
         dist.barrier()  # everyone done before the memory tiers go

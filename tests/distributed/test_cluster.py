@@ -196,12 +196,71 @@ def test_nodes_reading_their_own_cp_a_copies_decode_nothing_after_the_first_epoc
 ) -> None:
     # G17: each node its own `cp -a` copy (other inodes and ctimes, same relative names,
     # sizes, mtimes and bytes): keys are equal, so the exchange serves every node.
-    for node in NODES:
-        shutil.copytree(manifest.parent, tmp_path / node / "data", copy_function=shutil.copy2)
-    per_node = tmp_path / "{node}" / "data" / manifest.name
+    per_node = _copies(manifest, tmp_path)
     results = _launch(per_node, root, tmp_path / "out", budget, "--lockstep")
     _check_zero_decodes(results, _reference(manifest, 4))
     assert all(r["epochs"][-1]["exchange"]["refused"] == 0 for r in results)
+    assert [r["warnings"] for r in results] == [[]] * 4  # nothing to warn of
+
+
+#: The one warning of entries refused because keys differ between nodes (G17).
+KEYS_DIFFER = "refused because their keys differ from this node's keys"
+
+
+def _copies(manifest: Path, tmp_path: Path) -> Path:
+    """A ``cp -a`` copy of the data per node; the ``{node}`` manifest path of the copies."""
+    for node in NODES:
+        shutil.copytree(manifest.parent, tmp_path / node / "data", copy_function=shutil.copy2)
+    return tmp_path / "{node}" / "data" / manifest.name
+
+
+def test_a_node_whose_copy_has_other_bytes_warns_once_why_entries_are_refused(
+    manifest: Path, root: Path, tmp_path: Path, budget: int
+) -> None:
+    # node1's copy: 32 images swapped pairwise (other bytes under the same names and ids),
+    # mtimes restored. Those samples' keys differ between the nodes: each rank that
+    # receives one refuses it and says why, once; every rank's batches are its own data's.
+    per_node = _copies(manifest, tmp_path)
+    images = sorted((tmp_path / "node1" / "data" / "images").iterdir())[:32]
+    for a, b in zip(images[::2], images[1::2], strict=True):
+        sa, sb = a.stat(), b.stat()
+        da, db = a.read_bytes(), b.read_bytes()
+        a.write_bytes(db)
+        b.write_bytes(da)
+        os.utime(a, ns=(sa.st_atime_ns, sa.st_mtime_ns))
+        os.utime(b, ns=(sb.st_atime_ns, sb.st_mtime_ns))
+    results = _launch(per_node, root, tmp_path / "out", budget, "--lockstep", per_node=1)
+    assert [r["node"] for r in results] == list(NODES)
+    mine = [_reference(Path(str(per_node).format(node=n)), 2) for n in NODES]
+    for r in results:
+        assert [e["batches"] for e in r["epochs"]] == mine[r["rank"]][r["rank"]]
+        assert r["epochs"][-1]["exchange"]["refused"] > 0
+        warned = [w for w in r["warnings"] if KEYS_DIFFER in w]
+        assert len(warned) == 1, r["warnings"]
+        assert "the nodes read other bytes" in warned[0]
+
+
+def test_a_copy_with_other_relative_names_but_the_same_bytes_shares_every_entry(
+    manifest: Path, root: Path, tmp_path: Path, budget: int
+) -> None:
+    # node1's copy keeps its images under another folder name (the manifest says so): the
+    # identity of a sample is its id, caption and bytes, not where the file lies, so the
+    # keys are equal, nothing is refused and nothing is warned of.
+    per_node = _copies(manifest, tmp_path)
+    data1 = tmp_path / "node1" / "data"
+    (data1 / "images").rename(data1 / "pictures")
+    lines = (data1 / manifest.name).read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    for row in rows:
+        row["image_path"] = row["image_path"].replace("images/", "pictures/")
+    (data1 / manifest.name).write_text("".join(json.dumps(row) + "\n" for row in rows))
+    results = _launch(per_node, root, tmp_path / "out", budget, "--lockstep", per_node=1)
+    want = _reference(manifest, 2)
+    for r in results:
+        assert [e["batches"] for e in r["epochs"]] == want[r["rank"]]
+        assert r["epochs"][-1]["exchange"]["refused"] == 0
+        assert [e["produced"] for e in r["epochs"][1:]] == [0] * (EPOCHS - 1)
+        assert r["warnings"] == []
 
 
 def test_with_persistent_workers_nothing_is_decoded_after_the_first_epoch_either(

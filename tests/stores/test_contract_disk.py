@@ -12,7 +12,7 @@ from hypothesis import settings
 
 from mmcache.stores.base import Store
 from mmcache.stores.disk import DiskStore
-from mmcache.testing.store_contract import StoreContract
+from mmcache.testing.store_contract import StoreContract, flip_in_files
 from mmcache.testing.store_machine import make_store_machine
 
 
@@ -30,6 +30,12 @@ class TestDiskStoreContract(StoreContract):
         assert isinstance(store, DiskStore)
         store.close()
         return DiskStore(store.path, capacity=store.capacity(), policy=store.policy)
+
+    def flip_stored_byte(self, store: Store, k: bytes, value: bytes) -> bool:
+        assert isinstance(store, DiskStore)
+        needle = value[len(value) // 2 - 200 :][:400]
+        flip_in_files([str(Path(store.path) / "data.mdb")], needle)
+        return True
 
 
 def _machine_store(capacity: int) -> DiskStore:

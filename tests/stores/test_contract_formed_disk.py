@@ -9,7 +9,7 @@ import pytest
 
 from mmcache.stores.base import Store
 from mmcache.stores.disk.formed import FormedDiskStore
-from mmcache.testing.store_contract import StoreContract
+from mmcache.testing.store_contract import StoreContract, flip_in_files
 
 
 class XorForm:
@@ -39,6 +39,12 @@ class TestFormedDiskStoreContract(StoreContract):
         return FormedDiskStore(
             store.path, form=XorForm(), capacity=store.capacity(), policy=store.policy
         )
+
+    def flip_stored_byte(self, store: Store, k: bytes, value: bytes) -> bool:
+        assert isinstance(store, FormedDiskStore)
+        stored = XorForm().pack(value[len(value) // 2 - 200 :][:400])  # as the file holds it
+        flip_in_files([str(Path(store.path) / "data.mdb")], stored)
+        return True
 
 
 def test_values_are_stored_in_their_form(tmp_path: Path) -> None:

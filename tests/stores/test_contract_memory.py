@@ -11,7 +11,7 @@ from hypothesis import settings
 
 from mmcache.stores.base import Store
 from mmcache.stores.memory import MemoryStore, store_dir, unlink_store
-from mmcache.testing.store_contract import StoreContract
+from mmcache.testing.store_contract import StoreContract, flip_in_files
 from mmcache.testing.store_machine import make_store_machine
 
 
@@ -37,6 +37,11 @@ class TestMemoryStoreContract(StoreContract):
         assert isinstance(store, MemoryStore)
         store.close()  # the segments stay in /dev/shm: a later process finds the entries
         return MemoryStore(store.shm_name, capacity=store.capacity(), policy=store.policy)
+
+    def flip_stored_byte(self, store: Store, k: bytes, value: bytes) -> bool:
+        assert isinstance(store, MemoryStore)
+        flip_in_files(store.segment_paths(), value[len(value) // 2 - 200 :][:400])
+        return True
 
 
 def _machine_store(capacity: int) -> MemoryStore:

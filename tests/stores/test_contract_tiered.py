@@ -22,14 +22,14 @@ from mmcache.stores.base import Store
 from mmcache.stores.disk import DiskStore
 from mmcache.stores.memory import MemoryStore, unlink_store
 from mmcache.stores.tiered import Tier, TieredStore
-from mmcache.testing.store_contract import StoreContract
+from mmcache.testing.store_contract import StoreContract, flip_in_files
 from mmcache.testing.store_machine import make_store_machine
 
 
 def _tiered(name: str, path: Path | str, capacity: int, policy: str) -> TieredStore:
     memory = MemoryStore(name, capacity=max(capacity // 4, 1), policy=policy)
     disk = DiskStore(path, capacity=capacity, policy=policy)
-    return TieredStore([Tier(memory, verify=False), Tier(disk, deferred=True)])
+    return TieredStore([Tier(memory), Tier(disk, deferred=True)])  # every read checked
 
 
 class TestTieredStoreContract(StoreContract):
@@ -62,6 +62,16 @@ class TestTieredStoreContract(StoreContract):
                 Tier(DiskStore(disk.path, capacity=disk.capacity(), policy=disk.policy)),
             ]
         )
+
+    def flip_stored_byte(self, store: Store, k: bytes, value: bytes) -> bool:
+        """The same byte flipped in both tiers: neither copy may be served."""
+        assert isinstance(store, TieredStore)
+        memory, disk = store.tiers
+        assert isinstance(memory, MemoryStore) and isinstance(disk, DiskStore)
+        needle = value[len(value) // 2 - 200 :][:400]
+        flip_in_files(memory.segment_paths(), needle)
+        flip_in_files([str(Path(disk.path) / "data.mdb")], needle)
+        return True
 
 
 def _machine_store(capacity: int) -> TieredStore:

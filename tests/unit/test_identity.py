@@ -105,9 +105,10 @@ def test_the_ledger_is_shared_by_ledgers_of_one_file_and_survives_damage(
 ) -> None:
     path = tmp_path / "x.bin"
     path.write_bytes(b"q" * 4096)
-    ev = identity.evidence(str(path), keys.stat_fields(path.stat()))
+    fields = keys.stat_fields(path.stat())
+    ev = identity.evidence(str(path), fields)
     book = identity.Ledger(str(tmp_path / "l" / "ledger.sqlite"))
-    book.put_many([(ev, b"\x01" * 16)])
+    book.put_many([(ev, b"\x01" * 16, str(path), fields, None)])
     assert identity.Ledger(book.path).get_many([ev, b"\x00" * 16]) == [b"\x01" * 16, None]
     # a damaged file: one warning, then in memory, never an exception
     assert book.path is not None
@@ -116,7 +117,7 @@ def test_the_ledger_is_shared_by_ledgers_of_one_file_and_survives_damage(
         Path(book.path + name).unlink(missing_ok=True)
     broken = identity.Ledger(book.path)
     assert broken.get_many([ev]) == [None]
-    broken.put_many([(ev, b"\x02" * 16)])
+    broken.put_many([(ev, b"\x02" * 16, str(path), fields, None)])
     assert broken.get_many([ev]) == [b"\x02" * 16]
     assert "cannot be used" in caplog.text
     with pytest.raises(sqlite3.DatabaseError):

@@ -39,6 +39,13 @@ the host so that a home directory shared between nodes never has two nodes lock 
 what it keys once). It holds only digests of bytes this node read; losing it, or any error
 reading or writing it, costs a re-read, never a wrong key (one warning, then in memory).
 
+Each row keeps what it was learned from (the file's path, its stat fields, the span) and
+when, so ``mmcache gc`` can prune it (:func:`prune_ledger`): rows of files gone or changed
+since (their evidence can never match again), then the oldest beyond
+:data:`MAX_LEDGER_ROWS`. A ledger (or its folder) owned by another user, or a link, is never
+used nor pruned (:func:`check_ledger_owner`). A ledger of an older schema (rows without
+their paths) is emptied when first opened: it costs one re-read of each file.
+
 Remote objects are identified by their ETag or version id (:mod:`mmcache.sources.remote`).
 
 Thread/process safety: :func:`ledger` returns one ledger per process (re-opened in a forked
@@ -54,22 +61,33 @@ import socket
 import sqlite3
 import stat
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 import xxhash
 
 from mmcache import keys
+from mmcache.errors import CacheError
+from mmcache.stores.memory.access import describe_owner
 
 __all__ = [
     "CONTENT_PREFIX",
     "MAX_DIGEST_BYTES",
+    "MAX_LEDGER_ROWS",
     "Ledger",
+    "LedgerReport",
+    "check_ledger_owner",
     "content_digest",
     "evidence",
     "file_identities",
     "file_identity",
     "ledger",
+    "ledger_file",
+    "ledger_report",
+    "prune_ledger",
     "span_identities",
 ]
 
@@ -81,6 +99,18 @@ _CHUNK = 1 << 20
 #: Files larger than this are not digested for a key (far over any image's ``max_bytes``):
 #: their identity is their local evidence. Sources of big files (Parquet) pass their own.
 MAX_DIGEST_BYTES = 1 << 30
+#: Rows ``mmcache gc`` leaves in a ledger (the most recently learned): ~150 B each, so
+#: ~150 MB at most, for two million files; beyond, the oldest digests are read again.
+MAX_LEDGER_ROWS = 1_000_000
+#: The table's layout (``PRAGMA user_version``); a ledger of another one is emptied.
+_SCHEMA = 2
+_TABLE = (
+    "CREATE TABLE IF NOT EXISTS digest (ev BLOB PRIMARY KEY, d BLOB NOT NULL,"
+    " path BLOB NOT NULL, size INT, mtime INT, ctime INT, ino INT, lo INT, hi INT,"
+    " t REAL NOT NULL) WITHOUT ROWID"
+)
+#: One row a ledger learns: ``(evidence, digest, path, stat fields, span or None)``.
+Learned = tuple[bytes, bytes, str | bytes, Sequence[int], tuple[int, int] | None]
 
 
 def content_digest(data: bytes | memoryview) -> str:
@@ -127,15 +157,9 @@ class Ledger:
         if self._conn is None:
             try:
                 os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
-                conn = sqlite3.connect(self.path, timeout=30, check_same_thread=False)
-                conn.execute("PRAGMA journal_mode=WAL")
-                conn.execute("PRAGMA synchronous=NORMAL")
-                conn.execute(
-                    "CREATE TABLE IF NOT EXISTS digest (ev BLOB PRIMARY KEY, d BLOB NOT NULL)"
-                    " WITHOUT ROWID"
-                )
-                conn.commit()
-            except (OSError, sqlite3.Error) as exc:
+                check_ledger_owner(self.path)
+                conn = _open_ledger(self.path)
+            except (OSError, sqlite3.Error, CacheError) as exc:
                 self._fail(exc)
                 return None
             self._conn = conn
@@ -171,20 +195,64 @@ class Ledger:
                     self._fail(exc)
             return [found.get(ev) for ev in evs]
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
-        """Remember ``(evidence, digest)`` pairs (one transaction)."""
+    def put_many(self, items: Sequence[Learned]) -> None:
+        """Remember ``(evidence, digest, path, fields, span)`` rows (one transaction)."""
         if not items:
             return
         with self._lock:
-            self._mem.update(items)
+            self._mem.update((ev, d) for ev, d, *_ in items)
             conn = self._connection()
             if conn is None:
                 return
+            now = time.time()
+            rows = [
+                (ev, d, os.fsencode(os.path.abspath(path)), *(int(f) for f in fields))
+                + (span if span is not None else (None, None))
+                + (now,)
+                for ev, d, path, fields, span in items
+            ]
             try:
                 with conn:
-                    conn.executemany("INSERT OR REPLACE INTO digest VALUES (?, ?)", items)
+                    conn.executemany(
+                        "INSERT OR REPLACE INTO digest VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows
+                    )
             except sqlite3.Error as exc:
                 self._fail(exc)
+
+
+def _open_ledger(path: str) -> sqlite3.Connection:
+    """A connection to the ledger file ``path`` (made if absent), in the current schema."""
+    conn = sqlite3.connect(path, timeout=30, check_same_thread=False)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")
+    if conn.execute("PRAGMA user_version").fetchone()[0] != _SCHEMA:
+        with conn:  # an older ledger's rows lack their paths: gc could never prune them
+            conn.execute("DROP TABLE IF EXISTS digest")
+            conn.execute(_TABLE)
+            conn.execute(f"PRAGMA user_version = {_SCHEMA}")
+    return conn
+
+
+def check_ledger_owner(path: str) -> None:
+    """Raise :class:`~mmcache.errors.CacheError` unless the ledger file ``path`` (if it
+    exists) and its folder are this user's own, not links: a ledger another user could
+    write would hand this user's jobs the keys of bytes they never read."""
+    me = os.geteuid()
+    for where, want_dir in ((os.path.dirname(path), True), (path, False)):
+        try:
+            st = os.lstat(where)
+        except FileNotFoundError:
+            continue
+        kind_ok = stat.S_ISDIR(st.st_mode) if want_dir else stat.S_ISREG(st.st_mode)
+        if st.st_uid == me and kind_ok:
+            continue
+        what = "folder" if want_dir else "file"
+        raise CacheError(
+            f"refusing the identity ledger {what} {where}: it has {describe_owner(st)}, but"
+            f" mmcache uses and prunes only a regular {what} of uid {me} (not a link). Set"
+            " MMCACHE_IDENTITY_DIR to a folder of your own (or 'off' to keep digests in"
+            " memory), or remove it as its owner"
+        )
 
 
 _LEDGERS: dict[str | None, Ledger] = {}
@@ -205,8 +273,12 @@ def memory_only() -> Iterator[None]:
 
 
 def _ledger_path() -> str | None:
-    if _MEMORY_ONLY[0]:
-        return None
+    return None if _MEMORY_ONLY[0] else ledger_file()
+
+
+def ledger_file() -> str | None:
+    """Where this user's ledger on this node is (``$MMCACHE_IDENTITY_DIR``, default
+    ``$XDG_CACHE_HOME/mmcache/identity/<host>-<uid>.sqlite``), or None when it is off."""
     where = os.environ.get("MMCACHE_IDENTITY_DIR")
     if where is not None and where.strip().lower() in ("", "off", "none", "0"):
         return None
@@ -273,7 +345,7 @@ def file_identities(
             evs[j] = evidence(path, fields[j].tolist())
     book = ledger()
     known = book.get_many(list(evs.values())) if evs and not content else [None] * len(evs)
-    learned: list[tuple[bytes, bytes]] = []
+    learned: list[Learned] = []
     for (j, ev), got in zip(evs.items(), known, strict=True):
         if got is not None:
             out[j] = CONTENT_PREFIX + got.hex()
@@ -287,7 +359,8 @@ def file_identities(
             continue
         out[j] = ident
         if stable:
-            learned.append((ev, bytes.fromhex(ident[len(CONTENT_PREFIX) :])))
+            digest = bytes.fromhex(ident[len(CONTENT_PREFIX) :])
+            learned.append((ev, digest, path, fields[j].tolist(), None))
     book.put_many(learned)
     return [s if s is not None else "missing" for s in out]
 
@@ -330,12 +403,112 @@ def span_identities(
     book = ledger()
     known = book.get_many(evs)
     out: list[str] = []
-    learned: list[tuple[bytes, bytes]] = []
+    learned: list[Learned] = []
     for ev, (start, end), got in zip(evs, spans, known, strict=True):
         digest = got
         if digest is None:
             digest = xxhash.xxh3_128_digest(read(start, end))
-            learned.append((ev, digest))
+            learned.append((ev, digest, path, fields, (start, end)))
         out.append(CONTENT_PREFIX + digest.hex())
     book.put_many(learned)
     return out
+
+
+@dataclass(frozen=True)
+class LedgerReport:
+    """Where the ledger is and what it holds (``path`` None: off); what a prune removed."""
+
+    path: str | None
+    exists: bool = False
+    rows: int = 0
+    bytes: int = 0  # the file and its WAL
+    gone: int = 0  # rows of files that no longer exist (or cannot be read)
+    changed: int = 0  # rows of files whose stat fields changed since
+    over: int = 0  # the oldest rows beyond the bound
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        if self.path is None:
+            return "identity ledger: off (MMCACHE_IDENTITY_DIR=off: digests kept in memory)"
+        if not self.exists:
+            return f"identity ledger: {self.path} (not made yet)"
+        from mmcache.units import format_size
+
+        return f"identity ledger: {self.path} ({self.rows} rows, {format_size(self.bytes)})"
+
+
+def _file_bytes(path: str) -> int:
+    total = 0
+    for p in (path, path + "-wal"):
+        with contextlib.suppress(OSError):
+            total += os.stat(p).st_size
+    return total
+
+
+def ledger_report(path: str | None = None) -> LedgerReport:
+    """Where the ledger is (``path``, default :func:`ledger_file`), its rows and bytes;
+    read-only (nothing is made). CacheError for a ledger of another user."""
+    path = ledger_file() if path is None else path
+    if path is None:
+        return LedgerReport(None)
+    check_ledger_owner(path)
+    if not os.path.exists(path):
+        return LedgerReport(path)
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
+        try:
+            rows = int(conn.execute("SELECT count(*) FROM digest").fetchone()[0])
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        rows = 0  # an empty or older file: the next job makes its table
+    return LedgerReport(path, True, rows, _file_bytes(path))
+
+
+def prune_ledger(path: str | None = None, *, max_rows: int = MAX_LEDGER_ROWS) -> LedgerReport:
+    """Remove the rows of ledger ``path`` (default :func:`ledger_file`) whose file is gone
+    or changed (one ``stat`` each: their evidence can never match again), then the
+    oldest beyond ``max_rows``; what is left, and what was removed.
+
+    Safe while jobs use the ledger (SQLite serialises the writers; a row removed under
+    a job costs it one re-read). CacheError for a ledger of another user, never touched.
+    """
+    path = ledger_file() if path is None else path
+    if path is None or not os.path.exists(path):
+        return ledger_report(path)
+    check_ledger_owner(path)
+    conn = _open_ledger(path)
+    try:
+        stale: dict[str, list[bytes]] = {"gone": [], "changed": []}
+        cur = conn.execute("SELECT ev, path, size, mtime, ctime, ino FROM digest")
+        while batch := cur.fetchmany(4096):
+            for ev, where, *fields in batch:
+                try:
+                    now = keys.stat_fields(os.stat(bytes(where)))
+                except OSError:
+                    stale["gone"].append(ev)
+                    continue
+                if list(now) != fields:
+                    stale["changed"].append(ev)
+        with conn:
+            for evs in stale.values():
+                conn.executemany("DELETE FROM digest WHERE ev = ?", [(ev,) for ev in evs])
+            left = int(conn.execute("SELECT count(*) FROM digest").fetchone()[0])
+            over = max(left - max_rows, 0)
+            if over:
+                conn.execute(
+                    "DELETE FROM digest WHERE ev IN (SELECT ev FROM digest ORDER BY t LIMIT ?)",
+                    (over,),
+                )
+        if over or any(stale.values()):
+            with contextlib.suppress(sqlite3.Error):  # busy: another job holds it; later
+                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                conn.execute("VACUUM")
+    finally:
+        conn.close()
+    got = ledger_report(path)
+    return LedgerReport(
+        path, True, got.rows, got.bytes, len(stale["gone"]), len(stale["changed"]), over
+    )

@@ -23,7 +23,10 @@ Rules checked beyond the method docstrings of the ABC: ``get`` returns
 ``bytes`` that stay valid whatever happens next; a refused ``put`` never leaves
 an older value of the same key readable (a new value for a key means the old one
 is stale); ``nbytes`` is exactly the sum of the sizes held; ``contains``,
-``info``, ``keys`` and ``len`` never count hits or misses.
+``info``, ``keys`` and ``len`` never count hits or misses; a flipped byte of a
+stored entry is never served, by a read or a batch gather (the read checks the cache
+installs, :func:`mmcache.cache.check_reads`), for a store whose test says how to
+flip one (:meth:`StoreContract.flip_stored_byte`).
 """
 
 from __future__ import annotations
@@ -31,12 +34,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import pytest
 
+from mmcache import codec
+from mmcache.cache import check_reads
+from mmcache.errors import CorruptEntryError
 from mmcache.stats import TierStats
-from mmcache.stores.base import KEY_SIZE, Store
+from mmcache.stores.base import KEY_SIZE, BatchReader, Store
+from mmcache.stores.tiered import Accepted, Tier, TieredStore
 
-__all__ = ["StoreContract", "key"]
+__all__ = ["StoreContract", "flip_in_files", "key"]
 
 #: Sleep between events whose order a policy must see (coarse clocks tie otherwise).
 _TICK = 0.005
@@ -63,6 +71,13 @@ class StoreContract:
     def reopen(self, store: Store) -> Store | None:
         """Close ``store`` and open its data again; None if the tier does not persist."""
         return None
+
+    def flip_stored_byte(self, store: Store, k: bytes, value: bytes) -> bool:
+        """Flip one byte of the image of the entry ``value`` stored under ``k`` where the
+        tier keeps it (its shared segment, its file), as a stray write or rot would,
+        the store staying open; False if nothing of it lives outside the process (the
+        flipped-byte test is then skipped). :func:`flip_in_files` does it for files."""
+        return False
 
     # ------------------------------------------------------------------ plumbing
 
@@ -323,3 +338,66 @@ class StoreContract:
         info = reopened.info(key(1))
         assert info is not None
         assert (info.cost, info.ctime) == (0.5, 7.0)
+
+    # ------------------------------------------------------------------ integrity
+
+    def test_a_flipped_byte_is_never_served(self) -> None:
+        """Issue 24: a flipped byte in any tier is never served. The entry is dropped,
+        counted ``corrupt``, and reads as absent (the caller produces it again), by the
+        tier list's read (what ``Cache.get`` runs) and by a batch gather."""
+        store = check_reads(self._store(capacity=1 << 20))
+        value = _entry(1)
+        assert store.put(key(1), value)
+        if not self.flip_stored_byte(store, key(1), value):
+            pytest.skip("this tier keeps nothing outside the process")
+        tiers = store if isinstance(store, TieredStore) else TieredStore([Tier(store)])
+        assert tiers.lookup(key(1), _decoded) is None
+        assert not store.contains(key(1))
+        if not isinstance(store, TieredStore):
+            assert store.stats().corrupt == 1
+        if not (store.supports_gather and isinstance(store, BatchReader)):
+            return
+        value = _entry(2)
+        assert store.put(key(2), value) and store.put(key(3), _entry(3))
+        assert self.flip_stored_byte(store, key(2), value)
+        out = np.zeros((2, len(value)), dtype=np.uint8)
+        found = store.gather_ranges([key(2), key(3)], [(0, len(value), out)])
+        assert found.tolist() == [False, True]
+        assert bytes(out[1]) == _entry(3)
+        assert not store.contains(key(2)) and store.stats().corrupt == 2
+
+
+def _entry(i: int) -> bytes:
+    """A codec entry whose image is ``i``'s pseudo-random bytes (unique in the store)."""
+    rng = np.random.default_rng(i)
+    return codec.encode(
+        {
+            "image": rng.integers(0, 256, (3, 32, 32), dtype=np.uint8),
+            "input_ids": np.arange(16, dtype=np.int32),
+        }
+    )
+
+
+def _decoded(raw: bytes, verify: bool) -> Accepted[object]:
+    """The cache's read check, verifying (the cache verifies every tier's reads)."""
+    if not codec.verify(raw):
+        raise CorruptEntryError("checksum mismatch")
+    return Accepted(raw, 0.0, 0.0)
+
+
+def flip_in_files(paths: list[str], needle: bytes) -> None:
+    """Flip one byte in the middle of ``needle``, which one of ``paths`` holds once."""
+    hits = [(p, _read(p).find(needle)) for p in paths]
+    found = [(p, at) for p, at in hits if at >= 0]
+    assert len(found) == 1, f"the entry's bytes are in {len(found)} of {paths}"
+    path, at = found[0]
+    with open(path, "r+b") as f:
+        f.seek(at + len(needle) // 2)
+        byte = f.read(1)
+        f.seek(at + len(needle) // 2)
+        f.write(bytes([byte[0] ^ 0x5A]))
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()

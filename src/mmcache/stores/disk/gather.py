@@ -22,9 +22,8 @@ Thread/process safety: as the rest of :class:`~mmcache.stores.disk.DiskStore`
 
 from __future__ import annotations
 
-import itertools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Literal
 
 import numpy as np
@@ -34,16 +33,11 @@ from mmcache.errors import CacheError
 from mmcache.stores.base import KEY_SIZE, Keys
 from mmcache.stores.disk.counters import Counter, CounterFile
 from mmcache.stores.disk.env import EnvHandle, Txn
+from mmcache.stores.gathercheck import CopiedCheck, EntryCheck, ranges_apart
 
 __all__ = ["DiskGather", "EntryCheck"]
 
 logger = logging.getLogger(__name__)
-
-#: The read check of a gathered entry: whether its bytes are intact (``codec.verify``).
-EntryCheck = Callable[[memoryview], bool]
-#: The read check given the copies of byte ranges of the entry (``(offset, copy)``,
-#: sorted by offset, apart): ``codec.checksum_matches_copied``.
-CopiedCheck = Callable[[memoryview, Sequence[tuple[int, npt.NDArray[np.uint8]]]], bool]
 
 
 def key_list(keys: Keys) -> list[bytes]:
@@ -58,15 +52,6 @@ def key_list(keys: Keys) -> list[bytes]:
         if not isinstance(k, bytes) or len(k) != KEY_SIZE:
             raise ValueError(f"store keys are {KEY_SIZE}-byte digests, got {k!r}")
     return out
-
-
-def _apart(targets: Sequence[tuple[int, int, npt.NDArray[np.uint8]]]) -> bool:
-    """Whether the targets' ranges do not overlap and their rows are contiguous (what
-    a check over the copies needs)."""
-    spans = sorted((offset, offset + length) for offset, length, _ in targets)
-    if any(b[0] < a[1] for a, b in itertools.pairwise(spans)):
-        return False
-    return all(out.strides[1] == 1 for _, _, out in targets)
 
 
 def _check_targets(n: int, targets: Sequence[tuple[int, int, npt.NDArray[np.uint8]]]) -> int:
@@ -161,7 +146,7 @@ class DiskGather:
         if len(rows) != n:
             raise ValueError(f"{n} keys but {len(rows)} rows")
         end = _check_targets(int(np.max(rows)) + 1, targets)
-        copied = self._gather_copied if _apart(targets) else None
+        copied = self._gather_copied if ranges_apart(targets) else None
         order = sorted(targets, key=lambda t: t[0])
         row_list = rows.tolist()
         corrupt: list[bytes] = []

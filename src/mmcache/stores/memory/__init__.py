@@ -46,6 +46,7 @@ from mmcache.errors import ConfigError
 from mmcache.policies import Policy, get_policy
 from mmcache.stats import TierStats
 from mmcache.stores.base import KEY_SIZE, EntryInfo, Keys, Store, check_key
+from mmcache.stores.gathercheck import CopiedCheck, EntryCheck, GatherCheck
 from mmcache.stores.memory import repair
 from mmcache.stores.memory.access import Access
 from mmcache.stores.memory.admission import INLINE_COPY_MAX, Writer
@@ -132,6 +133,7 @@ class MemoryStore(Store):
 
     name = "memory"
     supports_gather = True
+    _gather_check: GatherCheck | None = None
 
     def __init__(
         self,
@@ -184,6 +186,7 @@ class MemoryStore(Store):
     def __getstate__(self) -> dict[str, Any]:
         """Configuration only: mappings, descriptors and locks never cross processes."""
         state = dict(self._config)
+        state["gather_check"] = self._gather_check
         if not self._session.closed:
             # Re-attach with the store's actual sizes, so the child never re-creates it.
             state["capacity"] = self._session.capacity
@@ -191,7 +194,10 @@ class MemoryStore(Store):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        check = state.pop("gather_check", None)
         self.__init__(**state)  # type: ignore[misc]
+        self._gather_check = check
 
     def __repr__(self) -> str:
         s = self._session
@@ -276,6 +282,20 @@ class MemoryStore(Store):
                     mv.release()
                     base.release()
 
+    def enable_gather(self, check: EntryCheck, *, copied: CopiedCheck | None = None) -> None:
+        """Check every entry a gather copies with ``check`` (``codec.checksum_matches``)
+        before it is served; ``copied`` (``codec.checksum_matches_copied``) is the same
+        check reading the copies just made (:mod:`mmcache.stores.gathercheck`).
+
+        The owner installs it (the cache does, for its memory tier and the cluster's
+        in-flight tier): bytes in ``/dev/shm`` can be changed by any process of the
+        user after they were checked on the way in, so a gather never trusts them. An
+        entry that fails is discarded (counted ``corrupt``, logged) and reads as
+        absent: the caller produces it again. Without a check every entry is served
+        as found (a store used for bytes that are not codec entries).
+        """
+        self._gather_check = GatherCheck(check, copied)
+
     def gather(
         self, keys: Keys, offset: int, length: int, out: npt.NDArray[np.uint8]
     ) -> npt.NDArray[np.bool_]:
@@ -302,7 +322,9 @@ class MemoryStore(Store):
         Every range of every key is copied under one shared lock, so no entry
         can be replaced between two of its ranges (a batch never mixes two
         versions of a sample). A key is found when it is present and holds
-        every range; only found rows are written. ``count=False`` leaves the hit
+        every range; only found rows are written, but for those of entries that fail
+        the read check (:meth:`enable_gather`: copied, then checked; not found, so the
+        caller fills them). ``count=False`` leaves the hit
         and miss counters alone (a caller that may not serve what it read counts
         with :meth:`count_reads`). Thread/process-safe.
         """
@@ -313,6 +335,8 @@ class MemoryStore(Store):
             return found
         q = keys_array(keys)
         s = self._session
+        check = self._gather_check
+        corrupt: list[bytes] = []
         try:
             with s.shared(s.wait()):
                 t = s.table
@@ -321,19 +345,29 @@ class MemoryStore(Store):
                 e = eids[idx]
                 fits = t.size[e] >= end
                 idx, e = idx[fits], e[fits]
-                if idx.shape[0]:
+                if idx.shape[0] and check is not None:  # each entry copied, then checked
+                    entries = [t.payload(x, s.slabs) for x in e.tolist()]
+                    bad = check.copy_checked(idx.tolist(), entries, targets)
+                    if bad.any():
+                        corrupt = [q[i].tobytes() for i in idx[bad].tolist()]
+                        idx, e = idx[~bad], e[~bad]
+                elif idx.shape[0]:
                     cls, slots = t.cls[e], t.slot[e]
                     for offset, length, out in targets:
                         if length:
                             s.slabs.copy_rows(
                                 out, idx, cls, slots, start=offset, stop=offset + length
                             )
+                if idx.shape[0]:
                     t.touch_many(e, self._clock())  # a key twice in a batch: two hits
                 found[idx] = True
         except (LockTimeout, Damaged) as exc:
             s.data_path_failed(exc, "reads are misses")
             found[:] = False  # rows already copied are not served
             idx = np.zeros(0, np.int64)
+        for k in dict.fromkeys(corrupt):  # outside the shared lock: a delete takes it whole
+            log.error("corrupt entry %s of %s dropped (checksum mismatch)", k.hex(), self.shm_name)
+            self.discard(k, why="corrupt")
         if count:
             hits = int(idx.shape[0])
             self.count_reads(hits=hits, misses=n - hits)
@@ -559,11 +593,12 @@ class MemoryStore(Store):
     def verify(self, check: Callable[[bytes], bool]) -> list[bytes]:
         """Keys whose value fails ``check`` (the Cache passes the codec's checksum).
 
-        Entries are trusted on reads (see the package docstring), so this is how a
-        byte changed in ``/dev/shm`` is found. Each entry is copied under its own
-        short shared section (writers wait for one copy, not the whole pass) and
-        no hit, miss or access time is recorded. Bad entries are counted as
-        ``corrupt`` but not deleted: the caller decides. Thread/process-safe.
+        Reads check the entries they serve (with the check the owner installs,
+        :meth:`enable_gather`); this finds every byte changed in ``/dev/shm``, read or
+        not. Each entry is copied under its own short shared section (writers wait
+        for one copy, not the whole pass) and no hit, miss or access time is
+        recorded. Bad entries are counted as ``corrupt`` but not deleted: the caller
+        decides. Thread/process-safe.
         """
         s = self._session
         bad: list[bytes] = []
