@@ -57,18 +57,19 @@ TestMemoryStoreMachine.settings = settings(max_examples=60, stateful_step_count=
 
 
 def _growing_store(capacity: int) -> MemoryStore:
-    """A store whose index starts at one entry and grows (F13) up to 4, as the machine's
-    six keys arrive: every grow, and the evictions of a full index at its maximum."""
+    """A store whose index starts at one entry and grows (F13) up to 3 (capacity / 64 B),
+    as the machine's six keys arrive: every grow, and the evictions of a full index at
+    its maximum."""
     with mock.patch.object(layout, "MIN_INDEX_CAPACITY", 1):
         name = f"tmemc-g-{uuid.uuid4().hex[:12]}"
-        store = MemoryStore(name, capacity=capacity, policy="lru", index_capacity=4)
-    assert store.index_entries == 1
+        store = MemoryStore(name, capacity=capacity, policy="lru")
+    assert store.index_entries == 1 and store.index_capacity == 3
     return store
 
 
 def _growing_teardown(store: Store) -> None:
     assert isinstance(store, MemoryStore)
-    assert store.check() == [] and 1 <= store.index_entries <= 4
+    assert store.check() == [] and 1 <= store.index_entries <= 3
     assert len(glob.glob(f"{store_dir()}/mmcache-{store.shm_name}-i*")) == 1
     store.unlink()
 

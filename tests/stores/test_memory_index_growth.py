@@ -110,11 +110,11 @@ def test_a_grown_index_is_found_again_by_a_new_opener(
 def test_index_capacity_is_the_most_the_index_grows_to(
     make: Callable[..., MemoryStore], caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
-    """``index_capacity`` (``Cache(memory_entries=)``) is a maximum: the index starts at
-    the default (or this, if smaller), grows up to it, never past; once it is there and
-    bytes are free, one warning names the knob."""
+    """``index_capacity`` (``Cache(memory_entries=)``) fixes the index's size: made at
+    that size, never grown; once it is full while bytes are free, one warning names
+    the knob."""
     s = make(policy="lru", index_capacity=1500)
-    assert s.index_capacity == 1500 and s.index_entries == 1024
+    assert s.index_capacity == 1500 and s.index_entries == 1500
     with caplog.at_level(logging.WARNING, logger="mmcache"):
         for i in range(3000):
             s.put(key(i), value(i, 140))
@@ -130,6 +130,7 @@ def test_index_capacity_is_the_most_the_index_grows_to(
 
     with Cache(tmp_path / "c", memory=MiB, disk=None, memory_entries=4096, temporary=True) as c:
         assert c.memory is not None and c.memory.index_capacity == 4096  # type: ignore[attr-defined]
+        assert c.memory.index_entries == 4096  # type: ignore[attr-defined]
 
 
 def _reader(name: str, ready: Any, go: Any, out: Any) -> None:

@@ -109,11 +109,11 @@ class MemoryStore(Store):
         owner_path: the cache root this store belongs to; :func:`reclaim_orphans`
             removes unused stores whose owner path no longer exists.
         clock: source of ``atime`` (must be comparable across processes).
-        index_capacity: the most entries held (default: capacity / 64 B, in [1024,
-            2**24]). The index starts at capacity / 4 KiB entries (at least 1024, at
-            most this) and grows, sized from the entry sizes seen, whenever it is full
-            while bytes of the budget are free, up to this maximum (a warning says when
-            it is at its maximum while bytes are free).
+        index_capacity: the entries the index holds, fixed (a warning says when it
+            is full while bytes are free). Default: it starts at capacity / 4 KiB
+            entries (in [1024, 2**24]) and grows, sized from the entry sizes seen,
+            whenever it is full while bytes of the budget are free, up to capacity /
+            64 B entries (the smallest slot; in [1024, 2**24]).
         mode: file mode of the segments (default ``0o600``: this user only).
         group: share the store with the members of this group (a gid; needs
             ``mode=0o660``): its files go to ``/dev/shm/mmcache-g<gid>/``.
@@ -180,6 +180,7 @@ class MemoryStore(Store):
         self._writer = Writer(self._session, self._policy, clock)
         self._session.attach(
             capacity=capacity,
+            entries=index_capacity or default_index_capacity(capacity),
             max_entries=index_capacity or default_max_entries(capacity),
             create=bool(create),
             temporary=bool(temporary),
@@ -449,7 +450,7 @@ class MemoryStore(Store):
 
     @property
     def index_capacity(self) -> int:
-        """The most entries the store can hold (its index grows up to this)."""
+        """The most entries the store can hold (its index grows up to this, if it grows)."""
         return self._session.max_entries
 
     @property

@@ -222,7 +222,7 @@ class Writer:
         log.warning(
             "memory store %s: its index is full (%d entries, its maximum) with only %d of"
             " %d B held (entries of about %d B): the rest of the budget stays unused. Raise"
-            " the maximum: Cache(memory_entries=%d) or MemoryStore(index_capacity=...)",
+            " it: Cache(memory_entries=%d) or MemoryStore(index_capacity=...)",
             s.name, s.entries, held, cap, size,
             min(max(cap // max(size, 1), s.entries * 2), MAX_INDEX_CAPACITY),
         )  # fmt: skip

@@ -75,7 +75,6 @@ from mmcache.stores.memory.layout import (
     Meta,
     StoreState,
     data_paths,
-    default_index_capacity,
     initialise_meta,
     lock_path,
     meta_path,
@@ -168,13 +167,21 @@ class Session:
     # ------------------------------------------------------------------ attach
 
     def attach(
-        self, *, capacity: int, max_entries: int, create: bool, temporary: bool, owner: str | None
+        self,
+        *,
+        capacity: int,
+        entries: int,
+        max_entries: int,
+        create: bool,
+        temporary: bool,
+        owner: str | None,
     ) -> None:
         """Open (or create) the store and register this process. Process-safe.
 
-        ``max_entries``: the most entries the index may grow to (a new store's index
-        starts at ``default_index_capacity(capacity)`` or this, the smaller).
+        ``entries``: the size of a new store's first index; ``max_entries``: the most
+        it may grow to. An existing store keeps its own (see ``_open_locked``).
         """
+        self._first_entries = min(entries, max_entries)
         self.directory = self.access.ensure_directory(shm.SHM_DIR, create=create)
         for _ in range(10):
             path = lock_path(self.directory, self.name)
@@ -314,7 +321,7 @@ class Session:
             remove_file(path, removed)
         sizes = slot_sizes_upto(capacity)
         layout = Layout.build(classes=len(sizes), procs=MAX_PROCS)
-        entries = min(max_entries, default_index_capacity(capacity))
+        entries = self._first_entries
         self._warn_if_shm_small(capacity)
         index: Index | None = None
         try:
