@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from mmcache.errors import CacheError
 from mmcache.stores.memory import MemoryStore, store_dir, unlink_store
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -229,3 +230,40 @@ def test_a_process_killed_during_a_grow_leaves_a_store_the_next_opener_repairs(
         assert len(s) == 4000 and s.check() == [] and len(index_files(shm_name)) == 1
     finally:
         s.close()
+
+
+def test_gc_removes_every_generation_of_an_orphaned_store(shm_name: str, tmp_path: Path) -> None:
+    """``reclaim_orphans`` (``mmcache gc``) and the test suite's leak guard see a store's
+    index files of every generation, a stale one left by a dead grow included."""
+    from mmcache.stores.memory import reclaim_orphans
+    from mmcache.stores.memory.cleanup import _store_names
+
+    root = tmp_path / "root"
+    root.mkdir()
+    s = MemoryStore(shm_name, capacity=2 * MiB, owner_path=str(root))
+    for i in range(2000):
+        s.put(key(i), value(i))
+    s.close()
+    (live,) = index_files(shm_name)
+    stale = live[:-3] + "999"
+    Path(stale).write_bytes(b"")  # as a grow that died before its commit leaves it
+    assert set(_store_names(store_dir(), shm_name)[shm_name]) >= {live, stale}
+    root.rmdir()  # the owner is gone: an orphan
+    removed = reclaim_orphans(shm_name)
+    assert {live, stale} <= set(removed)
+    assert glob.glob(f"{store_dir()}/mmcache-{glob.escape(shm_name)}*") == []
+
+
+def test_a_missing_index_file_is_a_clear_error_or_a_fresh_store(shm_name: str) -> None:
+    s = MemoryStore(shm_name, capacity=2 * MiB)
+    s.put(key(1), value(1))
+    s.close()
+    for path in index_files(shm_name):
+        Path(path).unlink()  # removed by hand
+    with pytest.raises(CacheError, match="index segment"):
+        MemoryStore(shm_name, capacity=2 * MiB, create=False)
+    again = MemoryStore(shm_name, capacity=2 * MiB)  # nobody attached: re-created empty
+    try:
+        assert len(again) == 0 and again.put(key(1), value(1)) and again.check() == []
+    finally:
+        again.close()
