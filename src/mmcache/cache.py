@@ -148,10 +148,12 @@ class Cache:
             cache root's group (make the root group-owned: ``chgrp team ROOT``):
             one copy in ``/dev/shm/mmcache-g<gid>/`` for every member; it is
             never shared beyond that group, whatever the "other" bits say.
-        memory_entries: most entries the memory tier indexes (default: one per
-            4 KiB of its budget, at least 1024); raise it for many small
-            samples (tokens only, pooled features): a warning says when the
-            index is full while bytes are free.
+        memory_entries: the entries the memory tier indexes, fixed (a warning says
+            when the index is full while bytes are free). Default: the index starts
+            at one entry per 4 KiB of the budget (at least 1024) and grows, sized
+            from the entry sizes seen, when it is full while bytes are free, up to
+            one entry per 64 B, so many small samples (tokens only, pooled
+            features) use the whole budget.
         scope: ``"node"`` (default): each node caches alone. ``"cluster"``: with
             ``torch.distributed`` initialised, a :class:`~mmcache.DataLoader` over
             this cache gives each sample one home node and sends it ahead to the

@@ -30,7 +30,7 @@ from mmcache.cliargs import (
     glue_dash_values,
     int_at_least,
     parse_budget,
-    size,
+    size_of,
 )
 from mmcache.cliinspect import add_inspect_parser
 
@@ -594,7 +594,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache", required=True, help="cache root")
     p.add_argument(
         "--disk",
-        type=size,
+        type=size_of("--disk"),
         help=f"disk budget (default: the root's recorded one; {WARM_DISK} for a new root)",
     )
     p.add_argument("--workers", type=int_at_least(0), default=os.cpu_count() or 1)
@@ -616,7 +616,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int_at_least(1), default=3)
     p.add_argument("--workers", type=int_at_least(0), default=2)
     p.add_argument("--batch-size", type=int_at_least(1), default=64)
-    p.add_argument("--disk", type=size, help="also a disk tier of this size (e.g. 10GiB)")
+    p.add_argument(
+        "--disk", type=size_of("--disk"), help="also a disk tier of this size (e.g. 10GiB)"
+    )
     p.add_argument("--cache", help="cache root to use and keep (default: a temporary one)")
     p.add_argument("--policy", default="value")
     p.add_argument("--size", type=int_at_least(1), default=224)
@@ -649,7 +651,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--cache", help="cache root (not needed for --all alone)")
     p.add_argument("--older-than", type=duration, help="remove entries older than this (e.g. 7d)")
-    p.add_argument("--max-size", type=size, help="shrink the disk tier to this size (e.g. 10GiB)")
+    p.add_argument(
+        "--max-size",
+        type=size_of("--max-size"),
+        help="shrink the disk tier to this size (e.g. 10GiB)",
+    )
     p.add_argument(
         "--unused-for",
         type=duration,

@@ -24,6 +24,7 @@ __all__ = [
     "int_at_least",
     "parse_budget",
     "size",
+    "size_of",
 ]
 
 
@@ -70,6 +71,19 @@ def size(text: str) -> int:
     return int(_library_parse(parse_size)(text))
 
 
+def size_of(flag: str) -> Callable[[str], int]:
+    """:func:`size` for the option ``flag``: its errors name the flag the user typed
+    (``--max-size must be at most 2**62 bytes``), never the library's parameter."""
+
+    def parse(text: str) -> int:
+        from mmcache.units import parse_size
+
+        return int(_library_parse(lambda t: parse_size(t, name=flag))(text))
+
+    parse.__name__ = "size"  # argparse says "invalid size value" for other errors
+    return parse
+
+
 def duration(text: str) -> float:
     from mmcache.units import parse_duration
 
@@ -93,7 +107,7 @@ def budget(text: str) -> str:
     from mmcache.errors import ConfigError
 
     try:
-        parse_budget(text, 0)
+        parse_budget(text, 0, name="--budget")
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(f"{exc}") from None
     return text
@@ -141,8 +155,8 @@ def glue_dash_values(parser: argparse.ArgumentParser, argv: Sequence[str]) -> li
     return out
 
 
-def parse_budget(text: str, data_bytes: int) -> int:
-    """``"50%"`` of the preprocessed data, or an IEC size (``"2GiB"``)."""
+def parse_budget(text: str, data_bytes: int, *, name: str = "budget") -> int:
+    """``"50%"`` of the preprocessed data, or an IEC size (``"2GiB"``); errors name ``name``."""
     from mmcache.errors import ConfigError
     from mmcache.units import parse_size
 
@@ -157,7 +171,7 @@ def parse_budget(text: str, data_bytes: int) -> int:
         return int(data_bytes * fraction)
     if text.startswith("-"):
         raise ConfigError(f"budget must be >= 0, got {text!r}")
-    return parse_size(text)
+    return parse_size(text, name=name)
 
 
 def data_options(args: argparse.Namespace) -> dict[str, Any]:

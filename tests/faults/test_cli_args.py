@@ -80,3 +80,27 @@ def test_bad_argument_is_one_line_naming_flag_and_value(
     for word in named:
         assert word in err, (word, err)
     assert not (tmp_path / "manifest.jsonl").exists()  # synth --n 0 wrote nothing
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["gc", "--cache", "{root}", "--max-size", "99999999TiB"], "--max-size"),
+        (["gc", "--cache", "{root}", "--max-size", "10XB"], "--max-size"),
+        (["warm", "{root}/m.jsonl", "--cache", "{root}", "--disk", "99999999TiB"], "--disk"),
+        (["bench", "{root}/m.jsonl", "--budget", "99999999TiB"], "--budget"),
+    ],
+)
+def test_a_size_error_names_the_flag_typed_not_the_parameter(
+    argv: list[str], flag: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 23: ``--max-size 99999999TiB`` said "size must be at most 2**62 bytes" (the
+    library's parameter); the flag the user typed is what the message names."""
+    from mmcache.cli import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main([a.format(root=tmp_path) for a in argv])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2
+    assert f"{flag} must be at most" in err or f"in {flag} '" in err, err
+    assert ": size must" not in err and "in size '" not in err and ": budget must" not in err, err

@@ -355,7 +355,7 @@ def test_hostile_ids_never_become_paths(
     name = _memory_name(cache_root.absolute())
     segments = [os.path.basename(p) for p in glob.glob(f"{store_dir()}/mmcache-{name}*")]
     assert segments and all(
-        re.fullmatch(rf"mmcache-{name}(\.lock|-meta|-d\d{{3}})", s) for s in segments
+        re.fullmatch(rf"mmcache-{name}(\.lock|-meta|-[di]\d{{3}})", s) for s in segments
     ), segments
 
 

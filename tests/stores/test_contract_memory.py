@@ -5,12 +5,13 @@ from __future__ import annotations
 import glob
 import uuid
 from collections.abc import Iterator
+from unittest import mock
 
 import pytest
 from hypothesis import settings
 
 from mmcache.stores.base import Store
-from mmcache.stores.memory import MemoryStore, store_dir, unlink_store
+from mmcache.stores.memory import MemoryStore, layout, store_dir, unlink_store
 from mmcache.testing.store_contract import StoreContract, flip_in_files
 from mmcache.testing.store_machine import make_store_machine
 
@@ -58,3 +59,29 @@ TestMemoryStoreMachine = make_store_machine(
     _machine_store, 200, teardown=_machine_teardown
 ).TestCase
 TestMemoryStoreMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def _growing_store(capacity: int) -> MemoryStore:
+    """A store whose index starts at one entry and grows (F13) up to 3 (capacity / 64 B),
+    as the machine's six keys arrive: every grow, and the evictions of a full index at
+    its maximum."""
+    with mock.patch.object(layout, "MIN_INDEX_CAPACITY", 1):
+        name = f"tmemc-g-{uuid.uuid4().hex[:12]}"
+        store = MemoryStore(name, capacity=capacity, policy="lru")
+    assert store.index_entries == 1 and store.index_capacity == 3
+    return store
+
+
+def _growing_teardown(store: Store) -> None:
+    assert isinstance(store, MemoryStore)
+    assert store.check() == [] and 1 <= store.index_entries <= 3
+    assert len(glob.glob(f"{store_dir()}/mmcache-{store.shm_name}-i*")) == 1
+    store.unlink()
+
+
+TestGrowingMemoryStoreMachine = make_store_machine(
+    _growing_store, 200, teardown=_growing_teardown
+).TestCase
+TestGrowingMemoryStoreMachine.settings = settings(
+    max_examples=60, stateful_step_count=30, deadline=None
+)

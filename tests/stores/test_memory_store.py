@@ -397,7 +397,7 @@ def test_files_are_private_to_the_user(make: Callable[..., MemoryStore]) -> None
     s = make()
     s.put(key(1), b"x" * 100)
     paths = s.segment_paths()
-    assert len(paths) == 3  # lock, meta, one size class
+    assert len(paths) == 4  # lock, meta, the index, one size class
     for path in paths:
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, path
 
@@ -719,25 +719,4 @@ def test_a_store_collected_in_a_reference_cycle_raises_nothing(
     again.close()  # idempotent
 
 
-# ------------------------------------------------------------------ many small entries
-
-
-def test_an_index_full_while_bytes_are_free_warns_once_and_can_be_raised(
-    make: Callable[..., MemoryStore], caplog: pytest.LogCaptureFixture, tmp_path: Path
-) -> None:
-    """3,000 samples of 140 B in 1 MiB: the default index (1,024 entries) holds a seventh
-    of them while 86% of the budget stays free. Say so, once, and name the knob."""
-    s = make(capacity=MiB, policy="lru")
-    with caplog.at_level("WARNING", logger="mmcache"):
-        for i in range(3000):
-            s.put(key(i), value(i, 140))
-    warned = [r.getMessage() for r in caplog.records if "index" in r.getMessage()]
-    assert len(warned) == 1 and "memory_entries" in warned[0], warned
-    bigger = make(name=f"{s.shm_name}-big", capacity=MiB, index_capacity=4096)
-    assert all(bigger.put(key(i), value(i, 140)) for i in range(3000))
-    assert len(bigger) == 3000
-    bigger.unlink()
-    from mmcache.cache import Cache
-
-    with Cache(tmp_path / "c", memory=MiB, disk=None, memory_entries=4096, temporary=True) as c:
-        assert c.memory is not None and c.memory.index_capacity == 4096  # type: ignore[attr-defined]
+# Many small entries (the index grows, F13): test_memory_index_growth.py.

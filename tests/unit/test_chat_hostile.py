@@ -56,6 +56,39 @@ def test_lengths_never_block_and_a_bomb_is_the_samples_error(tmp_path: Path, kin
     assert skip.text_report().unreadable == 1
 
 
+def _loader_kw(mode: str) -> dict[str, Any]:
+    from mmcache import PackSpec
+
+    if mode == "group_by_length":
+        return {"batch_size": 2, "group_by_length": True}
+    return {"batch_size": 1, "pack": PackSpec(max_tokens=512)}
+
+
+@pytest.mark.parametrize("mode", ["group_by_length", "pack"])
+@pytest.mark.parametrize("kind", ["fifo", "bomb"])
+def test_grouping_and_packing_never_block_and_a_bomb_is_the_samples_error(
+    tmp_path: Path, kind: str, mode: str
+) -> None:
+    """G10 for ``group_by_length`` and ``pack`` separately: they plan from ``lengths()``,
+    so a FIFO in the manifest never blocks them (this test's timeout fails instead) and a
+    bomb header is that sample's error: ``SampleError`` naming it under "raise", left out
+    of every batch under "skip" (the epoch serves the other sample)."""
+    from mmcache import DataLoader
+
+    target = tmp_path / "hostile.png"
+    if kind == "fifo":
+        os.mkfifo(target)
+    else:
+        target.write_bytes(bomb_png())
+    with pytest.raises(SampleError) as info:
+        DataLoader(_chat_dataset(tmp_path, "hostile.png", "raise"), cache=None, **_loader_kw(mode))
+    assert info.value.sample_id == "hostile"
+    skip = _chat_dataset(tmp_path, "hostile.png", "skip")
+    loader = DataLoader(skip, cache=None, shuffle=False, **_loader_kw(mode))
+    served = [sid for batch in loader for sid in batch["id"]]
+    assert served == ["ok"]
+
+
 # -- chat templates (item 14) ---------------------------------------------------------------
 
 

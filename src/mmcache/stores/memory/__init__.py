@@ -51,9 +51,11 @@ from mmcache.stores.memory import repair
 from mmcache.stores.memory.access import Access
 from mmcache.stores.memory.admission import INLINE_COPY_MAX, Writer
 from mmcache.stores.memory.cleanup import reclaim_orphans, unlink_store
+from mmcache.stores.memory.index import index_paths
 from mmcache.stores.memory.layout import (
     DEFAULT_INDEX_DIVISOR,
     MAX_INDEX_CAPACITY,
+    MAX_INDEX_DIVISOR,
     MIN_INDEX_CAPACITY,
     OWNER_PATH_MAX,
     Count,
@@ -61,6 +63,7 @@ from mmcache.stores.memory.layout import (
     StoreState,
     data_paths,
     default_index_capacity,
+    default_max_entries,
     lock_path,
     meta_path,
     store_dir,
@@ -75,11 +78,13 @@ __all__ = [
     "DEFAULT_INDEX_DIVISOR",
     "INLINE_COPY_MAX",
     "MAX_INDEX_CAPACITY",
+    "MAX_INDEX_DIVISOR",
     "MIN_INDEX_CAPACITY",
     "EntryState",
     "MemoryStore",
     "StoreState",
     "default_index_capacity",
+    "default_max_entries",
     "reclaim_orphans",
     "store_dir",
     "store_exists",
@@ -105,9 +110,11 @@ class MemoryStore(Store):
         owner_path: the cache root this store belongs to; :func:`reclaim_orphans`
             removes unused stores whose owner path no longer exists.
         clock: source of ``atime`` (must be comparable across processes).
-        index_capacity: most entries held (default: capacity / 4 KiB, in [1024, 2**24]);
-            raise it for many small entries (a warning says when the index is full
-            while bytes are free).
+        index_capacity: the entries the index holds, fixed (a warning says when it
+            is full while bytes are free). Default: it starts at capacity / 4 KiB
+            entries (in [1024, 2**24]) and grows, sized from the entry sizes seen,
+            whenever it is full while bytes of the budget are free, up to capacity /
+            64 B entries (the smallest slot; in [1024, 2**24]).
         mode: file mode of the segments (default ``0o600``: this user only).
         group: share the store with the members of this group (a gid; needs
             ``mode=0o660``): its files go to ``/dev/shm/mmcache-g<gid>/``.
@@ -176,6 +183,7 @@ class MemoryStore(Store):
         self._session.attach(
             capacity=capacity,
             entries=index_capacity or default_index_capacity(capacity),
+            max_entries=index_capacity or default_max_entries(capacity),
             create=bool(create),
             temporary=bool(temporary),
             owner=owner,
@@ -190,7 +198,7 @@ class MemoryStore(Store):
         if not self._session.closed:
             # Re-attach with the store's actual sizes, so the child never re-creates it.
             state["capacity"] = self._session.capacity
-            state["index_capacity"] = self._session.entries
+            state["index_capacity"] = self._session.max_entries
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -476,7 +484,13 @@ class MemoryStore(Store):
 
     @property
     def index_capacity(self) -> int:
-        """The most entries the store can hold."""
+        """The most entries the store can hold (its index grows up to this, if it grows)."""
+        return self._session.max_entries
+
+    @property
+    def index_entries(self) -> int:
+        """The entries the index holds now (it grows when full while bytes are free)."""
+        self._session.ensure_process()
         return self._session.entries
 
     @property
@@ -521,7 +535,8 @@ class MemoryStore(Store):
         """The files of this store in ``/dev/shm`` (lock, meta, data), existing now."""
         d = self._session.directory
         paths = [lock_path(d, self.shm_name), meta_path(d, self.shm_name)]
-        return [p for p in paths if os.path.exists(p)] + data_paths(d, self.shm_name)
+        files = [p for p in paths if os.path.exists(p)]
+        return files + index_paths(d, self.shm_name) + data_paths(d, self.shm_name)
 
     def resident_bytes(self) -> int:
         """RAM the store's files really hold now (tmpfs blocks), metadata included."""

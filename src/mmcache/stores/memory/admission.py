@@ -213,20 +213,16 @@ class Writer:
             IN_FLIGHT.discard((res.store_id, res.entry, res.seq))
 
     def _warn_index_full(self, size: int) -> None:
-        """Once per process: the index is full while bytes are free (many small entries).
-
-        Why not grow the index instead: its arrays live in the meta segment, mapped
-        at fixed offsets by every attached process; growing it would mean a new
-        segment and a remap protocol in every process's every locked section.
-        """
+        """Once per process: the index is full while bytes are free, and cannot grow
+        (it is at its maximum, ``memory_entries``, or /dev/shm has no room)."""
         s = self._session
         if not s.warn_once("index"):
             return
         held, cap = s.table.nbytes(), s.capacity
         log.warning(
-            "memory store %s: its index is full (%d entries) with only %d of %d B held"
-            " (entries of about %d B): the rest of the budget stays unused. Raise the index"
-            " capacity: Cache(memory_entries=%d) or MemoryStore(index_capacity=...)",
+            "memory store %s: its index is full (%d entries, its maximum) with only %d of"
+            " %d B held (entries of about %d B): the rest of the budget stays unused. Raise"
+            " it: Cache(memory_entries=%d) or MemoryStore(index_capacity=...)",
             s.name, s.entries, held, cap, size,
             min(max(cap // max(size, 1), s.entries * 2), MAX_INDEX_CAPACITY),
         )  # fmt: skip
@@ -246,10 +242,11 @@ class Writer:
 
     def _reserve_pages_locked(self, cls: int) -> bool:
         """Allocate what a new entry of class ``cls`` will touch through the mappings:
-        the class's bitmap and the next entry row. False if /dev/shm is full. EX held."""
+        the class's bitmap up to a free slot and the next entry row. False if /dev/shm is
+        full. EX held."""
         s = self._session
         try:
-            s.slabs.get(cls, create=True)
+            s.slabs.reserve_slot(cls)
             # The new entry takes the lowest free row, at most the high-water mark.
             s.table.reserve_rows(s.table.high_water() + 1)
         except OSError as exc:
@@ -290,6 +287,11 @@ class Writer:
 
         need, full = shortfall()
         if (need > 0 or full) and t.writing() and s.reclaim_locked():
+            need, full = shortfall()
+        if full and need <= 0 and s.grow_index_locked():
+            # The index was full while the bytes were not: a larger generation replaced
+            # it (every row kept its number, so ``old`` is still right).
+            t = s.table
             need, full = shortfall()
         if full and need <= 0 and t.nbytes() < s.capacity // 2:
             self._warn_index_full(size)

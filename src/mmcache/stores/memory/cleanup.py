@@ -18,10 +18,12 @@ import os
 from mmcache.errors import CacheError
 from mmcache.stores.memory import shm
 from mmcache.stores.memory.access import Access, UntrustedFileError
+from mmcache.stores.memory.index import index_paths, index_problem
 from mmcache.stores.memory.layout import (
     FLAG_TEMPORARY,
     H_CAPACITY,
     H_FLAGS,
+    H_INDEX_GEN,
     H_MAGIC,
     H_META_SIZE,
     H_OWNER_LEN,
@@ -63,7 +65,7 @@ def _store_names(directory: str, pattern: str) -> dict[str, list[str]]:
                 name = base[: -len(suffix)]
                 break
         else:
-            if len(base) > 5 and base[-5:-3] == "-d" and base[-3:].isdigit():
+            if len(base) > 5 and base[-5:-3] in ("-d", "-i") and base[-3:].isdigit():
                 name = base[:-5]
             else:
                 continue
@@ -124,7 +126,7 @@ def _orphan_reason(directory: str, name: str, access: Access) -> str | None:
             try:
                 reason = data_problem(
                     directory, name, access, int(h[H_CAPACITY]), arrays["classes"]
-                )
+                ) or index_problem(directory, name, access, int(h[H_INDEX_GEN]))
             except UntrustedFileError:
                 return None
             if reason is not None:
@@ -211,6 +213,7 @@ def reclaim_orphans(pattern: str = "*", *, group: int | None = None) -> list[str
                     log.info("removing orphaned memory store %s: %s", name, reason)
                     for path in [
                         *data_paths(directory, name),
+                        *index_paths(directory, name),
                         meta_path(directory, name),
                         lock_path(directory, name),
                     ]:
@@ -237,13 +240,20 @@ def unlink_store(
     directory = _existing_directory(access)
     if directory is None:
         return removed
-    files = [*data_paths(directory, name), meta_path(directory, name)]
+
+    def files() -> list[str]:
+        return [
+            *data_paths(directory, name),
+            *index_paths(directory, name),
+            meta_path(directory, name),
+        ]
+
     try:
         lock = NodeLock(lock_path(directory, name), create=False, access=access)
     except UntrustedFileError:
         raise
     except CacheError:
-        for path in files:
+        for path in files():
             remove_file(path, removed)
         return removed
     try:
@@ -257,7 +267,7 @@ def unlink_store(
                     del h
                 finally:
                     seg.close()
-            for path in [*data_paths(directory, name), *files[-1:], lock_path(directory, name)]:
+            for path in [*files(), lock_path(directory, name)]:
                 remove_file(path, removed)
     finally:
         lock.close()

@@ -11,25 +11,32 @@ before use, see ``access.py``):
     drops it when a holder dies, so a crash can never leave the store locked.
 ``mmcache-<name>-meta``
     Fixed-dtype numpy arrays (:class:`Layout`): a header (configuration, state, byte
-    and item counts, the pid of the exclusive-lock holder), the table of attached
-    processes with one row of statistics counters each, the size-class table,
-    the entry table (per entry: :class:`EntryState`, key, size, slot, cost,
-    ctime, atime, hits, seq, writer pid) and the hash table (see ``table.py``).
+    and item counts, the pid of the exclusive-lock holder, the index generation), the
+    table of attached processes with one row of statistics counters each, and the
+    size-class table.
+``mmcache-<name>-iNNN``
+    The index, generation ``NNN`` (``index.py``): the entry table (per entry:
+    :class:`EntryState`, key, size, slot, cost, ctime, atime, hits, seq, writer pid)
+    and the hash table (see ``table.py``). It grows (a new generation) when it is
+    full while bytes of the budget are free.
 ``mmcache-<name>-dNNN``
     One per size class in use: a slot-usage bitmap, then the *slab* (see ``slabs.py``).
 
 The RAM a store really uses is the slots of held entries (payload plus the
 size-class rounding) plus metadata: 4 B per hash cell (2 cells per index entry,
 touched at random so all of them count), about 100 B per entry row ever used, about
-150 KiB of fixed tables, 1 B per slot of each size class in use.
+150 KiB of fixed tables, 1 B per slot of each size class in use (a class has a slot
+for each entry of its smallest size the budget could hold, at most the index's
+maximum entries).
 
 A full ``/dev/shm``: touching a page of a tmpfs file through a mapping (even
 reading it) allocates it, and fails with SIGBUS when the tmpfs is full. So
 nothing is touched through a mapping before it was allocated with
 ``posix_fallocate``, which fails with ``ENOSPC`` instead (see
-:class:`~mmcache.stores.memory.shm.Segment`): the fixed tables and the hash table
-when the store is created (``CacheError`` if they do not fit), a size class's
-bitmap when the class is created and the entry rows in steps as the entries
+:class:`~mmcache.stores.memory.shm.Segment`): the fixed tables when the store is
+created, the hash table when an index generation is created (``CacheError`` or no
+grow if they do not fit), a size class's
+bitmap and the entry rows in steps as the slots and entries
 in use grow (``EntryTable.reserve_rows``; a refused put, with one warning, if they do
 not fit). Payloads are written with ``pwrite`` (``ENOSPC`` too: a refused put).
 Reserving when a row is first used, rather than the whole meta segment at creation,
@@ -61,7 +68,6 @@ from mmcache.stores.memory.shm import (
 
 __all__ = [
     "DEFAULT_INDEX_DIVISOR",
-    "ENTRY_COLUMNS",
     "HEADER_WORDS",
     "MAGIC",
     "MAX_INDEX_CAPACITY",
@@ -80,6 +86,7 @@ __all__ = [
     "data_path",
     "data_paths",
     "default_index_capacity",
+    "default_max_entries",
     "initialise_meta",
     "lock_path",
     "meta_path",
@@ -87,13 +94,15 @@ __all__ = [
     "remove_file",
     "store_dir",
     "store_exists",
-    "table_shift",
 ]
 
-#: Default index capacity: one entry per 4 KiB of budget, clamped to [1024, 2**24].
+#: Default initial index capacity: one entry per 4 KiB of budget, clamped to [1024, 2**24].
 DEFAULT_INDEX_DIVISOR = 4096
 MIN_INDEX_CAPACITY = 1024
 MAX_INDEX_CAPACITY = 1 << 24
+#: Default most entries the index grows to: one per 64 B of budget (the smallest slot;
+#: smaller entries waste most of theirs), clamped as above.
+MAX_INDEX_DIVISOR = 64
 #: Attached-process rows (each with its own counters); more processes share one row.
 MAX_PROCS = 1024
 #: Bytes reserved for the owner path in the header.
@@ -107,12 +116,19 @@ MAGIC = int.from_bytes(b"MMCACHE1", "little")
 # 2: every page touched through a mapping is reserved first (the hash table and the slot
 # bitmaps whole, entry rows up to H_ROWS_RESERVED). A version-1 store has sparse tables
 # that would raise SIGBUS on a full /dev/shm; it is re-created.
-VERSION = 2
+# 3: the index lives in its own segment, in generations (``index.py``); older stores are
+# re-created.
+VERSION = 3
 
 
 def default_index_capacity(capacity: int) -> int:
-    """Entries the index holds by default for a byte ``capacity``."""
+    """Entries a new index holds at first for a byte ``capacity`` (it grows from there)."""
     return min(max(capacity // DEFAULT_INDEX_DIVISOR, MIN_INDEX_CAPACITY), MAX_INDEX_CAPACITY)
+
+
+def default_max_entries(capacity: int) -> int:
+    """The most entries the index of a byte ``capacity`` grows to when none is given."""
+    return min(max(capacity // MAX_INDEX_DIVISOR, MIN_INDEX_CAPACITY), MAX_INDEX_CAPACITY)
 
 
 class EntryState(IntEnum):
@@ -176,7 +192,7 @@ ROW_OVERFLOW = MAX_PROCS + 1  # shared (racy) row when the process table is full
     H_CREATOR_START,
     H_CAPACITY,
     H_ENTRIES,
-    H_TABLE_SHIFT,
+    H_TABLE_SHIFT,  # unused since version 3 (the index segment has its own header)
     H_CLASSES,
     H_PROCS,
     H_FLAGS,
@@ -194,20 +210,16 @@ ROW_OVERFLOW = MAX_PROCS + 1  # shared (racy) row when the process table is full
     H_CREATED_AT,
     H_PID_NAMESPACE,
     H_ROWS_RESERVED,  # entry rows [0, n) have their pages allocated in every column
-) = range(25)
+    H_INDEX_GEN,  # the index generation in use (index.py); H_ENTRIES is its size
+    H_MAX_ENTRIES,  # the most entries the index may grow to
+) = range(27)
 HEADER_WORDS = 64
 FLAG_TEMPORARY = 1
 
 # Columns of the size-class table.
-C_CREATED, C_SLOTS, C_USED, C_HINT = range(4)
-
-#: The arrays of the meta segment with one row per entry (between "classes" and "table").
-ENTRY_COLUMNS = frozenset(
-    (
-        "state", "key", "size", "cls", "slot", "cost", "ctime", "atime", "hits", "seq", "pid",
-        "pstart",
-    )
-)  # fmt: skip
+# C_MARKED: slots ``[0, n)`` have the pages of their bitmap bytes allocated (see slabs.py).
+C_CREATED, C_SLOTS, C_USED, C_HINT, C_MARKED = range(5)
+CLASS_COLUMNS = 5
 
 
 # --------------------------------------------------------------------------- files
@@ -256,45 +268,23 @@ def store_exists(name: str, *, group: int | None = None) -> bool:
 # --------------------------------------------------------------------------- meta layout
 
 
-def table_shift(entries: int) -> int:
-    """The hash table's shift for ``entries``: ``2**(64 - shift)`` cells, at least 2 each."""
-    cells = 1 << max(2 * entries - 1, 1).bit_length()  # next power of two >= 2 * entries
-    return 64 - (cells.bit_length() - 1)
-
-
 @dataclass(frozen=True)
 class Layout:
-    """Where each array of the meta segment lives. A pure function of its four sizes."""
+    """Where each array of the meta segment lives. A pure function of its two sizes."""
 
-    entries: int
-    table_shift: int
     classes: int
     procs: int
     fields: tuple[tuple[str, int, str, tuple[int, ...]], ...]
     size: int
 
     @classmethod
-    def build(cls, *, entries: int, table_shift: int, classes: int, procs: int) -> Layout:
-        cells = 1 << (64 - table_shift)
+    def build(cls, *, classes: int, procs: int) -> Layout:
         spec: list[tuple[str, str, tuple[int, ...]]] = [
             ("header", "i8", (HEADER_WORDS,)),
             ("owner", "u1", (OWNER_PATH_MAX,)),
             ("procs", "i8", (procs, 2)),
             ("counters", "i8", (procs + 2, N_COUNTERS)),
-            ("classes", "i8", (classes, 4)),
-            ("state", "u1", (entries,)),
-            ("key", "u8", (entries, 2)),
-            ("size", "i8", (entries,)),
-            ("cls", "i4", (entries,)),
-            ("slot", "i8", (entries,)),
-            ("cost", "f8", (entries,)),
-            ("ctime", "f8", (entries,)),
-            ("atime", "f8", (entries,)),
-            ("hits", "i8", (entries,)),
-            ("seq", "i8", (entries,)),
-            ("pid", "i8", (entries,)),
-            ("pstart", "i8", (entries,)),
-            ("table", "i4", (cells,)),
+            ("classes", "i8", (classes, CLASS_COLUMNS)),
         ]
         fields = []
         offset = 0
@@ -302,35 +292,12 @@ class Layout:
             offset = -(-offset // 64) * 64
             fields.append((name, offset, dtype, shape))
             offset += int(np.dtype(dtype).itemsize * np.prod(shape))
-        return cls(entries, table_shift, classes, procs, tuple(fields), page_round(offset))
+        return cls(classes, procs, tuple(fields), page_round(offset))
 
     @classmethod
     def of_header(cls, header: np.ndarray[Any, Any]) -> Layout:
         """The layout a valid header describes."""
-        return cls.build(
-            entries=int(header[H_ENTRIES]),
-            table_shift=int(header[H_TABLE_SHIFT]),
-            classes=int(header[H_CLASSES]),
-            procs=int(header[H_PROCS]),
-        )
-
-    def fixed_range(self) -> tuple[int, int]:
-        """``(offset, length)`` of the fixed tables (header to size classes)."""
-        return 0, next(offset for name, offset, _, _ in self.fields if name == "state")
-
-    def table_range(self) -> tuple[int, int]:
-        """``(offset, length)`` of the hash table (the last array)."""
-        _, offset, dtype, shape = self.fields[-1]
-        return offset, np.dtype(dtype).itemsize * int(np.prod(shape))
-
-    def row_ranges(self, start: int, stop: int) -> list[tuple[int, int]]:
-        """``(offset, length)`` of entry rows ``[start, stop)`` in every entry column."""
-        out = []
-        for name, offset, dtype, shape in self.fields:
-            if name in ENTRY_COLUMNS:
-                row = np.dtype(dtype).itemsize * int(np.prod(shape[1:]))
-                out.append((offset + start * row, (stop - start) * row))
-        return out
+        return cls.build(classes=int(header[H_CLASSES]), procs=int(header[H_PROCS]))
 
     def arrays(self, buf: Any) -> dict[str, np.ndarray[Any, Any]]:
         out = {}
@@ -346,6 +313,7 @@ def initialise_meta(
     *,
     capacity: int,
     entries: int,
+    max_entries: int,
     slot_sizes: np.ndarray[Any, Any],
     temporary: bool,
     owner: str | None,
@@ -354,6 +322,9 @@ def initialise_meta(
 ) -> None:
     """Write the header, owner path and size-class table of a new, zero-filled meta segment.
 
+    ``entries``: the size of the first index generation (0, created by the caller);
+    ``max_entries``: the most it grows to, which is also the slot count of the size
+    classes (an entry of a class always finds a slot, however large the index grew).
     Leaves the store ``INITIALISING``: the caller sets ``READY`` once it is mapped.
     """
     arrays = layout.arrays(seg.buf)
@@ -366,7 +337,8 @@ def initialise_meta(
     h[H_CREATOR_START] = proc_start_time(os.getpid()) or 0
     h[H_CAPACITY] = capacity
     h[H_ENTRIES] = entries
-    h[H_TABLE_SHIFT] = layout.table_shift
+    h[H_MAX_ENTRIES] = max_entries
+    h[H_INDEX_GEN] = 0
     h[H_CLASSES] = len(slot_sizes)
     h[H_PROCS] = layout.procs
     h[H_FLAGS] = FLAG_TEMPORARY if temporary else 0
@@ -378,8 +350,8 @@ def initialise_meta(
         h[H_OWNER_LEN] = len(raw)
     classes = arrays["classes"]
     min_payload = np.concatenate(([1], slot_sizes[:-1] + 1))
-    classes[:, C_SLOTS] = np.minimum(entries, capacity // min_payload)
-    classes[0, C_SLOTS] = entries  # class 0 also holds empty values
+    classes[:, C_SLOTS] = np.minimum(max_entries, capacity // min_payload)
+    classes[0, C_SLOTS] = max_entries  # class 0 also holds empty values
     del arrays, classes, h
 
 
@@ -394,9 +366,9 @@ class Meta:
     The views are only valid while the segment is mapped: :meth:`close` drops them
     first, so the mapping can close. Every attribute is an array in shared memory,
     read and written under the store's lock by its owner: the header words ``H_*``
-    belong to the session (state, holder, configuration) or to the entry table
-    (counts, hints, reserved rows), the size-class table to the slabs, the process
-    table and counters to the session.
+    belong to the session (state, holder, configuration, index generation) or to the
+    entry table (counts, hints, reserved rows), the size-class table to the slabs, the
+    process table and counters to the session.
     """
 
     def __init__(self, seg: Segment, name: str) -> None:

@@ -24,6 +24,7 @@ import numpy as np
 from mmcache.stores.memory.layout import (
     C_CREATED,
     C_HINT,
+    C_MARKED,
     C_SLOTS,
     C_USED,
     H_ENTRY_HINT,
@@ -83,7 +84,8 @@ def rebuild(table: EntryTable, slabs: Slabs, *, capacity: int) -> Repaired:
     safe_cls = np.where(ok, cls, 0)
     expected = np.searchsorted(slabs.sizes, np.maximum(size, 0), side="left")
     ok &= expected == cls
-    ok &= (slot >= 0) & (slot < classes[safe_cls, C_SLOTS])
+    marked = np.minimum(classes[safe_cls, C_MARKED], classes[safe_cls, C_SLOTS])
+    ok &= (slot >= 0) & (slot < marked)  # a slot beyond them was never allocated
     ok &= classes[safe_cls, C_CREATED] != 0
     # A class whose data segment cannot be mapped (truncated, removed) holds nothing.
     damaged: dict[int, str] = {}
@@ -138,7 +140,7 @@ def rebuild(table: EntryTable, slabs: Slabs, *, capacity: int) -> Repaired:
         slab = slabs.get(c)
         # Zeroed in place, not punched: its pages must stay allocated (a full
         # /dev/shm would kill the next process touching a punched one).
-        slab.bitmap[:] = 0
+        slab.bitmap[: slabs.marked(c)] = 0
         slots = table.slot[live[live_cls == c]]
         slab.bitmap[slots] = 1
         classes[c, C_USED] = slots.shape[0]
@@ -202,7 +204,10 @@ def check(table: EntryTable, slabs: Slabs, *, capacity: int) -> list[str]:
         slab = slabs.get(c)
         slots = table.slot[live[cls == c]]
         used = int(slabs.classes[c, C_USED])
-        marked = int(np.count_nonzero(slab.bitmap))
+        if slots.shape[0] and int(slots.max()) >= slabs.marked(c):
+            problems.append(f"class {c}: entries in slots beyond the bitmap's reserved pages")
+            continue
+        marked = int(np.count_nonzero(slab.bitmap[: slabs.marked(c)]))
         if not used == marked == slots.shape[0] == np.unique(slots).shape[0]:
             problems.append(f"class {c}: {used} used, {marked} marked, {slots.shape[0]} entries")
         elif slots.shape[0] and not bool(slab.bitmap[slots].all()):

@@ -12,6 +12,9 @@ Locking protocol (readers ``LOCK_SH``, writers ``LOCK_EX``; puts: see ``admissio
   readers may lose an increment of an entry's ``hits``; it is a policy hint).
 * Creating a store runs under the exclusive lock (``StoreState``), so whoever
   else takes the lock and finds it unfinished knows its creator died.
+* The index grows under the exclusive lock (a new generation, ``index.py``); every
+  section, shared or exclusive, first maps the generation the header names
+  (:meth:`Session.adopt_index`), so a process never looks up in a replaced index.
 
 Data-path waits are bounded (``DATA_LOCK_TIMEOUT``, see :meth:`Session.wait`): a
 process stopped inside a section (SIGSTOP, Ctrl-Z) costs others one bounded wait and
@@ -40,15 +43,28 @@ from mmcache.errors import CacheError
 from mmcache.stores.base import is_no_space
 from mmcache.stores.memory import shm
 from mmcache.stores.memory.access import Access, UntrustedFileError
+from mmcache.stores.memory.index import (
+    Index,
+    grow_target,
+    index_path,
+    index_paths,
+    index_problem,
+    remove_stale,
+)
 from mmcache.stores.memory.layout import (
     FLAG_TEMPORARY,
     H_CAPACITY,
+    H_ENTRIES,
     H_FLAGS,
     H_HOLDER_PID,
+    H_INDEX_GEN,
     H_MAGIC,
+    H_MAX_ENTRIES,
     H_META_SIZE,
     H_PID_NAMESPACE,
     H_STATE,
+    H_TOMBSTONES,
+    H_USED_CELLS,
     H_VERSION,
     MAGIC,
     MAX_PROCS,
@@ -64,7 +80,6 @@ from mmcache.stores.memory.layout import (
     meta_path,
     read_header,
     remove_file,
-    table_shift,
 )
 from mmcache.stores.memory.procs import ProcessTable
 from mmcache.stores.memory.shm import (
@@ -73,7 +88,6 @@ from mmcache.stores.memory.shm import (
     LockTimeout,
     NodeLock,
     Segment,
-    page_round,
     pid_namespace,
 )
 from mmcache.stores.memory.slabs import Damaged, Slabs, data_problem, slot_sizes_upto
@@ -109,10 +123,11 @@ class Session:
     """This process's attachment to the store ``name``: lock, mappings, process row.
 
     After :meth:`attach`: ``meta`` (the meta segment's views), ``table`` (the entry
-    table and index over them), ``slabs`` (the size classes' mappings), ``procs`` (the
-    attached processes and their counters, ``procs.py``; ``row`` is ours), and the
-    store's ``capacity``, ``entries`` and ``temporary`` as it was created (which may
-    differ from what was asked). ``broken``: why a data segment could not be used,
+    table and hash index of the index generation in use, ``index.py``), ``slabs`` (the
+    size classes' mappings), ``procs`` (the attached processes and their counters,
+    ``procs.py``; ``row`` is ours), and the store's ``capacity``, ``max_entries`` and
+    ``temporary`` as it was created (which may differ from what was asked);
+    ``entries`` is the index's size now. ``broken``: why a data segment could not be used,
     once one could not (reads miss, puts are refused; see ``slabs.py``).
 
     Holds no reference to the store it serves (``repair`` is a plain function), so a
@@ -127,7 +142,7 @@ class Session:
     slabs: Slabs
     procs: ProcessTable
     capacity: int
-    entries: int
+    max_entries: int
     temporary: bool
     pid: int
     fork_gen: int
@@ -142,13 +157,31 @@ class Session:
         self.broken: str | None = None
         self.warned: set[str] = set()
         self._count_lock = threading.Lock()
+        self._index_lock = threading.Lock()  # one thread maps a new index generation
+
+    @property
+    def entries(self) -> int:
+        """The entries the index holds now (it grows up to ``max_entries``)."""
+        return self.table.entries
 
     # ------------------------------------------------------------------ attach
 
     def attach(
-        self, *, capacity: int, entries: int, create: bool, temporary: bool, owner: str | None
+        self,
+        *,
+        capacity: int,
+        entries: int,
+        max_entries: int,
+        create: bool,
+        temporary: bool,
+        owner: str | None,
     ) -> None:
-        """Open (or create) the store and register this process. Process-safe."""
+        """Open (or create) the store and register this process. Process-safe.
+
+        ``entries``: the size of a new store's first index; ``max_entries``: the most
+        it may grow to. An existing store keeps its own (see ``_open_locked``).
+        """
+        self._first_entries = min(entries, max_entries)
         self.directory = self.access.ensure_directory(shm.SHM_DIR, create=create)
         for _ in range(10):
             path = lock_path(self.directory, self.name)
@@ -158,7 +191,7 @@ class Session:
                     if lock.unlinked():
                         continue  # removed while we waited: open the new one
                     self.lock = lock
-                    self._open_locked(capacity, entries, create, temporary, owner)
+                    self._open_locked(capacity, max_entries, create, temporary, owner)
                     self.pid = os.getpid()
                     self.fork_gen = _FORK_GENERATION[0]
                     self.closed = False
@@ -188,6 +221,7 @@ class Session:
     def _open_locked(
         self, capacity: int, entries: int, create: bool, temporary: bool, owner: str | None
     ) -> None:
+        # ``entries``: the most entries asked for (``max_entries``).
         """Map the meta segment, creating or repairing it. Caller holds the lock exclusively."""
         meta = meta_path(self.directory, self.name)
         seg: Segment | None = None
@@ -223,8 +257,10 @@ class Session:
                 self._bind(seg)
                 damaged = data_problem(
                     self.directory, self.name, self.access, self.capacity, self.meta.classes
+                ) or index_problem(
+                    self.directory, self.name, self.access, int(self.meta.header[H_INDEX_GEN])
                 )
-                same = self.capacity == capacity and self.entries == entries
+                same = self.capacity == capacity and self.max_entries == entries
                 if damaged is not None and (self.procs.any_attached() or not create):
                     # Advice that works from here: gc skips a store in use.
                     owner = self.meta.owner_path(errors="replace")
@@ -242,18 +278,22 @@ class Session:
                     # create=False only attaches (mmcache verify/stats): never re-create.
                     if not same:
                         log.warning(
-                            "memory store %s exists with capacity %d B and %d entries (asked"
-                            " %d B, %d): using it as it is, other processes are attached",
-                            self.name, self.capacity, self.entries, capacity, entries,
+                            "memory store %s exists with capacity %d B and at most %d entries"
+                            " (asked %d B, %d): using it as it is, other processes are"
+                            " attached",
+                            self.name, self.capacity, self.max_entries, capacity, entries,
                         )  # fmt: skip
+                    self._map_index()
                     if int(self.meta.header[H_HOLDER_PID]) != 0:
-                        self._repair(self, "a process died holding the lock")
+                        self._repair_locked("a process died holding the lock")
+                    else:
+                        self._remove_stale_indexes()
                     return
                 else:
                     log.info(
-                        "memory store %s: re-creating it with capacity %d B, %d entries (was"
-                        " %d B, %d); no other process is attached",
-                        self.name, capacity, entries, self.capacity, self.entries,
+                        "memory store %s: re-creating it with capacity %d B, at most %d entries"
+                        " (was %d B, %d); no other process is attached",
+                        self.name, capacity, entries, self.capacity, self.max_entries,
                     )  # fmt: skip
                 self.unmap()
             else:
@@ -272,43 +312,48 @@ class Session:
         self._initialise_locked(capacity, entries, temporary, owner)
 
     def _initialise_locked(
-        self, capacity: int, entries: int, temporary: bool, owner: str | None
+        self, capacity: int, max_entries: int, temporary: bool, owner: str | None
     ) -> None:
         """Create a fresh, empty store. Caller holds the lock exclusively."""
         removed: list[str] = []
-        for path in [*data_paths(self.directory, self.name), meta_path(self.directory, self.name)]:
+        d, name = self.directory, self.name
+        for path in [*data_paths(d, name), *index_paths(d, name), meta_path(d, name)]:
             remove_file(path, removed)
         sizes = slot_sizes_upto(capacity)
-        layout = Layout.build(
-            entries=entries, table_shift=table_shift(entries), classes=len(sizes), procs=MAX_PROCS
-        )
+        layout = Layout.build(classes=len(sizes), procs=MAX_PROCS)
+        entries = self._first_entries
         self._warn_if_shm_small(capacity)
+        index: Index | None = None
         try:
             seg = Segment.create(
-                meta_path(self.directory, self.name),
-                layout.size,
-                access=self.access,
-                reserve=[layout.fixed_range(), layout.table_range()],
+                meta_path(d, name), layout.size, access=self.access, reserve=[(0, layout.size)]
             )
+            try:
+                index = Index.create(d, name, self.access, gen=0, entries=entries, rows=0)
+            except BaseException:
+                seg.close()
+                remove_file(meta_path(d, name), removed)
+                raise
         except OSError as exc:
             if not is_no_space(exc):
                 raise
             # Nothing of the store is left but its lock file: remove it too (processes
             # waiting for it see it unlinked and start over), so a failed open leaves
             # nothing behind in /dev/shm.
-            remove_file(lock_path(self.directory, self.name), removed)
-            fixed, table = layout.fixed_range()[1], layout.table_range()[1]
+            remove_file(lock_path(d, name), removed)
             raise CacheError(
-                f"no space left in {shm.SHM_DIR} for memory store {self.name!r}: its tables"
-                f" need {page_round(fixed) + page_round(table)} B ({exc.strerror}); free"
-                " space there (mmcache gc removes stale stores; in Docker raise --shm-size)"
-                " or pass memory=0"
+                f"no space left in {shm.SHM_DIR} for memory store {name!r}: its tables"
+                f" need more than {layout.size} B ({exc.strerror}); free space there"
+                " (mmcache gc removes stale stores; in Docker raise --shm-size) or pass"
+                " memory=0"
             ) from exc
+        index.close()
         initialise_meta(
             seg,
             layout,
             capacity=capacity,
             entries=entries,
+            max_entries=max_entries,
             slot_sizes=sizes,
             temporary=temporary,
             owner=owner,
@@ -316,6 +361,7 @@ class Session:
             pid_namespace=pid_namespace(),
         )
         self._bind(seg)
+        self._map_index()
         self.meta.header[H_STATE] = StoreState.READY
 
     def _bind(self, seg: Segment) -> None:
@@ -328,9 +374,8 @@ class Session:
         self.meta = meta
         h = meta.header
         self.capacity = int(h[H_CAPACITY])
-        self.entries = meta.layout.entries
+        self.max_entries = int(h[H_MAX_ENTRIES])
         self.temporary = bool(int(h[H_FLAGS]) & FLAG_TEMPORARY)
-        self.table = EntryTable(meta, self.name)
         self.procs = ProcessTable(meta.procs, meta.counters)
         self.slabs = Slabs(
             meta.classes,
@@ -339,6 +384,90 @@ class Session:
             name=self.name,
             access=self.access,
         )
+
+    # ------------------------------------------------------------------ the index
+
+    def _map_index(self) -> None:
+        """Map the index generation the header names (the meta segment is bound)."""
+        gen = int(self.meta.header[H_INDEX_GEN])
+        self.table = EntryTable(
+            self.meta, Index.open(self.directory, self.name, self.access, gen), self.name
+        )
+
+    def adopt_index(self) -> None:
+        """Map the generation the header names if the index grew since. Caller holds the lock.
+
+        The old generation's mapping is dropped by reference, not closed: no section of
+        this process can be reading it (it grew under the exclusive lock, so every
+        section that had looked it up ended before), and a stale reference would still
+        read valid (old) bytes, never freed memory. Thread-safe.
+        """
+        with self._index_lock:
+            if int(self.meta.header[H_INDEX_GEN]) == self.table.gen:
+                return
+            try:
+                self._map_index()
+            except CacheError as exc:  # removed by hand, truncated: the tier failed here
+                raise Damaged(str(exc)) from exc
+
+    def grow_index_locked(self) -> bool:
+        """Replace a full index by a larger generation (see ``index.py``); whether it grew.
+
+        False when it is at ``max_entries`` or ``/dev/shm`` has no room for the new
+        generation (then it stays as it is). Caller holds EX; its ``table`` references
+        are stale afterwards (use ``self.table``).
+        """
+        t = self.table
+        target = grow_target(
+            entries=t.entries,
+            max_entries=self.max_entries,
+            items=t.items() + t.writing(),
+            nbytes=t.nbytes(),
+            capacity=self.capacity,
+        )
+        if target <= t.entries or t.gen >= 999:
+            return False
+        gen = t.gen + 1
+        try:
+            index = Index.create(
+                self.directory, self.name, self.access, gen=gen, entries=target,
+                rows=t.rows_reserved(),
+            )  # fmt: skip
+        except OSError as exc:
+            if not is_no_space(exc):
+                raise
+            if self.warn_once("grow-enospc"):
+                log.warning(
+                    "memory store %s: its index is full (%d entries) and %s has no room for a"
+                    " larger one (%d entries); evicting instead",
+                    self.name, t.entries, shm.SHM_DIR, target,
+                )  # fmt: skip
+            return False
+        used = t.copy_to(index)
+        h = self.meta.header
+        h[H_INDEX_GEN] = gen  # the commit point: from here on the new generation is the store's
+        h[H_ENTRIES] = target
+        h[H_USED_CELLS] = used
+        h[H_TOMBSTONES] = 0
+        self.table = EntryTable(self.meta, index, self.name)
+        remove_file(index_path(self.directory, self.name, t.gen), [])
+        log.info(
+            "memory store %s: index grown from %d to %d entries (%d held, %d of %d B)",
+            self.name, t.entries, target, t.items(), t.nbytes(), self.capacity,
+        )  # fmt: skip
+        return True
+
+    def _remove_stale_indexes(self) -> None:
+        """Unlink index files of other generations (a grow that died). Caller holds EX."""
+        removed: list[str] = []
+        remove_stale(self.directory, self.name, self.table.gen, removed)
+        if removed:
+            log.info("memory store %s: removed stale index files %s", self.name, removed)
+
+    def _repair_locked(self, reason: str) -> None:
+        """The repair callback, after removing what a grow that died left. Caller holds EX."""
+        self._remove_stale_indexes()
+        self._repair(self, reason)
 
     def unmap(self) -> None:
         """Drop every mapping of this process (views first, so the mmaps can close)."""
@@ -349,7 +478,9 @@ class Session:
         table = getattr(self, "table", None)
         if table is not None:
             table.release()
+            index = table.index
             del self.table, table
+            index.close()
         if hasattr(self, "procs"):
             del self.procs
         meta = getattr(self, "meta", None)
@@ -487,10 +618,12 @@ class Session:
         """Mark UNLINKED and remove every file, the lock file last. Caller holds EX."""
         self.meta.header[H_STATE] = StoreState.UNLINKED
         removed: list[str] = []
+        d, name = self.directory, self.name
         for path in [
-            *data_paths(self.directory, self.name),
-            meta_path(self.directory, self.name),
-            lock_path(self.directory, self.name),
+            *data_paths(d, name),
+            *index_paths(d, name),
+            meta_path(d, name),
+            lock_path(d, name),
         ]:
             remove_file(path, removed)
         return removed
@@ -511,14 +644,16 @@ class Session:
                 raise CacheError(
                     f"memory store {self.name!r} was removed by another process; reopen it"
                 )
+            if int(h[H_INDEX_GEN]) != self.table.gen:
+                self.adopt_index()
             if int(h[H_HOLDER_PID]) != 0:
-                self._repair(self, "a process died holding the lock")
+                self._repair_locked("a process died holding the lock")
             self._mark_holder()
             try:
                 yield
             except BaseException:
                 try:
-                    self._repair(self, "an error inside a critical section")
+                    self._repair_locked("an error inside a critical section")
                 except BaseException:
                     log.exception("memory store %s: repair failed", self.name)
                     raise  # the holder pid stays set: the next holder repairs
@@ -541,6 +676,8 @@ class Session:
                         f"memory store {self.name!r} was removed by another process; reopen it"
                     )
                 if int(h[H_HOLDER_PID]) == 0:
+                    if int(h[H_INDEX_GEN]) != self.table.gen:
+                        self.adopt_index()
                     yield
                     return
             with self.exclusive(timeout):

@@ -11,8 +11,11 @@ The slab is sized virtually for the whole budget; tmpfs allocates pages only whe
 written, and the pages of freed slots are returned (``MADV_REMOVE``). Small classes
 (< 4 KiB) return a page only when all slots on it are free (slots are reused lowest
 first, which keeps them packed). A class's bitmap is read and written through the
-mapping, so its pages are reserved whole when the class is created (see
-``layout.py`` on a full ``/dev/shm``); payloads are written with ``pwrite``.
+mapping, so its pages are reserved in steps as the slots in use grow (``C_MARKED``,
+:meth:`Slabs.reserve_slot`; see ``layout.py`` on a full ``/dev/shm``), and nothing
+reads a bitmap byte beyond them; payloads are written with ``pwrite``. (A class has a
+slot for every entry of its smallest size the budget holds, up to the index's
+maximum: reserving that bitmap whole would cost up to 1/64 of the budget per class.)
 
 A data segment that is missing or truncated (a same-user ``: > file`` cannot be
 stopped, and kills a process that has it mapped with SIGBUS when it touches the lost
@@ -39,7 +42,7 @@ import numpy.typing as npt
 
 from mmcache.errors import CacheError
 from mmcache.stores.memory.access import Access
-from mmcache.stores.memory.layout import C_CREATED, C_HINT, C_SLOTS, C_USED, data_path
+from mmcache.stores.memory.layout import C_CREATED, C_HINT, C_MARKED, C_SLOTS, C_USED, data_path
 from mmcache.stores.memory.shm import PAGE_SIZE, Segment, page_round
 
 __all__ = [
@@ -60,6 +63,10 @@ SMALL_CLASS_STEP = 64
 #: Above SMALL_CLASS_LIMIT every power-of-two interval (2**e, 2**(e+1)] is cut into 16
 #: classes of width 2**(e-4), so a slot wastes less than 1/16 of its entry's size.
 _CLASSES_PER_OCTAVE = 16
+
+#: A class's bitmap pages are reserved in steps of at least this many slots (one page),
+#: and at least an eighth of those reserved so far.
+BITMAP_STEP = PAGE_SIZE
 
 #: Byte ranges up to this long are gathered in one fancy-indexing step (see copy_rows).
 SMALL_RANGE = 4096
@@ -238,11 +245,11 @@ class Slabs:
             elif create:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)  # left by a creator that died before flagging it
-                # The bitmap is read and written through the mapping: reserve all of
-                # it now (1 B per slot); payload pages are written with pwrite.
-                seg = Segment.create(
-                    path, size, access=self._access, reserve=[(0, page_round(n_slots))]
-                )
+                # The bitmap is read and written through the mapping: reserve its first
+                # step now (1 B per slot), more in reserve_slot; payloads use pwrite.
+                first = min(n_slots, BITMAP_STEP)
+                seg = Segment.create(path, size, access=self._access, reserve=[(0, first)])
+                self.classes[cls, C_MARKED] = first
                 self.classes[cls, C_CREATED] = 1
             else:
                 raise CacheError(f"memory store {self.name!r}: size class {cls} missing")
@@ -250,15 +257,35 @@ class Slabs:
             self._mapped[cls] = slab
             return slab
 
+    def marked(self, cls: int) -> int:
+        """Slots of class ``cls`` whose bitmap bytes may be touched (their pages exist)."""
+        row = self.classes[cls]
+        return min(max(int(row[C_MARKED]), 0), int(row[C_SLOTS]))
+
+    def reserve_slot(self, cls: int) -> None:
+        """Make sure :meth:`alloc` finds a free slot of ``cls`` among the marked ones:
+        allocate the next step of its bitmap if they are all used. Caller holds EX.
+
+        Raises ``OSError`` (``ENOSPC``) when /dev/shm has no room.
+        """
+        slab = self.get(cls, create=True)
+        row = self.classes[cls]
+        have, n = self.marked(cls), int(row[C_SLOTS])
+        if int(row[C_USED]) < have or have >= n:
+            return
+        want = min(n, have + max(BITMAP_STEP, have // 8))
+        slab.seg.reserve(have, want - have)
+        row[C_MARKED] = want
+
     def alloc(self, cls: int) -> tuple[Slab, int]:
-        """Take the lowest free slot of class ``cls``. Caller holds EX."""
+        """Take the lowest free slot of class ``cls`` (:meth:`reserve_slot` first). EX held."""
         slab = self.get(cls, create=True)
         row = self.classes[cls]
         bitmap = slab.bitmap
-        n = bitmap.shape[0]
+        n = self.marked(cls)
         pos = int(row[C_HINT])
         while pos < n:
-            chunk = bitmap[pos : pos + 4096]
+            chunk = bitmap[pos : min(pos + 4096, n)]  # never past the marked slots
             free = np.flatnonzero(chunk == 0)
             if free.shape[0]:
                 slot = pos + int(free[0])
@@ -292,7 +319,7 @@ class Slabs:
             start = page if not below.any() else page + PAGE_SIZE
         if stop % PAGE_SIZE:
             page = stop // PAGE_SIZE * PAGE_SIZE
-            above = bitmap[slot + 1 : min(bitmap.shape[0], -(-(page + PAGE_SIZE) // ss))]
+            above = bitmap[slot + 1 : min(self.marked(cls), -(-(page + PAGE_SIZE) // ss))]
             stop = page + PAGE_SIZE if not above.any() else page
         if stop > start:
             slab.seg.punch(slab.base + start, stop - start)

@@ -1,9 +1,10 @@
 """The entries of a memory store: the entry rows and the hash index over their keys.
 
-:class:`EntryTable` works on arrays of the meta segment that the caller maps and
-locks (shared to look up, exclusive to change anything); it touches the file only
-to allocate the pages of rows before their first use (:meth:`EntryTable.reserve_rows`,
-see ``layout.py``). The functions on the hash table alone (:func:`lookup_many`,
+:class:`EntryTable` works on the arrays of one generation of the index segment
+(``index.py``) and the meta segment's header, which the caller maps and locks (shared
+to look up, exclusive to change anything); it touches the file only to allocate the
+pages of rows before their first use (:meth:`EntryTable.reserve_rows`, see
+``layout.py``). The functions on the hash table alone (:func:`lookup_many`,
 :func:`rebuild_table`) take the arrays as arguments, so they are easy to test alone.
 
 The hash table is open addressing with linear probing over ``int32`` cells:
@@ -33,6 +34,7 @@ import numpy.typing as npt
 from mmcache.errors import CacheError
 from mmcache.policies import Residents
 from mmcache.stores.base import KEY_SIZE, EntryInfo, Keys, check_key
+from mmcache.stores.memory.index import ENTRY_COLUMNS, Index
 from mmcache.stores.memory.layout import (
     H_CREATED_AT,
     H_ENTRY_HINT,
@@ -73,6 +75,7 @@ _MIX = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: Fibonacci hashing
 _MASK64 = (1 << 64) - 1
 _MIX_U64 = np.uint64(_MIX)
 _KEY = struct.Struct("<QQ")
+ENTRY_NAMES = tuple(name for name, _, _ in ENTRY_COLUMNS)
 
 #: Reservations this process is copying into right now: (store id, entry, seq). Shared by
 #: every MemoryStore object of the process, so one object never reclaims another's.
@@ -190,7 +193,7 @@ def split_key(key: bytes) -> tuple[int, int]:
 class EntryTable:
     """The entry rows of one store and the hash index over their keys.
 
-    Columns (one row per entry, arrays of the meta segment): ``state``
+    Columns (one row per entry, arrays of the index segment ``index``): ``state``
     (:class:`~mmcache.stores.memory.layout.EntryState`), ``key`` (``uint64 [2]``),
     ``size``, ``cls`` and ``slot`` (where the payload is: ``slabs.py``), ``cost``,
     ``ctime``, ``atime``, ``hits``, ``seq`` (admission order), ``pid`` and ``pstart``
@@ -199,14 +202,18 @@ class EntryTable:
     ``seq``, the lowest possibly free row, the high-water mark and the rows reserved.
 
     Readers may read the columns under the shared lock; every change goes through a
-    method, under the exclusive lock. Rows never move, so a writer copying without
-    the lock can always find its row again.
+    method, under the exclusive lock. Rows never move (a grow copies them to the same
+    rows of the next generation), so a writer copying without the lock can always find
+    its row again. One object serves one generation: the session makes a new one when
+    the index grows (``gen``).
     """
 
-    def __init__(self, meta: Meta, name: str) -> None:
-        a = meta.arrays
+    def __init__(self, meta: Meta, index: Index, name: str) -> None:
+        a = index.arrays
+        self._arrays = a
         self.name = name
-        self._meta = meta
+        self.index = index
+        self.gen = index.gen
         self.header = meta.header
         self.state: npt.NDArray[np.uint8] = a["state"]
         self.key: npt.NDArray[np.uint64] = a["key"]
@@ -225,8 +232,8 @@ class EntryTable:
         self._mv_cells: Any = self.cells.data
         self._mv_key: Any = self.key.reshape(-1).data
         self._mv_state: Any = self.state.data
-        self.entries = meta.layout.entries
-        self.shift = meta.layout.table_shift
+        self.entries = index.layout.entries
+        self.shift = index.layout.table_shift
         self._mask = (1 << (64 - self.shift)) - 1
         #: Identifies the store across re-creations (for IN_FLIGHT).
         self.store_id = (name, int(self.header[H_CREATED_AT]))
@@ -364,8 +371,8 @@ class EntryTable:
             return
         step = max(ROW_RESERVE_STEP, have // 8)
         want = min(self.entries, -(-max(rows, have + step) // ROW_RESERVE_STEP) * ROW_RESERVE_STEP)
-        for offset, length in self._meta.layout.row_ranges(have, want):
-            self._meta.seg.reserve(offset, length)
+        for offset, length in self.index.layout.row_ranges(have, want):
+            self.index.seg.reserve(offset, length)
         self.header[H_ROWS_RESERVED] = want
 
     # ------------------------------------------------------------------ changes (EX held)
@@ -384,6 +391,17 @@ class EntryTable:
             h[H_TOMBSTONES] -= 1
         self._mv_cells[pos] = e + 1
         h[H_USED_CELLS] += 1
+
+    def copy_to(self, index: Index) -> int:
+        """Copy the rows in use into a new, larger generation ``index`` (same row numbers)
+        and build its hash table; return the cells used. Changes nothing here. EX held."""
+        hw = self.high_water()
+        new = index.arrays
+        for name in ENTRY_NAMES:
+            new[name][:hw] = self._arrays[name][:hw]
+        live = np.flatnonzero(new["state"][:hw] != EntryState.EMPTY)
+        rebuild_table(new["table"], new["key"], live, index.layout.table_shift)
+        return int(live.shape[0])
 
     def rehash(self) -> None:
         """Rebuild the hash table from the rows in use (drops every tombstone)."""
