@@ -39,11 +39,14 @@ import contextlib
 import errno
 import os
 import secrets
+import shutil
 import stat
+import tempfile
+from collections.abc import Iterator, Sequence
 
 from mmcache.errors import CacheError
 
-__all__ = ["UnsafeFileError", "make_dir", "open_file", "replace_file"]
+__all__ = ["UnsafeFileError", "make_dir", "open_file", "pinned_files", "replace_file"]
 
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -173,3 +176,71 @@ def make_dir(path: str | os.PathLike[str], mode: int) -> bool:
     finally:
         os.close(fd)
     return True
+
+
+#: Where a process finds its own descriptors as links that reopen exactly their file.
+_OWN_FDS = "/proc/self/fd"
+
+
+@contextlib.contextmanager
+def pinned_files(directory: str, names: Sequence[str], *, create: bool, mode: int) -> Iterator[str]:
+    """A folder to hand a library that opens ``directory/<name>`` by name itself (LMDB).
+
+    A library that opens files by name (``lmdb.open`` opens ``data.mdb`` and
+    ``lock.mdb`` without ``O_NOFOLLOW``, and py-lmdb takes no descriptor) would
+    follow a link that a member of a shared root swapped in after this process
+    checked the files: LMDB truncates and writes ``lock.mdb`` at open, so the
+    member could make this job overwrite any file it can write. Checking before
+    and after the open only narrows that window. Instead each file is opened here
+    without following links (and checked: a regular file with one link; created
+    with ``mode`` exactly when ``create``), and the library is given a new private
+    folder (``0700``, in the temporary folder, removed on exit) whose entries are
+    links to ``/proc/self/fd/<fd>``: opening such a link reopens the very file
+    behind the descriptor, whatever happens to its name meanwhile. The
+    descriptors kept are ``O_PATH`` ones: closing them drops none of the fcntl
+    locks the library took meanwhile (closing a plain one would).
+
+    Yields ``directory`` itself where ``/proc`` is missing (not Linux) or, when
+    not ``create``, a file is missing (the library then reports it in its own
+    words; it creates nothing without ``create``). Raises :class:`UnsafeFileError`
+    for a link or anything but a regular file. Thread-safe; the descriptors are
+    this process's own.
+    """
+    if not os.path.isdir(_OWN_FDS):
+        yield directory
+        return
+    fds: list[int] = []
+    private: str | None = None
+    try:
+        for name in names:
+            path = os.path.join(directory, name)
+            if create:
+                fd, _ = open_file(path, os.O_RDWR | os.O_CREAT, mode)
+            else:
+                try:
+                    # O_NONBLOCK: a FIFO planted under the name must not hang the open.
+                    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW)
+                except FileNotFoundError:
+                    yield directory
+                    return
+                except OSError as exc:
+                    if exc.errno == errno.ELOOP:
+                        raise _refuse(path, "a symbolic link") from exc
+                    raise
+                fd = _checked(fd, path)
+            try:
+                # Kept as an O_PATH descriptor of the same file: closing it later leaves the
+                # fcntl locks LMDB takes on lock.mdb in place (closing any other descriptor
+                # of a file drops every such lock of the process).
+                fds.append(os.open(f"{_OWN_FDS}/{fd}", os.O_PATH | os.O_CLOEXEC))
+            finally:
+                os.close(fd)
+        private = tempfile.mkdtemp(prefix="mmcache-pinned-")
+        for name, fd in zip(names, fds, strict=True):
+            os.symlink(f"{_OWN_FDS}/{fd}", os.path.join(private, name))
+        yield private
+    finally:
+        if private is not None:
+            shutil.rmtree(private, ignore_errors=True)
+        for fd in fds:
+            os.close(fd)

@@ -45,6 +45,7 @@ from typing import Any
 import lmdb
 
 from mmcache.errors import CacheError
+from mmcache.rootfiles import pinned_files
 from mmcache.stores.base import NO_SPACE_ERRNOS
 from mmcache.stores.disk.reserve import MAX_READERS, reserve_files
 from mmcache.units import MiB
@@ -180,7 +181,6 @@ class EnvHandle:
                 return
             raise CacheError(f"cannot open the disk cache at {self.path}: {exc}") from exc
         try:
-            check_complete(env, self.path)
             if not self.lockless:
                 stale = env.reader_check()
                 if stale:
@@ -321,11 +321,29 @@ class EnvHandle:
 def open_env(
     path: str, *, map_size: int, readonly: bool, mode: int, lock: bool
 ) -> lmdb.Environment:
-    """``lmdb.open`` with the settings of every mmcache disk cache (raises lmdb.Error).
+    """``lmdb.open`` with the settings of every mmcache disk cache (raises lmdb.Error),
+    of the files as checked here (never through a link swapped in meanwhile), and
+    :func:`check_complete` (CacheError for a truncated ``data.mdb``).
 
     ``lock=False`` (MDB_NOLOCK) neither reads nor locks ``lock.mdb``: only for
     a read-only medium, or while nobody else can have the directory open.
     """
+    # LMDB opens its files by name, following links: hand it a private folder
+    # whose names lead to exactly the files checked here (rootfiles.pinned_files).
+    names = ("data.mdb", "lock.mdb") if lock else ("data.mdb",)
+    with pinned_files(path, names, create=not readonly, mode=mode) as where:
+        env = _lmdb_open(where, map_size=map_size, readonly=readonly, mode=mode, lock=lock)
+        try:
+            check_complete(env, path, opened_at=where)
+        except BaseException:
+            env.close()
+            raise
+        return env
+
+
+def _lmdb_open(
+    path: str, *, map_size: int, readonly: bool, mode: int, lock: bool
+) -> lmdb.Environment:
     return lmdb.open(
         path,
         map_size=map_size,
@@ -344,7 +362,7 @@ def open_env(
     )
 
 
-def check_complete(env: lmdb.Environment, directory: str) -> None:
+def check_complete(env: lmdb.Environment, directory: str, *, opened_at: str | None = None) -> None:
     """Refuse a ``data.mdb`` that ends before its last page (an interrupted copy).
 
     LMDB maps the file and trusts its meta page, which names the last page in
@@ -352,11 +370,13 @@ def check_complete(env: lmdb.Environment, directory: str) -> None:
     with SIGBUS (no error to catch), in every reader and in ``verify`` alike.
     A committed transaction has written all its pages before its meta page,
     so a complete file always reaches the end of that page. Checked before
-    any page beyond the two meta pages is read.
+    any page beyond the two meta pages is read. ``opened_at``: the folder LMDB
+    was given (:func:`open_env`'s pinned one), whose ``data.mdb`` is the file it
+    opened; ``directory`` names it in the message.
     """
     need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
     path = os.path.join(directory, "data.mdb")
-    size = os.stat(path).st_size
+    size = os.stat(os.path.join(opened_at or directory, "data.mdb")).st_size
     if size < need:
         raise CacheError(
             f"{path} is truncated: {size} bytes, but its last page ends at byte {need} "
