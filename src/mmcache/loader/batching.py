@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from mmcache.errors import ConfigError, SampleError
+from mmcache.hooks import LoaderHook
 from mmcache.loader.grouping import LengthGroupedOrder
-from mmcache.loader.hooks import LoaderHook
 from mmcache.loader.lengths import sample_has_image, sample_lengths
 from mmcache.loader.packing import PackedOrder, PackSpec
 from mmcache.loader.padding import PackHook, PadHook, check_pad_config
