@@ -152,8 +152,7 @@ class ClusterExchange(LoaderHook):
         size = max((len(b) for b in batches(self.topology.rank, 0)), default=1)
         #: Most entries the node's in-flight tier holds at once (see :mod:`.flight`).
         self.flight_entries = len(mine) * size * flight_bound(window, ahead)
-        self._flight = open_flight(cache, self.flight_entries)
-        cache.use_flight(self._flight)
+        self._flight = open_flight(cache, self.flight_entries)  # in the cache's tier list
         self._wire = Wire(group, backend, timeout)
         self._source: SampleSource = copy.deepcopy(dataset)
         self.schedule = Schedule(self.topology, self.home, batches, window)
