@@ -48,6 +48,7 @@ from PIL import Image
 import mmcache as mc
 from mmcache.augment import Compose, RandomHorizontalFlip, RandomResizedCrop
 from mmcache.cache import Cache
+from mmcache.loader import Augment
 from mmcache.synth import make_dataset
 
 torch.set_num_threads(1)
@@ -163,8 +164,7 @@ def run_cached(
             seed=0,
             num_workers=args.workers,
             persistent_workers=True,
-            augment=augment,
-            device=device,
+            augment=Augment(augment, device=device),
         )
         cold = 0.0
         warm, cpu = [], []

@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +54,7 @@ from mmcache.policies import Policy, get_policy
 from mmcache.readthrough import read_through
 from mmcache.registry import FingerprintRegistry
 from mmcache.rootfiles import make_dir
+from mmcache.scope import Cluster, ScopeLike, parse_scope
 from mmcache.stats import CacheStats
 from mmcache.stores.base import BatchReader, Store, dir_mode
 from mmcache.stores.claims import Claims
@@ -75,7 +77,6 @@ logger = logging.getLogger(__name__)
 Sample = dict[str, np.ndarray]
 KeyLike = bytes | str
 Fallback = Literal["raise", "uncached"]
-Scope = Literal["node", "cluster"]
 OpenedAs = Literal["owner", "worker", "inspect"]
 
 
@@ -93,6 +94,51 @@ def check_reads(store: S) -> S:
     elif isinstance(store, (MemoryStore, DiskStore)):
         store.enable_gather(codec.checksum_matches, copied=codec.checksum_matches_copied)
     return store
+
+
+def _old_peer_timeout(cluster: Cluster | None, peer_timeout: float) -> Cluster | None:
+    """``Cache(peer_timeout=...)``, the last release's spelling: warns, and goes into the
+    cluster's configuration (ignored, as it always was, under ``scope="node"``)."""
+    warnings.warn(
+        "Cache(peer_timeout=...) is deprecated and goes in the next release: pass "
+        "scope=Cluster(peer_timeout=...) (from mmcache.cluster import Cluster)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    probe = Cluster(peer_timeout=peer_timeout)  # checked either way
+    return None if cluster is None else Cluster(probe.peer_timeout, cluster.backend)
+
+
+@dataclass(frozen=True)
+class _Option:
+    """One configuration option of :class:`Cache`, written once here: the ``__init__``
+    parameter ``name``, the attribute ``attr`` holding its checked value, and whether
+    ``cache.json`` records it (``recorded``: the root's budgets, policy, TTL and disk
+    form; ``as_recorded`` makes it plain JSON) and ``repr`` shows it. Pickling carries
+    every option (``__init__`` takes each checked value back)."""
+
+    name: str
+    attr: str
+    recorded: bool = False
+    shown: bool = False
+    as_recorded: Callable[[Any], Any] = lambda value: value
+
+
+#: Cache's options, in ``__init__``'s order (after ``root``); ``_options``,
+#: ``__getstate__`` and ``__repr__`` are derived from it, and a test pins it to the signature.
+_OPTIONS = (
+    _Option("memory", "memory_budget", recorded=True, shown=True),
+    _Option("disk", "disk_budget", recorded=True, shown=True),
+    _Option("policy", "policy", recorded=True, shown=True, as_recorded=lambda p: p.name),
+    _Option("ttl", "ttl", recorded=True, shown=True),
+    _Option("clock", "clock"),
+    _Option("temporary", "temporary"),
+    _Option("fallback", "fallback"),
+    _Option("mode", "mode"),
+    _Option("memory_entries", "memory_entries"),
+    _Option("scope", "scope"),
+    _Option("disk_form", "disk_form", recorded=True, as_recorded=str),
+)
 
 
 @dataclass(frozen=True)
@@ -154,12 +200,14 @@ class Cache:
             from the entry sizes seen, when it is full while bytes are free, up to
             one entry per 64 B, so many small samples (tokens only, pooled
             features) use the whole budget.
-        scope: ``"node"`` (default): each node caches alone. ``"cluster"``: with
-            ``torch.distributed`` initialised, a :class:`~mmcache.DataLoader` over
-            this cache gives each sample one home node and sends it ahead to the
-            nodes that read it (see :mod:`mmcache.cluster`); without it, as "node".
-        peer_timeout: seconds the cluster exchange waits for a peer before it drops
-            it and produces that peer's samples locally.
+        scope: ``"node"`` (default): each node caches alone. A
+            :class:`~mmcache.cluster.Cluster` (``Cluster(peer_timeout=60)``;
+            ``"cluster"``: ``Cluster()``): with ``torch.distributed`` initialised, a
+            :class:`~mmcache.DataLoader` over this cache gives each sample one home
+            node and sends it ahead to the nodes that read it (see
+            :mod:`mmcache.cluster`); without it, as "node". The cache only carries
+            it (``cluster``); ``peer_timeout=`` beside it is the deprecated spelling
+            of ``Cluster(peer_timeout=...)``.
         disk_form: how the disk tier stores entries (:mod:`mmcache.codec.compact`):
             ``"raw"`` (default), ``"zstd"`` (lossless) or ``"jpeg:Q"`` (images
             re-encoded as JPEG of quality Q: lossy, several times fewer bytes); hits
@@ -180,19 +228,15 @@ class Cache:
         fallback: Fallback = "raise",
         mode: int = 0o600,
         memory_entries: int | None = None,
-        scope: Scope = "node",
-        peer_timeout: float = 60.0,
+        scope: ScopeLike = "node",
+        peer_timeout: float | None = None,
         disk_form: str = "raw",
         _opened_as: OpenedAs = "owner",
     ) -> None:
-        if scope not in ("node", "cluster"):
-            raise ConfigError(f"scope must be 'node' or 'cluster', got {scope!r}")
-        if isinstance(peer_timeout, bool) or not isinstance(peer_timeout, (int, float)):
-            raise ConfigError(f"peer_timeout must be seconds (a number), got {peer_timeout!r}")
-        if not peer_timeout > 0:
-            raise ConfigError(f"peer_timeout must be > 0 seconds, got {peer_timeout!r}")
-        self.scope: Scope = scope
-        self.peer_timeout = float(peer_timeout)
+        #: The cluster's configuration (``scope``), or None: each node caches alone.
+        self.cluster = parse_scope(scope)
+        if peer_timeout is not None:
+            self.cluster = _old_peer_timeout(self.cluster, peer_timeout)
         if not isinstance(mode, int) or mode & ~0o666 or (mode & 0o600) != 0o600:
             raise ConfigError(
                 f"mode must be a file permission mask within 0o666 that includes 0o600, "
@@ -229,7 +273,6 @@ class Cache:
         self.disk_budget = None if disk is None else parse_size(disk, name="disk")
         self.registry: FingerprintRegistry | None = None
         self._store = TieredStore([])
-        self.flight: Store | None = None  # scope="cluster"'s in-flight tier: use_flight
         self._open()
 
     # -- opening --------------------------------------------------------------------------
@@ -316,28 +359,78 @@ class Cache:
         group = memory_group(self.root, self.mode)
         if self._inspect and not store_exists(self.memory_name, group=group):
             return None  # inspecting a cache must not allocate shared memory
-        memory = MemoryStore(
+        memory = self._memory_store(
             self.memory_name,
             capacity=self.memory_budget,
             policy=self.policy,
             create=not self._inspect,
             temporary=self.temporary,
-            owner_path=str(self.root),
             index_capacity=self.memory_entries,
-            mode=self.mode & 0o660 if group is not None else 0o600,
-            group=group,
         )
         return check_reads(memory)
 
+    def _memory_store(self, name: str, **options: Any) -> MemoryStore:
+        """A node-shared memory store of this root, with the root's sharing: the group's
+        (``mode & 0o660``) when the cache is shared with the root's group, else 0600."""
+        group = memory_group(self.root, self.mode)
+        mode = self.mode & 0o660 if group is not None else 0o600
+        return MemoryStore(name, owner_path=str(self.root), mode=mode, group=group, **options)
+
+    def open_side_tier(self, name: str, *, capacity: int, entries: int) -> MemoryStore:
+        """Create (or attach to) the node-shared memory tier ``<memory tier>-<name>`` and
+        put it in the tier list right after the memory tier, as a side tier
+        (:class:`~mmcache.stores.tiered.Tier` ``promote_into=False, budgeted=False``):
+        gathered and looked up after the memory tier, so its entries are ordinary
+        memory hits, but outside the memory budget and policy, never promoted into and
+        never offered the cache's puts (its owner writes it, or :meth:`put_side`).
+
+        ``capacity``: its byte ceiling (pages are allocated only when written);
+        ``entries``: the entries it indexes. Temporary: gone with the last process of
+        the node. The cluster's in-flight tier is one (:mod:`mmcache.cluster.flight`).
+        A second open of the same name replaces (and closes) the first handle.
+        ConfigError without a memory tier.
+        """
+        if self.memory is None:
+            raise ConfigError(
+                f"a side tier ({name!r}) sits after the memory tier: give the cache a memory budget"
+            )
+        store = self._memory_store(
+            f"{self.memory_name}-{name}",
+            capacity=capacity,
+            policy="keep",
+            temporary=True,
+            index_capacity=entries,
+        )
+        self._attach_side(name, store)
+        return store
+
+    def _attach_side(self, name: str, store: Store) -> None:
+        old = self._store.remove(name)
+        if old is not None and old is not store:
+            old.close()
+        # Its gathers and lookups are checked as the memory tier's are (check_reads).
+        side = Tier(check_reads(store), verify=True, promote_into=False, budgeted=False, label=name)
+        self._store.insert(side, after=MemoryStore.name)
+
+    def side_tier(self, name: str) -> Store | None:
+        """The side tier called ``name`` (:meth:`open_side_tier`), or None."""
+        tier = next((t for t in self._store.entries if t.name == name and not t.budgeted), None)
+        return None if tier is None else tier.store
+
+    def put_side(self, name: str, key: bytes, raw: bytes, *, cost: float, ctime: float) -> bool:
+        """Offer encoded bytes to the side tier called ``name`` only; False when it is not
+        open or refuses them (it is full)."""
+        store = self.side_tier(name)
+        return store is not None and store.put(key, raw, cost=cost, ctime=ctime)
+
     def _options(self) -> dict[str, Any]:
         """The options ``cache.json`` records (see :func:`mmcache.cacheroot.write_config`)."""
-        return {
-            "memory": self.memory_budget,
-            "disk": self.disk_budget,
-            "policy": self.policy.name,
-            "ttl": self.ttl,
-            "disk_form": str(self.disk_form),
-        }
+        return {o.name: o.as_recorded(getattr(self, o.attr)) for o in _OPTIONS if o.recorded}
+
+    @property
+    def scope(self) -> ScopeLike:
+        """``"node"``, or the :class:`~mmcache.cluster.Cluster` configuration."""
+        return "node" if self.cluster is None else self.cluster
 
     @property
     def memory_name(self) -> str:
@@ -371,28 +464,20 @@ class Cache:
     def __getstate__(self) -> dict[str, Any]:
         return {
             "root": self.root,
-            "memory": self.memory_budget,
-            "disk": self.disk_budget,
-            "policy": self.policy,
-            "ttl": self.ttl,
-            "clock": self.clock,
-            "temporary": self.temporary,
-            "fallback": self.fallback,
-            "mode": self.mode,
-            "memory_entries": self.memory_entries,
-            "scope": self.scope,
-            "peer_timeout": self.peer_timeout,
-            "disk_form": str(self.disk_form),
+            **{o.name: getattr(self, o.attr) for o in _OPTIONS},
             "opened_as": "inspect" if self._inspect else "worker",
-            "flight": self.flight,  # a MemoryStore pickles by name: re-attached
+            # a MemoryStore pickles by name: re-attached in the other process
+            "side": [(t.name, t.store) for t in self._store.entries if not t.budgeted],
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         options = dict(state)  # keys missing from an older state take __init__'s defaults
-        root, flight = options.pop("root"), options.pop("flight", None)
+        root, side = options.pop("root"), options.pop("side", [])
         options["_opened_as"] = options.pop("opened_as", "worker")
         self.__init__(root, **options)  # type: ignore[misc]
-        self.flight = flight
+        for name, store in side:
+            if self.memory is not None:
+                self._attach_side(name, store)
 
     # -- the tiers ------------------------------------------------------------------------
     @property
@@ -402,8 +487,8 @@ class Cache:
 
     @property
     def tiers(self) -> dict[str, Store]:
-        """The open tiers by name, fastest first."""
-        return self._store.by_name()
+        """The open budgeted tiers by name, fastest first (side tiers: :meth:`side_tier`)."""
+        return {t.name: t.store for t in self._store.entries if t.budgeted}
 
     @property
     def memory(self) -> Store | None:
@@ -434,8 +519,6 @@ class Cache:
         never names a tier.
         """
         able = [t for t in self._store.tiers if t.supports_gather and isinstance(t, BatchReader)]
-        if isinstance(self.flight, BatchReader) and able and able[0] is self.memory:
-            able.insert(1, self.flight)  # after the memory tier: it is never promoted into
         if not able:
             return None
         return able[0] if len(able) == 1 else TieredReader(able)
@@ -613,16 +696,30 @@ class Cache:
         return self.disk.compact()
 
     def use_flight(self, store: Store) -> None:
-        """Gather from ``store`` after the memory tier (:attr:`reader`): ``scope="cluster"``'s
-        in-flight tier, outside the budget and policy (:mod:`mmcache.cluster`). Its
-        gathers are checked like the memory tier's (a flipped byte is never served)."""
-        self.flight = check_reads(store)
+        """Deprecated: :func:`mmcache.cluster.flight.open_flight` (through
+        :meth:`open_side_tier`) puts the in-flight tier in the tier list itself."""
+        warnings.warn(
+            "Cache.use_flight is deprecated and goes in the next release: the in-flight tier "
+            "is a side tier, opened by Cache.open_side_tier (cluster.flight.open_flight)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        if self.side_tier("flight") is not store:
+            self._attach_side("flight", store)
+
+    @property
+    def flight(self) -> Store | None:
+        """Deprecated: ``side_tier("flight")``, the cluster's in-flight tier."""
+        warnings.warn(
+            'Cache.flight is deprecated and goes in the next release: use side_tier("flight")',
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.side_tier("flight")
 
     def close(self) -> None:
         """Release every handle (idempotent); shared and persisted data stay."""
         self._store.close()
-        if self.flight is not None:
-            self.flight.close()
 
     def __enter__(self) -> Cache:
         return self
@@ -631,7 +728,5 @@ class Cache:
         self.close()
 
     def __repr__(self) -> str:
-        return (
-            f"Cache({str(self.root)!r}, memory={self.memory_budget}, disk={self.disk_budget}, "
-            f"policy={self.policy!r}, ttl={self.ttl})"
-        )
+        shown = ", ".join(f"{o.name}={getattr(self, o.attr)!r}" for o in _OPTIONS if o.shown)
+        return f"Cache({str(self.root)!r}, {shown})"

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from mmcache import Cache, DataLoader, MultimodalDataset
+from mmcache.cluster import Cluster
 from mmcache.pipeline import ImageSpec, Pipeline
 
 
@@ -95,10 +96,8 @@ def main() -> None:
     # "{node}" in the manifest: each node reads its own copy of the data (cp -a on each node)
     manifest = args.manifest.replace("{node}", node)
     ds = CountingDataset(manifest, pipeline=Pipeline(image=ImageSpec(size=args.size)))
-    cache = Cache(
-        args.root, memory=args.budget, scope=args.scope, peer_timeout=args.timeout,
-        temporary=True,
-    )  # fmt: skip
+    scope = Cluster(peer_timeout=args.timeout) if args.scope == "cluster" else "node"
+    cache = Cache(args.root, memory=args.budget, scope=scope, temporary=True)
     loader = DataLoader(
         ds, cache=cache, batch_size=args.batch, seed=7, num_workers=args.workers,
         persistent_workers=args.persistent,
@@ -121,8 +120,9 @@ def main() -> None:
         ids: list[str] = []
         flight_max = 0  # entries in the node's in-flight tier, the most seen after a batch
         for j, batch in enumerate(loader):
-            if cache.flight is not None:
-                flight_max = max(flight_max, len(cache.flight))
+            flight = cache.side_tier("flight")
+            if flight is not None:
+                flight_max = max(flight_max, len(flight))
             if kill is not None and node == args.kill_node and (epoch, j) == kill:
                 first = int(os.environ.get("LOCAL_RANK", "0")) == 0
                 os.kill(os.getpid(), signal.SIGKILL if first else signal.SIGSTOP)

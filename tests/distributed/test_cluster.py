@@ -36,7 +36,7 @@ dist = pytest.importorskip("torch.distributed")
 from mmcache import codec  # noqa: E402
 from mmcache.cacheroot import memory_name  # noqa: E402
 from mmcache.dataset import MultimodalDataset  # noqa: E402
-from mmcache.loader import DataLoader  # noqa: E402
+from mmcache.loader import DataLoader, Distributed  # noqa: E402
 from mmcache.pipeline import ImageSpec, Pipeline  # noqa: E402
 from mmcache.stores.memory import store_dir  # noqa: E402
 from mmcache.synth import make_dataset  # noqa: E402
@@ -157,7 +157,13 @@ def _reference(manifest: Path, world: int) -> list[list[list[str]]]:
     ds = MultimodalDataset(manifest, pipeline=Pipeline(image=ImageSpec(size=SIZE)))
     out = []
     for r in range(world):
-        loader = DataLoader(ds, cache=None, batch_size=BATCH, seed=7, rank=r, world_size=world)
+        loader = DataLoader(
+            ds,
+            cache=None,
+            batch_size=BATCH,
+            seed=7,
+            distributed=Distributed(rank=r, world_size=world),
+        )
         epochs = []
         for e in range(EPOCHS):
             loader.set_epoch(e)

@@ -25,7 +25,7 @@ from mmcache.cache import Cache
 from mmcache.dataset import MultimodalDataset
 from mmcache.errors import ConfigError
 from mmcache.features import FeatureCache
-from mmcache.loader import DataLoader
+from mmcache.loader import Augment, DataLoader
 from mmcache.pipeline import Pipeline
 from mmcache.synth import make_dataset
 
@@ -252,10 +252,10 @@ def test_an_augment_that_changes_the_batch_size_or_returns_no_tensor_is_a_config
 def test_bad_augment_or_device_arguments_are_config_errors(ds: MultimodalDataset) -> None:
     with pytest.raises(ConfigError, match="callable"):
         DataLoader(ds, cache=None, batch_size=8, augment="flip")  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="augment is None"):
-        DataLoader(ds, cache=None, batch_size=8, device="cpu")
+    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="augment is None"):
+        DataLoader(ds, cache=None, batch_size=8, device="cpu")  # the old spelling
     with pytest.raises(ConfigError, match="device"):
-        DataLoader(ds, cache=None, batch_size=8, augment=AUG, device="nonsense")
+        DataLoader(ds, cache=None, batch_size=8, augment=Augment(AUG, device="nonsense"))
 
 
 def test_augment_on_cpu_device_and_no_buffer_is_overwritten_while_held(
@@ -272,7 +272,7 @@ def test_augment_on_cpu_device_and_no_buffer_is_overwritten_while_held(
         held = _epoch(view, 1)  # warm, all held at once
         want = _epoch(plain, 1)
         assert all(torch.equal(a["image"], b["image"]) for a, b in zip(held, want, strict=True))
-        cpu = DataLoader(ds, cache=cache, batch_size=8, seed=5, augment=AUG, device="cpu")
+        cpu = DataLoader(ds, cache=cache, batch_size=8, seed=5, augment=Augment(AUG, device="cpu"))
         _same(_epoch(cpu, 1), reference[1])
 
 
@@ -298,11 +298,18 @@ def test_feature_cache_refuses_a_loader_with_augment(
 def test_cuda_augment_is_deterministic_and_on_the_device(
     ds: MultimodalDataset, cache_root: Path
 ) -> None:
-    ref = _epoch(DataLoader(ds, cache=None, batch_size=8, seed=5, augment=AUG, device="cuda"), 1)
+    ref = _epoch(
+        DataLoader(ds, cache=None, batch_size=8, seed=5, augment=Augment(AUG, device="cuda")), 1
+    )
     assert ref[0]["image"].is_cuda and ref[0]["image"].dtype == torch.uint8
     with Cache(cache_root, memory="16MiB", temporary=True) as cache:
         loader = DataLoader(
-            ds, cache=cache, batch_size=8, seed=5, num_workers=2, augment=AUG, device="cuda"
+            ds,
+            cache=cache,
+            batch_size=8,
+            seed=5,
+            num_workers=2,
+            augment=Augment(AUG, device="cuda"),
         )
         _epoch(loader, 0)
         got = _epoch(loader, 1)

@@ -24,6 +24,7 @@ from mmcache.errors import ConfigError, SampleError
 from mmcache.sources.base import OnError, SampleSource
 from mmcache.testing.source_contract import SourceContract
 from mmcache.testing.stage_contract import StageContract
+from mmcache.transforms import Chat
 from mmcache.transforms.smart_resize import output_hw, smart_resize
 
 pytest.importorskip("jinja2")
@@ -307,7 +308,7 @@ def test_truncation_drops_the_image_in_the_sample_and_in_lengths(tmp_path: Path)
     full = ChatSpec(tok, "chatml", 4096, image_tokens=40)
     chat = MultimodalDataset(path, pipeline=Pipeline(image=spec, text=full)).records.chat(0)
     assert chat is not None
-    ((a, b),) = full.encode(mmcache.Chat(tuple(chat), ((28, 28),))).image_runs
+    ((a, b),) = full.encode(Chat(tuple(chat), ((28, 28),))).image_runs
     short = Pipeline(image=spec, text=ChatSpec(tok, "chatml", (a + b) // 2, image_tokens=40))
     ds = MultimodalDataset(path, pipeline=short)
     s = ds.produce(0)

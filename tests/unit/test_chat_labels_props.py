@@ -11,7 +11,8 @@ from chat_support import hf_tokenizer, make_tokenizer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mmcache import IGNORE_INDEX, Chat, ChatSpec
+from mmcache import ChatSpec
+from mmcache.transforms import IGNORE_INDEX, Chat
 from mmcache.transforms.chat_templates import BUILTIN_TEMPLATES
 
 pytest.importorskip("jinja2")

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from chat_support import make_tokenizer, turns, write_image, write_llava
 
-from mmcache import ChatSpec, FileSource, ImageSpec, Pipeline, TextSpec, keys, read_manifest
+from mmcache import ChatSpec, ImageSpec, Pipeline, TextSpec, keys, read_manifest
 from mmcache.errors import ManifestError
-from mmcache.sources import identity
+from mmcache.sources import FileSource, identity
 from mmcache.sources.readers import llava_text
 
 pytest.importorskip("jinja2")

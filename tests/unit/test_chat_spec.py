@@ -13,9 +13,10 @@ import pytest
 from chat_support import hf_tokenizer, make_tokenizer
 from tokenizers import Tokenizer
 
-from mmcache import IGNORE_INDEX, Chat, ChatSpec, Pipeline
+from mmcache import ChatSpec, Pipeline
 from mmcache.errors import ConfigError, SampleError
 from mmcache.testing.stage_contract import StageContract
+from mmcache.transforms import IGNORE_INDEX, Chat
 from mmcache.transforms.chat_templates import BUILTIN_TEMPLATES
 
 pytest.importorskip("jinja2")

@@ -12,7 +12,8 @@ import pytest
 from mmcache import codec
 from mmcache.cache import Cache
 from mmcache.cacheroot import memory_name
-from mmcache.cluster.flight import MIN_BYTES, open_flight
+from mmcache.cluster import Cluster
+from mmcache.cluster.flight import FLIGHT, MIN_BYTES, open_flight
 from mmcache.cluster.placement import home_nodes, shares
 from mmcache.cluster.schedule import Schedule
 from mmcache.cluster.topology import Topology
@@ -94,7 +95,9 @@ def test_scope_is_validated_and_cluster_without_torch_distributed_caches_per_nod
     with pytest.raises(ConfigError, match="scope"):
         Cache(cache_root, memory="1MiB", scope="world")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="peer_timeout"):
-        Cache(cache_root, memory="1MiB", peer_timeout=0)
+        Cluster(peer_timeout=0)
+    with pytest.raises(ConfigError, match="backend"):
+        Cluster(backend="mpi")  # type: ignore[arg-type]
     ds = MultimodalDataset(tiny_data, pipeline=Pipeline(image=ImageSpec(size=32)))
     with Cache(cache_root, memory="4MiB", scope="cluster", temporary=True) as cache:
         loader = DataLoader(ds, cache=cache, batch_size=8)
@@ -109,7 +112,7 @@ def test_the_in_flight_tier_is_gathered_after_memory_outside_its_budget_and_pick
     # not count against the memory budget nor go through its policy.
     with Cache(cache_root, memory="64KiB", scope="cluster", temporary=True) as cache:
         flight = open_flight(cache, entries=8)
-        cache.use_flight(flight)
+        assert cache.side_tier(FLIGHT) is flight and FLIGHT not in cache.tiers  # a side tier
         assert flight.index_capacity == 64 and flight.capacity() >= MIN_BYTES
         raw = codec.encode({"x": np.arange(4, dtype=np.int64)}, ctime=0.0, cost=1.0)
         key = bytes(range(16))
@@ -120,13 +123,13 @@ def test_the_in_flight_tier_is_gathered_after_memory_outside_its_budget_and_pick
         assert memory is not None and memory.nbytes() == 0 and key not in set(memory.keys())
         twin = pickle.loads(pickle.dumps(cache))  # a spawned worker's copy
         try:
-            assert twin.flight is not None and twin.reader is not None
+            assert twin.side_tier(FLIGHT) is not None and twin.reader is not None
             assert twin.reader.contains_many([key]).tolist() == [True]
         finally:
             twin.close()
     plain = Cache(cache_root, memory="64KiB", temporary=True)
     try:
-        assert plain.flight is None and plain.reader is plain.memory  # no exchange: as before
+        assert plain.side_tier(FLIGHT) is None and plain.reader is plain.memory  # as before
     finally:
         plain.close()
 
@@ -137,7 +140,6 @@ def test_a_sample_homed_on_another_node_is_produced_into_the_in_flight_tier(
     ds = MultimodalDataset(tiny_data, pipeline=Pipeline(image=ImageSpec(size=32)))
     with Cache(cache_root, memory="4MiB", scope="cluster", temporary=True) as cache:
         flight = open_flight(cache, entries=16)
-        cache.use_flight(flight)
         planner = WorkerPlanner(ds, cache)
         planner.guests = np.arange(len(ds)) % 2 == 1  # odd samples: homed elsewhere
         plan = planner.produced(np.arange(8, dtype=np.int64))

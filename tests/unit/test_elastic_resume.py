@@ -13,7 +13,7 @@ import pytest
 
 from mmcache.dataset import MultimodalDataset
 from mmcache.errors import ConfigError
-from mmcache.loader import DataLoader
+from mmcache.loader import DataLoader, Distributed
 from mmcache.pipeline import Pipeline
 
 BATCH = 2  # 40 samples, world 4: 5 batches of 2 per rank; 2 batches each = 16 = 40%
@@ -31,7 +31,14 @@ def ds(tiny_data: Path, small_pipeline: Pipeline, tmp_path: Path) -> MultimodalD
 
 def _loaders(ds: MultimodalDataset, world: int, **kw: Any) -> list[DataLoader]:
     return [
-        DataLoader(ds, cache=None, batch_size=BATCH, seed=5, rank=r, world_size=world, **kw)
+        DataLoader(
+            ds,
+            cache=None,
+            batch_size=BATCH,
+            seed=5,
+            **kw,
+            distributed=Distributed(rank=r, world_size=world),
+        )
         for r in range(world)
     ]
 
@@ -93,19 +100,25 @@ def test_stop_at_40_percent_with_world_4_resume_with_another_world_gives_exactly
 def test_drop_last_cuts_the_rest_to_equal_parts(ds: MultimodalDataset) -> None:
     loaders = [
         DataLoader(
-            ds, cache=None, batch_size=BATCH, seed=5, rank=r, world_size=4,
-            distributed_drop_last=True,
+            ds,
+            cache=None,
+            batch_size=BATCH,
+            seed=5,
+            distributed=Distributed(rank=r, world_size=4, drop_last=True),
         )
         for r in range(4)
-    ]  # fmt: skip
+    ]
     _ids(loaders[0], 1, stop=2)
     state = loaders[0].state_dict()
     after = []
     for r in range(5):
         loader = DataLoader(
-            ds, cache=None, batch_size=BATCH, seed=5, rank=r, world_size=5,
-            distributed_drop_last=True,
-        )  # fmt: skip
+            ds,
+            cache=None,
+            batch_size=BATCH,
+            seed=5,
+            distributed=Distributed(rank=r, world_size=5, drop_last=True),
+        )
         loader.load_state_dict(state)
         after.append([i for b in _ids(loader, 1) for i in b])
     assert [len(a) for a in after] == [4] * 5  # 24 left: 20 read, the last 4 dropped

@@ -10,6 +10,7 @@ import pytest
 
 from mmcache import Cache, DataLoader
 from mmcache.errors import ConfigError
+from mmcache.loader import Distributed, SFTBatching
 from mmcache.testing.sft import SyntheticSFTSource
 
 
@@ -21,7 +22,9 @@ def _index_lists(loader: DataLoader, epoch: int) -> list[list[int]]:
 def test_each_batch_is_one_modality_and_similar_lengths() -> None:
     src = SyntheticSFTSource(96, seed=1, image_counts=(1, 0, 0, 2), max_text=200)
     lengths, has_image = src.lengths(), src.modalities()
-    grouped = DataLoader(src, cache=None, batch_size=8, group_by_length=True, seed=3)
+    grouped = DataLoader(
+        src, cache=None, batch_size=8, seed=3, batching=SFTBatching(group_by_length=True)
+    )
     plain = DataLoader(src, cache=None, batch_size=8, seed=3)
     batches = _index_lists(grouped, 0)
     assert sorted(i for b in batches for i in b) == list(range(96))  # every sample once
@@ -37,11 +40,17 @@ def test_each_batch_is_one_modality_and_similar_lengths() -> None:
 
 def test_grouping_is_deterministic_per_seed_and_epoch() -> None:
     src = SyntheticSFTSource(64, seed=2, max_text=100)
-    a = DataLoader(src, cache=None, batch_size=4, group_by_length=True, seed=5)
-    b = DataLoader(src, cache=None, batch_size=4, group_by_length=True, seed=5)
+    a = DataLoader(
+        src, cache=None, batch_size=4, seed=5, batching=SFTBatching(group_by_length=True)
+    )
+    b = DataLoader(
+        src, cache=None, batch_size=4, seed=5, batching=SFTBatching(group_by_length=True)
+    )
     assert _index_lists(a, 1) == _index_lists(b, 1)
     assert _index_lists(a, 0) != _index_lists(a, 1)  # another epoch, another order
-    c = DataLoader(src, cache=None, batch_size=4, group_by_length=True, seed=6)
+    c = DataLoader(
+        src, cache=None, batch_size=4, seed=6, batching=SFTBatching(group_by_length=True)
+    )
     assert _index_lists(c, 1) != _index_lists(a, 1)
 
 
@@ -55,10 +64,8 @@ def test_equal_batch_counts_per_rank(distributed_drop_last: bool) -> None:
             src,
             cache=None,
             batch_size=4,
-            group_by_length=True,
-            rank=rank,
-            world_size=world,
-            distributed_drop_last=distributed_drop_last,
+            distributed=Distributed(rank=rank, world_size=world, drop_last=distributed_drop_last),
+            batching=SFTBatching(group_by_length=True),
         )
         per_rank.append(_index_lists(loader, 2))
         assert len(loader) == len(per_rank[-1])
@@ -80,14 +87,18 @@ def test_equal_batch_counts_per_rank(distributed_drop_last: bool) -> None:
 def test_resume_mid_epoch_yields_exactly_the_rest(cache_root: Path) -> None:
     src = SyntheticSFTSource(40, seed=4, max_text=80)
     with Cache(cache_root, memory="16MiB", temporary=True) as cache:
-        loader = DataLoader(src, cache=cache, batch_size=4, group_by_length=True, seed=1)
+        loader = DataLoader(
+            src, cache=cache, batch_size=4, seed=1, batching=SFTBatching(group_by_length=True)
+        )
         full = _index_lists(loader, 1)
         loader.set_epoch(1)
         it = iter(loader)
         head = [[int(s.split("-")[1]) for s in next(it)["id"]] for _ in range(3)]
         state = loader.state_dict()
         assert state["batching"] == "group_by_length"
-        again = DataLoader(src, cache=cache, batch_size=4, group_by_length=True, seed=1)
+        again = DataLoader(
+            src, cache=cache, batch_size=4, seed=1, batching=SFTBatching(group_by_length=True)
+        )
         again.load_state_dict(state)
         again.set_epoch(1)
         rest = [[int(s.split("-")[1]) for s in b["id"]] for b in again]
@@ -97,7 +108,12 @@ def test_resume_mid_epoch_yields_exactly_the_rest(cache_root: Path) -> None:
             plain.load_state_dict(state)
         # grouped plans are per world size: an elastic resume of them is refused clearly
         wider = DataLoader(
-            src, cache=cache, batch_size=4, group_by_length=True, seed=1, rank=0, world_size=2
+            src,
+            cache=cache,
+            batch_size=4,
+            seed=1,
+            distributed=Distributed(rank=0, world_size=2),
+            batching=SFTBatching(group_by_length=True),
         )
         with pytest.raises(ConfigError, match="same world size only"):
             wider.load_state_dict(state)
@@ -108,20 +124,20 @@ def test_group_by_length_needs_lengths() -> None:
         lengths = None  # type: ignore[assignment]
 
     with pytest.raises(ConfigError, match="lengths"):
-        DataLoader(NoLengths(4), cache=None, batch_size=2, group_by_length=True)
+        DataLoader(
+            NoLengths(4), cache=None, batch_size=2, batching=SFTBatching(group_by_length=True)
+        )
 
 
 def test_the_workers_and_warm_epochs_follow_the_grouped_order(cache_root: Path) -> None:
     src = SyntheticSFTSource(32, seed=5, max_text=60)
-    ref = _index_lists(DataLoader(src, cache=None, batch_size=4, group_by_length=True), 0)
+    ref = _index_lists(
+        DataLoader(src, cache=None, batch_size=4, batching=SFTBatching(group_by_length=True)), 0
+    )
     with Cache(cache_root, memory="16MiB", temporary=True) as cache:
+        grouped = SFTBatching(group_by_length=True)
         loader = DataLoader(
-            src,
-            cache=cache,
-            batch_size=4,
-            group_by_length=True,
-            num_workers=2,
-            persistent_workers=True,
+            src, cache=cache, batch_size=4, num_workers=2, persistent_workers=True, batching=grouped
         )
         cold = _index_lists(loader, 0)
         warm = _index_lists(loader, 0)

@@ -17,6 +17,7 @@ from PIL import Image, ImageFile
 
 import mmcache as mc
 from mmcache import ChatSpec, MultimodalDataset, Pipeline
+from mmcache.loader import SFTBatching
 
 pytest.importorskip("jinja2")
 transformers = pytest.importorskip("transformers")
@@ -75,11 +76,17 @@ def test_group_by_length_and_pack_with_a_processor_stage(manifest: Path, tmp_pat
     spec = ChatSpec(make_tokenizer(), "vicuna_v1", 256, image_tokens=9)
     ds = MultimodalDataset(manifest, pipeline=Pipeline(image=stage, text=spec))
     with mc.Cache(tmp_path / "c", memory=0, disk="64MiB") as cache:
-        grouped = mc.DataLoader(ds, cache=cache, batch_size=2, group_by_length=True, seed=1)
+        grouped = mc.DataLoader(
+            ds, cache=cache, batch_size=2, seed=1, batching=SFTBatching(group_by_length=True)
+        )
         seen = sorted(i for b in grouped for i in b["id"])
         assert seen == sorted(ds.ids(range(len(ds))))
         packed = mc.DataLoader(
-            ds, cache=cache, batch_size=1, pack=mc.PackSpec(max_tokens=256), seed=1
+            ds,
+            cache=cache,
+            batch_size=1,
+            seed=1,
+            batching=SFTBatching(pack=mc.PackSpec(max_tokens=256)),
         )
         rows = [b for b in packed]
         assert sorted(i for b in rows for i in b["id"]) == sorted(ds.ids(range(len(ds))))

@@ -12,6 +12,7 @@ import torch
 
 import mmcache
 from mmcache import Cache, DataLoader, PackSpec
+from mmcache.loader import SFTBatching
 from mmcache.testing.sft import SyntheticSFTSource
 
 transformers = pytest.importorskip("transformers")
@@ -111,7 +112,9 @@ def test_tiny_llava_trains_on_cached_batches(cache_root: Path) -> None:
 def test_tiny_llava_takes_a_packed_batch() -> None:
     model = _model()
     src = _source()
-    loader = DataLoader(src, cache=None, batch_size=1, pack=PackSpec(max_tokens=256))
+    loader = DataLoader(
+        src, cache=None, batch_size=1, batching=SFTBatching(pack=PackSpec(max_tokens=256))
+    )
     batch = next(iter(loader))
     assert len(batch["id"]) > 1  # several samples in the row
     inputs = {

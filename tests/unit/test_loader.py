@@ -13,7 +13,7 @@ import torch
 from mmcache.cache import Cache
 from mmcache.dataset import MultimodalDataset
 from mmcache.errors import ConfigError, SampleError
-from mmcache.loader import DataLoader
+from mmcache.loader import DataLoader, Distributed
 from mmcache.pipeline import Pipeline
 
 SAMPLE_BYTES = 3 * 64 * 64 + 2 * 16 * 4  # payload of one 64 px sample
@@ -164,7 +164,13 @@ def test_resume_refuses_a_different_order(ds: MultimodalDataset) -> None:
 def test_ranks_take_disjoint_parts(ds: MultimodalDataset) -> None:
     parts = []
     for rank in range(3):
-        loader = DataLoader(ds, cache=None, batch_size=4, rank=rank, world_size=3, drop_last=True)
+        loader = DataLoader(
+            ds,
+            cache=None,
+            batch_size=4,
+            drop_last=True,
+            distributed=Distributed(rank=rank, world_size=3),
+        )
         parts.append([i for b in _epoch(loader, 0) for i in b["id"]])
     assert all(len(p) == 16 for p in parts)
     assert len(set(parts[0]) | set(parts[1]) | set(parts[2])) == 48
@@ -355,9 +361,12 @@ def test_drop_last_drops_each_ranks_partial_batch_like_torch(
     seen: list[str] = []
     for rank in range(world):
         loader = DataLoader(
-            ds17, cache=None, batch_size=batch, rank=rank, world_size=world,
-            drop_last=True, distributed_drop_last=trim,
-        )  # fmt: skip
+            ds17,
+            cache=None,
+            batch_size=batch,
+            drop_last=True,
+            distributed=Distributed(rank=rank, world_size=world, drop_last=trim),
+        )
         batches = _epoch(loader, 0)
         assert len(batches) == len(loader) == _torch_batches(17, world, rank, batch, trim=trim)
         assert all(len(b["id"]) == batch for b in batches)
@@ -372,7 +381,8 @@ def test_an_empty_epoch_is_warned_about(
     ds17: MultimodalDataset, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level("WARNING", logger="mmcache.loader"):
-        loader = DataLoader(ds17, cache=None, batch_size=8, rank=0, world_size=5, drop_last=True)
+        part = Distributed(rank=0, world_size=5)
+        loader = DataLoader(ds17, cache=None, batch_size=8, drop_last=True, distributed=part)
     assert len(loader) == 0 and _epoch(loader, 0) == []
     assert any("no batches" in r.getMessage() for r in caplog.records)
 
@@ -382,7 +392,7 @@ def test_rank_and_world_size_come_together_without_torch_distributed(
 ) -> None:
     assert not torch.distributed.is_available() or not torch.distributed.is_initialized()
     with pytest.raises(ConfigError, match="rank"):
-        DataLoader(ds17, cache=None, batch_size=4, world_size=2)
+        DataLoader(ds17, cache=None, batch_size=4, distributed=Distributed(world_size=2))
     with pytest.raises(ConfigError, match="world_size"):
-        DataLoader(ds17, cache=None, batch_size=4, rank=1)
+        DataLoader(ds17, cache=None, batch_size=4, distributed=Distributed(rank=1))
     assert len(DataLoader(ds17, cache=None, batch_size=4)) == 5  # neither: one process

@@ -134,3 +134,18 @@ def test_hooks_are_checked() -> None:
     with pytest.raises(TypeError, match="returned NoneType"):
         hooks.after_assemble({}, BatchContext(0, 0, np.zeros(0, np.int64), 0, 0, 1, False))
     assert not Hooks([LoaderHook()])  # the base class alone does nothing
+
+
+def test_the_hook_contract_lives_in_the_base_layer() -> None:
+    """``mmcache.hooks`` holds the contract (the cluster and the remote prefetcher type
+    against it); the loader's old import path names the same classes."""
+    import mmcache.hooks as contract
+    import mmcache.loader.hooks as old
+    from mmcache.cluster.exchange import ClusterExchange
+    from mmcache.sources.remote.prefetch import RemotePrefetch
+
+    for name in ("LoaderHook", "BatchContext", "EpochContext"):
+        assert getattr(old, name) is getattr(contract, name)
+        assert getattr(contract, name).__module__ == "mmcache.hooks"
+    assert issubclass(ClusterExchange, contract.LoaderHook)
+    assert issubclass(RemotePrefetch, contract.LoaderHook)

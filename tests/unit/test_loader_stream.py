@@ -13,7 +13,7 @@ from PIL import Image
 
 from mmcache.cache import Cache
 from mmcache.dataset import MultimodalDataset
-from mmcache.loader import DataLoader
+from mmcache.loader import DataLoader, Distributed
 from mmcache.loader.stream import MissWorkers
 from mmcache.loader.tasks import WorkerPlanner
 from mmcache.pipeline import Pipeline
@@ -237,17 +237,18 @@ def test_a_rank_sweeps_only_while_it_knows_the_keys_of_its_samples(
     never learnt (rank 1 had them). A swept epoch hands such batches, and the rest of the
     epoch, back to the workers; the batches stay exactly those of the uncached loader."""
     ds = MultimodalDataset(own_data, pipeline=small_pipeline)
-    ref = DataLoader(ds, cache=None, batch_size=4, seed=3, rank=0, world_size=2)
+    ref = DataLoader(
+        ds, cache=None, batch_size=4, seed=3, distributed=Distributed(rank=0, world_size=2)
+    )
     with Cache(cache_root, memory="16MiB", temporary=True) as cache:
         loader = DataLoader(
             ds,
             cache=cache,
             batch_size=4,
             seed=3,
-            rank=0,
-            world_size=2,
             num_workers=2,
             persistent_workers=True,
+            distributed=Distributed(rank=0, world_size=2),
         )
         for e in range(5):
             _same(_epoch(loader, e), _epoch(ref, e))

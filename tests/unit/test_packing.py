@@ -12,6 +12,7 @@ import torch
 
 from mmcache import Cache, DataLoader, PackSpec, SampleError
 from mmcache.errors import ConfigError
+from mmcache.loader import Distributed, SFTBatching
 from mmcache.loader.packing import first_fit_decreasing
 from mmcache.testing.sft import SyntheticSFTSource
 
@@ -28,7 +29,9 @@ def _ids(batch: dict[str, Any]) -> list[int]:
 def test_packs_hold_whole_samples_with_consistent_cu_seqlens() -> None:
     src = SyntheticSFTSource(50, seed=1, max_text=120)
     lengths = src.lengths()
-    loader = DataLoader(src, cache=None, batch_size=1, pack=PackSpec(max_tokens=256))
+    loader = DataLoader(
+        src, cache=None, batch_size=1, batching=SFTBatching(pack=PackSpec(max_tokens=256))
+    )
     packs = _packs(loader, 0)
     assert sorted(i for p in packs for i in _ids(p)) == list(range(50))  # each once, whole
     for p in packs:
@@ -66,9 +69,13 @@ def test_a_sample_longer_than_max_tokens_is_an_error_naming_it() -> None:
     src = SyntheticSFTSource(20, seed=2, max_text=120)
     longest = int(np.argmax(src.lengths()))
     with pytest.raises(SampleError, match=src.sample_id(longest)):
-        DataLoader(src, cache=None, batch_size=1, pack=PackSpec(max_tokens=100))
+        DataLoader(
+            src, cache=None, batch_size=1, batching=SFTBatching(pack=PackSpec(max_tokens=100))
+        )
     with pytest.raises(ConfigError, match="batch_size=1"):
-        DataLoader(src, cache=None, batch_size=4, pack=PackSpec(max_tokens=4096))
+        DataLoader(
+            src, cache=None, batch_size=4, batching=SFTBatching(pack=PackSpec(max_tokens=4096))
+        )
     with pytest.raises(ConfigError, match="max_tokens"):
         PackSpec(max_tokens=0)
 
@@ -80,14 +87,19 @@ def test_the_same_plan_on_every_rank_and_equal_pack_counts() -> None:
     per_rank = []
     for rank in range(world):
         loader = DataLoader(
-            src, cache=None, batch_size=1, pack=spec, seed=9, rank=rank, world_size=world
+            src,
+            cache=None,
+            batch_size=1,
+            seed=9,
+            distributed=Distributed(rank=rank, world_size=world),
+            batching=SFTBatching(pack=spec),
         )
         per_rank.append([_ids(p) for p in _packs(loader, 1)])
         assert len(loader) == len(per_rank[-1])
     assert len({len(p) for p in per_rank}) == 1
     # Interleaved back, the ranks' packs are one global plan: every sample, none split.
     global_plan = [p for step in zip(*per_rank, strict=True) for p in step]
-    single = DataLoader(src, cache=None, batch_size=1, pack=spec, seed=9)
+    single = DataLoader(src, cache=None, batch_size=1, seed=9, batching=SFTBatching(pack=spec))
     alone = [_ids(p) for p in _packs(single, 1)]
     assert global_plan[: len(alone)] == alone
     assert global_plan[len(alone) :] == alone[: len(global_plan) - len(alone)]  # padded
@@ -100,7 +112,7 @@ def test_resume_mid_epoch_and_cold_equals_warm(cache_root: Path) -> None:
     src = SyntheticSFTSource(40, seed=4, max_text=60)
     spec = PackSpec(max_tokens=160)
     with Cache(cache_root, memory="16MiB", temporary=True) as cache:
-        loader = DataLoader(src, cache=cache, batch_size=1, pack=spec, seed=2)
+        loader = DataLoader(src, cache=cache, batch_size=1, seed=2, batching=SFTBatching(pack=spec))
         cold = _packs(loader, 0)
         warm = _packs(loader, 0)
         assert loader.stats().epochs[-1].hits == 40
@@ -111,11 +123,17 @@ def test_resume_mid_epoch_and_cold_equals_warm(cache_root: Path) -> None:
         it = iter(loader)
         head = [_ids(next(it)) for _ in range(2)]
         state = loader.state_dict()
-        again = DataLoader(src, cache=cache, batch_size=1, pack=spec, seed=2)
+        again = DataLoader(src, cache=cache, batch_size=1, seed=2, batching=SFTBatching(pack=spec))
         again.load_state_dict(state)
         again.set_epoch(0)
         assert head + [_ids(p) for p in again] == [_ids(p) for p in cold]
-        other = DataLoader(src, cache=cache, batch_size=1, pack=PackSpec(max_tokens=200), seed=2)
+        other = DataLoader(
+            src,
+            cache=cache,
+            batch_size=1,
+            seed=2,
+            batching=SFTBatching(pack=PackSpec(max_tokens=200)),
+        )
         with pytest.raises(ConfigError, match="batching"):
             other.load_state_dict(state)
 
@@ -123,10 +141,11 @@ def test_resume_mid_epoch_and_cold_equals_warm(cache_root: Path) -> None:
 def test_packs_with_two_workers_equal_packs_without(cache_root: Path) -> None:
     src = SyntheticSFTSource(30, seed=5, max_text=50)
     spec = PackSpec(max_tokens=128)
-    ref = _packs(DataLoader(src, cache=None, batch_size=1, pack=spec), 0)
+    ref = _packs(DataLoader(src, cache=None, batch_size=1, batching=SFTBatching(pack=spec)), 0)
     with Cache(cache_root, memory="16MiB", temporary=True) as cache:
+        packed = SFTBatching(pack=spec)
         loader = DataLoader(
-            src, cache=cache, batch_size=1, pack=spec, num_workers=2, persistent_workers=True
+            src, cache=cache, batch_size=1, num_workers=2, persistent_workers=True, batching=packed
         )
         got = _packs(loader, 0)  # misses produced by the workers
         warm = _packs(loader, 0)  # a guessed warm epoch, gathered here
@@ -143,8 +162,10 @@ def test_samples_of_length_zero_are_left_out_of_grouped_and_packed_batches() -> 
     # lengths() says 0 for a sample the source will refuse (fully masked, under skip).
     src = SyntheticSFTSource(20, seed=6, masked=(2, 11), on_error="skip")
     assert src.lengths()[[2, 11]].tolist() == [0, 0]
-    packed = DataLoader(src, cache=None, batch_size=1, pack=PackSpec(max_tokens=128))
-    grouped = DataLoader(src, cache=None, batch_size=4, group_by_length=True)
+    packed = DataLoader(
+        src, cache=None, batch_size=1, batching=SFTBatching(pack=PackSpec(max_tokens=128))
+    )
+    grouped = DataLoader(src, cache=None, batch_size=4, batching=SFTBatching(group_by_length=True))
     for loader in (packed, grouped):
         batches = _packs(loader, 0)
         assert len(batches) == len(loader)
@@ -160,6 +181,11 @@ class _WrongLengths(SyntheticSFTSource):
 
 
 def test_a_source_whose_lengths_lie_is_an_error_naming_the_sample() -> None:
-    loader = DataLoader(_WrongLengths(12, seed=7), cache=None, batch_size=1, pack=PackSpec(256))
+    loader = DataLoader(
+        _WrongLengths(12, seed=7),
+        cache=None,
+        batch_size=1,
+        batching=SFTBatching(pack=PackSpec(256)),
+    )
     with pytest.raises(ConfigError, match=r"sft-000005.*lengths\(\)"):
         list(loader)

@@ -12,6 +12,7 @@ import torch
 
 from mmcache import Cache, DataLoader, SampleError
 from mmcache.errors import ConfigError
+from mmcache.loader import SFTBatching
 from mmcache.testing.sft import SyntheticSFTSource
 
 
@@ -52,16 +53,15 @@ def test_padding_values_and_attention_mask_match_each_sample() -> None:
 
 def test_pad_options_pad_id_and_multiple() -> None:
     src = SyntheticSFTSource(6, seed=3)
-    loader = DataLoader(
-        src, cache=None, batch_size=6, shuffle=False, pad_token_id=1, pad_to_multiple_of=1
-    )
+    exact = SFTBatching(pad_token_id=1, pad_to_multiple_of=1)
+    loader = DataLoader(src, cache=None, batch_size=6, shuffle=False, batching=exact)
     (batch,) = list(loader)
     longest = int(src.lengths().max())
     assert batch["input_ids"].shape == (6, longest)  # exactly the longest row
     short = int(np.argmin(src.lengths()))
     assert batch["input_ids"][short, -1] == 1
     with pytest.raises(ConfigError, match="pad_to_multiple_of"):
-        DataLoader(src, cache=None, batch_size=2, pad_to_multiple_of=0)
+        DataLoader(src, cache=None, batch_size=2, batching=SFTBatching(pad_to_multiple_of=0))
 
 
 def test_multi_image_and_text_only_samples_in_one_batch() -> None:

@@ -150,7 +150,7 @@ def test_file_source_takes_any_record_processor(tmp_path: Path) -> None:
 
 def test_the_two_rejects_have_two_names() -> None:
     assert Reject is RecordReject
-    from mmcache import Reject as SampleReject
+    from mmcache.dataset import Reject as SampleReject
 
     assert SampleReject is not RecordReject
     assert SampleReject.__name__ == "Reject" and RecordReject.__name__ == "RecordReject"

@@ -18,6 +18,7 @@ from video_support import decoded_frames, qwen_indices_and_size, run_epochs, wri
 import mmcache
 from mmcache import ChatSpec, MultimodalDataset, Pipeline, VideoSpec
 from mmcache.errors import ConfigError, ManifestError, SampleError
+from mmcache.loader import SFTBatching
 from mmcache.sources.readers import read_manifest
 from mmcache.transforms import VideoTokens
 from mmcache.transforms.chat import Chat
@@ -412,7 +413,10 @@ def test_lengths_count_video_tokens_without_decoding_and_packing_holds(
     cache = mmcache.Cache(cache_root, memory="64MiB", disk="128MiB")
     try:
         loader = mmcache.DataLoader(
-            fresh, cache=cache, batch_size=1, pack=mmcache.PackSpec(max_tokens=max(produced) * 2)
+            fresh,
+            cache=cache,
+            batch_size=1,
+            batching=SFTBatching(pack=mmcache.PackSpec(max_tokens=max(produced) * 2)),
         )
         seen = []
         for batch in loader:

@@ -3,7 +3,7 @@
 Random crops and flips cannot be cached (they differ every epoch), so the cache
 holds the deterministic prefix (decode, resize) as uint8 and these run on the
 assembled batch, in the training process, on the CPU or on a GPU
-(``mmcache.DataLoader(..., augment=..., device=...)``).
+(``mmcache.DataLoader(..., augment=Augment(fn, device=...))``).
 
 Randomness comes only from ``(seed, epoch, sample index)``: every sample has its
 own ``torch.Generator`` (:func:`sample_generators`), never the global RNG, so

@@ -11,8 +11,10 @@
 - :mod:`~mmcache.cluster.flight`: the node's in-flight tier (other homes' samples
   held for a window, outside the memory budget and its policy).
 
-The loader adds :class:`ClusterExchange` by itself when its cache has
-``scope="cluster"`` and ``torch.distributed`` is initialised.
+The loader adds :class:`ClusterExchange` by itself when its cache has a cluster
+scope (``Cache(scope=Cluster(peer_timeout=60))``; ``scope="cluster"`` is
+``Cluster()``) and ``torch.distributed`` is initialised. :class:`Cluster` is
+defined in :mod:`mmcache.scope` (below the cache, which checks it).
 """
 
 from __future__ import annotations
@@ -21,5 +23,13 @@ from mmcache.cluster.exchange import ClusterExchange, ExchangeStats
 from mmcache.cluster.hook import cluster_exchange
 from mmcache.cluster.placement import home_nodes
 from mmcache.cluster.topology import Topology
+from mmcache.scope import Cluster
 
-__all__ = ["ClusterExchange", "ExchangeStats", "Topology", "cluster_exchange", "home_nodes"]
+__all__ = [
+    "Cluster",
+    "ClusterExchange",
+    "ExchangeStats",
+    "Topology",
+    "cluster_exchange",
+    "home_nodes",
+]

@@ -60,6 +60,7 @@ from mmcache.cluster.schedule import Schedule
 from mmcache.cluster.topology import Topology
 from mmcache.cluster.wire import Message, Wire, pack, unpack
 from mmcache.errors import ConfigError
+from mmcache.hooks import BatchContext, EpochContext, LoaderHook
 from mmcache.sources.base import SampleSource
 
 __all__ = ["ClusterExchange", "ExchangeStats"]
@@ -102,7 +103,7 @@ class _Window:
 Pos = tuple[int, int]  # (epoch, window)
 
 
-class ClusterExchange:
+class ClusterExchange(LoaderHook):
     """The exchange of one loader (made by the loader when its cache has ``scope="cluster"``).
 
     Collective at construction (every rank makes its loader at the same point):
@@ -151,8 +152,7 @@ class ClusterExchange:
         size = max((len(b) for b in batches(self.topology.rank, 0)), default=1)
         #: Most entries the node's in-flight tier holds at once (see :mod:`.flight`).
         self.flight_entries = len(mine) * size * flight_bound(window, ahead)
-        self._flight = open_flight(cache, self.flight_entries)
-        cache.use_flight(self._flight)
+        self._flight = open_flight(cache, self.flight_entries)  # in the cache's tier list
         self._wire = Wire(group, backend, timeout)
         self._source: SampleSource = copy.deepcopy(dataset)
         self.schedule = Schedule(self.topology, self.home, batches, window)
@@ -177,7 +177,7 @@ class ClusterExchange:
         self._thread: threading.Thread | None = None
 
     # -- loader hooks (training process threads) -----------------------------------------
-    def before_epoch(self, ctx: Any) -> None:
+    def before_epoch(self, ctx: EpochContext) -> None:
         start = (ctx.epoch, self.schedule.window_of(ctx.start))
         with self._cond:
             if self._cursor != start:  # a new epoch, a resumed or replayed one
@@ -230,7 +230,7 @@ class ClusterExchange:
                     return
                 self._cond.wait(left)
 
-    def after_assemble(self, batch: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    def after_assemble(self, batch: dict[str, Any], ctx: BatchContext) -> dict[str, Any]:
         w = self.schedule.window_of(ctx.batch)
         with self._cond:
             self._done = max(self._done, (ctx.epoch, ctx.batch))

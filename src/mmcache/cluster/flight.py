@@ -17,8 +17,11 @@ Its index is made twice that size; a put that finds it full is refused (the
 sample is then produced where it is read, as without the exchange). Its pages
 are allocated only when written and returned when freed, so its byte capacity
 (the memory budget, at least :data:`MIN_BYTES`) is a ceiling, not a reservation.
-The loader gathers from it after the memory tier (``Cache.use_flight``), so its
-entries are ordinary memory hits; it is never promoted into.
+It is a side tier of the cache (``Cache.open_side_tier("flight", ...)``, named
+:data:`FLIGHT` in the tier list, right after the memory tier): the loader gathers
+from it after the memory tier, so its entries are ordinary memory hits; it is
+never promoted into nor offered the cache's puts. A worker writes a sample of
+another home there with ``Cache.put_side(FLIGHT, ...)``.
 
 The store is temporary (gone with the last process of the node). Thread- and
 process-safe (a :class:`~mmcache.stores.memory.MemoryStore`).
@@ -27,10 +30,12 @@ process-safe (a :class:`~mmcache.stores.memory.MemoryStore`).
 from __future__ import annotations
 
 from mmcache.cache import Cache
-from mmcache.cacheroot import memory_group
 from mmcache.stores.memory import MemoryStore
 
-__all__ = ["MIN_BYTES", "flight_bound", "flight_name", "open_flight"]
+__all__ = ["FLIGHT", "MIN_BYTES", "flight_bound", "flight_name", "open_flight"]
+
+#: The in-flight tier's name in the cache's tier list (``Cache.side_tier(FLIGHT)``).
+FLIGHT = "flight"
 
 #: The smallest byte ceiling of an in-flight tier.
 MIN_BYTES = 256 << 20
@@ -50,20 +55,14 @@ def flight_bound(window: int, ahead: int) -> int:
 
 
 def flight_name(cache: Cache) -> str:
-    return f"{cache.memory_name}-flight"
+    """The in-flight tier's shared-memory name (``<memory tier name>-flight``)."""
+    return f"{cache.memory_name}-{FLIGHT}"
 
 
 def open_flight(cache: Cache, entries: int) -> MemoryStore:
     """Create (or attach to) the node's in-flight tier of ``cache``, indexing
-    ``2 * entries`` entries (the first process of the node sets its sizes)."""
-    group = memory_group(cache.root, cache.mode)
-    return MemoryStore(
-        flight_name(cache),
-        capacity=max(cache.memory_budget, MIN_BYTES),
-        policy="keep",
-        temporary=True,
-        owner_path=str(cache.root),
-        index_capacity=max(2 * entries, 64),
-        mode=cache.mode & 0o660 if group is not None else 0o600,
-        group=group,
+    ``2 * entries`` entries (the first process of the node sets its sizes), and put it
+    in the cache's tier list (a side tier after the memory tier)."""
+    return cache.open_side_tier(
+        FLIGHT, capacity=max(cache.memory_budget, MIN_BYTES), entries=max(2 * entries, 64)
     )

@@ -1,16 +1,18 @@
 """Whether a loader gets a :class:`~mmcache.cluster.exchange.ClusterExchange`, and its inputs.
 
-The loader's one call into this package: a cache with ``scope="cluster"`` under
-an initialised ``torch.distributed`` gets an exchange fed by the loader's own
-batch order (every rank's batches, resumed spans included); otherwise None.
-Called once per loader in the training process.
+The loader's one call into this package: a cache with a cluster scope
+(``Cache(scope=Cluster(...))`` or ``scope="cluster"``) under an initialised
+``torch.distributed`` gets an exchange configured by that
+:class:`~mmcache.scope.Cluster` and fed by the loader's own batch order (every
+rank's batches, resumed spans included); otherwise None. Called once per loader
+in the training process.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 
@@ -29,28 +31,29 @@ BACKEND_ENV = "MMCACHE_EXCHANGE_BACKEND"
 
 
 def cluster_exchange(
-    cache: Cache | None, dataset: SampleSource, order: Any, seed: int, planned_ahead: int = 2
+    cache: Cache | None,
+    dataset: SampleSource,
+    batches: Callable[[int, int], list[np.ndarray]],
+    seed: int,
+    planned_ahead: int = 2,
 ) -> ClusterExchange | None:
-    """The exchange of a loader over ``cache`` (None unless ``scope="cluster"`` applies).
+    """The exchange of a loader over ``cache`` (None unless its cluster scope applies).
 
-    ``order``: the loader's :class:`~mmcache.loader.stream.EpochOrder` (its
-    ``order.for_rank(r).batches(e)`` gives rank ``r``'s batches); ``planned_ahead``:
-    how many batches its workers plan ahead of the one assembled.
+    ``batches(rank, epoch)``: any rank's batches of any epoch in the loader's order
+    (it must not hold the loader: the loader's finalizer closes the exchange);
+    ``planned_ahead``: how many batches its workers plan ahead of the one assembled.
     """
-    if cache is None or cache.scope != "cluster":
+    cluster = None if cache is None else cache.cluster
+    if cache is None or cluster is None:
         return None
     if not dist_initialized():
         logger.info('scope="cluster" without torch.distributed initialised: caching per node')
         return None
-
-    def batches(rank: int, epoch: int) -> list[np.ndarray]:
-        return list(order.order.for_rank(rank).batches(epoch))
-
-    backend = os.environ.get(BACKEND_ENV, "gloo")
+    backend = cluster.backend or os.environ.get(BACKEND_ENV, "gloo")
     # A source without varying_fields makes every sample with the same shapes (as the
     # loader reads it: loader/varying.py): received entries must then have its layout.
     fixed = not layout_of(dataset).varying
     return ClusterExchange(
-        cache, dataset, batches, seed=seed, timeout=cache.peer_timeout, backend=backend,
+        cache, dataset, batches, seed=seed, timeout=cluster.peer_timeout, backend=backend,
         planned_ahead=planned_ahead, fixed_shapes=fixed,
     )  # fmt: skip

@@ -56,6 +56,7 @@ from mmcache.loader.augmenting import AugmentHook
 from mmcache.loader.batching import plan_batching
 from mmcache.loader.counters import EpochCounter, HitRateWatch, epoch_scalars
 from mmcache.loader.hooks import BatchContext, EpochContext, Hooks, LoaderHook
+from mmcache.loader.options import Augment, Distributed, SFTBatching, legacy_options, renamed
 from mmcache.loader.packing import PackSpec
 from mmcache.loader.progress import check_progress, with_progress
 from mmcache.loader.readahead import Calm
@@ -76,7 +77,16 @@ from mmcache.sources.base import SampleSource
 from mmcache.stats import EpochStats, LoaderStats
 from mmcache.writeback import flush_all
 
-__all__ = ["BatchContext", "DataLoader", "EpochContext", "LoaderHook", "PackSpec"]
+__all__ = [
+    "Augment",
+    "BatchContext",
+    "DataLoader",
+    "Distributed",
+    "EpochContext",
+    "LoaderHook",
+    "PackSpec",
+    "SFTBatching",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -136,43 +146,38 @@ class DataLoader:
             epochs ahead of use (see :mod:`mmcache.loader.warm_epoch`).
         drop_last: drop each rank's last incomplete batch, as torch's DataLoader
             does (every epoch has ``len(loader)`` full batches).
-        distributed_drop_last: how ranks get equal parts when the dataset does not
-            divide by ``world_size``, as ``DistributedSampler``'s ``drop_last``:
-            ``False`` (default) pads by repeating the epoch's first samples (every
-            sample is seen, a few twice), ``True`` drops the last few samples of
-            the epoch's order (see :mod:`mmcache.sampler`). A torch
-            ``DataLoader(sampler=DistributedSampler(ds, drop_last=a), drop_last=b)``
-            has the batch counts of ``distributed_drop_last=a, drop_last=b``.
         pin_memory: allocate batch tensors in pinned memory (when CUDA is present).
-        rank, world_size: this process's part; default to torch.distributed's
-            when it is initialised, else a single process; one without the other
-            is refused unless torch.distributed is initialised. A loader with no
-            batches (``len(loader) == 0``) logs a warning.
-        prefetch: worker tasks (batches to plan and produce) in flight per worker
-            (torch's ``prefetch_factor``).
+        prefetch_factor: worker tasks (batches to plan and produce) in flight per
+            worker (as torch's).
         persistent_workers, worker_init_fn, multiprocessing_context, generator, timeout: as
             in ``torch.utils.data.DataLoader``, for the miss workers.
+        distributed: this process's part of each epoch, a :class:`Distributed`
+            (``rank``, ``world_size``, ``drop_last``: how ranks get equal parts);
+            None: torch.distributed's rank and world size when it is initialised,
+            else a single process. A loader with no batches (``len(loader) == 0``)
+            logs a warning.
+        batching: how SFT batches (a source with varying ``input_ids`` and
+            ``labels``) are padded, grouped by length or packed, an
+            :class:`SFTBatching`; None: ``SFTBatching()`` (padded to the longest row
+            with the source's pad id, a multiple of 8).
+        augment: a random transform of each batch's images after the cache, an
+            :class:`Augment` (``Augment(fn, device="cuda")``) or a plain callable
+            (``Augment(fn)``: on the CPU); see :mod:`mmcache.loader.augmenting`.
+        hooks: objects with an ``after_assemble(batch, ctx)`` and/or a
+            ``before_epoch(ctx)`` method (see :mod:`mmcache.hooks`). The loader's
+            own run first: SFT padding or packing, then ``augment``, then the
+            cluster exchange; then these, in order.
         on_epoch_end: called after each complete epoch with a dict of scalars
             (``epoch``, ``samples_per_s``, ``hit_rate``, ``hit_rate/<tier>`` for
             each tier of the cache (``hit_rate/memory``, ``hit_rate/disk``),
             ``stall_s``, ...), ready for TensorBoard or W&B.
-        hooks: objects with an ``after_assemble(batch, ctx)`` and/or a
-            ``before_epoch(ctx)`` method, run in order (see :mod:`mmcache.loader.hooks`).
-        augment: a random transform of each batch's images after the cache, seeded
-            by ``(seed, epoch, sample index)`` only: an :mod:`mmcache.augment`
-            transform (``Compose([RandomResizedCrop(224), RandomHorizontalFlip()])``)
-            or any callable ``(images, generator) -> images`` (see
-            :mod:`mmcache.loader.augmenting`). Runs in the training process before
-            ``hooks``.
-        device: where ``augment`` runs (``"cuda"``): the batch's ``"image"`` is moved
-            there first; None: the CPU.
-        pad_token_id, pad_to_multiple_of, group_by_length, pack: SFT batches of a
-            source with varying ``input_ids`` and ``labels``: padded to the longest row
-            (``pad_token_id`` None: the source's, else 0), grouped by length and
-            modality, or packed (a :class:`PackSpec`, ``batch_size=1``); see
-            :mod:`mmcache.loader.padding`, ``grouping`` and ``packing``.
         progress: a tqdm bar per epoch with samples/s and the hit rate of each tier
             (see :mod:`mmcache.loader.progress`).
+
+    The flat options of the last release (``pad_token_id``, ``pad_to_multiple_of``,
+    ``group_by_length``, ``pack``, ``device``, ``rank``, ``world_size``,
+    ``distributed_drop_last``, ``prefetch``) still work for one release, with a
+    ``DeprecationWarning`` naming the new spelling (:mod:`mmcache.loader.options`).
     """
 
     def __init__(
@@ -185,26 +190,26 @@ class DataLoader:
         seed: int = 0,
         num_workers: int = 0,
         drop_last: bool = False,
-        distributed_drop_last: bool = False,
         pin_memory: bool = False,
-        rank: int | None = None,
-        world_size: int | None = None,
-        prefetch: int = 2,
+        prefetch_factor: int = 2,
         persistent_workers: bool = False,
         worker_init_fn: Callable[[int], None] | None = None,
         multiprocessing_context: Any = None,
         generator: torch.Generator | None = None,
         timeout: float = 0,
-        on_epoch_end: Callable[[dict[str, float]], None] | None = None,
+        distributed: Distributed | None = None,
+        batching: SFTBatching | None = None,
+        augment: Augment | Callable[..., Any] | None = None,
         hooks: Sequence[LoaderHook] = (),
-        augment: Callable[..., Any] | None = None,
-        device: str | torch.device | None = None,
-        pad_token_id: int | None = None,
-        pad_to_multiple_of: int = 8,
-        group_by_length: bool = False,
-        pack: PackSpec | None = None,
+        on_epoch_end: Callable[[dict[str, float]], None] | None = None,
         progress: bool = False,
+        **deprecated: Any,
     ) -> None:
+        if "prefetch" in deprecated:
+            prefetch_factor = renamed(deprecated.pop("prefetch"), "prefetch", "prefetch_factor")
+        batching, augment, distributed = legacy_options(
+            deprecated, batching=batching, augment=augment, distributed=distributed
+        )
         if not isinstance(dataset, SampleSource):
             raise ConfigError(
                 "dataset must be a mmcache SampleSource (a MultimodalDataset, or any source "
@@ -213,8 +218,8 @@ class DataLoader:
             )
         check_int("batch_size", batch_size, minimum=1)
         check_int("num_workers", num_workers, minimum=0)
-        check_int("prefetch", prefetch, minimum=1)
-        rank, world_size = rank_and_world(rank, world_size)
+        check_int("prefetch_factor", prefetch_factor, minimum=1)
+        rank, world_size = rank_and_world(distributed.rank, distributed.world_size)
         self.dataset = dataset
         self.cache = cache
         self.batch_size = batch_size
@@ -228,15 +233,13 @@ class DataLoader:
             shuffle=shuffle,
             rank=rank,
             world_size=world_size,
-            drop_last=distributed_drop_last,
+            drop_last=distributed.drop_last,
         )
-        batching = plan_batching(
-            dataset, self.sampler, batch_size=batch_size, drop_last=drop_last,
-            group_by_length=group_by_length, pack=pack, pad_token_id=pad_token_id,
-            pad_to_multiple_of=pad_to_multiple_of,
-        )  # fmt: skip
-        self._batching = batching.name
-        self._order = EpochOrder(batching.order)
+        plan = plan_batching(
+            dataset, self.sampler, batch_size=batch_size, drop_last=drop_last, options=batching
+        )
+        self._batching = plan.name
+        self._order = EpochOrder(plan.order)
         self._epoch = 0  # (len(self) of a grouped or packed loader reads it)
         if len(self) == 0:
             logger.warning(
@@ -252,21 +255,25 @@ class DataLoader:
         self.num_workers = num_workers
         self.on_epoch_end = on_epoch_end
         self.progress = check_progress(progress)
-        if device is not None and augment is None:
-            raise ConfigError(
-                f"device={device!r} is where augment runs, but augment is None: pass "
-                "augment= (or move the batches yourself)"
-            )
-        #: The random transform after the cache (None: none); FeatureCache.wrap refuses it.
-        self.augment = augment
+        #: The random transform after the cache and its device (None: none); FeatureCache.wrap
+        #: refuses a loader with one.
+        self.augment: Augment | None = augment
         if isinstance(hooks, (str, bytes)) or not isinstance(hooks, Sequence):
             raise ConfigError(f"hooks must be a list of hook objects, got {type(hooks).__name__}")
-        first: list[Any] = [AugmentHook(augment, device)] if augment is not None else []
-        if batching.hook is not None:  # SFT padding or packing: before any other hook
-            first.insert(0, batching.hook)
-        #: The cluster exchange (``Cache(scope="cluster")`` under torch.distributed), or None.
+        # The loader's own hooks run first, in this order: SFT padding or packing (the
+        # batch's shape), augment (on the padded batch), the cluster exchange (which
+        # only counts batches), then the user's ``hooks`` in their order.
+        first: list[Any] = [] if plan.hook is None else [plan.hook]
+        if augment is not None:
+            first.append(AugmentHook(augment.fn, augment.device))
+        #: The cluster exchange (``Cache(scope=Cluster(...))`` under torch.distributed), or None.
+        order = self._order  # (not self: the finalizer below closes the exchange)
         self.exchange = cluster_exchange(
-            cache, dataset, self._order, seed, planned_ahead=max(num_workers * prefetch, 2)
+            cache,
+            dataset,
+            lambda rank, epoch: list(order.order.for_rank(rank).batches(epoch)),
+            seed,
+            planned_ahead=max(num_workers * prefetch_factor, 2),
         )
         if self.exchange is not None:
             first.append(self.exchange)
@@ -314,7 +321,7 @@ class DataLoader:
                 "multiprocessing_context": multiprocessing_context,
                 "generator": generator,
                 "timeout": timeout,
-                "prefetch_factor": prefetch,
+                "prefetch_factor": prefetch_factor,
             }
             self._workers = MissWorkers(
                 self._planner, sampler, gate=gate, persistent=persistent, kwargs=kwargs

@@ -55,7 +55,7 @@ import torch
 
 from mmcache.augment import BUILTINS, batch_generator, sample_generators
 from mmcache.errors import ConfigError
-from mmcache.loader.hooks import BatchContext, LoaderHook
+from mmcache.hooks import BatchContext, LoaderHook
 
 __all__ = ["AugmentHook"]
 

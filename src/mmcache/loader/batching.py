@@ -17,10 +17,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from mmcache.errors import ConfigError, SampleError
+from mmcache.hooks import LoaderHook
 from mmcache.loader.grouping import LengthGroupedOrder
-from mmcache.loader.hooks import LoaderHook
 from mmcache.loader.lengths import sample_has_image, sample_lengths
-from mmcache.loader.packing import PackedOrder, PackSpec
+from mmcache.loader.options import SFTBatching
+from mmcache.loader.packing import PackedOrder
 from mmcache.loader.padding import PackHook, PadHook, check_pad_config
 from mmcache.loader.stream import BatchOrder
 from mmcache.loader.varying import varying_fields
@@ -47,18 +48,12 @@ def plan_batching(
     *,
     batch_size: int,
     drop_last: bool,
-    group_by_length: bool,
-    pack: PackSpec | None,
-    pad_token_id: int | None,
-    pad_to_multiple_of: int,
+    options: SFTBatching,
 ) -> Batching:
-    """The batching of a loader over ``source`` (ConfigError for options that do not fit)."""
-    if not isinstance(group_by_length, bool):
-        raise ConfigError(f"group_by_length must be True or False, got {group_by_length!r}")
-    if pack is not None and not isinstance(pack, PackSpec):
-        raise ConfigError(f"pack must be a PackSpec or None, got {type(pack).__name__}")
-    if pack is not None and group_by_length:
-        raise ConfigError("pack= and group_by_length=True are exclusive: a pack is one batch")
+    """The batching of a loader over ``source`` (ConfigError for options that do not fit;
+    ``options`` checked its own fields when it was made)."""
+    group_by_length, pack = options.group_by_length, options.pack
+    pad_token_id, pad_to_multiple_of = options.pad_token_id, options.pad_to_multiple_of
     sft = {"input_ids", "labels"} <= varying_fields(source)
     if pad_token_id is None:
         pad_token_id = layout_of(source).pad_token_id

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from mmcache.errors import ConfigError, SampleError
-from mmcache.loader.hooks import BatchContext, LoaderHook
+from mmcache.hooks import BatchContext, LoaderHook
 from mmcache.sources.base import SampleSource
 
 __all__ = ["IGNORE_INDEX", "PackHook", "PadHook", "split_images", "split_videos"]

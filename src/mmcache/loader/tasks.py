@@ -32,6 +32,7 @@ import torch
 
 from mmcache import codec
 from mmcache.cache import Cache
+from mmcache.cluster.flight import FLIGHT
 from mmcache.errors import SampleError
 from mmcache.keys import STAT_FIELDS
 from mmcache.sources.base import SampleSource, StampKind
@@ -156,7 +157,7 @@ class WorkerPlanner(torch.utils.data.Dataset[PackedPlan]):
         self._reader_known = False  # resolved once per process (see _first_tier)
         self._claims_obj: Claims | None = None
         self._claims_known = False  # resolved once per process (see _claims)
-        #: scope="cluster": which samples are homed on another node (``cache.flight``'s).
+        #: scope="cluster": which samples are homed on another node (the in-flight tier's).
         self.guests: np.ndarray | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -312,8 +313,8 @@ class WorkerPlanner(torch.utils.data.Dataset[PackedPlan]):
             now = cache.clock()
             raw = codec.encode(produced, ctime=now, cost=cost)
             # Homed on another node (scope="cluster"): in flight until the exchange sends it home.
-            guest = cache.flight if self.guests is not None and self.guests[index] else None
-            held = guest is not None and guest.put(key, raw, cost=cost, ctime=now)
+            guest = self.guests is not None and bool(self.guests[index])
+            held = guest and cache.put_side(FLIGHT, key, raw, cost=cost, ctime=now)
             tag = self.source.fingerprint()
             if (held or write_behind(cache)(key, raw, cost, tag)) and in_worker:
                 return TaskResult(index, SampleOrigin.PRODUCED, in_memory=True)

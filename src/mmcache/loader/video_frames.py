@@ -40,7 +40,7 @@ import torch
 from mmcache.augment import sample_generators
 from mmcache.checks import check_int
 from mmcache.errors import ConfigError, SampleError
-from mmcache.loader.hooks import BatchContext, LoaderHook
+from mmcache.hooks import BatchContext, LoaderHook
 
 __all__ = ["VideoFrameSampler"]
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Generic, Literal, TypeVar
 
 from mmcache.errors import CorruptEntryError
@@ -63,11 +63,27 @@ class Tier:
     cache trusts its memory tier, which holds only bytes verified or produced on
     the way in, and checks every disk read). ``deferred``: the write-behind
     writes this tier from a background thread instead of at once.
+
+    A *side tier* (``promote_into=False, budgeted=False``: the cluster's in-flight
+    tier) is read in its place in the list like any other, but the list never
+    writes it: no put is offered to it and no hit is promoted into it (its owner
+    writes it), and it is outside the budget: never the store of record, and what
+    it serves is not promoted into the tiers above it (its entries are there for a
+    while, on purpose outside their budget and policy). ``label``: its name in the
+    list when it is not its store's ``name`` (a second memory store).
     """
 
     store: Store
     verify: bool = True
     deferred: bool = False
+    promote_into: bool = True
+    budgeted: bool = True
+    label: str | None = None
+
+    @property
+    def name(self) -> str:
+        """The tier's name in the list: ``label``, else its store's ``name``."""
+        return self.label or self.store.name
 
 
 # Accepted and Hit are made once per read: plain slotted records (a frozen dataclass's
@@ -122,17 +138,42 @@ class TieredStore(Store):
     def _set(self, tiers: list[Tier]) -> None:
         # Replaced whole (never mutated), so a walk in another thread keeps a consistent list.
         self._tiers: tuple[Tier, ...] = tuple(tiers)
-        self._front = tuple(t.store for t in tiers if not t.deferred)
-        self._deferred = tuple(t for t in tiers if t.deferred)
-        self._by_name = {t.store.name: t.store for t in tiers}
+        self._written = tuple(t for t in tiers if t.promote_into)  # the list's puts go here
+        self._front = tuple(t.store for t in self._written if not t.deferred)
+        self._deferred = tuple(t for t in self._written if t.deferred)
+        self._by_name = {t.name: t.store for t in tiers}
+        self._record = next((t.store for t in reversed(tiers) if t.budgeted), None)
         if len(self._by_name) != len(tiers):
-            raise ValueError(f"tier names must differ, got {[t.store.name for t in tiers]}")
+            raise ValueError(f"tier names must differ, got {[t.name for t in tiers]}")
 
     # -- the list ---------------------------------------------------------------------------
     @property
     def tiers(self) -> tuple[Store, ...]:
         """The tiers, fastest first."""
         return tuple(t.store for t in self._tiers)
+
+    @property
+    def entries(self) -> tuple[Tier, ...]:
+        """The tiers with how the list treats each, fastest first."""
+        return self._tiers
+
+    def insert(self, tier: Tier, *, after: str) -> None:
+        """Put ``tier`` right after the tier called ``after`` (a ValueError if there is
+        none, or if ``tier``'s name is taken)."""
+        tiers = list(self._tiers)
+        i = next((j for j, t in enumerate(tiers) if t.name == after), None)
+        if i is None:
+            raise ValueError(f"no tier {after!r} to put the {tier.name!r} tier after")
+        tiers.insert(i + 1, tier)
+        self._set(tiers)
+
+    def remove(self, name: str) -> Store | None:
+        """Take the tier called ``name`` out of the list (left open: the caller closes
+        it) and return its store, or None if there is none."""
+        store = self._by_name.get(name)
+        if store is not None:
+            self._set([t for t in self._tiers if t.name != name])
+        return store
 
     def tier(self, name: str) -> Store | None:
         """The tier called ``name`` (its ``Store.name``), or None."""
@@ -144,8 +185,8 @@ class TieredStore(Store):
 
     @property
     def record(self) -> Store | None:
-        """The store of record (the last tier), or None without tiers."""
-        return self._tiers[-1].store if self._tiers else None
+        """The store of record (the last budgeted tier), or None without one."""
+        return self._record
 
     @property
     def deferred(self) -> bool:
@@ -158,9 +199,9 @@ class TieredStore(Store):
         if store.name != name or name not in self._by_name:
             raise ValueError(f"no tier {name!r} to replace with a {store.name!r} store")
         tiers = list(self._tiers)
-        i = next(j for j, t in enumerate(tiers) if t.store.name == name)
+        i = next(j for j, t in enumerate(tiers) if t.name == name)
         old = tiers[i]
-        tiers[i] = Tier(store, verify=old.verify, deferred=old.deferred)
+        tiers[i] = replace(old, store=store)
         self._set(tiers)
         return old.store
 
@@ -196,7 +237,7 @@ class TieredStore(Store):
             if accepted is None:
                 t.store.discard(key, why="expired")
                 continue
-            if i:
+            if i and t.budgeted:
                 _promote(tiers[:i], key, raw, accepted.cost, accepted.ctime)
             self._hits += 1
             return Hit(accepted.value, t.store)
@@ -217,7 +258,7 @@ class TieredStore(Store):
             raw = t.store.get(key)
             if raw is None:
                 continue
-            if i:
+            if i and t.budgeted:
                 info = t.store.info(key)
                 if info is not None:
                     _promote(tiers[:i], key, raw, info.cost, info.ctime)
@@ -265,7 +306,7 @@ class TieredStore(Store):
         damaged segment) is logged and counts as refusing: a put never stops training.
         """
         admitted = [False] * len(rows)
-        for t in self._deferred if skip_front else self._tiers:
+        for t in self._deferred if skip_front else self._written:
             _put_rows(t.store, rows, admitted)
         self._puts += len(rows)
         self._admitted += sum(admitted)
@@ -287,21 +328,24 @@ class TieredStore(Store):
         check_key(key)
         held = False
         for t in self._tiers:
-            held = t.store.delete(key)
+            gone = t.store.delete(key)
+            held = gone if t.store is self._record else held
         return held
 
     def discard(self, key: bytes, *, why: Literal["corrupt", "expired"]) -> bool:
         """Remove ``key`` from every tier, counting it there as ``why``."""
         held = False
         for t in self._tiers:
-            held = t.store.discard(key, why=why)
+            gone = t.store.discard(key, why=why)
+            held = gone if t.store is self._record else held
         return held
 
     def expire(self, before: float) -> int:
         """Expire every tier; return how many entries the store of record removed."""
         removed = 0
         for t in self._tiers:
-            removed = t.store.expire(before)
+            n = t.store.expire(before)
+            removed = n if t.store is self._record else removed
         return removed
 
     # -- the store of record's view --------------------------------------------------------
@@ -359,12 +403,14 @@ class TieredStore(Store):
             t.store.close()
 
     def __repr__(self) -> str:
-        return f"TieredStore([{', '.join(t.store.name for t in self._tiers)}])"
+        return f"TieredStore([{', '.join(t.name for t in self._tiers)}])"
 
 
 def _promote(faster: Sequence[Tier], key: bytes, raw: bytes, cost: float, ctime: float) -> None:
     """Offer a hit to the tiers above the one that served it (their policies decide)."""
     for t in faster:
+        if not t.promote_into:
+            continue
         try:
             t.store.put(key, raw, cost=cost, ctime=ctime)
         except OSError as exc:  # a failed promotion costs a hit later, nothing more

@@ -386,16 +386,24 @@ def _decoded(raw: bytes, verify: bool) -> Accepted[object]:
 
 
 def flip_in_files(paths: list[str], needle: bytes) -> None:
-    """Flip one byte in the middle of ``needle``, which one of ``paths`` holds once."""
-    hits = [(p, _read(p).find(needle)) for p in paths]
-    found = [(p, at) for p, at in hits if at >= 0]
-    assert len(found) == 1, f"the entry's bytes are in {len(found)} of {paths}"
-    path, at = found[0]
-    with open(path, "r+b") as f:
-        f.seek(at + len(needle) // 2)
-        byte = f.read(1)
-        f.seek(at + len(needle) // 2)
-        f.write(bytes([byte[0] ^ 0x5A]))
+    """Flip one byte in the middle of every copy of ``needle`` in ``paths``.
+
+    Every copy, not the first: a store may keep stale copies of an entry's bytes beside
+    the live one (LMDB's copy-on-write leaves freed pages holding old values), and
+    which copy is live is the store's business."""
+    flipped = 0
+    for path in paths:
+        data = _read(path)
+        at = data.find(needle)
+        if at < 0:
+            continue
+        with open(path, "r+b") as f:
+            while at >= 0:
+                f.seek(at + len(needle) // 2)
+                f.write(bytes([data[at + len(needle) // 2] ^ 0x5A]))
+                flipped += 1
+                at = data.find(needle, at + 1)
+    assert flipped, f"the entry's bytes are in none of {paths}"
 
 
 def _read(path: str) -> bytes:

@@ -32,7 +32,7 @@ import itertools
 import json
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -70,6 +70,9 @@ _MARK = "\ue000"
 _EOT_CANDIDATES = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "</s>")
 
 ImageTokens = int | Callable[[int, int], int]
+
+#: The metadata of a ChatSpec field rebuilt after unpickling instead of pickled.
+_DERIVED = {"derived": True}
 
 
 class FullyMaskedError(SampleError):
@@ -121,6 +124,7 @@ class ChatEncoding:
         return int(np.count_nonzero(self.labels != IGNORE_INDEX))
 
 
+@dataclass(frozen=True, eq=False, repr=False)
 class ChatSpec:
     """How a conversation becomes int32 ``input_ids`` and ``labels``: a text
     :class:`~mmcache.transforms.stage.Stage` for supervised fine-tuning.
@@ -170,66 +174,36 @@ class ChatSpec:
 
     kind: ClassVar[StageKind] = "text"
 
-    __slots__ = (
-        "_digest",
-        "_json",
-        "_tokenizer",
-        "_wrap",
-        "content_parts",
-        "end_of_turn",
-        "image_prefix",
-        "image_suffix",
-        "image_token",
-        "image_token_id",
-        "image_tokens",
-        "max_length",
-        "pad_id",
-        "special_tokens",
-        "template",
-        "template_name",
-        "video",
-        "video_token_id",
-    )
+    # The fields, written once. Given ones are resolved in place by __post_init__ (the
+    # tokenizer becomes a tokenizers.Tokenizer, the template its text, a None default
+    # its value); a pickle carries every field but the ``derived`` ones, which _derive
+    # rebuilds from the others (the tokenizer from its tokenizer.json text). Add an
+    # option as one field here (and, if it changes the output, in fingerprint_fields).
+    tokenizer: Any = field(metadata=_DERIVED)
+    template: str | None = None
+    max_length: int = 2048
+    _: KW_ONLY
+    image_token: str = "<image>"  # noqa: S105 (a placeholder, not a password)
+    image_token_id: int | None = None
+    image_tokens: ImageTokens = 1
+    end_of_turn: str | None = None
+    bos_token: str | None = None
+    eos_token: str | None = None
+    image_prefix: str = ""
+    image_suffix: str = ""
+    pad_id: int | None = None
+    video: VideoTokens | None = None
+    content_parts: bool | None = None
+    template_name: str | None = field(init=False, default=None)
+    special_tokens: dict[str, str] = field(init=False, default_factory=dict)
+    _json: str = field(init=False, default="")
+    video_token_id: int = field(init=False, default=-1, metadata=_DERIVED)
+    _digest: str = field(init=False, default="", metadata=_DERIVED)
+    _wrap: tuple[npt.NDArray[np.int32], ...] = field(init=False, metadata=_DERIVED)
 
-    _json: str
-    _digest: str
-    _tokenizer: Tokenizer
-    template: str
-    template_name: str | None
-    max_length: int
-    image_token: str
-    image_token_id: int
-    image_tokens: ImageTokens
-    end_of_turn: str | None
-    special_tokens: dict[str, str]
-    image_prefix: str
-    image_suffix: str
-    pad_id: int
-    _wrap: tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]
-    video: VideoTokens | None
-    video_token_id: int
-    content_parts: bool
-
-    def __init__(
-        self,
-        tokenizer: Any,
-        template: str | None = None,
-        max_length: int = 2048,
-        *,
-        image_token: str = "<image>",  # noqa: S107 (a placeholder, not a password)
-        image_token_id: int | None = None,
-        image_tokens: ImageTokens = 1,
-        end_of_turn: str | None = None,
-        bos_token: str | None = None,
-        eos_token: str | None = None,
-        image_prefix: str = "",
-        image_suffix: str = "",
-        pad_id: int | None = None,
-        video: VideoTokens | None = None,
-        content_parts: bool | None = None,
-    ) -> None:
-        tokenizer_json, specials, own_template = tokenizer_parts(tokenizer)
-        name: str | None = None
+    def __post_init__(self) -> None:
+        tokenizer_json, specials, own_template = tokenizer_parts(self.tokenizer)
+        template, end_of_turn, name = self.template, self.end_of_turn, None
         if template is None:
             if own_template is None:
                 raise ConfigError(
@@ -246,77 +220,73 @@ class ChatSpec:
             specials.setdefault("eos_token", builtin.eos_token)
             if end_of_turn is None:
                 end_of_turn = builtin.end_of_turn
-        if bos_token is not None:
-            specials["bos_token"] = bos_token
-        if eos_token is not None:
-            specials["eos_token"] = eos_token
+        if self.bos_token is not None:
+            specials["bos_token"] = self.bos_token
+        if self.eos_token is not None:
+            specials["eos_token"] = self.eos_token
+        pad_id = self.pad_id
         if pad_id is None:
             pad_id = pad_id_of(Tokenizer.from_str(tokenizer_json), specials)
         # Only the tokens the template can read (by naming them) change its output.
         specials = {k: v for k, v in specials.items() if k in template}
         for key in SPECIAL_NAMES[:2]:
             specials.setdefault(key, "")
-        self._setup(
-            tokenizer_json,
-            template,
-            name,
-            max_length,
-            image_token,
-            image_token_id,
-            image_tokens,
-            end_of_turn,
-            specials,
-            image_prefix,
-            image_suffix,
-            pad_id,
-            video,
-            content_parts,
-        )
+        resolved = {
+            "_json": tokenizer_json,
+            "template": template,
+            "template_name": name,
+            "end_of_turn": end_of_turn,
+            "special_tokens": specials,
+            "bos_token": specials.get("bos_token"),
+            "eos_token": specials.get("eos_token"),
+            "pad_id": pad_id,
+        }
+        for key, value in resolved.items():
+            object.__setattr__(self, key, value)
+        self._derive()
 
-    def _setup(  # noqa: PLR0917 (positional: it is called with __getstate__'s tuple)
-        self,
-        tokenizer_json: str,
-        template: str,
-        name: str | None,
-        max_length: int,
-        image_token: str,
-        image_token_id: int | None,
-        image_tokens: ImageTokens,
-        end_of_turn: str | None,
-        specials: dict[str, str],
-        image_prefix: str,
-        image_suffix: str,
-        pad_id: int,
-        video: VideoTokens | None = None,
-        content_parts: bool | None = False,
-    ) -> None:
-        max_length = check_int("ChatSpec.max_length", max_length, minimum=1)
-        pad_id = check_int("ChatSpec.pad_id", pad_id, minimum=0)
-        for label, value in (("image_prefix", image_prefix), ("image_suffix", image_suffix)):
+    def _derive(self) -> None:
+        """Check the resolved fields and build the derived ones (the tokenizer object,
+        its digest, the image wrap's tokens, the video pad id): after __post_init__ and
+        after unpickling."""
+        setattr_ = object.__setattr__
+        setattr_(self, "max_length", check_int("ChatSpec.max_length", self.max_length, minimum=1))
+        setattr_(self, "pad_id", check_int("ChatSpec.pad_id", self.pad_id, minimum=0))
+        for label in ("image_prefix", "image_suffix"):
+            value = getattr(self, label)
             if not isinstance(value, str):
                 raise ConfigError(f"ChatSpec.{label} must be a str, got {value!r}")
+        image_token, end_of_turn = self.image_token, self.end_of_turn
         if not isinstance(image_token, str) or not image_token:
             raise ConfigError(f"ChatSpec.image_token must be a non-empty str, got {image_token!r}")
         if end_of_turn is not None and not isinstance(end_of_turn, str):
             raise ConfigError(f"ChatSpec.end_of_turn must be a str or None, got {end_of_turn!r}")
-        if not callable(image_tokens):
-            check_int("ChatSpec.image_tokens", image_tokens, minimum=1)
-        tok = Tokenizer.from_str(tokenizer_json)
+        if not callable(self.image_tokens):
+            check_int("ChatSpec.image_tokens", self.image_tokens, minimum=1)
+        tok = Tokenizer.from_str(self._json)
         tok.no_padding()
         tok.no_truncation()
-        if image_token_id is None:
+        if self.image_token_id is None:
             found = tok.token_to_id(image_token)
             if found is None:
                 raise ConfigError(
                     f"the tokenizer has no token {image_token!r}: add it as a special token "
                     "(tokenizer.add_special_tokens) or pass ChatSpec(image_token_id=...)"
                 )
-            image_token_id = int(found)
+            setattr_(self, "image_token_id", int(found))
         else:
             # Any int32: LLaVA's own code marks an image with -200 (IMAGE_TOKEN_INDEX).
-            image_token_id = check_int(
-                "ChatSpec.image_token_id", image_token_id, minimum=-(2**31), maximum=2**31 - 1
+            setattr_(
+                self,
+                "image_token_id",
+                check_int(
+                    "ChatSpec.image_token_id",
+                    self.image_token_id,
+                    minimum=-(2**31),
+                    maximum=2**31 - 1,
+                ),
             )
+        video = self.video
         if video is not None and not isinstance(video, VideoTokens):
             raise ConfigError(f"ChatSpec.video must be a VideoTokens, got {video!r}")
         video_id = -1
@@ -325,69 +295,46 @@ class ChatSpec:
             if found_id is None:
                 raise ConfigError(f"the tokenizer has no token {video.pad_token!r} (VideoTokens)")
             video_id = int(found_id)
-        compile_template(template)  # ConfigError now for a template that does not parse
-        if content_parts is None:
+        compile_template(self.template)  # ConfigError now for a template that does not parse
+        template, specials, content_parts = (
+            self.template or "",
+            self.special_tokens,
+            self.content_parts,
+        )
+        if content_parts is None:  # a probe render decides once (a pickle carries the answer)
             content_parts = reads_parts(lambda m: render(template, m, specials), image_token)
         elif not isinstance(content_parts, bool):
             raise ConfigError(
                 f"ChatSpec.content_parts must be a bool or None, got {content_parts!r}"
             )
-        setattr_ = object.__setattr__
-        setattr_(self, "_json", tokenizer_json)
-        setattr_(self, "_digest", tokenizer_digest(tokenizer_json))
-        setattr_(self, "_tokenizer", tok)
-        setattr_(self, "template", template)
-        setattr_(self, "template_name", name)
-        setattr_(self, "max_length", max_length)
-        setattr_(self, "image_token", image_token)
-        setattr_(self, "image_token_id", image_token_id)
-        setattr_(self, "image_tokens", image_tokens)
-        setattr_(self, "end_of_turn", end_of_turn)
-        setattr_(self, "special_tokens", dict(specials))
-        setattr_(self, "image_prefix", image_prefix)
-        setattr_(self, "pad_id", pad_id)
-        setattr_(self, "image_suffix", image_suffix)
-        setattr_(self, "video", video)
-        setattr_(self, "video_token_id", video_id)
         setattr_(self, "content_parts", content_parts)
+        setattr_(self, "special_tokens", dict(self.special_tokens))
+        setattr_(self, "_digest", tokenizer_digest(self._json))
+        setattr_(self, "tokenizer", tok)
+        setattr_(self, "video_token_id", video_id)
         setattr_(
             self,
             "_wrap",
             tuple(
                 np.asarray(tok.encode(t, add_special_tokens=False).ids if t else [], np.int32)
-                for t in (image_prefix, image_suffix)
+                for t in (self.image_prefix, self.image_suffix)
             ),
         )
         self.fingerprint()  # refuses an image_tokens function that cannot be hashed
 
-    def __setattr__(self, name: str, value: object) -> None:
-        raise AttributeError(f"ChatSpec is immutable (cannot set {name!r})")
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            f.name: getattr(self, f.name) for f in fields(self) if not f.metadata.get("derived")
+        }
 
-    def __getstate__(self) -> tuple[Any, ...]:
-        return (
-            self._json,
-            self.template,
-            self.template_name,
-            self.max_length,
-            self.image_token,
-            self.image_token_id,
-            self.image_tokens,
-            self.end_of_turn,
-            self.special_tokens,
-            self.image_prefix,
-            self.image_suffix,
-            self.pad_id,
-            self.video,
-            self.content_parts,
-        )
-
-    def __setstate__(self, state: tuple[Any, ...]) -> None:
-        self._setup(*state)
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+        self._derive()
 
     def __repr__(self) -> str:
-        tpl = (
-            self.template_name or f"<jinja {xxhash.xxh3_64_hexdigest(self.template.encode())[:8]}>"
-        )
+        text = self.template or ""  # (resolved: never None after __post_init__)
+        tpl = self.template_name or f"<jinja {xxhash.xxh3_64_hexdigest(text.encode())[:8]}>"
         return (
             f"ChatSpec(tokenizer=<{self._digest[:12]}>, template={tpl}, "
             f"max_length={self.max_length}, image_token={self.image_token!r}, "
@@ -462,7 +409,7 @@ class ChatSpec:
         if self.content_parts:
             messages = parts_messages(messages, self.image_token)
         try:
-            return render(self.template, messages, self.special_tokens)
+            return render(self.template or "", messages, self.special_tokens)
         except jinja2.exceptions.TemplateError as exc:
             raise SampleError(
                 f"the chat template refused the conversation: {exc}", sample_id="<chat>"
@@ -635,7 +582,7 @@ class ChatSpec:
         images, videos = iter(chat.image_sizes), iter(chat.video_sizes)
         for i, piece in enumerate(pieces):
             if piece:
-                enc = self._tokenizer.encode(piece, add_special_tokens=False)
+                enc = self.tokenizer.encode(piece, add_special_tokens=False)
                 if enc.ids:
                     ids.append(np.asarray(enc.ids, dtype=np.int32))
                     flat = itertools.chain.from_iterable(enc.offsets)
@@ -681,7 +628,7 @@ class ChatSpec:
         blocks.append((start, position()))
 
     def _video_wrap(self, video: VideoTokens) -> tuple[npt.NDArray[np.int32], ...]:
-        encode = self._tokenizer.encode
+        encode = self.tokenizer.encode
         return tuple(
             np.asarray(encode(t, add_special_tokens=False).ids if t else [], np.int32)
             for t in (video.prefix, video.suffix)

@@ -53,6 +53,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from mmcache.errors import ConfigError, SampleError
+from mmcache.hooks import BatchContext, EpochContext, LoaderHook
 from mmcache.sources.capabilities import GroupedFetching, Revalidating, SharesStamps, require
 from mmcache.sources.remote.fs import RemoteError
 
@@ -72,7 +73,7 @@ class PrefetchSource(Revalidating, Protocol):
     def sample_id(self, index: int) -> str: ...
 
 
-class RemotePrefetch:
+class RemotePrefetch(LoaderHook):
     """See the module docstring.
 
     Args:
@@ -123,7 +124,7 @@ class RemotePrefetch:
             self._version = version
         return self._known
 
-    def before_epoch(self, ctx: Any) -> None:
+    def before_epoch(self, ctx: EpochContext) -> None:
         """Start revalidating, then prefetching, epoch ``ctx.epoch`` from batch ``ctx.start``.
 
         With a source that shares its stamps (``shared_stamps``), the revalidation runs on
@@ -190,7 +191,7 @@ class RemotePrefetch:
         self._changed = bool(changed)
         self.revalidate_s = time.perf_counter() - t0
 
-    def _start_fetching(self, ctx: Any, *, inline: bool = False) -> None:
+    def _start_fetching(self, ctx: EpochContext, *, inline: bool = False) -> None:
         """Walk the epoch's batches and fetch ahead (here when ``inline``: already on the
         prefetch thread; else on a new one). Nothing when the store is down or all held."""
         if not self.revalidated or self.source.remote.unreachable:
@@ -213,7 +214,7 @@ class RemotePrefetch:
         )
         self._thread.start()
 
-    def after_assemble(self, batch: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    def after_assemble(self, batch: dict[str, Any], ctx: BatchContext) -> dict[str, Any]:
         with self._cond:
             self._consumed = max(self._consumed, int(ctx.batch))
             self._cond.notify_all()
