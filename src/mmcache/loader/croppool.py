@@ -41,7 +41,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import multiprocessing as mp
+import os
 import queue
 import threading
 from typing import Any
@@ -62,8 +64,8 @@ from mmcache.augment import (
 
 __all__ = ["CropPool", "poolable"]
 
-#: Buffers a crop process keeps mapped (torch rebuilds a buffer it still holds from
-#: its cache, without mapping it again): the assembler's and the output pool's.
+#: Buffers a crop process keeps mapped (sent once, then named by id): the assembler's
+#: and the output pool's recycled batches.
 _KEEP_MAPPED = 32
 #: The transforms after the crop that see one image at a time.
 _PER_IMAGE = (RandomHorizontalFlip, ColorJitter, RandomGrayscale, Normalize)
@@ -84,25 +86,51 @@ def poolable(augment: object) -> bool:
     return isinstance(first, RandomResizedCrop) and all(isinstance(t, _PER_IMAGE) for t in rest)
 
 
+#: A tensor as a crop process is told of it: its buffer's id, the buffer itself the
+#: first time (torch's shared-memory reduction: a file descriptor) else None, and its
+#: dtype, offset, shape and strides in that buffer.
+_Handle = tuple[tuple[int, int, int], Any, torch.dtype, int, tuple[int, ...], tuple[int, ...]]
+
+
+def _buffer_id(t: torch.Tensor) -> tuple[int, int, int]:
+    """The id of the shared-memory file under ``t``: its inode, device and size. Unique
+    while a crop process maps it (a mapped file's inode is never reused)."""
+    storage = t.untyped_storage()
+    fd, size = storage._share_fd_cpu_()
+    st = os.fstat(fd)
+    return (st.st_ino, st.st_dev, int(size))
+
+
+def _rebuild(handle: _Handle, mapped: dict[tuple[int, int, int], Any]) -> torch.Tensor:
+    key, storage, dtype, offset, shape, stride = handle
+    if storage is not None:
+        mapped[key] = storage
+    t = torch.empty(0, dtype=dtype)
+    t.set_(mapped[key], offset, shape, stride)
+    return t
+
+
 def _serve(augment: Any, tasks: Any, done: Any) -> None:
-    """A crop process: ``(images, out, lo, hi, seed, epoch, indices)`` -> rows ``lo..hi``."""
+    """A crop process: ``(images, out, lo, hi, seed, epoch, indices, forget)`` -> rows
+    ``lo..hi`` of ``out``; ``forget``: the ids of buffers the pool no longer sends."""
     torch.set_num_threads(1)
-    held: collections.deque[torch.Tensor] = collections.deque(maxlen=_KEEP_MAPPED)
+    mapped: dict[tuple[int, int, int], Any] = {}
     while True:
         task = tasks.get()
         if task is None:
             return
-        images, out, lo, hi, seed, epoch, indices = task
-        for t in (images, out):
-            if not any(t.data_ptr() == h.data_ptr() for h in held):
-                held.append(t)
         try:
+            src, dst, lo, hi, seed, epoch, indices, forget = task
+            images, out = _rebuild(src, mapped), _rebuild(dst, mapped)
             rows = augment(images[lo:hi], sample_generators(seed, epoch, indices))
             out[lo:hi].copy_(rows)
+            del images, out, rows
+            for key in forget:
+                mapped.pop(key, None)
             done.put(None)
         except Exception as exc:  # reported to the training process, which crops itself
             done.put(f"{type(exc).__name__}: {exc}")
-        del images, out, task
+        del task
 
 
 class CropPool:
@@ -125,6 +153,9 @@ class CropPool:
         self._closed = False
         self._procs: list[Any] = []
         self._tasks: list[Any] = []
+        # Per process, the buffers it maps (least recently sent first): a buffer is sent
+        # once, then named by its id (a file descriptor passed per message costs ~1 ms).
+        self._sent: list[collections.OrderedDict[tuple[int, int, int], None]] = []
         self._done = ctx.Queue()  # answers: None (cropped) or the error's text
         for _ in range(n):
             q = ctx.SimpleQueue()
@@ -132,6 +163,7 @@ class CropPool:
             p.start()
             self._procs.append(p)
             self._tasks.append(q)
+            self._sent.append(collections.OrderedDict())
 
     @property
     def processes(self) -> int:
@@ -150,8 +182,11 @@ class CropPool:
                 return False
             k = min(len(self._procs), n)
             bounds = np.linspace(0, n, k + 1).astype(int).tolist()
-            for q, lo, hi in zip(self._tasks, bounds, bounds[1:], strict=False):
-                q.put((images, out, lo, hi, seed, epoch, np.asarray(indices[lo:hi])))
+            ids = (_buffer_id(images), _buffer_id(out))
+            for w, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+                src, dst, forget = self._handles(w, images, out, ids)
+                task = (src, dst, lo, hi, seed, epoch, np.asarray(indices[lo:hi]), forget)
+                self._tasks[w].put(task)
             ok = True
             for _ in range(k):
                 if not self._wait():
@@ -160,6 +195,28 @@ class CropPool:
             if not ok:
                 self._shut()
             return ok
+
+    def _handles(
+        self, w: int, images: torch.Tensor, out: torch.Tensor, ids: tuple[Any, Any]
+    ) -> tuple[_Handle, _Handle, list[tuple[int, int, int]]]:
+        """The two tensors as process ``w`` is told of them, and the buffers it may
+        forget (the least recently sent beyond :data:`_KEEP_MAPPED`)."""
+        sent = self._sent[w]
+        handles: list[_Handle] = []
+        for t, key in zip((images, out), ids, strict=True):
+            storage = None if key in sent else t.untyped_storage()
+            sent[key] = None
+            sent.move_to_end(key)
+            offset, shape = int(t.storage_offset()), tuple(t.shape)
+            handles.append((key, storage, t.dtype, offset, shape, t.stride()))
+        forget = []
+        while len(sent) > _KEEP_MAPPED:
+            old = next(iter(sent))
+            if old in ids:  # pragma: no cover - _KEEP_MAPPED >= 2
+                break
+            del sent[old]
+            forget.append(old)
+        return handles[0], handles[1], forget
 
     def _wait(self) -> bool:
         """One crop process's answer: True when it cropped its rows."""
