@@ -279,6 +279,7 @@ class DataLoader:
             first.append(self.exchange)
             weakref.finalize(self, self.exchange.close)
         self._hooks = Hooks([*first, *hooks])
+        self._hooks_closing = [h for h in first if isinstance(h, AugmentHook)]
         persistent = persistent_workers and num_workers > 0
         # Holds back workers' tasks of epochs not begun yet (only persistent workers get
         # such tasks). Opened whenever the loader goes, before torch stops the workers.
@@ -289,6 +290,9 @@ class DataLoader:
         if self.exchange is not None:  # produced here for another node: to the in-flight tier
             self._planner.guests = self.exchange.guests
         self._assembler = BatchAssembler(dataset, cache, self._planner, pin_memory=self.pin_memory)
+        for hook in first:  # the crops in crop processes (forked before any thread starts)
+            if isinstance(hook, AugmentHook):
+                hook.attach(self._assembler, num_workers, multiprocessing_context, self)
         self._warm = WarmEpochs(
             dataset,
             self._order.order,  # lock-free: the prefetcher process is forked at any time
@@ -469,6 +473,8 @@ class DataLoader:
         self._warm.close()
         if self.exchange is not None:
             self.exchange.close()
+        for hook in self._hooks_closing:
+            hook.close()
 
     def _stop_workers(self) -> None:
         stream, self._stream = self._stream, None

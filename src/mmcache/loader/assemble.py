@@ -116,6 +116,9 @@ class BatchAssembler:
         self._fixed_pays = True
         # Per thread: rows of the last guessed gather whose hits the tier already counted.
         self._counted = threading.local()
+        #: Fields whose batch tensors are allocated in shared memory (what crop processes
+        #: read without a copy: :mod:`mmcache.loader.croppool`); recycled like the others.
+        self.shared: frozenset[str] = frozenset()
 
     @property
     def layout(self) -> codec.Header | None:
@@ -344,6 +347,8 @@ class BatchAssembler:
             for f in layout.fields:
                 dtype = torch.from_numpy(np.empty(0, dtype=f.dtype)).dtype
                 out[f.name] = torch.empty((n, *f.shape), dtype=dtype, pin_memory=self.pin_memory)
+                if f.name in self.shared:
+                    out[f.name].share_memory_()  # type: ignore[no-untyped-call]
             self._pool.add(layout.layout_key, n, out)
             return out
 

@@ -41,6 +41,17 @@ kept for a list result and dropped for a tensor one: the augment produced a
 fixed size). An augment that returns something else than a tensor (or a list
 of tensors), or another number of images, raises :class:`ConfigError` naming it.
 
+Where the crops run: with ``num_workers > 0`` and the CPU crops of
+:mod:`mmcache.augment` (a ``RandomResizedCrop``, then per-image transforms:
+flips, colour, ``Normalize``), the loader attaches a
+:class:`~mmcache.loader.croppool.CropPool` of as many crop processes as
+workers (:meth:`AugmentHook.attach`): the assembler gathers the images into
+shared memory and the processes crop them there, so the training process
+pays the gather, not the resize. The batches are bitwise the ones
+cropped here (the same per-sample generators, row by row); a batch the pool
+cannot take (rows rejected, images not in shared memory, a process gone) is
+cropped here.
+
 Thread safety: batches are assembled on two threads at once. The built-ins
 are safe so; any other callable is called under a lock (one batch at a time),
 so that a recipe seeding the global RNG as above is safe.
@@ -49,6 +60,7 @@ so that a recipe seeding the global RNG as above is safe.
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -56,6 +68,8 @@ import torch
 from mmcache.augment import BUILTINS, batch_generator, sample_generators
 from mmcache.errors import ConfigError
 from mmcache.hooks import BatchContext, LoaderHook
+from mmcache.loader.croppool import CropPool, poolable
+from mmcache.loader.gather import BufferPool
 
 __all__ = ["AugmentHook"]
 
@@ -80,6 +94,31 @@ class AugmentHook(LoaderHook):
         self.augment = augment
         self.builtin = isinstance(augment, BUILTINS)
         self._lock = threading.Lock()
+        self._crops: CropPool | None = None
+        self._outputs = BufferPool(enabled=True)  # shared-memory output batches, recycled
+        self._out_lock = threading.Lock()
+        #: input (shape, strides) -> the output's (shape, strides, dtype), learnt here.
+        self._forms: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+
+    def attach(self, assembler: Any, num_workers: int, context: Any, owner: object) -> None:
+        """Run the crops in ``num_workers`` crop processes when they can be (a CPU
+        :func:`~mmcache.loader.croppool.poolable` augment, workers, no pinned memory):
+        the ``assembler`` (a :class:`~mmcache.loader.assemble.BatchAssembler`) then
+        gathers images into shared memory. The processes stop with :meth:`close` or
+        when ``owner`` (the loader) goes. Called once, before the loader starts threads."""
+        on_cpu = self.device is None or self.device.type == "cpu"
+        if not on_cpu or num_workers < 1 or not poolable(self.augment):
+            return
+        if assembler.pin_memory:
+            return  # pinned buffers are not shared memory
+        self._crops = CropPool(self.augment, num_workers, context)
+        assembler.shared = frozenset({"image"})
+        weakref.finalize(owner, self._crops.close)
+
+    def close(self) -> None:
+        """Stop the crop processes (later batches are cropped here). Idempotent."""
+        if self._crops is not None:
+            self._crops.close()
 
     def __repr__(self) -> str:
         return f"AugmentHook({self.augment!r}, device={self.device})"
@@ -94,8 +133,12 @@ class AugmentHook(LoaderHook):
         if self.device is not None:
             images = _to(images, self.device)
         n = len(images)
-        if self.builtin:
+        pooled = self._pooled(images, ctx) if self._crops is not None else None
+        if pooled is not None:
+            out = pooled
+        elif self.builtin:
             out = self.augment(images, sample_generators(ctx.seed, ctx.epoch, ctx.indices))
+            self._learn(images, out)
         else:
             with self._lock:
                 out = self.augment(images, batch_generator(ctx.seed, ctx.epoch, ctx.batch))
@@ -107,6 +150,47 @@ class AugmentHook(LoaderHook):
             sizes = [tuple(t.shape[-2:]) for t in out]
             batch["image_sizes"] = torch.tensor(sizes, dtype=torch.int64).reshape(n, 2)
         return batch
+
+    def _pooled(self, images: Any, ctx: BatchContext) -> torch.Tensor | None:
+        """The batch cropped by the crop processes, or None (crop it here)."""
+        crops, probe = self._crops, self._probe_key(images)
+        form = self._forms.get(probe) if probe is not None else None
+        if crops is None or form is None:
+            return None
+        shape, stride, dtype = form
+        tag = repr(form).encode()
+        with self._out_lock:
+            held = self._outputs.acquire(tag, shape[0])
+            if held is None:
+                buf = torch.empty_strided(shape, stride, dtype=dtype)
+                held = {"image": buf.share_memory_()}  # type: ignore[no-untyped-call]
+                self._outputs.add(tag, shape[0], held)
+            out = held["image"]
+        del held
+        if not crops.run(images, out, ctx.seed, ctx.epoch, ctx.indices):
+            return None
+        return out
+
+    def _probe_key(self, images: Any) -> tuple[Any, ...] | None:
+        """The input form the crop processes take (a CPU uint8 batch in shared memory),
+        or None."""
+        if (
+            self._crops is None
+            or not isinstance(images, torch.Tensor)
+            or images.dim() != 4
+            or images.dtype != torch.uint8
+            or images.device.type != "cpu"
+            or len(images) < 1
+            or not images.is_shared()  # type: ignore[no-untyped-call]
+        ):
+            return None
+        return (tuple(images.shape), images.stride())
+
+    def _learn(self, images: Any, out: Any) -> None:
+        """Remember the form of the output the augment made of such a batch here."""
+        probe = self._probe_key(images)
+        if probe is not None and isinstance(out, torch.Tensor) and probe not in self._forms:
+            self._forms[probe] = (tuple(out.shape), out.stride(), out.dtype)
 
     def _check(self, out: object, n: int) -> None:
         if isinstance(out, torch.Tensor):
