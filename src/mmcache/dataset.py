@@ -226,9 +226,6 @@ class MultimodalDataset(FileSource, torch.utils.data.Dataset[dict[str, Any] | No
         """The old name of :meth:`~mmcache.sources.files.FileSource.stamps`."""
         return self.stamps(indices)
 
-    def __getitem__(self, index: int) -> dict[str, Any] | None:
-        return serve(self, index)
-
 
 #: The members a :class:`SourceDataset` forwards when, and only when, its source has them:
 #: every capability's (:mod:`mmcache.sources.capabilities`), so that the face claims a

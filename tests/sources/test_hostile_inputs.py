@@ -1,5 +1,7 @@
-"""Hostile inputs (issue 23 items 6-8, 10): the hostile-input contract for WebDataset,
-Parquet and loose-file sources; tar headers that lie; mistyped Parquet image columns;
+"""Hostile inputs (issue 23 items 6-8, 10): the hostile-input contract for loose-file
+sources (WebDataset and Parquet run it in their source contracts:
+``tests/sources/test_wds_source.py``, ``tests/unit/test_tabular_sources.py``); tar headers
+that lie; mistyped Parquet image columns;
 compact disk entries that would expand a thousandfold. (Items 9 and 14, chat:
 ``tests/unit/test_chat_hostile.py``.)"""
 
@@ -36,47 +38,7 @@ def _image_pipeline(max_bytes: int = 1 << 20) -> Any:
     return Pipeline(image=ImageSpec(size=16, max_bytes=max_bytes), text=None)
 
 
-# -- the contract, for three sources --------------------------------------------------------
-
-
-class TestWebDatasetHostile(HostileInputContract):
-    __test__ = True
-
-    @pytest.fixture(autouse=True)
-    def _where(self, tmp_path: Path) -> None:
-        self.root = tmp_path
-
-    def make_hostile_source(
-        self, images: Sequence[bytes], *, pipeline: Any, on_error: OnError
-    ) -> SampleSource:
-        body = b"".join(tar_member(f"{i:06d}.jpg", data) for i, data in enumerate(images))
-        shard = self.root / "s.tar"
-        shard.write_bytes(body + b"\0" * 1024)
-        return WebDatasetSource(shard, pipeline=pipeline, on_error=on_error, index_dir=False)
-
-
-class TestParquetHostile(HostileInputContract):
-    __test__ = True
-
-    @pytest.fixture(autouse=True)
-    def _where(self, tmp_path: Path) -> None:
-        self.root = tmp_path
-
-    def make_hostile_source(
-        self, images: Sequence[bytes], *, pipeline: Any, on_error: OnError
-    ) -> SampleSource:
-        pa = pytest.importorskip("pyarrow")
-        pq = pytest.importorskip("pyarrow.parquet")
-        from mmcache.sources.parquet import ParquetSource
-
-        table = pa.table({"image": pa.array(list(images), type=pa.binary())})
-        pq.write_table(table, self.root / "t.parquet")
-        return ParquetSource(
-            self.root / "t.parquet",
-            pipeline=pipeline,
-            on_error=on_error,
-            columns={"text": None},
-        )
+# -- the contract, for loose files --------------------------------------------------------
 
 
 class TestLooseFilesHostile(HostileInputContract):

@@ -8,6 +8,7 @@ import io
 import json
 import os
 import tarfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from mmcache.sources.base import OnError
 from mmcache.sources.wds import WebDatasetSource, sniff, write_shards
 from mmcache.sources.wds.index import index_path
 from mmcache.synth import make_dataset, make_image
+from mmcache.testing.hostile import tar_member
 from mmcache.testing.source_contract import SourceContract
 
 
@@ -96,6 +98,14 @@ class TestWebDatasetContract(SourceContract):
     def change_input(self, source: Any, index: int) -> None:
         os.utime(self._write(index, seed=7), ns=(1, 1))
         assert source.revalidate() == [str(self.root / f"{index:05d}.tar")]
+
+    def make_hostile_source(
+        self, images: Sequence[bytes], *, pipeline: Any, on_error: OnError
+    ) -> WebDatasetSource:
+        body = b"".join(tar_member(f"{i:06d}.jpg", data) for i, data in enumerate(images))
+        shard = self.root / "hostile.tar"
+        shard.write_bytes(body + b"\0" * 1024)
+        return WebDatasetSource(shard, pipeline=pipeline, on_error=on_error, index_dir=False)
 
 
 # -- reading -------------------------------------------------------------------------------------

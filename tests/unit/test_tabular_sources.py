@@ -5,7 +5,9 @@ from __future__ import annotations
 import io
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -89,6 +91,18 @@ class TestParquetContract(SourceContract):
         path = Path(source.files[index])
         pq.write_table(parquet_table([f"s{index}"], [jpeg(index, 99)], [f"caption {index}"]), path)
         bump(path)
+
+    def make_hostile_source(
+        self, images: Sequence[bytes], *, pipeline: Any, on_error: OnError
+    ) -> SampleSource:
+        table = pa.table({"image": pa.array(list(images), type=pa.binary())})
+        pq.write_table(table, self.root / "hostile.parquet")
+        return ParquetSource(
+            self.root / "hostile.parquet",
+            pipeline=pipeline,
+            on_error=on_error,
+            columns={"text": None},
+        )
 
 
 def _rows_file(root: Path, n: int, *, row_group_size: int = 4, bad: int | None = None) -> Path:

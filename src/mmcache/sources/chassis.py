@@ -12,12 +12,17 @@ implements them once; a format supplies three things:
   (what the key is made of beside the id and the pipeline's fingerprint);
 - :meth:`BaseSource.produce`: the sample's arrays.
 
-and may override :meth:`BaseSource.key_text` (a text the key holds, e.g. a caption).
+and may override :meth:`BaseSource.key_text` (a text the key holds, e.g. a caption) and
+:meth:`BaseSource.stamp_strings`, the batched form of ``stamp_string``, for a format that
+finds many identities in one pass (loose files: one ledger transaction for the batch's
+files; the default calls ``stamp_string`` per row).
 
 Keys (:meth:`BaseSource.key_rows`): ``keys.sample_key(id, stamp_string, fingerprint,
 key_text)``, hashed again only for samples whose stamp row changed since the last call;
 the comparison is one vectorised step over the batch, so a warm batch costs its
-``stamps`` and no hashing.
+``stamps`` and no hashing. A source whose stamps do not tell when its bytes change
+(``content_stamp=True``: the stat fields are not trusted) sets
+:attr:`BaseSource._memoise_keys` to False and every key is computed again.
 
 Per-process state is declared once, in :attr:`BaseSource._per_process`: those attributes
 are dropped when the source is pickled (a spawned worker, a forked one's copy is its own)
@@ -62,6 +67,9 @@ class BaseSource(PipelineFields):
     #: Attributes of one process: not pickled, rebuilt on first use (a subclass adds its
     #: own, e.g. open file handles: ``_per_process = (*BaseSource._per_process, "_fds")``).
     _per_process: ClassVar[tuple[str, ...]] = ("_memo_keys", "_memo_stamp")
+    #: Whether a key may be remembered under its stamp row (False: a stamp row that is
+    #: equal does not mean equal bytes, so every key is computed again).
+    _memoise_keys: bool = True
 
     def __init__(self, *, pipeline: Any, ids: IdColumn, on_error: OnError) -> None:
         self.on_error = check_on_error(on_error)
@@ -82,6 +90,13 @@ class BaseSource(PipelineFields):
     def stamp_string(self, index: int, stamp: npt.NDArray[np.int64]) -> str:
         """The identity text of sample ``index`` (in its key) from its :meth:`stamps` row."""
         raise NotImplementedError
+
+    def stamp_strings(
+        self, indices: npt.NDArray[np.int64], stamps: npt.NDArray[np.int64]
+    ) -> list[str]:
+        """The identity texts of ``indices`` (checked) from their :meth:`stamps` rows, in
+        order: :meth:`stamp_string` per row, unless a format finds them in one pass."""
+        return [self.stamp_string(i, stamps[j]) for j, i in enumerate(indices.tolist())]
 
     def produce(self, index: int) -> dict[str, np.ndarray]:
         """The arrays of sample ``index``. Raises :class:`SampleError`."""
@@ -121,12 +136,20 @@ class BaseSource(PipelineFields):
         key: bytes = self.key_rows([index])[0].tobytes()
         return key
 
+    def keys(self, indices: Sequence[int] | np.ndarray) -> list[bytes]:
+        """The keys of ``indices`` as ``bytes`` (:meth:`key_rows`, one row each)."""
+        rows = self.key_rows(indices)
+        return [rows[j].tobytes() for j in range(rows.shape[0])]
+
     def key_rows(
         self, indices: Sequence[int] | np.ndarray, *, stamps: np.ndarray | None = None
     ) -> np.ndarray:
         """Keys as ``uint8 [n, 16]``: ``sample_key(id, stamp_string, fingerprint, key_text)``,
         hashed again only for samples whose stamp changed since the last call (a stamp
-        row starting with ``-2``, no stamp, is never memoised). Not thread-safe."""
+        row starting with ``-2``, no stamp, is never memoised); the identity texts of a
+        batch's changed samples are asked for in one :meth:`stamp_strings` call.
+        ``stamps``: :meth:`stamps` of ``indices`` taken just before, if the caller has
+        them. Not thread-safe (one thread per process calls it)."""
         idx = self._checked(indices)
         if stamps is None:
             stamps = self.stamps(idx)
@@ -135,17 +158,18 @@ class BaseSource(PipelineFields):
             self._memo_keys = np.zeros((n, 16), dtype=np.uint8)
             self._memo_stamp = np.full((n, stamps.shape[1]), -1, dtype=np.int64)
         memo_keys, memo_stamp = self._memo_keys, self._memo_stamp
-        stale = np.flatnonzero((stamps != memo_stamp[idx]).any(axis=1))
-        for j in stale.tolist():
-            i = int(idx[j])
-            key = keys.sample_key(
-                self._ids.id(i),
-                self.stamp_string(i, stamps[j]),
-                self._fingerprint,
-                self.key_text(i),
-            )
-            memo_keys[i] = np.frombuffer(key, dtype=np.uint8)
-            memo_stamp[i] = stamps[j] if stamps[j, 0] != -2 else -1  # missing: not memoised
+        if self._memoise_keys:
+            stale = np.flatnonzero((stamps != memo_stamp[idx]).any(axis=1))
+        else:
+            stale = np.arange(idx.shape[0])
+        if stale.size:
+            texts = self.stamp_strings(idx[stale], stamps[stale])
+            for j, text in zip(stale.tolist(), texts, strict=True):
+                i = int(idx[j])
+                key = keys.sample_key(self._ids.id(i), text, self._fingerprint, self.key_text(i))
+                memo_keys[i] = np.frombuffer(key, dtype=np.uint8)
+                keep = self._memoise_keys and stamps[j, 0] != -2  # missing: not memoised
+                memo_stamp[i] = stamps[j] if keep else -1
         rows: np.ndarray = memo_keys[idx]
         return rows
 

@@ -1,8 +1,11 @@
 """``FileSource``: manifest records with one local image file each, through a pipeline;
 the :class:`~mmcache.sources.base.SampleSource` for image-text files on a file system.
 
-It keeps "which sample" apart from "produce it", so that a cache can sit between
-the two without reworking either:
+It is a :class:`~mmcache.sources.chassis.BaseSource` (length, ids, keys memoised by
+stamp, rejects, ``source[i]``, pickling are the chassis'); what is its own are the stamps
+(one ``stat`` per file), the identities (a batch's files in one ledger pass:
+:meth:`FileSource.stamp_strings`) and producing. It keeps "which sample" apart from
+"produce it", so that a cache can sit between the two without reworking either:
 
 - :meth:`FileSource.sample_id` and :meth:`FileSource.key` say which sample index
   ``i`` is and under which content key its output is cached (id, source stamp of
@@ -24,27 +27,24 @@ buffers and the pipeline pickles its tokenizer as JSON.
 
 from __future__ import annotations
 
-import logging
 import os
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
+import numpy.typing as npt
 
 from mmcache import keys
-from mmcache.errors import ConfigError, SampleError
+from mmcache.errors import ConfigError
 from mmcache.sources import chat as _chat
 from mmcache.sources import identity
 from mmcache.sources.base import OnError, SampleSource, StampKind, check_on_error
-from mmcache.sources.bytesproc import PipelineFields
-from mmcache.sources.items import item_tensors
+from mmcache.sources.chassis import BaseSource
 from mmcache.sources.readers import read_manifest
 from mmcache.sources.records import Records
-from mmcache.sources.rejects import Reject, RejectLog
+from mmcache.sources.rejects import Reject
 
 __all__ = ["FileSource", "RecordProcessor", "Sample", "check_on_error"]
-
-logger = logging.getLogger(__name__)
 
 #: The cacheable output of a pipeline: field name -> numpy array.
 Sample = dict[str, np.ndarray]
@@ -65,7 +65,7 @@ class RecordProcessor(Protocol):
         ...
 
 
-class FileSource(PipelineFields):
+class FileSource(BaseSource):
     """Image-text samples from a manifest, one image file each, produced by a pipeline.
 
     Args:
@@ -87,6 +87,7 @@ class FileSource(PipelineFields):
     stamp_kind: StampKind
     pipeline: RecordProcessor
     on_error: OnError
+    _per_process: ClassVar[tuple[str, ...]] = (*BaseSource._per_process, "_lengths")
 
     def __init__(
         self,
@@ -96,7 +97,7 @@ class FileSource(PipelineFields):
         on_error: OnError = "raise",
         content_stamp: bool = False,
     ) -> None:
-        self.on_error = check_on_error(on_error)
+        on_error = check_on_error(on_error)
         if not isinstance(pipeline, RecordProcessor):
             raise ConfigError(
                 f"pipeline must be a mmcache.Pipeline (or have its process and fingerprint), "
@@ -113,56 +114,24 @@ class FileSource(PipelineFields):
         self._lengths: _chat.ChatLengths | None = None
         if self._chat is not None:
             self.records, self._mismatched = _chat.check_placeholders(
-                self.records, self._chat.image_token, self.on_error
+                self.records, self._chat.image_token, on_error
             )
-        self.pipeline = pipeline
+        super().__init__(pipeline=pipeline, ids=self.records.id_column, on_error=on_error)
         self.content_stamp = content_stamp
         self.stamp_kind = StampKind.CONTENT if content_stamp else StampKind.FILE
-        self._fingerprint = pipeline.fingerprint()
-        # Memo of keys by file stamp (see key_rows); allocated on first use.
-        self._memo_keys: np.ndarray | None = None
-        self._memo_stamp: np.ndarray | None = None
-        self._rejects = RejectLog()
+        # content_stamp=True: the stat fields are not trusted, so a key is never
+        # remembered under them (every key reads its files again).
+        self._memoise_keys = not content_stamp
+        self.open_rejects = [
+            Reject(
+                rej.sample_id if rej.sample_id is not None else f"<line {rej.line}>",
+                self.records.source,
+                rej.reason,
+            )
+            for rej in self.records.rejects
+        ]
 
     # -- which sample -------------------------------------------------------------------
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def sample_id(self, index: int) -> str:
-        """The manifest id of sample ``index``."""
-        return self.records.id(index)
-
-    def ids(self, indices: Sequence[int] | np.ndarray) -> list[str]:
-        """The ids of ``indices``, in order (a batch's ``"id"`` field). IndexError if
-        one is out of range."""
-        return self.records.ids(self._checked(indices))
-
-    def ids_digest(self) -> str:
-        """:meth:`Records.ids_digest`: every id in index order, for resume checks."""
-        return self.records.ids_digest()
-
-    def key(self, index: int) -> bytes:
-        """The 16-byte cache key of sample ``index``: changes when its image file,
-        caption or the pipeline changes (see :func:`mmcache.keys.sample_key`)."""
-        if self._chat is not None:  # every image and video, and the conversation as structured
-            stamp = _chat.multi_stamp(self._media(index), content=self.content_stamp)
-            return keys.sample_key(
-                self.records.id(index), stamp, self._fingerprint, self._chat_text(index)
-            )
-        path = self.records.image_path(index)
-        stamp = identity.file_identity(path, content=self.content_stamp)
-        return keys.sample_key(
-            self.records.id(index), stamp, self._fingerprint, self.records.text(index)
-        )
-
-    def keys(self, indices: Sequence[int] | np.ndarray) -> list[bytes]:
-        """Cache keys of many samples: ``[self.key(i) for i in indices]``, faster.
-
-        See :meth:`key_rows`. Not thread-safe.
-        """
-        rows = self.key_rows(indices)
-        return [rows[j].tobytes() for j in range(rows.shape[0])]
-
     def stamps(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
         """:func:`mmcache.keys.stat_fields` of each sample's image file (size, mtime_ns,
         ctime_ns, inode) as ``int64 [n, 4]``: one ``stat`` each; ``-2`` where there is
@@ -204,73 +173,48 @@ class FileSource(PipelineFields):
         chat = self.records.chat_json(i)
         return chat if not video else f"{chat}\x00{video}"
 
-    def _checked(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        n = len(self.records)
-        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= n):
-            raise IndexError(f"sample index out of range for {n} records")
-        return idx
+    def key_text(self, index: int) -> str:
+        """What the key holds of the record beside its files: the caption, or a chat
+        sample's conversation (and its video parts' options)."""
+        return self._chat_text(index) if self._chat is not None else self.records.text(index)
 
-    def key_rows(
-        self, indices: Sequence[int] | np.ndarray, *, stamps: np.ndarray | None = None
-    ) -> np.ndarray:
-        """Cache keys of many samples as a ``uint8 [n, 16]`` array (row j: ``key(indices[j])``).
+    def stamp_string(self, index: int, stamp: npt.NDArray[np.int64]) -> str:
+        """The identity of sample ``index``'s files (:mod:`mmcache.sources.identity`)."""
+        return self.stamp_strings(np.asarray([index], dtype=np.int64), stamp[None, :])[0]
 
-        What the loader asks for every batch it plans (in a worker, or in the
-        training process). It remembers each sample's key with the image file's
-        stamp (:meth:`stamps`) it was computed from:
-        the file is still ``stat``-ed every time (a changed file gets a new key
-        at once), only the hashing is skipped when nothing changed, and the
-        comparison with the remembered stamps is one vectorised step. With
-        ``content_stamp=True`` every key is recomputed from the file's bytes.
-        ``stamps``: :meth:`stamps` of ``indices`` taken just before, if the
-        caller has them. Not thread-safe (one thread per process calls it: a
-        loader worker, or the loader's plan fetch in the training process).
-        """
-        idx = self._checked(indices)
-        n = len(self.records)
-        if self.content_stamp:
-            out = np.empty((idx.shape[0], 16), dtype=np.uint8)
-            for j, i in enumerate(idx.tolist()):
-                out[j] = np.frombuffer(self.key(i), dtype=np.uint8)
-            return out
-        if self._memo_keys is None or self._memo_stamp is None:
-            self._memo_keys = np.zeros((n, 16), dtype=np.uint8)
-            self._memo_stamp = np.full((n, len(keys.STAT_FIELDS)), -1, dtype=np.int64)
-        memo_keys, memo_stamp = self._memo_keys, self._memo_stamp
-        if stamps is None:
-            stamps = self.stamps(idx)
-        stale = np.flatnonzero((stamps != memo_stamp[idx]).any(axis=1) | (stamps[:, 0] == -2))
+    def stamp_strings(
+        self, indices: npt.NDArray[np.int64], stamps: npt.NDArray[np.int64]
+    ) -> list[str]:
+        """The identities of ``indices``' files: the samples of one file each with a
+        stamp are digested together (:func:`~mmcache.sources.identity.file_identities`:
+        one ledger pass, a ``stat``-equal file served from the ledger); a chat sample of
+        several files, one without a stamp (``"none"``, ``"missing"``, ``"error:..."``
+        say why) and every sample under ``content_stamp=True`` one by one."""
+        out: list[str] = [""] * int(indices.shape[0])
         single: list[int] = []  # rows keyed by one file's identity, digested in one pass
-        for j in stale.tolist():
-            i = int(idx[j])
-            if stamps[j, 0] == -2:
-                # Not memoised: the stamp ("none", "missing", "error:...") says why.
-                memo_keys[i] = np.frombuffer(self.key(i), dtype=np.uint8)
-                memo_stamp[i] = -1
-            elif self._chat is not None and self._multi_file(i):
-                memo_keys[i] = np.frombuffer(self.key(i), dtype=np.uint8)  # several files
-                memo_stamp[i] = stamps[j]
+        for j, i in enumerate(indices.tolist()):
+            several = self._chat is not None and self._multi_file(i)
+            if self.content_stamp or stamps[j, 0] == -2 or several:
+                out[j] = self._identity(i)
             else:
                 single.append(j)
         if single:
             sel = np.asarray(single, dtype=np.int64)
-            paths = self.records.stat_paths(idx[sel])
-            idents = identity.file_identities(paths, stamps[sel])
-            for j, ident in zip(single, idents, strict=True):
-                i = int(idx[j])
-                text = self.records.chat_json(i) if self._chat else self.records.text(i)
-                key = keys.sample_key(self.records.id(i), ident, self._fingerprint, text)
-                memo_keys[i] = np.frombuffer(key, dtype=np.uint8)
-                memo_stamp[i] = stamps[j]
-        rows: np.ndarray = memo_keys[idx]
-        return rows
+            paths = self.records.stat_paths(indices[sel])
+            for j, ident in zip(single, identity.file_identities(paths, stamps[sel]), strict=True):
+                out[j] = ident
+        return out
+
+    def _identity(self, i: int) -> str:
+        """The identity of sample ``i``'s files, found on its own."""
+        if self._chat is not None:  # every image and video
+            return _chat.multi_stamp(self._media(i), content=self.content_stamp)
+        return identity.file_identity(self.records.image_path(i), content=self.content_stamp)
 
     # -- produce it ---------------------------------------------------------------------
     def produce(self, index: int) -> Sample:
         """Decode/resize/tokenize sample ``index`` into numpy arrays. Raises SampleError."""
-        if not 0 <= index < len(self.records):
-            raise IndexError(f"sample index {index} out of range for {len(self.records)} records")
+        self._checked([index])
         if self._chat is not None:
             return self.pipeline.process_chat(  # type: ignore[attr-defined, no-any-return]
                 self.records.image_paths(index),
@@ -334,41 +278,6 @@ class FileSource(PipelineFields):
         if root is not None:
             report.write(root)
         return report
-
-    def to_item(self, index: int, sample: Mapping[str, np.ndarray]) -> dict[str, Any]:
-        """What ``ds[index]`` returns for a produced (or cached) sample: tensors plus the id.
-
-        Read-only arrays (cache views) are copied; fresh ones are wrapped without a copy.
-        """
-        return item_tensors(self.records.id(index), sample, self.channels_last_fields)
-
-    # -- rejects ------------------------------------------------------------------------
-    def record_reject(self, err: Exception) -> None:
-        """Append a reject to the process-shared log (one atomic O_APPEND write)."""
-        if not isinstance(err, SampleError):  # the loader only skips SampleErrors
-            err = SampleError(f"{type(err).__name__}: {err}", sample_id="<unknown>")
-        self._rejects.record(err)
-        logger.warning("skipped %s", err)
-
-    def rejects(self) -> list[Reject]:
-        """Samples skipped so far in any process (deduplicated by id, first reason kept),
-        after the manifest records rejected at read time (``records.rejects``)."""
-        out: dict[str, Reject] = {}
-        for rej in self.records.rejects:
-            sid = rej.sample_id if rej.sample_id is not None else f"<line {rej.line}>"
-            out.setdefault(sid, Reject(sid, self.records.source, rej.reason))
-        for logged in self._rejects.read():
-            out.setdefault(logged.sample_id, logged)
-        return list(out.values())
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_memo_keys"] = state["_memo_stamp"] = None  # workers do not plan
-        state["_lengths"] = None
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
 
 
 if TYPE_CHECKING:  # mypy checks that FileSource conforms to the protocol

@@ -378,6 +378,11 @@ class Records:
         rows = np.argsort(hashes, kind="stable").astype(np.int64)
         return hashes[rows], rows
 
+    @property
+    def id_column(self) -> IdColumn:
+        """The ids as one column (what a source on the chassis names its samples by)."""
+        return self._id_col
+
     def ids_digest(self) -> str:
         """Return a digest of every id in row order (16 hex digits, xxh3_64): equal for
         two manifests exactly when they list the same ids in the same order, but for

@@ -9,14 +9,19 @@ and listed by ``rejects()``; never a hang, never an allocation larger than
 ``ImageSpec.max_bytes`` plus a small constant. The allocation is measured with
 :mod:`tracemalloc` (Python and numpy allocations), as a ratio of the hostile size.
 
-Subclass it beside :class:`~mmcache.testing.source_contract.SourceContract`::
+It is part of :class:`~mmcache.testing.source_contract.SourceContract`: a source's
+contract class that implements :meth:`HostileInputContract.make_hostile_source` runs it
+(the sources that read containers, shards and Parquet files, where a header can lie);
+one that does not sees these tests skipped, naming it::
 
-    class TestMySourceHostile(HostileInputContract):
+    class TestMySource(SourceContract):
         __test__ = True
 
         def make_hostile_source(self, images, *, pipeline, on_error):
             return MySource(write_samples(self.root, images), pipeline=pipeline,
                             on_error=on_error)
+
+It can also be run on its own (``class TestMyHostile(HostileInputContract)``).
 
 The crafting helpers (:func:`tar_header`, :func:`hostile_shard`, :func:`bomb_png`) build
 the bytes in memory; nothing is downloaded.
@@ -161,14 +166,15 @@ def peak_allocation(fn: Callable[[], Any]) -> tuple[int, Any, BaseException | No
 
 class HostileInputContract:
     """Hostile image bytes through a source (see the module docstring); subclasses
-    provide :meth:`make_hostile_source`."""
+    provide :meth:`make_hostile_source` (without it, its tests are skipped). Its members
+    are named ``hostile_*`` so as to sit inside a source's contract class."""
 
     __test__ = False
 
     #: The pipeline's ``ImageSpec.max_bytes`` in these tests, and the size of the
     #: oversized image (the peak allocation must stay far below it).
-    max_bytes = 64 << 10
-    oversized = 16 << 20
+    hostile_max_bytes = 64 << 10
+    hostile_oversized = 16 << 20
 
     def make_hostile_source(
         self, images: Sequence[bytes], *, pipeline: Any, on_error: OnError
@@ -177,30 +183,28 @@ class HostileInputContract:
         caption), processed by ``pipeline`` (image only)."""
         raise NotImplementedError
 
-    def pipeline(self) -> Any:
+    def hostile_pipeline(self) -> Any:
         from mmcache.pipeline import ImageSpec, Pipeline
 
-        return Pipeline(image=ImageSpec(size=16, max_bytes=self.max_bytes), text=None)
+        return Pipeline(image=ImageSpec(size=16, max_bytes=self.hostile_max_bytes), text=None)
 
-    def _images(self, hostile: bytes) -> list[bytes]:
-        return [small_jpeg(0), hostile, small_jpeg(2)]
+    def _hostile_source(self, hostile: bytes, on_error: OnError) -> SampleSource:
+        if type(self).make_hostile_source is HostileInputContract.make_hostile_source:
+            pytest.skip(f"{type(self).__name__} has no make_hostile_source: no hostile inputs")
+        images = [small_jpeg(0), hostile, small_jpeg(2)]
+        return self.make_hostile_source(images, pipeline=self.hostile_pipeline(), on_error=on_error)
 
-    def _source(self, hostile: bytes, on_error: OnError) -> SampleSource:
-        return self.make_hostile_source(
-            self._images(hostile), pipeline=self.pipeline(), on_error=on_error
-        )
-
-    def _oversized(self) -> bytes:
-        return small_jpeg(1) + b"\0" * self.oversized
+    def _hostile_oversized(self) -> bytes:
+        return small_jpeg(1) + b"\0" * self.hostile_oversized
 
     def test_oversized_image_is_refused_before_it_is_read(self) -> None:
-        source = self._source(self._oversized(), "raise")
+        source = self._hostile_source(self._hostile_oversized(), "raise")
         bad = source.sample_id(1)
         assert source.produce(0) and source.produce(2)  # clients and decoders warmed up
         peak, _, error = peak_allocation(lambda: source.produce(1))
         assert isinstance(error, SampleError), error
         assert error.sample_id == bad and "max_bytes" in error.reason
-        assert peak < self.oversized // 8, f"{peak} bytes allocated to refuse it"
+        assert peak < self.hostile_oversized // 8, f"{peak} bytes allocated to refuse it"
 
     @pytest.mark.parametrize(
         "hostile",
@@ -210,16 +214,16 @@ class HostileInputContract:
         ],
     )
     def test_hostile_image_is_the_samples_error(self, hostile: Callable[[], bytes]) -> None:
-        source = self._source(hostile(), "raise")
+        source = self._hostile_source(hostile(), "raise")
         assert source.produce(0)  # clients and decoders warmed up
         peak, _, error = peak_allocation(lambda: source.produce(1))
         assert isinstance(error, SampleError) and error.sample_id == source.sample_id(1), error
         # decoding the bomb would take 1.2 GB; a fetch's client buffers take a few MiB
-        assert peak < self.oversized, f"{peak} bytes allocated to refuse it"
+        assert peak < self.hostile_oversized, f"{peak} bytes allocated to refuse it"
 
     def test_skip_leaves_hostile_samples_out_and_lists_them(self) -> None:
-        for hostile in (self._oversized(), bomb_png()):
-            source = self._source(hostile, "skip")
+        for hostile in (self._hostile_oversized(), bomb_png()):
+            source = self._hostile_source(hostile, "skip")
             assert source.on_error == "skip"
             produced = []
             for i in range(len(source)):  # what the loader does with each sample

@@ -29,7 +29,9 @@ numpy arrays, the same each time; a sample that cannot be produced raises
 copy in a spawned worker process (:mod:`mmcache.testing.spawned`) answers
 everything the same; each capability the source claims (:mod:`mmcache.sources.capabilities`)
 keeps its shapes, and :class:`~mmcache.dataset.SourceDataset` over it claims the same
-(:mod:`mmcache.testing.capability_contract`).
+(:mod:`mmcache.testing.capability_contract`); and a source that reads containers
+(shards, Parquet files) implements ``make_hostile_source`` to run the hostile-input part
+(:class:`~mmcache.testing.hostile.HostileInputContract`).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from mmcache.testing.capability_contract import (
     HasRejectsContract,
     RevalidatingContract,
 )
+from mmcache.testing.hostile import HostileInputContract
 from mmcache.testing.spawned import spawned_worker
 
 __all__ = ["SourceContract"]
@@ -91,10 +94,12 @@ class SourceContract(
     HasRejectsContract,
     RevalidatingContract,
     FaceContract,
+    HostileInputContract,
 ):
     """Contract tests for a :class:`SampleSource`; subclasses provide the source. The
     capability mixins (:mod:`mmcache.testing.capability_contract`) check each capability
-    the source claims, and that its torch face claims the same."""
+    the source claims, and that its torch face claims the same; the hostile-input part
+    runs for a source whose class implements ``make_hostile_source``."""
 
     __test__ = False
 

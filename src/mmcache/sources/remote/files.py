@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
 from mmcache import keys
 from mmcache.errors import ConfigError, SampleError
@@ -109,8 +110,6 @@ class RemoteFileSource(FileSource):
         self.object_stamps: list[str] = [""] * len(urls)
         self.object_sizes = np.full(len(urls), -1, dtype=np.int64)
         self._take(self.remote.stamps(urls) if urls else {})
-        self._memo_rows = np.zeros((n, 16), dtype=np.uint8)
-        self._memo_have = np.zeros(n, dtype=bool)
         name = keys.digest("mmcache.remote-files", os.getuid(), *urls).hex()
         self._state = SharedStamps(os.path.join(base, f"mmcache-state-{os.getuid()}-{name}.json"))
 
@@ -160,20 +159,11 @@ class RemoteFileSource(FileSource):
             return
         stamps, sizes = state.get("stamps"), state.get("sizes")
         if isinstance(stamps, list) and isinstance(sizes, list) and len(stamps) == len(sizes):
-            self._forget(self._take_lists(stamps, sizes))
-
-    def _take_lists(self, stamps: list[Any], sizes: list[Any]) -> list[int]:
-        changed = []
-        for u, (stamp, size) in enumerate(zip(stamps, sizes, strict=True)):
-            if isinstance(stamp, str) and isinstance(size, int) and stamp != self.object_stamps[u]:
-                self.object_stamps[u] = stamp
-                self.object_sizes[u] = size
-                changed.append(u)
-        return changed
-
-    def _forget(self, changed: Sequence[int]) -> None:
-        if changed and self._memo_have is not None:
-            self._memo_have[np.isin(self.row_url, np.asarray(changed, dtype=np.int64))] = False
+            # A changed object changes its samples' stamp rows: the chassis keys them again.
+            for u, (stamp, size) in enumerate(zip(stamps, sizes, strict=True)):
+                if isinstance(stamp, str) and isinstance(size, int):
+                    self.object_stamps[u] = stamp
+                    self.object_sizes[u] = size
 
     @property
     def shared_stamps(self) -> SharedStamps:
@@ -186,8 +176,7 @@ class RemoteFileSource(FileSource):
         ones here and in every other process. Returns the changed URLs. Raises
         :class:`RemoteError` when the store cannot be reached."""
         changed = self._take(self.remote.stamps(self.urls)) if self.urls else []
-        if changed:
-            self._forget(changed)
+        if changed:  # the samples of changed objects get new stamp rows, hence new keys
             self._state.publish(
                 {
                     "urls": self.urls,
@@ -210,31 +199,31 @@ class RemoteFileSource(FileSource):
                 out[j] = (int.from_bytes(raw, "little") & ((1 << 63) - 1), self.object_sizes[u])
         return out
 
-    def key(self, index: int) -> bytes:
-        self._checked([index])
-        u = int(self.row_url[index])
-        stamp = (
-            "none"
-            if u < 0
-            else f"obj:{self.urls[u]}:{self.object_stamps[u]}:{self.object_sizes[u]}"
-        )
-        return keys.sample_key(
-            self.records.id(index), stamp, self._fingerprint, self.records.text(index)
-        )
+    def key_text(self, index: int) -> str:
+        """The record's caption."""
+        return self.records.text(index)
+
+    def stamp_strings(
+        self, indices: npt.NDArray[np.int64], stamps: npt.NDArray[np.int64]
+    ) -> list[str]:
+        """Each sample's object: its URL, stamp (ETag or digest) and size; ``"none"`` for
+        a text-only record."""
+        out = []
+        for i in indices.tolist():
+            u = int(self.row_url[i])
+            if u < 0:
+                out.append("none")
+            else:
+                out.append(f"obj:{self.urls[u]}:{self.object_stamps[u]}:{self.object_sizes[u]}")
+        return out
 
     def key_rows(
         self, indices: Sequence[int] | np.ndarray, *, stamps: np.ndarray | None = None
     ) -> np.ndarray:
-        idx = self._checked(indices)
+        """:meth:`~mmcache.sources.chassis.BaseSource.key_rows` after taking the stamps
+        another process revalidated."""
         self._refresh()
-        if self._memo_have is None or self._memo_rows is None:
-            self._memo_rows = np.zeros((len(self.records), 16), dtype=np.uint8)
-            self._memo_have = np.zeros(len(self.records), dtype=bool)
-        for i in np.unique(idx[~self._memo_have[idx]]).tolist():
-            self._memo_rows[i] = np.frombuffer(self.key(i), dtype=np.uint8)
-            self._memo_have[i] = True
-        rows: np.ndarray = self._memo_rows[idx]
-        return rows
+        return super().key_rows(indices, stamps=stamps)
 
     # -- produce -------------------------------------------------------------------------
     def remote_span(self, index: int) -> tuple[str, str, int, int] | None:
@@ -289,11 +278,6 @@ class RemoteFileSource(FileSource):
             path=self.urls[u] if u >= 0 else None,
             unit="record",
         )
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state["_memo_rows"] = state["_memo_have"] = None
-        return state
 
 
 if TYPE_CHECKING:

@@ -33,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
 from mmcache import keys
 from mmcache.errors import ConfigError, SampleError
@@ -130,21 +131,11 @@ class RemoteVideoSource(FileSource):
             out[j] = (int.from_bytes(digest, "little") & ((1 << 63) - 1), total)
         return out
 
-    def key(self, index: int) -> bytes:
-        self._checked([index])
-        return keys.sample_key(
-            self.records.id(index), self._clip_stamp(index), self._fingerprint,
-            self._chat_text(index),
-        )  # fmt: skip
-
-    def key_rows(
-        self, indices: Sequence[int] | np.ndarray, *, stamps: np.ndarray | None = None
-    ) -> np.ndarray:
-        idx = self._checked(indices)
-        out = np.empty((idx.shape[0], 16), dtype=np.uint8)
-        for j, i in enumerate(idx.tolist()):
-            out[j] = np.frombuffer(self.key(i), dtype=np.uint8)
-        return out
+    def stamp_strings(
+        self, indices: npt.NDArray[np.int64], stamps: npt.NDArray[np.int64]
+    ) -> list[str]:
+        """Each clip's URL, stamp (ETag) and size (what :meth:`stamps` digests)."""
+        return [self._clip_stamp(i) for i in indices.tolist()]
 
     # -- produce -------------------------------------------------------------------------
     def produce(self, index: int) -> dict[str, np.ndarray]:

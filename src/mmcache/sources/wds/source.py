@@ -26,6 +26,11 @@ fills that tier with one ranged GET per fetch group (the samples of a shard star
 one aligned ``fetch_block``; :mod:`~mmcache.sources.wds.fetching`), a producing worker
 that misses with one GET of its sample's span.
 
+The source is a :class:`~mmcache.sources.chassis.BaseSource`: length, ids, the key memo
+(keyed by the stamps above, so a re-indexed shard's samples are keyed again), rejects,
+``source[i]`` and pickling are the chassis'; the identities of a batch's samples are
+found per shard in one pass (:meth:`WebDatasetSource.stamp_strings`).
+
 Thread/process safety: read-only after construction except the key memo (one thread per
 process), the per-process file handles and the revalidated shard stamps; pickles as
 numpy columns and small lists.
@@ -38,25 +43,21 @@ import logging
 import os
 import tarfile
 from collections.abc import Mapping, Sequence
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from mmcache import keys
 from mmcache.errors import ConfigError, ManifestError, SampleError
 from mmcache.sources import identity
 from mmcache.sources.base import OnError, SampleSource, StampKind
-from mmcache.sources.bytesproc import (
-    PipelineFields,
-    StagedProcessor,
-    byte_limit,
-    check_size,
-    process_bytes,
-)
+from mmcache.sources.bytesproc import StagedProcessor, byte_limit, check_size, process_bytes
+from mmcache.sources.chassis import BaseSource
 from mmcache.sources.files import check_on_error
-from mmcache.sources.items import item_tensors, serve
-from mmcache.sources.rejects import Reject, RejectLog
+from mmcache.sources.ids import IdColumn
+from mmcache.sources.rejects import Reject
 from mmcache.sources.remote.blocks import DEFAULT_BLOCK, check_block
 from mmcache.sources.remote.fs import Offline, Remote, RemoteError, RetryPolicy, is_remote
 from mmcache.sources.remote.raw import RawTier
@@ -84,9 +85,7 @@ C = SampleColumns
 MAX_DIGEST = identity.MAX_DIGEST_BYTES
 
 
-class WebDatasetSource(
-    RemoteShards, PipelineFields, torch.utils.data.Dataset[dict[str, Any] | None]
-):
+class WebDatasetSource(RemoteShards, BaseSource, torch.utils.data.Dataset[dict[str, Any] | None]):
     """Image-text samples of WebDataset tar shards (see the module docstring).
 
     >>> src = WebDatasetSource("shards/{00000..00009}.tar", pipeline=pipe)  # doctest: +SKIP
@@ -124,6 +123,7 @@ class WebDatasetSource(
 
     stamp_kind: StampKind = StampKind.FIXED
     on_error: OnError
+    _per_process: ClassVar[tuple[str, ...]] = (*BaseSource._per_process, "_fds", "_fetch_groups")
 
     def __init__(
         self,
@@ -142,7 +142,7 @@ class WebDatasetSource(
         fetch_block: int | str | None = DEFAULT_BLOCK,
         offline: Offline = "auto",
     ) -> None:
-        self.on_error = check_on_error(on_error)
+        on_error = check_on_error(on_error)
         if not isinstance(pipeline, StagedProcessor):
             raise ConfigError(
                 f"pipeline must be a mmcache.Pipeline (stages and fingerprint), "
@@ -154,7 +154,9 @@ class WebDatasetSource(
         for name, exts in named:
             if isinstance(exts, str) or not all(isinstance(e, str) and e for e in exts):
                 raise ConfigError(f"{name} must be a list of extensions, got {exts!r}")
-        self.pipeline = pipeline
+        # The ids are known once the shards are indexed (_open_all needs on_error and the
+        # open rejects first): none until then.
+        super().__init__(pipeline=pipeline, ids=IdColumn(0), on_error=on_error)
         self.locations = expand_shards(shards)
         self.image_exts = tuple(e.lower().lstrip(".") for e in image_exts)
         self.video_exts = tuple(
@@ -174,18 +176,14 @@ class WebDatasetSource(
         )
         self.raw = raw
         self.fetch_block = check_block(fetch_block)
-        self._fingerprint = pipeline.fingerprint()
         self.member_limit = byte_limit(pipeline)
-        self._rejects = RejectLog()
-        self._open_rejects: list[Reject] = []
         self._fds: dict[int, int] = {}
         self._fd_pid = os.getpid()
         self.shard_stamps: list[str] = [""] * len(self.locations)
         self._sizes: list[int] = [0] * len(self.locations)
         self._shard_ints: np.ndarray | None = None  # stamps() column 0 per shard, made lazily
         self._open_all()
-        self._memo = np.zeros((len(self), 16), dtype=np.uint8)
-        self._memo_ok = np.zeros(len(self), dtype=bool)
+        self._ids = self.columns.id_column  # the same buffers in every later version
         self._state = SharedStamps(self._make_state_path())
 
     # -- opening -----------------------------------------------------------------------
@@ -293,31 +291,10 @@ class WebDatasetSource(
             )
         sid = problem.key if problem.key is not None else f"<shard {problem.shard}>"
         where = problem.shard if problem.member is None else f"{problem.shard}:{problem.member}"
-        self._open_rejects.append(Reject(sid, where, problem.reason))
+        self.open_rejects.append(Reject(sid, where, problem.reason))
         logger.warning("skipped %s: %s", where, problem.reason)
 
     # -- which sample ------------------------------------------------------------------
-    def __len__(self) -> int:
-        return len(self.columns)
-
-    def _checked(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        n = len(self)
-        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= n):
-            raise IndexError(f"sample index out of range for {n} samples")
-        return idx
-
-    def sample_id(self, index: int) -> str:
-        """The sample's WebDataset key (``__key__``)."""
-        self._checked([index])
-        return self.columns.id(index)
-
-    def ids(self, indices: Sequence[int] | np.ndarray) -> list[str]:
-        return self.columns.id_column.ids(self._checked(indices))
-
-    def ids_digest(self) -> str:
-        return self.columns.ids_digest()
-
     def image_sizes(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
         """``int64 [n, 2]`` ``(width, height)`` of each sample from its ``.json`` member,
         read when the shard was indexed (no image decoded); ``-1`` where unknown."""
@@ -343,12 +320,6 @@ class WebDatasetSource(
     def _stamp_int(self, shard: int) -> int:
         raw = keys.digest(self.locations[shard], self.shard_stamps[shard])[:8]
         return int.from_bytes(raw, "little") & ((1 << 63) - 1)
-
-    def key(self, index: int) -> bytes:
-        """The sample's 16-byte cache key: id, the identity of its bytes, the layout of
-        its members, pipeline (see :meth:`key_rows`)."""
-        key: bytes = self.key_rows([index])[0].tobytes()
-        return key
 
     def _layout(self, index: int) -> str:
         """Where the members lie in the sample's span (relative offsets, sizes, extension):
@@ -398,29 +369,36 @@ class WebDatasetSource(
             out.update(zip(members, idents, strict=True))
         return out
 
+    def stamp_strings(
+        self, indices: npt.NDArray[np.int64], stamps: npt.NDArray[np.int64]
+    ) -> list[str]:
+        """``wds:<identity of the span's bytes>:<layout>`` of each of ``indices``: the
+        identities found per shard in one pass (:meth:`_identities`)."""
+        listed = indices.tolist()
+        idents = self._identities(listed)
+        return [f"wds:{idents[i]}:{self._layout(i)}" for i in listed]
+
+    def stamp_string(self, index: int, stamp: npt.NDArray[np.int64]) -> str:
+        return self.stamp_strings(np.asarray([index], dtype=np.int64), stamp[None, :])[0]
+
     def key_rows(
         self, indices: Sequence[int] | np.ndarray, *, stamps: np.ndarray | None = None
     ) -> np.ndarray:
-        """Keys of ``indices`` as ``uint8 [n, 16]`` (memoised; a changed shard's samples
-        are keyed again: remote ones after :meth:`revalidate`, local ones after the
-        ``stat`` of their shards that every call makes). Not thread-safe."""
+        """:meth:`~mmcache.sources.chassis.BaseSource.key_rows` after taking the stamps
+        another process revalidated and the ``stat`` of each local shard of ``indices``
+        (a changed shard is indexed again, so its samples' stamps, hence keys, change:
+        remote ones after :meth:`revalidate`). Not thread-safe."""
         idx = self._checked(indices)
         self._refresh()
-        self._check_local(idx)
-        todo = np.unique(idx[~self._memo_ok[idx]]).tolist()
-        if todo:
-            idents = self._identities(todo)
-            for i in todo:
-                stamp = f"wds:{idents[i]}:{self._layout(i)}"
-                key = keys.sample_key(self.columns.id(i), stamp, self._fingerprint, None)
-                self._memo[i] = np.frombuffer(key, dtype=np.uint8)
-                self._memo_ok[i] = True
-        rows: np.ndarray = self._memo[idx]
-        return rows
+        if self._check_local(idx):
+            stamps = None  # taken before the shard was indexed again
+        return super().key_rows(idx, stamps=stamps)
 
-    def _check_local(self, idx: np.ndarray) -> None:
+    def _check_local(self, idx: np.ndarray) -> bool:
         """``stat`` the local shards of ``idx`` (one each) and index again those whose
-        evidence changed (G5: a shard rewritten during a run is never read at old offsets)."""
+        evidence changed (G5: a shard rewritten during a run is never read at old offsets);
+        whether one was."""
+        again = False
         shards = np.unique(self.columns.rows[idx, C.SHARD]).tolist() if idx.size else []
         for shard in shards:
             loc = self.locations[shard]
@@ -434,8 +412,10 @@ class WebDatasetSource(
             if stamp != self.shard_stamps[shard]:
                 try:
                     self._apply(shard, self._index(shard, st.st_size, stamp))
+                    again = True
                 except (OSError, EOFError, tarfile.TarError) as exc:
                     logger.warning("cannot index the changed shard %s again: %s", loc, exc)
+        return again
 
     # -- produce -------------------------------------------------------------------------
     def member_name(self, index: int, role: str) -> str:
@@ -551,26 +531,6 @@ class WebDatasetSource(
                     path=f"{shard}:{name}",
                 )
 
-    def to_item(self, index: int, sample: Mapping[str, np.ndarray]) -> dict[str, Any]:
-        return item_tensors(self.columns.id(index), sample, self.channels_last_fields)
-
-    def __getitem__(self, index: int) -> dict[str, Any] | None:
-        return serve(self, index)
-
-    # -- rejects -------------------------------------------------------------------------
-    def record_reject(self, err: Exception) -> None:
-        if not isinstance(err, SampleError):
-            err = SampleError(f"{type(err).__name__}: {err}", sample_id="<unknown>")
-        self._rejects.record(err)
-        logger.warning("skipped %s", err)
-
-    def rejects(self) -> list[Reject]:
-        """What was left out: shards and members at open, samples since (any process)."""
-        out: dict[str, Reject] = {}
-        for rej in self._open_rejects + self._rejects.read():
-            out.setdefault(rej.sample_id, rej)
-        return list(out.values())
-
     # -- revalidation (remote shards) ----------------------------------------------------
     def _make_state_path(self) -> str:
         raw_path = None if self.raw is None else self.raw.path
@@ -640,7 +600,7 @@ class WebDatasetSource(
             rows[i, C.WIDTH], rows[i, C.HEIGHT] = (
                 index.dims.get(js[0], (-1, -1)) if js else (-1, -1)
             )
-            self._memo_ok[i] = False
+        # The shard's new stamp changes its samples' stamp rows: the chassis keys them again.
         self.columns = SampleColumns(rows, self.columns.id_buf, self.columns.id_off)
         self.shard_stamps[s] = index.stamp
         self._sizes[s] = index.size
@@ -683,19 +643,10 @@ class WebDatasetSource(
             self._apply(s, index)
 
     # -- pickling ------------------------------------------------------------------------
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_fds"] = {}
-        state["_memo"] = None
-        state["_memo_ok"] = None
-        state["_fetch_groups"] = None
-        return state
-
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._memo = np.zeros((len(self.columns), 16), dtype=np.uint8)
-        self._memo_ok = np.zeros(len(self.columns), dtype=bool)
-        self._fd_pid = -1
+        super().__setstate__(state)
+        self._fds = {}
+        self._fd_pid = -1  # this process has opened no shard yet
 
     def close(self) -> None:
         """Close this process's shard file handles."""
