@@ -69,7 +69,9 @@ def _checked(fd: int, path: str) -> int:
     """``fd`` if it is a regular file with one link, else close it and raise."""
     st = os.fstat(fd)
     what = None
-    if not stat.S_ISREG(st.st_mode):
+    if stat.S_ISLNK(st.st_mode):  # an O_PATH | O_NOFOLLOW descriptor of the link itself
+        what = "a symbolic link"
+    elif not stat.S_ISREG(st.st_mode):
         what = "not a regular file"
     elif st.st_nlink != 1:
         what = f"a hard link ({st.st_nlink} names for one file)"
@@ -183,7 +185,14 @@ _OWN_FDS = "/proc/self/fd"
 
 
 @contextlib.contextmanager
-def pinned_files(directory: str, names: Sequence[str], *, create: bool, mode: int) -> Iterator[str]:
+def pinned_files(
+    directory: str,
+    names: Sequence[str],
+    *,
+    create: bool,
+    mode: int,
+    by_name: Sequence[str] = (),
+) -> Iterator[str]:
     """A folder to hand a library that opens ``directory/<name>`` by name itself (LMDB).
 
     A library that opens files by name (``lmdb.open`` opens ``data.mdb`` and
@@ -200,6 +209,11 @@ def pinned_files(directory: str, names: Sequence[str], *, create: bool, mode: in
     descriptors kept are ``O_PATH`` ones: closing them drops none of the fcntl
     locks the library took meanwhile (closing a plain one would).
 
+    ``by_name``: more entries of the folder, plain links to ``directory/<name>``: the
+    library resolves those names itself when it opens them (for a file that may be
+    replaced by a rename while the library waits for a lock, as compaction replaces
+    ``data.mdb``).
+
     Yields ``directory`` itself where ``/proc`` is missing (not Linux) or, when
     not ``create``, a file is missing (the library then reports it in its own
     words; it creates nothing without ``create``). Raises :class:`UnsafeFileError`
@@ -214,30 +228,26 @@ def pinned_files(directory: str, names: Sequence[str], *, create: bool, mode: in
     try:
         for name in names:
             path = os.path.join(directory, name)
-            if create:
-                fd, _ = open_file(path, os.O_RDWR | os.O_CREAT, mode)
-            else:
-                try:
-                    # O_NONBLOCK: a FIFO planted under the name must not hang the open.
-                    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW)
-                except FileNotFoundError:
+            # Only O_PATH descriptors of an existing file: closing any other descriptor of
+            # a file drops every fcntl lock this process holds on it (LMDB's, or the lock
+            # compaction holds on lock.mdb while it rebuilds it through here).
+            try:
+                fd = _checked(os.open(path, os.O_PATH | _NOFOLLOW), path)
+            except FileNotFoundError:
+                if not create:
                     yield directory
                     return
-                except OSError as exc:
-                    if exc.errno == errno.ELOOP:
-                        raise _refuse(path, "a symbolic link") from exc
-                    raise
-                fd = _checked(fd, path)
-            try:
-                # Kept as an O_PATH descriptor of the same file: closing it later leaves the
-                # fcntl locks LMDB takes on lock.mdb in place (closing any other descriptor
-                # of a file drops every such lock of the process).
-                fds.append(os.open(f"{_OWN_FDS}/{fd}", os.O_PATH | os.O_CLOEXEC))
-            finally:
-                os.close(fd)
+                new, _ = open_file(path, os.O_RDWR | os.O_CREAT, mode)  # new: no locks on it
+                try:
+                    fd = os.open(f"{_OWN_FDS}/{new}", os.O_PATH | os.O_CLOEXEC)
+                finally:
+                    os.close(new)
+            fds.append(fd)
         private = tempfile.mkdtemp(prefix="mmcache-pinned-")
         for name, fd in zip(names, fds, strict=True):
             os.symlink(f"{_OWN_FDS}/{fd}", os.path.join(private, name))
+        for name in by_name:
+            os.symlink(os.path.join(os.path.abspath(directory), name), os.path.join(private, name))
         yield private
     finally:
         if private is not None:

@@ -5,7 +5,9 @@ no descriptor), and LMDB truncates and writes ``lock.mdb`` at open. In a group-s
 member who owns those files (they made the tier first) can swap one for a link to a file the
 victim can write, between the victim's check and LMDB's open. The test makes that swap at
 the worst moment (inside the call to ``lmdb.open``, before LMDB runs) and checks that the
-victim's file keeps its bytes and that the store opened the files it had checked.
+victim's file keeps its bytes: for ``lock.mdb`` (the file LMDB writes at open) the store
+opens the file it had checked; ``data.mdb`` is a name LMDB resolves itself (compaction renames
+a new one in while an opener waits), and a link to another file is refused as not an LMDB file.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 import lmdb
 import pytest
 
+from mmcache.errors import CacheError
 from mmcache.stores.disk import DiskStore
 
 VICTIM_BYTES = b"the victim's own file: a swapped link must never let LMDB write here\n" * 64
@@ -43,10 +46,10 @@ def swap_at_open(
     return opened
 
 
-@pytest.mark.parametrize("name", ["lock.mdb", "data.mdb"])
-def test_a_link_swapped_in_after_the_check_never_redirects_lmdb(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+def test_a_lock_file_link_swapped_in_after_the_check_never_redirects_lmdb(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    name = "lock.mdb"
     folder = tmp_path / "disk"
     store = DiskStore(folder, capacity="1MiB")
     store.put(b"k" * 16, b"value before")
@@ -65,3 +68,16 @@ def test_a_link_swapped_in_after_the_check_never_redirects_lmdb(
         store.close()
     assert victim.read_bytes() == VICTIM_BYTES
     assert (folder / name).is_symlink()  # the member's link is left as it was
+
+
+def test_a_data_file_link_swapped_in_after_the_check_is_refused_and_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tmp_path / "disk"
+    DiskStore(folder, capacity="1MiB").close()
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(VICTIM_BYTES)
+    swap_at_open(monkeypatch, folder, "data.mdb", victim)
+    with pytest.raises(CacheError, match="cannot open the disk cache"):
+        DiskStore(folder, capacity="1MiB")
+    assert victim.read_bytes() == VICTIM_BYTES

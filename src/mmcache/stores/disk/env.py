@@ -328,10 +328,14 @@ def open_env(
     ``lock=False`` (MDB_NOLOCK) neither reads nor locks ``lock.mdb``: only for
     a read-only medium, or while nobody else can have the directory open.
     """
-    # LMDB opens its files by name, following links: hand it a private folder
-    # whose names lead to exactly the files checked here (rootfiles.pinned_files).
-    names = ("data.mdb", "lock.mdb") if lock else ("data.mdb",)
-    with pinned_files(path, names, create=not readonly, mode=mode) as where:
+    # LMDB opens its files by name, following links, and truncates and writes lock.mdb
+    # at open: hand it a private folder whose lock.mdb leads to exactly the file checked
+    # here (rootfiles.pinned_files). data.mdb stays a name LMDB resolves itself: it opens
+    # it after waiting for the lock, and compaction renames a new data.mdb in while an
+    # opener waits (maintenance.compact_in_place); a data.mdb swapped for a link to
+    # another file is refused by LMDB as "not an LMDB file" unless that file is one.
+    names = ("lock.mdb",) if lock else ()
+    with pinned_files(path, names, create=not readonly, mode=mode, by_name=("data.mdb",)) as where:
         env = _lmdb_open(where, map_size=map_size, readonly=readonly, mode=mode, lock=lock)
         try:
             check_complete(env, path, opened_at=where)
