@@ -201,7 +201,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 break
             time.sleep(0.05)
         started = time.time()
-        (work / "go").write_text(repr(started + args.seconds))
+        # Written whole, then renamed: a worker polling for the file never reads it half written.
+        (work / "go.tmp").write_text(repr(started + args.seconds))
+        os.replace(work / "go.tmp", work / "go")
         for p in procs:
             p.join(args.seconds + 120)
         for p in procs:  # a hung process is a failure, and is not left behind
