@@ -47,7 +47,7 @@ import numpy as np
 
 from mmcache.errors import CacheError
 from mmcache.stores.memory.access import Access, UntrustedFileError
-from mmcache.stores.memory.shm import SHM_PREFIX, Segment, page_round
+from mmcache.stores.memory.shm import SHM_PREFIX, Segment, map_arrays, place_arrays
 
 __all__ = [
     "ENTRY_COLUMNS",
@@ -151,13 +151,8 @@ class IndexLayout:
             *((name, dtype, (entries, *shape)) for name, dtype, shape in ENTRY_COLUMNS),
             ("table", "i4", (1 << (64 - shift),)),
         ]
-        fields = []
-        offset = 0
-        for name, dtype, shape in spec:
-            offset = -(-offset // 64) * 64
-            fields.append((name, offset, dtype, shape))
-            offset += int(np.dtype(dtype).itemsize * np.prod(shape))
-        return cls(entries, shift, tuple(fields), page_round(offset))
+        fields, size = place_arrays(spec)
+        return cls(entries, shift, fields, size)
 
     def header_range(self) -> tuple[int, int]:
         return 0, INDEX_HEADER_WORDS * 8
@@ -176,11 +171,7 @@ class IndexLayout:
         return out
 
     def arrays(self, buf: Any) -> dict[str, np.ndarray[Any, Any]]:
-        out = {}
-        for name, offset, dtype, shape in self.fields:
-            count = int(np.prod(shape))
-            out[name] = np.frombuffer(buf, dtype=dtype, count=count, offset=offset).reshape(shape)
-        return out
+        return map_arrays(buf, self.fields)
 
 
 class Index:

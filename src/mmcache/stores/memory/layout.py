@@ -62,7 +62,8 @@ from mmcache.stores.memory.shm import (
     SHM_PREFIX,
     Segment,
     check_store_name,
-    page_round,
+    map_arrays,
+    place_arrays,
     proc_start_time,
 )
 
@@ -286,13 +287,8 @@ class Layout:
             ("counters", "i8", (procs + 2, N_COUNTERS)),
             ("classes", "i8", (classes, CLASS_COLUMNS)),
         ]
-        fields = []
-        offset = 0
-        for name, dtype, shape in spec:
-            offset = -(-offset // 64) * 64
-            fields.append((name, offset, dtype, shape))
-            offset += int(np.dtype(dtype).itemsize * np.prod(shape))
-        return cls(classes, procs, tuple(fields), page_round(offset))
+        fields, size = place_arrays(spec)
+        return cls(classes, procs, fields, size)
 
     @classmethod
     def of_header(cls, header: np.ndarray[Any, Any]) -> Layout:
@@ -300,11 +296,7 @@ class Layout:
         return cls.build(classes=int(header[H_CLASSES]), procs=int(header[H_PROCS]))
 
     def arrays(self, buf: Any) -> dict[str, np.ndarray[Any, Any]]:
-        out = {}
-        for name, offset, dtype, shape in self.fields:
-            count = int(np.prod(shape))
-            out[name] = np.frombuffer(buf, dtype=dtype, count=count, offset=offset).reshape(shape)
-        return out
+        return map_arrays(buf, self.fields)
 
 
 def initialise_meta(

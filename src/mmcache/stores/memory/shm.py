@@ -33,7 +33,10 @@ import re
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
 
 from mmcache.errors import CacheError, ConfigError
 from mmcache.stores.memory.access import Access
@@ -46,13 +49,16 @@ __all__ = [
     "SHM_PREFIX",
     "LockTimeout",
     "NodeLock",
+    "Placed",
     "Segment",
     "check_store_name",
     "lock_holders",
+    "map_arrays",
     "own_start_time",
     "page_round",
     "pid_alive",
     "pid_namespace",
+    "place_arrays",
     "proc_start_time",
 ]
 
@@ -66,6 +72,33 @@ PAGE_SIZE = mmap.PAGESIZE
 def page_round(n: int) -> int:
     """``n`` rounded up to whole pages."""
     return -(-n // PAGE_SIZE) * PAGE_SIZE
+
+
+#: Where one array of a segment lives: ``(name, offset, dtype, shape)``.
+Placed = tuple[str, int, str, tuple[int, ...]]
+
+
+def place_arrays(
+    spec: Sequence[tuple[str, str, tuple[int, ...]]],
+) -> tuple[tuple[Placed, ...], int]:
+    """Lay ``(name, dtype, shape)`` arrays out one after the other, each on a 64-byte
+    boundary (a cache line); the placed arrays and the segment's size in whole pages."""
+    fields = []
+    offset = 0
+    for name, dtype, shape in spec:
+        offset = -(-offset // 64) * 64
+        fields.append((name, offset, dtype, shape))
+        offset += int(np.dtype(dtype).itemsize * np.prod(shape))
+    return tuple(fields), page_round(offset)
+
+
+def map_arrays(buf: Any, fields: Sequence[Placed]) -> dict[str, np.ndarray[Any, Any]]:
+    """Numpy views of the placed arrays in ``buf`` (no copy)."""
+    out = {}
+    for name, offset, dtype, shape in fields:
+        count = int(np.prod(shape))
+        out[name] = np.frombuffer(buf, dtype=dtype, count=count, offset=offset).reshape(shape)
+    return out
 
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
