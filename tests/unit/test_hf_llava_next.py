@@ -272,3 +272,26 @@ def test_misuse_is_refused_saying_why() -> None:
     processor.patch_size = None
     with pytest.raises(mc.ConfigError, match="patch_size"):
         mc.hf_processor(processor)
+
+
+def test_crops_that_are_not_whole_numbers_are_refused_never_rounded() -> None:
+    base = image_processor_class()
+
+    class Shifted(base):  # type: ignore[misc, valid-type]
+        """A processor whose crops come back as floats, off by ``shift``."""
+
+        shift = 0.0
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            out = super().__call__(*args, **kwargs)
+            out["pixel_values"] = np.asarray(out["pixel_values"], np.float32) + self.shift
+            return out
+
+    processor = llava_next_processor(Shifted)
+    pipe = mc.hf_processor(processor, max_length=512)  # floats of whole values: cast
+    crops = pipe.image(Image.new("RGB", (40, 130), (10, 20, 30)))
+    assert crops.pixels.dtype == np.uint8 and crops.pixels.shape == (4, 3, CROP, CROP)
+    assert crops.original == (130, 40)
+    processor.image_processor.shift = 0.5
+    with pytest.raises(mc.ConfigError, match="not whole numbers 0..255"):
+        mc.hf_processor(processor, max_length=512)
