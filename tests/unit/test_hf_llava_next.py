@@ -21,7 +21,7 @@ import torch
 from chat_support import hf_tokenizer, make_tokenizer, turns, write_llava
 from PIL import Image
 from test_hf_processor import CONVERSATIONS as ONE_IMAGE_CONVERSATIONS
-from test_hf_processor import TEMPLATE  # Vicuna-style, {% generation %} on replies
+from test_hf_processor import LLAVA_15_HF, TEMPLATE  # TEMPLATE: {% generation %} on replies
 from test_llava_client import PATCH, SIZE, _model_for
 
 import mmcache as mc
@@ -293,5 +293,25 @@ def test_crops_that_are_not_whole_numbers_are_refused_never_rounded() -> None:
     assert crops.pixels.dtype == np.uint8 and crops.pixels.shape == (4, 3, CROP, CROP)
     assert crops.original == (130, 40)
     processor.image_processor.shift = 0.5
-    with pytest.raises(mc.ConfigError, match="not whole numbers 0..255"):
+    with pytest.raises(mc.ConfigError, match=r"not whole numbers 0\.\.255"):
         mc.hf_processor(processor, max_length=512)
+
+
+def test_a_template_of_content_parts_only(tmp_path: Path) -> None:
+    """llava-1.5-hf's template (images first, as "<image>\\n" parts; a string content
+    renders as nothing), which LLaVA-NeXT checkpoints share: input_ids equal
+    apply_chat_template's, whatever the number of crops."""
+    processor = llava_next_processor(template=LLAVA_15_HF)
+    pipe = mc.hf_processor(processor, max_length=512)
+    assert pipe.text.content_parts is True
+    manifest, pictures = write_dataset(tmp_path)
+    ds = mc.MultimodalDataset(manifest, pipeline=pipe)
+    for i in range(len(ds)):
+        conv = CONVERSATIONS[i % len(CONVERSATIONS)]
+        messages = as_messages(conv, pictures[i])
+        for m in messages:  # what a processor user writes: no newline left by <image>
+            for p in m["content"]:
+                if p["type"] == "text":
+                    p["text"] = p["text"].strip()
+        ref = processor.apply_chat_template([messages], tokenize=True, return_dict=True)
+        assert ds.produce(i)["input_ids"].tolist() == list(ref["input_ids"][0]), i
