@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 from chat_support import hf_tokenizer, make_tokenizer, turns, write_llava
-from PIL import Image
+from PIL import Image, ImageOps
 from test_hf_processor import CONVERSATIONS as ONE_IMAGE_CONVERSATIONS
 from test_hf_processor import LLAVA_15_HF, TEMPLATE  # TEMPLATE: {% generation %} on replies
 from test_llava_client import PATCH, SIZE, _model_for
@@ -315,3 +315,47 @@ def test_a_template_of_content_parts_only(tmp_path: Path) -> None:
                     p["text"] = p["text"].strip()
         ref = processor.apply_chat_template([messages], tokenize=True, return_dict=True)
         assert ds.produce(i)["input_ids"].tolist() == list(ref["input_ids"][0]), i
+
+
+def test_an_exif_rotated_image_is_counted_from_its_upright_size(tmp_path: Path) -> None:
+    """Stored 130x40 with EXIF orientation 6 (upright 40 wide, 130 tall): the crops, the
+    original size and the token count are the upright image's, in the sample and in
+    the length pass (which reads only the header)."""
+    processor = llava_next_processor()
+    pipe = mc.hf_processor(processor, max_length=512)
+    rng = np.random.default_rng(1)
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    stored = Image.fromarray(rng.integers(0, 256, (40, 130, 3), dtype=np.uint8))
+    stored.save(tmp_path / "r.jpg", quality=95, exif=exif)
+    conv = turns(*CONVERSATIONS[0])
+    manifest = write_llava(
+        tmp_path / "m.json", [{"id": "r", "image": "r.jpg", "conversations": conv}]
+    )
+    ds = mc.MultimodalDataset(manifest, pipeline=pipe)
+    sample = ds.produce(0)
+    assert sample["image_original_sizes"].tolist() == [[130, 40]]
+    with Image.open(tmp_path / "r.jpg") as im:
+        upright = ImageOps.exif_transpose(im).convert("RGB")
+    ref = reference(processor, CONVERSATIONS[0], [upright])
+    assert sample["input_ids"].tolist() == ref["input_ids"][0].tolist()
+    assert sample["image_crops"].tolist() == [ref["pixel_values"].shape[1]]
+    assert ds.lengths().tolist() == [len(sample["input_ids"])]
+
+
+def test_a_batch_without_images(tmp_path: Path) -> None:
+    """Text-only rows only: no crops, pixel_values [0, 0, 3, 0, 0] (the model then takes
+    none), image_sizes [0, 2], image_counts zeros."""
+    pipe = mc.hf_processor(llava_next_processor(), max_length=512)
+    hook = PixelValues(pipe.image, layout="llava_next")
+    empty = torch.zeros(0, dtype=torch.int32)
+    batch = hook.after_assemble(
+        {
+            "images": [],
+            "image_crops": [empty, empty],
+            "image_original_sizes": [empty.reshape(0, 2)] * 2,
+        },
+        None,
+    )
+    assert batch["pixel_values"].shape == (0, 0, 3, 0, 0)
+    assert batch["image_sizes"].shape == (0, 2) and batch["image_counts"].tolist() == [0, 0]

@@ -141,7 +141,8 @@ def llava_next_pixels(
             "every image's 1 + k crops in order (image_crops)"
         )
     if stacked is None:
-        return torch.zeros((0, 0, 3, 0, 0), dtype=torch.float32)
+        device = images.device if isinstance(images, torch.Tensor) else None
+        return torch.zeros((0, 0, 3, 0, 0), dtype=torch.float32, device=device)
     x = normalize(stacked, mean_t, std_t)
     out = x.new_zeros((len(counts), max(counts), *x.shape[1:]))
     start = 0
