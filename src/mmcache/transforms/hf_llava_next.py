@@ -150,6 +150,19 @@ def _processor_class(path: str) -> Any:
         raise ConfigError(f"cannot import {path} for its image-token rule: {exc}") from exc
 
 
+def _expanded(processor: Any, height: int, width: int, crop_size: tuple[int, int]) -> int:
+    """How many image tokens ``processor`` itself writes for an image of original size
+    ``height x width`` made into crops of ``crop_size`` (its ``replace_image_token``,
+    given the two values it reads; ``_get_number_of_features`` less one for the
+    "default" strategy where a processor has no such method)."""
+    replace = getattr(processor, "replace_image_token", None)
+    if replace is None:
+        n = int(processor._get_number_of_features(height, width, *crop_size))
+        return n - 1 if processor.vision_feature_select_strategy == "default" else n
+    inputs = {"image_sizes": [[height, width]], "pixel_values": np.zeros((1, 1, 3, *crop_size))}
+    return len(replace(inputs, 0)) // len(processor.image_token)
+
+
 @dataclass(frozen=True)
 class LlavaNextTokens:
     """``LlavaNextProcessor``'s image-token count of an image of original size ``(h, w)``
@@ -172,7 +185,8 @@ class LlavaNextTokens:
     def of(cls, processor: Any, crop_size: tuple[int, int]) -> LlavaNextTokens:
         """The rule of ``processor`` (a ``LlavaNextProcessor``) for crops of ``crop_size``;
         ConfigError when it has no ``patch_size`` or this rule and the processor's
-        own ``_get_number_of_features`` disagree on a grid of sizes."""
+        own expansion of an ``<image>`` (its ``replace_image_token``) disagree on a
+        grid of sizes."""
         patch = getattr(processor, "patch_size", None)
         if isinstance(patch, bool) or not isinstance(patch, int) or patch < 1:
             raise ConfigError(
@@ -194,13 +208,18 @@ class LlavaNextTokens:
                 processor_identity(processor.image_processor)["transformers_major"]
             ),
         )
-        less = 1 if rule.default_strategy else 0
         for h, w in ((30, 40), (40, 30), (17, 300), (300, 17), (480, 640), (1000, 333)):
-            want = processor._get_number_of_features(h, w, *rule.crop_size) - less
-            if rule(h, w) != want:
+            try:
+                want, got = _expanded(processor, h, w, rule.crop_size), rule(h, w)
+            except AttributeError as exc:  # a transformers without the size rule
+                raise ConfigError(
+                    f"{klass.__name__} of this transformers has no image-token rule of the "
+                    f"original size ({exc}): upgrade transformers"
+                ) from exc
+            if got != want:
                 raise ConfigError(
                     f"{klass.__name__}'s image-token count of a {h}x{w} image is {want}, "
-                    f"but its rule run on the values it reads gives {rule(h, w)}: a "
+                    f"but its rule run on the values it reads gives {got}: a "
                     "processor whose count reads other state is not supported"
                 )
         return rule
