@@ -230,11 +230,7 @@ def bad_weather(
     """The three bad-weather rows (see the module docstring), as ``case -> figure``."""
     out: dict[str, str] = {}
     with FaultProxy("127.0.0.1", port, latency=args.latency) as proxy:
-        options = {
-            "key": KEY,
-            "secret": SECRET,
-            "client_kwargs": {"endpoint_url": proxy.url, "region_name": REGION},
-        }
+        options = _s3_options(proxy.url)
 
         def source(raw: Path, **kw: Any) -> WebDatasetSource:
             return WebDatasetSource(
@@ -467,26 +463,11 @@ def main() -> None:
             rows.append({"name": "parquet", "error": "mmcache.sources.parquet not in this tree"})
         with contextlib.ExitStack() as stack:
             url = stack.enter_context(moto_process())
-            import boto3
-
-            client = boto3.client(
-                "s3",
-                endpoint_url=url,
-                aws_access_key_id=KEY,
-                aws_secret_access_key=SECRET,
-                region_name=REGION,
-            )
-            for p in shards:
-                client.upload_file(str(p), "data", f"wds/{p.name}")
-            urls = [f"s3://data/wds/{p.name}" for p in shards]
+            urls = _upload(url, shards)
             port = int(url.rsplit(":", 1)[1])
             for latency in (0.0, args.latency):
                 proxy = stack.enter_context(DelayProxy("127.0.0.1", port, delay=latency))
-                options = {
-                    "key": KEY,
-                    "secret": SECRET,
-                    "client_kwargs": {"endpoint_url": proxy.url, "region_name": REGION},
-                }
+                options = _s3_options(proxy.url)
 
                 def remote(
                     raw_dir: Path, options: Any = options, block: Any = "8MiB"
