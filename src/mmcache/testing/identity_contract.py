@@ -85,7 +85,10 @@ def produced_images(source: SampleSource) -> dict[str, torch.Tensor]:
 
 
 class IdentityContract:
-    """Mixin: subclass, set ``__test__ = True``, implement the two methods below."""
+    """Mixin: subclass, set ``__test__ = True``, implement :meth:`write_dataset` and
+    :meth:`open_source`; override :meth:`copy_dataset`, :meth:`flip_source_tiers` and
+    :attr:`copy_skip_reason` where the defaults (local folders, no tier of its own, copies
+    keep their keys) do not fit."""
 
     __test__ = False
     #: Why a copy of this source's data cannot keep its keys (``None``: it must).
