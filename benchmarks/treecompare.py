@@ -76,7 +76,7 @@ def compare_trees(
         for name, rows in results.items()
     }
     print()
-    print(f"| tree | {' | '.join(figures.values())} (medians of {rounds}) |")
+    print(f"| tree (medians of {rounds} rounds) | {' | '.join(figures.values())} |")
     print("|---|" + "---:|" * len(figures))
     for name, values in med.items():
         print(f"| {name} | {' | '.join(f'{values[k]:.3f}' for k in figures)} |")
