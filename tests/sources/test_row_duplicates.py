@@ -160,3 +160,16 @@ def test_hf_repeated_ids_under_skip_keep_the_first_row(
             assert [wrong_ids(run_epoch(loader, e), want) for e in (0, 1)] == [[], []]
         finally:
             loader.close()
+
+
+def test_an_id_seen_three_times_lists_both_later_rows(
+    tmp_path: Path, small_pipeline: Pipeline
+) -> None:
+    """Each left-out row is its own entry of ``rejects()``, though they share one id."""
+    files = _write(tmp_path / "dup", [(["a", "a", "b", "a"], [0, 1, 2, 3])])
+    src = ParquetSource(files, pipeline=small_pipeline, columns=COLUMNS, on_error="skip")
+    assert len(src) == 2
+    assert [(r.sample_id, r.path) for r in src.rejects()] == [
+        ("a", f"{files[0]} row 1"),
+        ("a", f"{files[0]} row 3"),
+    ]
