@@ -3,6 +3,7 @@ workers; the order, the batches and staleness checks stay exactly as without it.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -271,7 +272,7 @@ class _FakePlanner:
         self.missing = missing
         self.calls: list[tuple[str, int]] = []
 
-    def plan(self, indices: np.ndarray, *, produce: bool = True) -> Any:
+    def plan(self, indices: np.ndarray, *, produce: bool = True, known: Any = None) -> Any:
         from mmcache.loader.tasks import BatchPlan
 
         self.calls.append(("plan" if not produce else "produced", int(indices[0])))
@@ -314,6 +315,12 @@ class _FakeWarm:
 
     def known_keys(self, indices: np.ndarray) -> None:
         return None  # nothing to read ahead
+
+    def published(self, epoch: int, indices: np.ndarray) -> None:
+        return None  # no prefetcher
+
+    def stop_publishing(self, epoch: int) -> None:
+        pass
 
     def restart_prefetcher(self) -> None:
         pass
@@ -404,3 +411,47 @@ def test_a_new_loaders_first_epoch_over_a_filled_cache_starts_no_worker(
         assert (e2.hits, e2.misses) == (len(ds) - len(gone), len(gone))
         _same(_epoch(third, 3), _epoch(ref, 3))
         third.close()
+
+
+def test_a_new_loaders_first_epoch_takes_the_keys_the_prefetcher_published(
+    own_data: Path, small_pipeline: Pipeline, cache_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stat prefetcher keys a new loader's first epoch (planned in the training
+    process until a miss) from the stamps it takes this epoch: a batch it has published
+    is not keyed in the training process, and the batches, counters and the next
+    (guessed) epoch are those of a loader that keyed every batch itself."""
+    from mmcache.loader.warm_epoch import WarmEpochs
+
+    ds = MultimodalDataset(own_data, pipeline=small_pipeline)
+    ref = DataLoader(ds, cache=None, batch_size=8, seed=7)
+    kwargs: dict[str, Any] = {"batch_size": 8, "seed": 7, "num_workers": 2}
+    with Cache(cache_root, memory="16MiB", temporary=True) as cache:
+        with DataLoader(ds, cache=cache, persistent_workers=True, **kwargs) as first:
+            _same(_epoch(first, 0), _epoch(ref, 0))
+        second = DataLoader(ds, cache=cache, persistent_workers=True, **kwargs)
+        real = WarmEpochs.published
+        served: list[int] = []
+
+        def waited(self: WarmEpochs, epoch: int, indices: np.ndarray) -> Any:
+            """The real answer once the prefetcher has got there (it runs at idle priority)."""
+            for _ in range(3000):
+                got = real(self, epoch, indices)
+                if got is not None:
+                    served.append(len(indices))
+                    return got
+                time.sleep(0.01)
+            return None
+
+        monkeypatch.setattr(WarmEpochs, "published", waited)
+        keyed: list[int] = []  # training-process key computations (after the fork)
+        own = ds.key_rows
+        want = _epoch(ref, 0)  # (keyed here: before the spy)
+        monkeypatch.setattr(ds, "key_rows", lambda i, **kw: keyed.append(1) or own(i, **kw))
+        _same(_epoch(second, 0), want)
+        assert sum(served) == len(ds) and keyed == []
+        e0 = second.stats().epochs[0]
+        assert (e0.hits, e0.misses) == (len(ds), 0)
+        assert second._warm.learnt.count() == len(ds)
+        _same(_epoch(second, 1), _epoch(ref, 1))
+        assert 1 in second._warm.guessed and second.stats().epochs[1].hits == len(ds)
+        second.close()

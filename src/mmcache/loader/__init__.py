@@ -587,7 +587,9 @@ class DataLoader:
                 calm=self._calm,
             )
         streams = source.streams(run.epoch)
-        self._warm.begin(run.epoch, run.start, warm=self._state.warm, streams=streams)
+        self._warm.begin(
+            run.epoch, run.start, warm=self._state.warm, streams=streams, local=source.plans_here
+        )
         source.begin_epoch(run.epoch)
         builder: InOrderBuilder[BatchPlan, dict[str, Any] | None] = InOrderBuilder(
             run.start,

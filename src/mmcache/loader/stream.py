@@ -336,6 +336,11 @@ class BatchPlanStream:
         """Where the next plan of ``epoch`` comes from."""
         return PlanMode.GUESS if self._warm.is_guessed(epoch) else self._mode
 
+    @property
+    def plans_here(self) -> bool:
+        """Whether the next batches are planned in the training process until a miss."""
+        return self._mode is PlanMode.LOCAL
+
     def streams(self, epoch: int) -> bool:
         """Whether the workers' stream runs on into ``epoch`` (its tasks wait at the gate)."""
         if self._plans is None:
@@ -362,9 +367,11 @@ class BatchPlanStream:
                         if ahead is not None:
                             self._ahead.submit(ahead)
         if plan is None and self._mode is PlanMode.LOCAL:
-            plan = self._planner.plan(indices, produce=False)
+            known = self._warm.published(epoch, indices)  # keys the prefetcher made
+            plan = self._planner.plan(indices, produce=False, known=known)
             if plan is None:  # after a miss the workers plan and produce the rest
                 self._mode = PlanMode.WORKERS
+                self._warm.stop_publishing(epoch)
         if plan is None and self._mode is PlanMode.WORKERS:
             plan = self.confirmed(epoch, j)
         if plan is None:
