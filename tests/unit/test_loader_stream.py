@@ -454,4 +454,9 @@ def test_a_new_loaders_first_epoch_takes_the_keys_the_prefetcher_published(
         assert second._warm.learnt.count() == len(ds)
         _same(_epoch(second, 1), _epoch(ref, 1))
         assert 1 in second._warm.guessed and second.stats().epochs[1].hits == len(ds)
+        assert second._warm._keying_prefetcher() is not None
+        second.close()
+        # Closed and iterated again: the prefetcher forked now (threads running) keys nothing.
+        _same(_epoch(second, 2), _epoch(ref, 2))
+        assert second._warm._keying_prefetcher() is None
         second.close()

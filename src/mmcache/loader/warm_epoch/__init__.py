@@ -59,6 +59,10 @@ __all__ = ["LearntKeys", "WarmEpochs"]
 _KEEP_GUESSED = 4
 #: A start past every epoch's last batch: a request that stops the prefetcher's round.
 _NOTHING = 1 << 62
+#: Most samples whose keys the prefetcher publishes: the board then takes 48 bytes more
+#: per sample of shared memory (``/dev/shm``), 48 MiB here; beyond, a new process's first
+#: epoch is keyed in the training process.
+_KEYED_MAX = 1 << 20
 
 
 class LearntKeys:
@@ -144,7 +148,8 @@ class WarmEpochs:
         self._fixed = num_workers > 0 and cache is not None and source.stamp_kind is StampKind.FIXED
         self._key_lock = threading.Lock()  # key_rows is not thread-safe; verified() is
         if num_workers > 0 and cache is not None and source.stamp_kind is StampKind.FILE:
-            self._board = FileCheckBoard(self._n, context, key_stamps=STAMP_WORDS)
+            words = STAMP_WORDS if self._n <= _KEYED_MAX else 0
+            self._board = FileCheckBoard(self._n, context, key_stamps=words)
             self._prefetcher = StatPrefetcher(self._board, source, order, context)
             # Started now (a fork: milliseconds, plus a copy of each page the training
             # process writes afterwards): not in the first epoch's time, and before any
@@ -187,10 +192,20 @@ class WarmEpochs:
                 del self.guessed[next(iter(self.guessed))]
             if self._prefetcher is not None:
                 self._prefetcher.request(self._rounds, epoch, start)
-        elif local and self._prefetcher is not None:
+        elif local and (prefetcher := self._keying_prefetcher()) is not None:
             self._rounds += 1
             self._keyed[epoch] = self._rounds
-            self._prefetcher.request(self._rounds, epoch, start, keys=True)
+            prefetcher.request(self._rounds, epoch, start, keys=True)
+
+    def _keying_prefetcher(self) -> StatPrefetcher | None:
+        """The prefetcher when it may publish keys, else None. Only the process forked as
+        the loader was made, before its threads, keys samples: one forked later may hold a
+        copy of a lock another thread held then (the source's identity ledger's), and
+        would key nothing (the training process would key every batch itself)."""
+        board, prefetcher = self._board, self._prefetcher
+        if board is None or not board.carries_keys or prefetcher is None:
+            return None
+        return prefetcher if prefetcher.starts == 1 else None
 
     def published(self, epoch: int, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """The keys and stamps of a batch of ``epoch`` the prefetcher has published this

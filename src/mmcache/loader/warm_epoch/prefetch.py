@@ -103,6 +103,8 @@ class StatPrefetcher:
             self._ctx.RawArray("q", len(_Slot)), self._ctx.Lock(), self._ctx.Semaphore(0)
         )
         self._process: Any = None
+        #: Processes started so far (one, unless it was closed and started again).
+        self.starts = 0
 
     @property
     def pid(self) -> int | None:
@@ -114,6 +116,7 @@ class StatPrefetcher:
         if self._process is None or not self._process.is_alive():
             ch = self._channel
             ch.request[_Slot.STOP] = 0
+            self.starts += 1
             self._process = self._ctx.Process(
                 target=_run,
                 args=(self._board, self._source, self._order, ch, os.getpid()),
