@@ -243,15 +243,16 @@ class _KeyedFiles(_Files):
         return (st[:, :1] * 7 + np.arange(16)).astype(np.uint8)
 
 
-def test_sweeper_publishes_the_keys_of_an_epoch_when_asked(tmp_path: Path) -> None:
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_sweeper_publishes_the_keys_of_an_epoch_when_asked(tmp_path: Path, method: str) -> None:
     paths = []
     for i in range(12):
         p = tmp_path / f"{i}.jpg"
         p.write_bytes(b"x" * (i + 1))
         paths.append(p)
     files = _KeyedFiles(paths)
-    board = FileCheckBoard(len(paths), "fork", key_stamps=2)
-    sweeper = StatPrefetcher(board, files, _Order(len(paths), 4), "fork")
+    board = FileCheckBoard(len(paths), method, key_stamps=2)
+    sweeper = StatPrefetcher(board, files, _Order(len(paths), 4), method)
     idx = np.arange(len(paths))
     try:
         sweeper.request(3, epoch=0, keys=True)
