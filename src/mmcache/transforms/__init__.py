@@ -12,7 +12,8 @@ and HF image processors through ``mmcache.hf_image_processor``
 (:mod:`~mmcache.transforms.hf`); the normalisation of
 :mod:`mmcache.transforms.normalize` runs after the cache, on the device, and
 :mod:`~mmcache.transforms.model_inputs` gives an HF model its ``pixel_values``
-(:class:`PixelValues`, a loader hook; :func:`qwen_patches`, Qwen2-VL's patches). Neither
+(:class:`PixelValues`, a loader hook; :func:`qwen_patches`, Qwen2-VL's patches;
+:func:`llava_next_pixels`, LLaVA-NeXT's padded crops). Neither
 ``stage`` nor ``normalize`` is re-exported here, where each would hide the module of
 that name; ``mmcache.stage`` and ``mmcache.normalize`` are those functions.
 """
@@ -20,7 +21,7 @@ that name; ``mmcache.stage`` and ``mmcache.normalize`` are those functions.
 from mmcache.transforms.chat import IGNORE_INDEX, Chat, ChatEncoding, ChatSpec
 from mmcache.transforms.fingerprint import callable_fingerprint
 from mmcache.transforms.image import ALPHA_BACKGROUND, ImageSpec, Interpolation, decode_bytes
-from mmcache.transforms.model_inputs import PixelValues, qwen_patches
+from mmcache.transforms.model_inputs import PixelValues, llava_next_pixels, qwen_patches
 from mmcache.transforms.normalize import CLIP_MEAN, CLIP_STD, IMAGENET_MEAN, IMAGENET_STD
 from mmcache.transforms.smart_resize import SmartResize
 from mmcache.transforms.stage import Stage, StageKind
@@ -50,6 +51,7 @@ __all__ = [
     "VideoTokens",
     "callable_fingerprint",
     "decode_bytes",
+    "llava_next_pixels",
     "qwen_patches",
     "train_tokenizer",
 ]
