@@ -240,11 +240,13 @@ def run_interleaved(
 
     Returns the median per-pair ratio of epoch throughputs, and the ratio of the
     median batch times (the steady state, without what an epoch costs once: its
-    first batch, the last short one).
+    first batch, the last short one); and the training process's CPU time per sample
+    of a warm epoch (``time.process_time``, all its threads), which the load of other
+    jobs on the machine moves far less than the wall times.
     """
     n = len(ds)
     rng = np.random.default_rng(1)
-    ratios, mm_batches, np_batches = [], [], []
+    ratios, mm_batches, np_batches, cpu = [], [], [], []
     with memory_cache(root, memory) as cache:
         loader = mc.DataLoader(
             ds, cache=cache, batch_size=bs, seed=0, num_workers=workers, persistent_workers=True
@@ -255,9 +257,11 @@ def run_interleaved(
             np_batches += numpy_epoch(arrays, rng.permutation(n), bs)[:-1]
             bound = n / (time.perf_counter() - t0)
             loader.set_epoch(e)
+            c0 = time.process_time()
             stamps = [time.perf_counter()]
             for _batch in loader:
                 stamps.append(time.perf_counter())
+            cpu.append((time.process_time() - c0) / n)
             mm_batches += list(np.diff(stamps)[1:-1])
             ratios.append(n / (stamps[-1] - stamps[0]) / bound)
         loader.close()
@@ -266,6 +270,7 @@ def run_interleaved(
         "batch_ratio": statistics.median(np_batches) / statistics.median(mm_batches),
         "mmcache_batch_us": statistics.median(mm_batches) * 1e6,
         "numpy_batch_us": statistics.median(np_batches) * 1e6,
+        "cpu_us_per_sample": statistics.median(cpu) * 1e6,
     }
 
 
@@ -371,7 +376,8 @@ def compare(ref: str, args: argparse.Namespace) -> None:
                 results[name].append(row)
                 print(
                     f"round {r}: {name}: epoch {row['epoch_ratio']:.3f}, "
-                    f"batch {row['batch_ratio']:.3f}",
+                    f"batch {row['batch_ratio']:.3f}, "
+                    f"CPU {row['cpu_us_per_sample']:.1f} us/sample",
                     flush=True,
                 )
     finally:
@@ -380,17 +386,24 @@ def compare(ref: str, args: argparse.Namespace) -> None:
         )
         shutil.rmtree(tmp, ignore_errors=True)
     print()
-    print(f"| tree | warm/bound, epochs (median of {args.rounds}) | same, batches |")
-    print("|---|---:|---:|")
+    print(
+        f"| tree | warm/bound, epochs (median of {args.rounds}) | same, batches "
+        "| training-process CPU per sample (us) |"
+    )
+    print("|---|---:|---:|---:|")
     med = {}
     for name, rows in results.items():
         med[name] = (
             statistics.median(x["epoch_ratio"] for x in rows),
             statistics.median(x["batch_ratio"] for x in rows),
+            statistics.median(x["cpu_us_per_sample"] for x in rows),
         )
-        print(f"| {name} | {med[name][0]:.3f} | {med[name][1]:.3f} |")
+        print(f"| {name} | {med[name][0]:.3f} | {med[name][1]:.3f} | {med[name][2]:.1f} |")
     (a, b) = med.values()
-    print(f"\nthis tree / ref: epochs {a[0] / b[0]:.3f}, batches {a[1] / b[1]:.3f}")
+    print(
+        f"\nthis tree / ref: epochs {a[0] / b[0]:.3f}, batches {a[1] / b[1]:.3f}, "
+        f"CPU per sample {a[2] / b[2]:.3f}"
+    )
 
 
 def main() -> None:
