@@ -10,12 +10,10 @@ beyond one (the per-entry check made seven: the cost the warm path paid).
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import sys
-import threading
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -23,7 +21,6 @@ import pytest
 
 from mmcache import codec
 from mmcache.cache import check_reads
-from mmcache.stores.gathersplit import EXPLORE, SPLIT_ROWS, SplitRows
 from mmcache.stores.memory import MemoryStore
 
 SUM, LENGTH = codec.HEADER["checksum"], codec.HEADER["length"]
@@ -189,91 +186,3 @@ def test_a_checked_gather_makes_one_python_call_per_entry(store: MemoryStore) ->
 
     per_entry = (calls(128) - calls(64)) / 64
     assert per_entry < 1.5, per_entry
-
-
-@pytest.fixture
-def split(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[bool], None]]:
-    """Force the way the checked gathers run: split over two threads or whole."""
-
-    def force(way: bool) -> None:
-        monkeypatch.setattr(SPLIT_ROWS, "_choose", lambda: way)
-
-    yield force
-
-
-def _split_child(name: str, n: int, want: list[bool]) -> None:
-    """In a forked child: a split gather (its own helper thread) serves what the parent's did."""
-    store = check_reads(MemoryStore(name, capacity=1 << 24, create=False))
-    SPLIT_ROWS._choose = lambda: True  # type: ignore[method-assign]
-    raws = [codec.encode(_sample(i, side=40)) for i in range(n)]
-    keys = [bytes([i]) * 16 for i in range(n)]
-    targets = _layout_targets(raws[0], n)
-    found = store.gather_ranges(keys, targets)
-    same = all(
-        bytes(out[j]) == raws[j][o : o + k] for o, k, out in targets for j in range(n) if want[j]
-    )
-    os._exit(0 if found.tolist() == want and same else 3)
-
-
-def test_split_over_two_threads_serves_the_same_bytes(
-    store: MemoryStore, split: Callable[[bool], None]
-) -> None:
-    """The entries of a batch checked half on a helper thread: the same rows found, the
-    same bytes, the same flipped entries dropped; and in a forked child too."""
-    n = 40
-    raws = [codec.encode(_sample(i, side=40)) for i in range(n)]
-    keys = [bytes([i]) * 16 for i in range(n)]
-    for k, v in zip(keys, raws, strict=True):
-        assert store.put(k, v)
-    _flip_stored(store, raws[3], len(raws[3]) // 2)  # first half
-    _flip_stored(store, raws[33], 60)  # second half
-    results = []
-    for way in (False, True, False, True):
-        split(way)
-        targets = _layout_targets(raws[0], n)
-        found = store.gather_ranges(keys, targets)
-        results.append((found.tolist(), [t[2].copy() for t in targets]))
-    want = [i not in (3, 33) for i in range(n)]
-    assert all(found == want for found, _ in results)
-    good = np.flatnonzero(want)
-    first = results[0][1]
-    for _, outs in results[1:]:  # a dropped row is left as it was: compare the others
-        assert all(np.array_equal(a[good], b[good]) for a, b in zip(outs, first, strict=True))
-    targets = _layout_targets(raws[0], n)
-    for (offset, length, _), out in zip(targets, results[-1][1], strict=True):
-        assert all(bytes(out[j]) == raws[j][offset : offset + length] for j in good.tolist())
-    assert store.stats().corrupt == 2
-    child = multiprocessing.get_context("fork").Process(
-        target=_split_child, args=(store.shm_name, n, want)
-    )
-    child.start()
-    child.join(60)
-    assert child.exitcode == 0
-
-
-def test_the_faster_way_runs_and_the_other_is_tried_every_few_batches() -> None:
-    s = SplitRows()
-    assert [s._choose() for _ in range(2)] == [False, False]  # nothing measured: whole first
-    s._per_entry[False] = 2e-6
-    assert s._choose()  # then split once
-    s._per_entry[True] = 1e-6  # split is faster
-    ways = [s._choose() for _ in range(4 * EXPLORE)]
-    assert ways.count(False) == 4 and ways.count(True) == 4 * EXPLORE - 4
-    s._per_entry[True] = 3e-6  # now slower
-    ways = [s._choose() for _ in range(4 * EXPLORE)]
-    assert ways.count(True) == 4
-    calls: list[tuple[list[int], int]] = []
-
-    def check(rows: Sequence[int], before: Callable[[int], None]) -> np.ndarray:
-        for j in range(len(rows)):
-            before(j)
-        calls.append((list(rows), threading.get_ident()))
-        return np.ones(len(rows), dtype=bool)
-
-    seen: list[int] = []
-    s._choose = lambda: True  # type: ignore[method-assign]
-    assert s.run(check, list(range(100, 120)), seen.append).all()
-    assert sorted(seen) == list(range(20))  # each entry's copy once, by its index
-    assert sorted(r for rows, _ in calls for r in rows) == list(range(100, 120))
-    assert len({t for _, t in calls}) == 2  # two threads
-    assert s.run(check, [1, 2, 3], seen.append).all()  # too few to split

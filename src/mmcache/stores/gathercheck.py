@@ -17,8 +17,7 @@ Two forms:
   entry hashed from the copies (``codec.checksums_match_rows``, what to hash worked
   out once per batch): a few microseconds of Python per entry beside the copy and the
   hash, which both release the GIL (numpy's copy; ``xxhash``'s ``update`` above
-  64 KiB), so the entries can be split over two threads where a core is free
-  (:mod:`mmcache.stores.gathersplit` measures which way is faster).
+  64 KiB), so two assembling threads overlap.
 * :meth:`GatherCheck.copy_checked`, for entries given one by one
   (``codec.checksum_matches_copied``, given the ``(offset, copy)`` of every range,
   the bytes between the ranges read from the entry itself): any layout of ranges;
@@ -37,8 +36,6 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
-
-from mmcache.stores.gathersplit import SPLIT_ROWS
 
 __all__ = ["CopiedCheck", "EntryCheck", "GatherCheck", "RowsCheck", "Targets", "ranges_apart"]
 
@@ -120,21 +117,14 @@ class GatherCheck:
         for start, stop, out in batched:
             out[rows] = slab[slots, start:stop]
         rows_list, slots_list = rows.tolist(), slots.tolist()
-        if not large:  # nothing to copy entry by entry: the hashing is all there is
-            ok = rows_check(size, pieces, rows_list, None)
-            bad: npt.NDArray[np.bool_] = ~ok
-            return bad
 
         def copy_large(j: int) -> None:
             r, slot = rows_list[j], slots_list[j]
             for start, stop, out in large:
                 out[r] = slab[slot, start:stop]
 
-        def check(part: Sequence[int], before: Callable[[int], None]) -> npt.NDArray[np.bool_]:
-            return rows_check(size, pieces, part, before)
-
-        ok = SPLIT_ROWS.run(check, rows_list, copy_large)
-        bad = ~ok
+        ok = rows_check(size, pieces, rows_list, copy_large if large else None)
+        bad: npt.NDArray[np.bool_] = ~ok
         return bad
 
     def copy_checked(
