@@ -24,9 +24,10 @@ Every figure is a ratio measured in this run; nothing here is a pass/fail time.
 ``--compare REF`` is the regression guard: it checks the commit REF out into a temporary git
 worktree and measures the warm-vs-bound ratio (the interleaved one below) of this tree and of
 REF in turns, each round a fresh process per tree importing mmcache from that tree's ``src``,
-on the same generated data, then prints both medians and their quotient. Taking the trees in
-turns puts the same machine noise on both; a single A-then-B run on a shared machine cannot
-tell an 8% change from the noise.
+on the same generated data, then prints both medians and their quotient
+(``benchmarks/treecompare.py``, shared with ``benchmarks/sources.py --compare``). Taking the
+trees in turns puts the same machine noise on both; a single A-then-B run on a shared machine
+cannot tell an 8% change from the noise.
 """
 
 from __future__ import annotations
@@ -38,8 +39,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -53,6 +52,7 @@ import torch
 
 import mmcache as mc
 from mmcache.cache import Cache
+from treecompare import compare_trees  # benchmarks/ (the script's folder is on sys.path)
 
 torch.set_num_threads(1)
 
@@ -336,73 +336,26 @@ def ratio_only(data: Path, n: int, bs: int, workers: int, pairs: int) -> dict[st
 
 def compare(ref: str, args: argparse.Namespace) -> None:
     """This tree against commit ``ref``, in turns (see the module docstring)."""
-    here = Path(__file__).resolve().parents[1]
-    tmp = Path(tempfile.mkdtemp(prefix="mmcache-bench-compare-"))
-    ref_tree = tmp / "ref"
-    subprocess.run(
-        ["git", "-C", str(here), "worktree", "add", "--detach", "-q", str(ref_tree), ref],
-        check=True,
-    )
-    trees = {"this tree": here, f"ref {ref}": ref_tree}
-    results: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
-    try:
-        for r in range(args.rounds):
-            # Alternate which tree goes first, so neither always runs on a warmer machine.
-            order = list(trees.items()) if r % 2 == 0 else list(trees.items())[::-1]
-            for name, tree in order:
-                env = {**os.environ, "PYTHONPATH": str(tree / "src")}
-                out = subprocess.run(
-                    [
-                        sys.executable,
-                        str(Path(__file__).resolve()),
-                        "--ratio-only",
-                        "--data",
-                        str(tmp / "data"),
-                        "--n",
-                        str(args.n),
-                        "--batch-size",
-                        str(args.batch_size),
-                        "--workers",
-                        str(args.workers),
-                        "--pairs",
-                        str(args.pairs),
-                    ],
-                    env=env,
-                    check=True,
-                    capture_output=True,
-                    text=True,
-                )
-                row = json.loads(out.stdout.strip().splitlines()[-1])
-                results[name].append(row)
-                print(
-                    f"round {r}: {name}: epoch {row['epoch_ratio']:.3f}, "
-                    f"batch {row['batch_ratio']:.3f}, "
-                    f"CPU {row['cpu_us_per_sample']:.1f} us/sample",
-                    flush=True,
-                )
-    finally:
-        subprocess.run(
-            ["git", "-C", str(here), "worktree", "remove", "--force", str(ref_tree)], check=False
-        )
-        shutil.rmtree(tmp, ignore_errors=True)
-    print()
-    print(
-        f"| tree | warm/bound, epochs (median of {args.rounds}) | same, batches "
-        "| training-process CPU per sample (us) |"
-    )
-    print("|---|---:|---:|---:|")
-    med = {}
-    for name, rows in results.items():
-        med[name] = (
-            statistics.median(x["epoch_ratio"] for x in rows),
-            statistics.median(x["batch_ratio"] for x in rows),
-            statistics.median(x["cpu_us_per_sample"] for x in rows),
-        )
-        print(f"| {name} | {med[name][0]:.3f} | {med[name][1]:.3f} | {med[name][2]:.1f} |")
-    (a, b) = med.values()
-    print(
-        f"\nthis tree / ref: epochs {a[0] / b[0]:.3f}, batches {a[1] / b[1]:.3f}, "
-        f"CPU per sample {a[2] / b[2]:.3f}"
+    compare_trees(
+        ref,
+        script=Path(__file__).resolve(),
+        argv=[
+            "--ratio-only",
+            "--n",
+            str(args.n),
+            "--batch-size",
+            str(args.batch_size),
+            "--workers",
+            str(args.workers),
+            "--pairs",
+            str(args.pairs),
+        ],
+        rounds=args.rounds,
+        figures={
+            "epoch_ratio": "warm/bound, epochs",
+            "batch_ratio": "same, batches",
+            "cpu_us_per_sample": "training-process CPU per sample, us",
+        },
     )
 
 

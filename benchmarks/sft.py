@@ -23,6 +23,7 @@ as (a) as its text stage. Ratios are of epoch times measured in this run.
 
     .venv/bin/python benchmarks/sft.py            # needs mmcache[hf] (transformers)
     .venv/bin/python benchmarks/sft.py --quick
+    .venv/bin/python benchmarks/sft.py --compare-src ../other-checkout/src   # row (c) A/B
 """
 
 from __future__ import annotations
@@ -314,14 +315,34 @@ def child(args: argparse.Namespace) -> None:
     )
     cache = mc.Cache(args.child, memory=args.memory, disk=args.disk)
     loader = mm_loader(source, cache, args.workers)
-    times = []
+    times, cpu = [], []
     for e in range(2):
         loader.set_epoch(e)
+        c0 = time.process_time()
         times.append(epoch_time(loader, normalize=False))
+        cpu.append(time.process_time() - c0)
     hits = loader.stats().epochs[0].hits
     loader.close()
     cache.close()
-    print(json.dumps({"times": times, "hits_first_epoch": hits}))
+    print(json.dumps({"times": times, "cpu": cpu, "hits_first_epoch": hits}))
+
+
+def compare_second(cmd: list[str], src: str, turns: int, n: int) -> None:
+    """Row (c) with this tree and with ``src`` in turns, over the same filled cache: the
+    second process's first and second epochs, and its training-process CPU per sample."""
+    here = os.environ.get("PYTHONPATH", "")
+    trees = {"this tree": here, src: os.pathsep.join(p for p in (src, here) if p)}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
+    for _ in range(turns):
+        for name, path in trees.items():
+            env = {**os.environ, "PYTHONPATH": path}
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+            runs[name].append(json.loads(out.stdout))
+    print(f"(c) in turns ({turns} each, medians): 1st epoch s, 2nd epoch s, CPU ms/sample 1st, 2nd")
+    for name, got in runs.items():
+        t1, t2 = (statistics.median(r["times"][e] for r in got) for e in (0, 1))
+        c1, c2 = (statistics.median(1e3 * r["cpu"][e] / n for r in got) for e in (0, 1))
+        print(f"  {name:40s} {t1:7.3f} {t2:7.3f} {c1:7.3f} {c2:7.3f}")
 
 
 def main() -> None:
@@ -331,6 +352,13 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3, help="warm epochs")
     ap.add_argument("--text-share", type=float, default=0.2)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument(
+        "--compare-src",
+        metavar="DIR",
+        help="also run the second process (c) over the same cache with DIR (another "
+        "checkout's src) first on PYTHONPATH, in turns with this tree's, --turns times",
+    )
+    ap.add_argument("--turns", type=int, default=3)
     ap.add_argument(
         "--text-stage",
         choices=("chatspec", "own"),
@@ -402,6 +430,8 @@ def main() -> None:
             "--llava", str(llava),
         ]  # fmt: skip
         second = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+        if args.compare_src:
+            compare_second(cmd, args.compare_src, args.turns, args.n)
         cache.close()
         n = args.n
         rows = [
@@ -421,6 +451,10 @@ def main() -> None:
             f"warm hits {hits}/{n}; second process's first epoch hits "
             f"{second['hits_first_epoch']}/{n}"
         )
+        # CPU of the second process (its training process only, not its workers): on a
+        # busy machine steadier than its epoch times.
+        c1, c2 = (1e3 * c / n for c in second["cpu"])
+        print(f"(c) training-process CPU per sample: 1st epoch {c1:.3f} ms, 2nd {c2:.3f} ms")
         print(
             f"bytes per image sample: cached {cached_bytes} (uint8 pixels + int32 tokens) vs "
             f"{float_bytes} with float32 pixel_values ({float_bytes / cached_bytes:.2f}x)"

@@ -42,6 +42,15 @@ Nothing here is a pass/fail time.
 
     .venv/bin/python benchmarks/sources.py              # 3,000 samples, ~3 min on 2 cores
     .venv/bin/python benchmarks/sources.py --quick      # 300 samples
+    .venv/bin/python benchmarks/sources.py --compare REF [--rounds 4] [--n 600]
+
+``--compare REF``: the warm ratios only, this tree and commit REF in turns
+(``benchmarks/treecompare.py``, as ``benchmarks/loader.py --compare``): each round a fresh
+process per tree over the same generated samples opens ``files``, ``wds`` and
+``wds-s3-0ms`` (moto in its own process, the proxy without delay, raw tier and
+``RemotePrefetch``), takes a cold epoch of each, then ``--pairs`` times a numpy-gather bound
+epoch (the loader benchmark's: every preprocessed sample in memory) followed by a warm
+epoch of each source; a source's figure is the median of its warm rate / the bound's.
 """
 
 from __future__ import annotations
@@ -59,6 +68,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 import mmcache as mc
@@ -69,6 +79,7 @@ from mmcache.sources.remote.prefetch import RemotePrefetch
 from mmcache.sources.wds import WebDatasetSource, write_shards
 from mmcache.testing.faults import FaultProxy
 from mmcache.testing.s3 import KEY, REGION, SECRET, DelayProxy, free_port
+from treecompare import compare_trees  # benchmarks/ (the script's folder is on sys.path)
 
 torch.set_num_threads(1)
 
@@ -219,11 +230,7 @@ def bad_weather(
     """The three bad-weather rows (see the module docstring), as ``case -> figure``."""
     out: dict[str, str] = {}
     with FaultProxy("127.0.0.1", port, latency=args.latency) as proxy:
-        options = {
-            "key": KEY,
-            "secret": SECRET,
-            "client_kwargs": {"endpoint_url": proxy.url, "region_name": REGION},
-        }
+        options = _s3_options(proxy.url)
 
         def source(raw: Path, **kw: Any) -> WebDatasetSource:
             return WebDatasetSource(
@@ -304,6 +311,91 @@ def bad_weather(
     return out
 
 
+def _s3_options(endpoint: str) -> dict[str, Any]:
+    return {
+        "key": KEY,
+        "secret": SECRET,
+        "client_kwargs": {"endpoint_url": endpoint, "region_name": REGION},
+    }
+
+
+def _upload(url: str, shards: list[Path]) -> list[str]:
+    """Upload ``shards`` to the moto server at ``url``; their ``s3://`` URLs."""
+    import boto3
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=url,
+        aws_access_key_id=KEY,
+        aws_secret_access_key=SECRET,
+        region_name=REGION,
+    )
+    for p in shards:
+        client.upload_file(str(p), "data", f"wds/{p.name}")
+    return [f"s3://data/wds/{p.name}" for p in shards]
+
+
+def warm_ratios(data: Path, args: argparse.Namespace) -> dict[str, float]:
+    """What ``--compare`` measures per tree (see the module docstring): each source's median
+    warm rate / the bound's, epochs taken in turns. ``data``: the samples and shards,
+    generated there by the first run (seeded) and reused by the others."""
+    from loader import numpy_arrays, numpy_epoch  # the loader benchmark's bound
+
+    manifest = data / "data" / "manifest.jsonl"
+    if not manifest.exists():
+        manifest = Path(mc.synth.make_dataset(data / "data", args.n, seed=0))
+    shards = sorted((data / "shards").glob("*.tar"))
+    if not shards:
+        shards = write_shards(manifest, data / "shards", per_shard=args.per_shard)
+    tok = mc.train_tokenizer(mc.synth.synth_captions(2000), vocab_size=2048)
+    pipe = mc.Pipeline(
+        image=mc.ImageSpec(size=224, resize=256), text=mc.TextSpec(tok, max_length=32)
+    )
+    with (
+        tempfile.TemporaryDirectory(prefix="mmcache-sources-ratio-") as d,
+        contextlib.ExitStack() as stack,
+    ):
+        tmp = Path(d)
+        index = tmp / "wds-index"
+        files_ds = mc.MultimodalDataset(manifest, pipeline=pipe)
+        url = stack.enter_context(moto_process())
+        urls = _upload(url, shards)
+        proxy = stack.enter_context(DelayProxy("127.0.0.1", int(url.rsplit(":", 1)[1]), delay=0.0))
+
+        def files(_: Path) -> tuple[Any, list[Any]]:
+            return files_ds, []
+
+        def local(_: Path) -> tuple[Any, list[Any]]:
+            return WebDatasetSource(shards, pipeline=pipe, index_dir=index), []
+
+        def remote(raw_dir: Path) -> tuple[Any, list[Any]]:
+            src = WebDatasetSource(
+                urls,
+                pipeline=pipe,
+                index_dir=index,
+                storage_options=_s3_options(proxy.url),
+                raw=RawTier(raw_dir, budget="4GiB"),
+                fetch_block="8MiB",
+            )
+            return src, [RemotePrefetch(src, threads=16)]
+
+        runs = [Run("files", files, tmp, args), Run("wds", local, tmp, args)]
+        runs.append(Run("wds-s3-0ms", remote, tmp, args, proxy))
+        arrays = numpy_arrays(files_ds)
+        n, rng = len(files_ds), np.random.default_rng(1)
+        ratios: dict[str, list[float]] = {run.name: [] for run in runs}
+        for _ in range(args.pairs):
+            t0 = time.perf_counter()
+            numpy_epoch(arrays, rng.permutation(n), args.batch)
+            bound = n / (time.perf_counter() - t0)
+            for run in runs:
+                run.warm_epoch()
+                ratios[run.name].append(run.warm[-1] / bound)
+        for run in runs:
+            run.close()
+    return {name: statistics.median(values) for name, values in ratios.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--n", type=int, default=3000)
@@ -322,9 +414,28 @@ def main() -> None:
         help="leave out the S3 row with one GET per sample (fetch_block=None)",
     )
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--compare", metavar="REF", help="warm ratios, this tree and REF in turns")
+    ap.add_argument("--rounds", type=int, default=4, help="--compare: rounds per tree")
+    ap.add_argument("--pairs", type=int, default=5, help="--compare: bound+warm epochs per round")
+    ap.add_argument("--warm-ratios", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--data", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.quick:
         args.n, args.per_shard, args.warm = 300, 100, 2
+    if args.warm_ratios:
+        print(json.dumps(warm_ratios(args.data, args)))
+        return
+    if args.compare:
+        argv = ["--warm-ratios", "--n", str(args.n), "--per-shard", str(args.per_shard)]
+        argv += ["--batch", str(args.batch), "--workers", str(args.workers)]
+        compare_trees(
+            args.compare,
+            script=Path(__file__).resolve(),
+            argv=[*argv, "--pairs", str(args.pairs)],
+            rounds=args.rounds,
+            figures={name: f"{name} warm/bound" for name in ("files", "wds", "wds-s3-0ms")},
+        )
+        return
 
     with tempfile.TemporaryDirectory(prefix="mmcache-sources-") as d:
         tmp = Path(d)
@@ -352,26 +463,11 @@ def main() -> None:
             rows.append({"name": "parquet", "error": "mmcache.sources.parquet not in this tree"})
         with contextlib.ExitStack() as stack:
             url = stack.enter_context(moto_process())
-            import boto3
-
-            client = boto3.client(
-                "s3",
-                endpoint_url=url,
-                aws_access_key_id=KEY,
-                aws_secret_access_key=SECRET,
-                region_name=REGION,
-            )
-            for p in shards:
-                client.upload_file(str(p), "data", f"wds/{p.name}")
-            urls = [f"s3://data/wds/{p.name}" for p in shards]
+            urls = _upload(url, shards)
             port = int(url.rsplit(":", 1)[1])
             for latency in (0.0, args.latency):
                 proxy = stack.enter_context(DelayProxy("127.0.0.1", port, delay=latency))
-                options = {
-                    "key": KEY,
-                    "secret": SECRET,
-                    "client_kwargs": {"endpoint_url": proxy.url, "region_name": REGION},
-                }
+                options = _s3_options(proxy.url)
 
                 def remote(
                     raw_dir: Path, options: Any = options, block: Any = "8MiB"

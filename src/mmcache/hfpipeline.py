@@ -17,10 +17,17 @@ of them an image becomes. :func:`hf_processor` reads all of that from it:
   bicubic differ by a level), and ``<|image_pad|>`` runs of its grid rule between
   ``<|vision_start|>`` and ``<|vision_end|>``; the records' placeholder stays
   ``<image>``;
-- ``LlavaNextProcessor`` / ``LlavaOnevisionProcessor`` are refused (ConfigError): their
-  any-resolution output is 1 + k crops per image and their token count is a function of
-  the original image size, while a chat pipeline caches one image per placeholder and
-  counts tokens from that image's size.
+- ``LlavaNextProcessor``: its any-resolution image processing as the cached stage
+  (:class:`~mmcache.transforms.hf_llava_next.LlavaNextImageStage`: each image's uint8
+  ``[1 + k, 3, h, w]`` crops, made by the processor itself, and its original size),
+  and a ChatSpec whose ``image_tokens`` is the processor's own count of an image of
+  that original size (:class:`~mmcache.transforms.hf_llava_next.LlavaNextTokens`);
+  batches through ``PixelValues.from_processor(processor)`` get its ``pixel_values``
+  ``[N, max_crops, 3, h, w]`` and ``image_sizes``;
+- ``LlavaOnevisionProcessor`` is refused (ConfigError): it processes an image one way
+  when its sample has one image (any-resolution crops) and another when it has several
+  (one padded square each, a fixed token count), which a cached stage of one image
+  cannot know.
 
 A template that reads a message's content only as a list of ``{"type": "image"}`` /
 ``{"type": "text"}`` parts (llava-1.5-hf's) is found by a probe render, and ChatSpec
@@ -37,6 +44,7 @@ from mmcache.errors import ConfigError
 from mmcache.pipeline import Pipeline
 from mmcache.transforms.chat import ChatSpec
 from mmcache.transforms.hf import hf_image_processor
+from mmcache.transforms.hf_llava_next import LlavaNextImageStage, LlavaNextTokens
 from mmcache.transforms.hf_qwen import QwenImageStage
 from mmcache.transforms.smart_resize import SmartResize
 
@@ -108,37 +116,56 @@ def _qwen(processor: Any, tokenizer: Any, images: Any, template: str, max_length
     return Pipeline(image=stage, text=spec)
 
 
+def _llava_next(
+    processor: Any, tokenizer: Any, images: Any, template: str, max_length: int
+) -> Pipeline:
+    """LLaVA-NeXT's crops and its token count from the original size (the module docstring)."""
+    stage = LlavaNextImageStage(images)
+    spec = ChatSpec(
+        tokenizer,
+        template,
+        max_length,
+        image_token=processor.image_token,
+        image_tokens=LlavaNextTokens.of(processor, stage.crop_size),
+    )
+    return Pipeline(image=stage, text=spec)
+
+
 def hf_processor(
     processor: Any, max_length: int = 2048, *, template: str | None = None
 ) -> Pipeline:
     """The :class:`~mmcache.Pipeline` equivalent to ``processor`` (see the module docstring).
 
     Args:
-        processor: a ``LlavaProcessor``, ``Qwen2VLProcessor`` or ``Qwen2_5_VLProcessor``.
+        processor: a ``LlavaProcessor``, ``LlavaNextProcessor``, ``Qwen2VLProcessor`` or
+            ``Qwen2_5_VLProcessor``.
         max_length: the most tokens a sample keeps, image tokens included.
         template: a chat template to use instead of the processor's.
 
     Raises:
-        ConfigError: another processor class, a missing part, or a LlavaNext processor.
+        ConfigError: another processor class (LLaVA-OneVision's included), a missing
+            part.
     """
     name = type(processor).__name__
-    if name.startswith("LlavaNext") or name.startswith("LlavaOnevision"):
+    if name.startswith("LlavaOnevision"):
         raise ConfigError(
-            f"hf_processor cannot cache {name}: its pixel_values are 1 + k crops per image "
-            "(the base image and the k tiles of the best of image_grid_pinpoints) and its "
-            "image-token count is a function of the original image size (the unpadded "
-            "features), while a chat pipeline caches one [3, h, w] image per placeholder "
-            "and counts its tokens from that image's size; use LlavaProcessor (one crop) "
-            "or a SmartResize pipeline"
+            f"hf_processor cannot cache {name}: it processes an image one way when its "
+            "sample has one image (1 + k any-resolution crops, a token count from the "
+            "original size) and another when the sample has several (one square padded "
+            "with the mean colour each, a fixed count), which a cached stage of one image "
+            "cannot know; use LlavaNextProcessor's any-resolution path or LlavaProcessor"
         )
     tokenizer, images, own = _parts(processor)
     template = template or own
     if name in ("Qwen2VLProcessor", "Qwen2_5_VLProcessor"):
         return _qwen(processor, tokenizer, images, template, max_length)
+    if name == "LlavaNextProcessor":
+        return _llava_next(processor, tokenizer, images, template, max_length)
     if name != "LlavaProcessor":
         raise ConfigError(
-            f"hf_processor knows LlavaProcessor, Qwen2VLProcessor and Qwen2_5_VLProcessor, "
-            f"got {name}: build the Pipeline from hf_image_processor and ChatSpec"
+            f"hf_processor knows LlavaProcessor, LlavaNextProcessor, Qwen2VLProcessor and "
+            f"Qwen2_5_VLProcessor, got {name}: build the Pipeline from hf_image_processor "
+            "and ChatSpec"
         )
     stage = hf_image_processor(images)
     fixed = stage.output_size(1, 1) == stage.output_size(999, 333)

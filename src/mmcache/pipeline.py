@@ -37,6 +37,7 @@ import xxhash
 
 from mmcache.errors import ConfigError, SampleError
 from mmcache.transforms.chat import Chat, ChatSpec
+from mmcache.transforms.hf_llava_next import Crops, LlavaNextImageStage
 from mmcache.transforms.image import ALPHA_BACKGROUND, ImageSpec, Interpolation, load_image
 from mmcache.transforms.normalize import (
     CLIP_MEAN,
@@ -146,6 +147,12 @@ class Pipeline:
             raise ConfigError(f"Pipeline.video must be a VideoSpec, got {type(video).__name__}")
         if video is not None and not isinstance(text, ChatSpec):
             raise ConfigError("Pipeline.video needs a ChatSpec text stage (video SFT samples)")
+        if isinstance(image, LlavaNextImageStage) and not isinstance(text, ChatSpec):
+            raise ConfigError(
+                "a LlavaNextImageStage makes 1 + k crops per image, counted in tokens from "
+                "the original size: it needs a ChatSpec text stage (mmcache.hf_processor "
+                "builds both)"
+            )
         self._set(_checked(image, "image"), _checked(text, "text"), video)
 
     def _set(self, image: Stage | None, text: Stage | None, video: VideoSpec | None) -> None:
@@ -194,6 +201,8 @@ class Pipeline:
                 names |= {"images", "image_sizes"}
                 if isinstance(self.image, SmartResize):
                     names.add("image_grid_thw")
+                if isinstance(self.image, LlavaNextImageStage):
+                    names |= {"image_crops", "image_original_sizes"}
             if self.video is not None:
                 names |= set(VIDEO_FIELDS)
             return frozenset(names)
@@ -267,8 +276,15 @@ class Pipeline:
         ``[n, 2]``: h, w; ``n = 0`` for a text-only sample) and, with
         :class:`~mmcache.transforms.smart_resize.SmartResize`, ``image_grid_thw`` (int32
         ``[n, 3]``: ``(1, h / patch, w / patch)``). The image token runs are sized from
-        the processed images' shapes. With a :class:`~mmcache.transforms.video.VideoSpec`
-        and ``videos`` (``{"video": path, option: value}``), the fields of
+        the processed images' shapes. With a
+        :class:`~mmcache.transforms.hf_llava_next.LlavaNextImageStage` (LLaVA-NeXT's
+        1 + k crops per image) ``images`` holds each image's ``[1 + k, 3, h, w]`` crops,
+        ``image_sizes`` is each crop's ``(h, w)`` (int32 ``[sum(1 + k), 2]``: what the
+        loader splits the bytes by), ``image_crops`` (int32 ``[n]``) each image's
+        ``1 + k`` and ``image_original_sizes`` (int32 ``[n, 2]``) its original upright
+        size, which its token run is sized from. With a
+        :class:`~mmcache.transforms.video.VideoSpec` and ``videos`` (``{"video": path,
+        option: value}``), the fields of
         :func:`~mmcache.transforms.video_decode.video_fields` too. Raises SampleError.
         """
         chat = self.chat
@@ -289,18 +305,7 @@ class Pipeline:
             raise SampleError(
                 "record has images, but the pipeline has no image stage", sample_id=sample_id
             )
-        arrays: list[npt.NDArray[Any]] = []
-        for path in image_paths:
-            array = load_image(cast(Stage, self.image), path, sample_id=sample_id)
-            if array.dtype != np.uint8 or array.ndim != 3 or array.shape[0] != 3:
-                raise SampleError(
-                    f"a chat pipeline's image stage must give uint8 [3, h, w], got "
-                    f"{array.dtype} {tuple(array.shape)}",
-                    sample_id=sample_id,
-                    path=os.fspath(path),
-                )
-            arrays.append(array)
-        sizes = tuple((int(a.shape[1]), int(a.shape[2])) for a in arrays)
+        arrays, sizes, crops = self._chat_images(image_paths, sample_id)
         clips = self._videos(videos, sample_id)
         shapes = tuple(clip.shape for clip in clips)
         enc = chat.encode(Chat(tuple(messages), sizes, shapes), sample_id=sample_id)
@@ -311,7 +316,13 @@ class Pipeline:
             return out
         n = enc.n_images
         kept = arrays[:n]
-        out["image_sizes"] = np.array(sizes[:n], dtype=np.int32).reshape(n, 2)
+        if crops:  # each crop's size (the loader splits the bytes by them), then per image
+            hw = [(a.shape[2], a.shape[3]) for a in kept for _ in range(a.shape[0])]
+            out["image_sizes"] = np.array(hw, dtype=np.int32).reshape(len(hw), 2)
+            out["image_crops"] = np.array([a.shape[0] for a in kept], dtype=np.int32)
+            out["image_original_sizes"] = np.array(sizes[:n], dtype=np.int32).reshape(n, 2)
+        else:
+            out["image_sizes"] = np.array(sizes[:n], dtype=np.int32).reshape(n, 2)
         if isinstance(self.image, SmartResize):
             grids = [self.image.grid_thw(h, w) for h, w in sizes[:n]]
             out["image_grid_thw"] = np.array(grids, dtype=np.int32).reshape(n, 3)
@@ -319,6 +330,43 @@ class Pipeline:
             np.concatenate([a.reshape(-1) for a in kept]) if kept else np.zeros(0, np.uint8)
         )
         return out
+
+    def _chat_images(
+        self, image_paths: Sequence[str | os.PathLike[str]], sample_id: str
+    ) -> tuple[list[npt.NDArray[Any]], tuple[tuple[int, int], ...], bool]:
+        """Each image through the image stage: the arrays to cache, the ``(h, w)`` the
+        chat counts each image's tokens from, and whether the stage is a
+        :class:`~mmcache.transforms.hf_llava_next.LlavaNextImageStage` (its
+        :class:`~mmcache.transforms.hf_llava_next.Crops`: several crops per image,
+        counted from the original size) rather than one making a ``[3, h, w]`` image
+        (counted from its own size)."""
+        arrays: list[npt.NDArray[Any]] = []
+        sizes: list[tuple[int, int]] = []
+        crops = isinstance(self.image, LlavaNextImageStage)
+        for path in image_paths:
+            result = load_image(cast(Stage, self.image), path, sample_id=sample_id)
+            array = result.pixels if isinstance(result, Crops) else result
+            want = "[1 + k, 3, h, w] Crops" if crops else "[3, h, w]"
+            if (
+                isinstance(result, Crops) != crops
+                or not isinstance(array, np.ndarray)
+                or array.dtype != np.uint8
+                or array.ndim != (4 if crops else 3)
+                or array.shape[-3] != 3
+            ):
+                is_array = isinstance(array, np.ndarray)
+                got = f"{array.dtype} {tuple(array.shape)}" if is_array else type(result).__name__
+                raise SampleError(
+                    f"a chat pipeline's image stage must give uint8 {want}, got {got}",
+                    sample_id=sample_id,
+                    path=os.fspath(path),
+                )
+            arrays.append(array)
+            if isinstance(result, Crops):
+                sizes.append((int(result.original[0]), int(result.original[1])))
+            else:
+                sizes.append((int(array.shape[1]), int(array.shape[2])))
+        return arrays, tuple(sizes), crops
 
     def _videos(self, videos: Sequence[Mapping[str, Any]], sample_id: str) -> list[Clip]:
         """Each video part decoded to its spec's frames (one decode per clip): ``video``

@@ -20,13 +20,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from PIL import Image
 
 from mmcache.pipeline import Pipeline
 from mmcache.sources.files import FileSource
 from mmcache.sources.parquet import ParquetSource
 from mmcache.sources.remote.files import RemoteFileSource
 from mmcache.sources.wds import WebDatasetSource
+from mmcache.testing.identity_contract import noise_bmp
 from mmcache.testing.s3 import S3Endpoint, moto_s3
 
 MTIME_NS = 1_600_000_000_000_000_000
@@ -53,11 +53,8 @@ def s3() -> Iterator[S3Endpoint]:
         yield endpoint
 
 
-def _bmp(seed: int) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (8, 8, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="BMP")
-    return buf.getvalue()
+def _bmp8(seed: int) -> bytes:
+    return noise_bmp(seed, 8)
 
 
 def _fixed(path: Path, data: bytes) -> Path:
@@ -75,8 +72,8 @@ def _manifest(root: Path) -> Path:
         {"id": "m", "image_path": "img/missing.bmp", "caption": "gone"},
         {"id": "a2", "image_path": "img/a.bmp", "caption": "a red cat"},
     ]
-    _fixed(root / "img" / "a.bmp", _bmp(1))
-    _fixed(root / "img" / "b.bmp", _bmp(2))
+    _fixed(root / "img" / "a.bmp", _bmp8(1))
+    _fixed(root / "img" / "b.bmp", _bmp8(2))
     return _fixed(root / "m.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
 
 
@@ -87,7 +84,7 @@ def _shards(root: Path) -> list[Path]:
         with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
             for i in range(3):
                 for name, data in (
-                    (f"{s}{i:05d}.bmp", _bmp(10 * s + i)),
+                    (f"{s}{i:05d}.bmp", _bmp8(10 * s + i)),
                     (f"{s}{i:05d}.txt", b"x"),
                 ):
                     info = tarfile.TarInfo(name)
@@ -100,8 +97,8 @@ def _shards(root: Path) -> list[Path]:
 
 def _parquet(root: Path) -> Path:
     """Embedded bytes in rows 0-1, a path cell in row 2."""
-    _fixed(root / "img" / "p.bmp", _bmp(7))
-    cells = [{"bytes": _bmp(5), "path": None}, {"bytes": _bmp(6), "path": None}]
+    _fixed(root / "img" / "p.bmp", _bmp8(7))
+    cells = [{"bytes": _bmp8(5), "path": None}, {"bytes": _bmp8(6), "path": None}]
     cells.append({"bytes": None, "path": "img/p.bmp"})
     table = pa.table(
         {
@@ -144,10 +141,15 @@ PINNED: dict[str, list[str]] = {
         "c5693916cc4e362271a24dd86733ee47",
         "4026bd76da381e1b9c587702c4049f2a",
     ],
+    # Moved on purpose in session 9 (issue 24, the remote identity contract): the keys of
+    # S3 objects held the object's URL, so the same objects copied under another bucket or
+    # prefix (the remote ``cp -a``) had other keys. They now hold the identity of the
+    # bytes, the S3 ETag (computed from them), and not where they are
+    # (``remote.fs.byte_identity``). Main's values were adeb3aff..., 07c92a74..., 3edeebfb....
     "remote": [
-        "adeb3aff3f0b5e61a4f96b49720f4799",
-        "07c92a74f68865fae7e7aa370dd034bc",
-        "3edeebfb9885ea689ab17f06d560b40c",
+        "d3d0a0ca3607c969b5b14d9564680128",
+        "e70ecabe29de7bbbaf4c50ccf4d95310",
+        "580df27109f3635b27ad9e1d5ca35652",
     ],
 }
 
@@ -178,13 +180,16 @@ def test_parquet_keys_are_unchanged(tmp_path: Path, pipeline: Pipeline) -> None:
     assert _hex(source) == PINNED["parquet"]
 
 
+@pytest.mark.parametrize("prefix", ["pinned", "elsewhere/copy"])
 def test_remote_object_keys_are_unchanged(
-    tmp_path: Path, pipeline: Pipeline, s3: S3Endpoint
+    tmp_path: Path, pipeline: Pipeline, s3: S3Endpoint, prefix: str
 ) -> None:
+    """The same objects under another prefix have the same pinned keys."""
     rows = []
     for i in range(3):
-        s3.client.put_object(Bucket="data", Key=f"pinned/{i}.bmp", Body=_bmp(20 + i))
-        rows.append({"id": f"o{i}", "image_path": f"s3://data/pinned/{i}.bmp", "caption": "c"})
+        s3.client.put_object(Bucket="data", Key=f"{prefix}/{i}.bmp", Body=_bmp8(20 + i))
+        url = f"s3://data/{prefix}/{i}.bmp"
+        rows.append({"id": f"o{i}", "image_path": url, "caption": "c"})
     manifest = tmp_path / "remote.jsonl"
     manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
     source = RemoteFileSource(

@@ -15,9 +15,7 @@ import os
 import tarfile
 from pathlib import Path
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from mmcache.cache import Cache
 from mmcache.loader import DataLoader
@@ -25,6 +23,7 @@ from mmcache.pipeline import Pipeline
 from mmcache.sources.wds import WebDatasetSource
 from mmcache.testing.identity_contract import (
     IdentityContract,
+    noise_bmp,
     produced_images,
     run_epoch,
     wrong_ids,
@@ -34,20 +33,12 @@ N = 8
 MTIME_NS = 1_600_000_000_000_000_000  # as `tar x` restores it
 
 
-def _bmp(seed: int) -> bytes:
-    """A 32 px BMP of random pixels: every such member has the same size."""
-    pixels = np.random.default_rng(seed).integers(0, 256, (32, 32, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="BMP")
-    return buf.getvalue()
-
-
 def _shard(path: Path, seeds: list[int]) -> Path:
     """One shard of N samples ``000000..`` with captions "a cat"; mtime fixed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
         for i, seed in enumerate(seeds):
-            for name, data in ((f"{i:06d}.bmp", _bmp(seed)), (f"{i:06d}.txt", b"a cat")):
+            for name, data in ((f"{i:06d}.bmp", noise_bmp(seed)), (f"{i:06d}.txt", b"a cat")):
                 info = tarfile.TarInfo(name)
                 info.size, info.mtime = len(data), 1_600_000_000
                 tar.addfile(info, io.BytesIO(data))

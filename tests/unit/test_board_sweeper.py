@@ -210,3 +210,59 @@ def test_the_board_compares_every_field_the_dataset_stamps(tmp_path: Path) -> No
     board.publish(np.arange(1), now, 4)
     assert not board.verified(np.arange(1), stamps, 4).any()
     assert board.verified(np.arange(1), now, 4).all()
+
+
+def test_published_keys_pass_only_whole_rows_of_the_round_asked_for() -> None:
+    board = FileCheckBoard(6, key_stamps=2)
+    idx = np.array([0, 2, 4], dtype=np.int64)
+    keys = np.arange(48, dtype=np.uint8).reshape(3, 16)
+    stamps = np.array([[10, 100], [20, 200], [30, 300]], dtype=np.int64)
+    assert board.carries_keys and not FileCheckBoard(6).carries_keys
+    assert board.published(idx, 1) is None  # nothing published yet
+    board.publish_keys(idx[:2], keys[:2], stamps[:2], 1)
+    assert board.published(idx, 1) is None  # one row not there yet
+    got = board.published(idx[:2], 1)
+    assert got is not None
+    assert np.array_equal(got[0], keys[:2]) and np.array_equal(got[1], stamps[:2])
+    assert board.published(idx[:2], 2) is None  # another round's rows never pass
+    board.publish_keys(idx, keys, stamps, 2)
+    assert board.published(idx, 2) is not None
+    # A row rewritten (or seen before its key) under an old seal: the seal no longer
+    # matches what was copied, and the batch is keyed elsewhere.
+    _, key_rows, stamp_rows = board._key_arrays()
+    key_rows[2, 5] ^= 1
+    assert board.published(idx, 2) is None
+    key_rows[2, 5] ^= 1
+    stamp_rows[0, 1] += 1
+    assert board.published(idx, 2) is None
+
+
+class _KeyedFiles(_Files):
+    def key_rows(self, indices: np.ndarray, *, stamps: np.ndarray | None = None) -> np.ndarray:
+        st = self.stamps(indices) if stamps is None else stamps
+        return (st[:, :1] * 7 + np.arange(16)).astype(np.uint8)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_sweeper_publishes_the_keys_of_an_epoch_when_asked(tmp_path: Path, method: str) -> None:
+    paths = []
+    for i in range(12):
+        p = tmp_path / f"{i}.jpg"
+        p.write_bytes(b"x" * (i + 1))
+        paths.append(p)
+    files = _KeyedFiles(paths)
+    board = FileCheckBoard(len(paths), method, key_stamps=2)
+    sweeper = StatPrefetcher(board, files, _Order(len(paths), 4), method)
+    idx = np.arange(len(paths))
+    try:
+        sweeper.request(3, epoch=0, keys=True)
+        deadline = time.monotonic() + 30
+        while board.published(idx, 3) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        got = board.published(idx, 3)
+        assert got is not None
+        assert np.array_equal(got[0], files.key_rows(idx))
+        assert np.array_equal(got[1], files.stamps(idx))
+        assert not board.verified(idx, files.stamps(idx), 3).any()  # a key round only
+    finally:
+        sweeper.close()

@@ -3,6 +3,7 @@ workers; the order, the batches and staleness checks stay exactly as without it.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,19 @@ def _same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
     for x, y in zip(a, b, strict=True):
         for name in ("image", "input_ids", "attention_mask"):
             assert torch.equal(x[name], y[name]), name
+
+
+def _count_worker_starts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that gets a 1 each time a loader starts (or wakes) its miss workers."""
+    started: list[int] = []
+    real = MissWorkers.torch_loader
+
+    def spy(self: MissWorkers) -> Any:
+        started.append(1)
+        return real(self)
+
+    monkeypatch.setattr(MissWorkers, "torch_loader", spy)
+    return started
 
 
 @pytest.fixture
@@ -168,14 +182,7 @@ def test_non_persistent_workers_are_not_started_for_a_warm_epoch(
     with Cache(cache_root, memory="16MiB", temporary=True) as cache:
         loader = DataLoader(ds, cache=cache, batch_size=8, seed=4, num_workers=2)
         _same(_epoch(loader, 0), _epoch(ref, 0))
-        started: list[int] = []
-        real = MissWorkers.torch_loader
-
-        def spy(self: MissWorkers) -> Any:
-            started.append(1)
-            return real(self)
-
-        monkeypatch.setattr(MissWorkers, "torch_loader", spy)
+        started = _count_worker_starts(monkeypatch)
         _same(_epoch(loader, 1), _epoch(ref, 1))
         assert started == [] and loader.stats().epochs[1].hit_rate == 1.0
         # a miss in the middle of a warm epoch: produced here, no worker started for it
@@ -265,7 +272,7 @@ class _FakePlanner:
         self.missing = missing
         self.calls: list[tuple[str, int]] = []
 
-    def plan(self, indices: np.ndarray, *, produce: bool = True) -> Any:
+    def plan(self, indices: np.ndarray, *, produce: bool = True, known: Any = None) -> Any:
         from mmcache.loader.tasks import BatchPlan
 
         self.calls.append(("plan" if not produce else "produced", int(indices[0])))
@@ -308,6 +315,12 @@ class _FakeWarm:
 
     def known_keys(self, indices: np.ndarray) -> None:
         return None  # nothing to read ahead
+
+    def published(self, epoch: int, indices: np.ndarray) -> None:
+        return None  # no prefetcher
+
+    def stop_publishing(self, epoch: int) -> None:
+        pass
 
     def restart_prefetcher(self) -> None:
         pass
@@ -357,3 +370,93 @@ def test_plan_modes_follow_their_documented_transitions() -> None:
     assert stream.mode(0) is PlanMode.PRODUCE
     assert planner.calls == [("produced", 4), ("produced", 6)]
     assert warm.learnt == [4, 6]  # guesses teach nothing
+
+
+def test_a_new_loaders_first_epoch_over_a_filled_cache_starts_no_worker(
+    own_data: Path, small_pipeline: Pipeline, cache_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The next run's first epoch (a new loader, persistent workers, nothing learnt) over a
+    cache the first run filled is planned in the training process: no worker is forked and
+    nobody waits for their first plans. A batch with a miss hands it and the rest of the
+    epoch to the workers; the batches are those of the uncached loader either way."""
+    ds = MultimodalDataset(own_data, pipeline=small_pipeline)
+    ref = DataLoader(ds, cache=None, batch_size=8, seed=6)
+    started = _count_worker_starts(monkeypatch)
+    kwargs: dict[str, Any] = {"batch_size": 8, "seed": 6, "num_workers": 2}
+    with Cache(cache_root, memory="16MiB", temporary=True) as cache:
+        first = DataLoader(ds, cache=cache, persistent_workers=True, **kwargs)
+        _same(_epoch(first, 0), _epoch(ref, 0))  # the first run fills the cache
+        assert started == [1]
+        first.close()
+        started.clear()
+        second = DataLoader(ds, cache=cache, persistent_workers=True, **kwargs)
+        _same(_epoch(second, 0), _epoch(ref, 0))
+        assert started == []
+        e0 = second.stats().epochs[0]
+        assert (e0.hits, e0.misses) == (len(ds), 0)
+        _same(_epoch(second, 1), _epoch(ref, 1))  # then guessed from the keys it learnt
+        assert started == [] and 1 in second._warm.guessed
+        second.close()
+        # A partly filled cache: the batches before the first miss planned here, then the
+        # workers plan and produce the rest (and the misses are counted once each).
+        order = ref._epoch_batches(2)
+        assert cache.memory is not None
+        gone = {int(order[1][3]), int(order[3][0]), int(order[3][5])}
+        for index in gone:
+            cache.memory.discard(ds.key(index), why="test")
+        third = DataLoader(ds, cache=cache, persistent_workers=True, **kwargs)
+        _same(_epoch(third, 2), _epoch(ref, 2))
+        assert started == [1]
+        e2 = third.stats().epochs[0]
+        assert (e2.hits, e2.misses) == (len(ds) - len(gone), len(gone))
+        _same(_epoch(third, 3), _epoch(ref, 3))
+        third.close()
+
+
+def test_a_new_loaders_first_epoch_takes_the_keys_the_prefetcher_published(
+    own_data: Path, small_pipeline: Pipeline, cache_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stat prefetcher keys a new loader's first epoch (planned in the training
+    process until a miss) from the stamps it takes this epoch: a batch it has published
+    is not keyed in the training process, and the batches, counters and the next
+    (guessed) epoch are those of a loader that keyed every batch itself."""
+    from mmcache.loader.warm_epoch import WarmEpochs
+
+    ds = MultimodalDataset(own_data, pipeline=small_pipeline)
+    ref = DataLoader(ds, cache=None, batch_size=8, seed=7)
+    kwargs: dict[str, Any] = {"batch_size": 8, "seed": 7, "num_workers": 2}
+    with Cache(cache_root, memory="16MiB", temporary=True) as cache:
+        with DataLoader(ds, cache=cache, persistent_workers=True, **kwargs) as first:
+            _same(_epoch(first, 0), _epoch(ref, 0))
+        second = DataLoader(ds, cache=cache, persistent_workers=True, **kwargs)
+        real = WarmEpochs.published
+        served: list[int] = []
+
+        def waited(self: WarmEpochs, epoch: int, indices: np.ndarray) -> Any:
+            """The real answer once the prefetcher has got there (it runs at idle priority)."""
+            for _ in range(3000):
+                got = real(self, epoch, indices)
+                if got is not None:
+                    served.append(len(indices))
+                    return got
+                time.sleep(0.01)
+            return None
+
+        monkeypatch.setattr(WarmEpochs, "published", waited)
+        keyed: list[int] = []  # training-process key computations (after the fork)
+        own = ds.key_rows
+        want = _epoch(ref, 0)  # (keyed here: before the spy)
+        monkeypatch.setattr(ds, "key_rows", lambda i, **kw: keyed.append(1) or own(i, **kw))
+        _same(_epoch(second, 0), want)
+        assert sum(served) == len(ds) and keyed == []
+        e0 = second.stats().epochs[0]
+        assert (e0.hits, e0.misses) == (len(ds), 0)
+        assert second._warm.learnt.count() == len(ds)
+        _same(_epoch(second, 1), _epoch(ref, 1))
+        assert 1 in second._warm.guessed and second.stats().epochs[1].hits == len(ds)
+        assert second._warm._keying_prefetcher() is not None
+        second.close()
+        # Closed and iterated again: the prefetcher forked now (threads running) keys nothing.
+        _same(_epoch(second, 2), _epoch(ref, 2))
+        assert second._warm._keying_prefetcher() is None
+        second.close()

@@ -8,7 +8,10 @@ How a batch is made (every epoch's order is known in advance, see
    processes of a plain torch DataLoader (:mod:`~mmcache.loader.stream`), in
    exactly the order the training loop takes the batches; with persistent
    workers across epochs, the next epoch's tasks held at a gate until the
-   training loop begins it.
+   training loop begins it. Workers not started yet (a process's first
+   epoch) are started at the first miss: until then the training process
+   plans each batch, from the keys the stat prefetcher publishes for it when
+   it has got there (the next run over a filled cache forks no worker).
 2. *Assembly* in the training process (:mod:`~mmcache.loader.assemble`, on a
    helper thread one batch ahead, or by the training loop itself when it asks
    first): the hits are gathered straight from shared memory into the batch
@@ -587,7 +590,9 @@ class DataLoader:
                 calm=self._calm,
             )
         streams = source.streams(run.epoch)
-        self._warm.begin(run.epoch, run.start, warm=self._state.warm, streams=streams)
+        self._warm.begin(
+            run.epoch, run.start, warm=self._state.warm, streams=streams, local=source.plans_here
+        )
         source.begin_epoch(run.epoch)
         builder: InOrderBuilder[BatchPlan, dict[str, Any] | None] = InOrderBuilder(
             run.start,

@@ -261,9 +261,11 @@ class PlanMode(Enum):
     :mod:`mmcache.loader.warm_epoch`); ends for the rest of the epoch at a
     batch with a key never learnt here, or one whose guess fails its check.
     ``LOCAL``: planned here until the first miss (non-persistent workers are
-    started anew each epoch, a fork or spawn each: a warm epoch needs none);
-    then ``WORKERS`` for the rest of the epoch. ``WORKERS``: the workers'
-    stream (persistent workers). ``PRODUCE``: planned and produced here
+    started anew each epoch, a fork or spawn each: a warm epoch needs none; and
+    persistent workers are started at the first miss, so the first epoch of a
+    process over a cache another run filled starts none); then ``WORKERS`` for
+    the rest of the epoch. ``WORKERS``: the workers' stream (persistent workers
+    once started). ``PRODUCE``: planned and produced here
     (``num_workers=0``).
     """
 
@@ -312,11 +314,14 @@ class BatchPlanStream:
         self._plans: Iterator[list[PackedPlan]] | None = None
         # Plans received in a task's result for the batches after the one asked for.
         self._received: collections.deque[PackedPlan] = collections.deque()
+        # Persistent workers not started yet (a new process's first epoch, maybe over a
+        # cache another run filled) are started at the first miss, not before: a warm
+        # first epoch then costs no fork and no wait for the workers' first plans.
         self._mode = (
             PlanMode.PRODUCE
             if workers is None
             else PlanMode.WORKERS
-            if workers.persistent
+            if workers.persistent and workers.started
             else PlanMode.LOCAL
         )
 
@@ -330,6 +335,11 @@ class BatchPlanStream:
     def mode(self, epoch: int) -> PlanMode:
         """Where the next plan of ``epoch`` comes from."""
         return PlanMode.GUESS if self._warm.is_guessed(epoch) else self._mode
+
+    @property
+    def plans_here(self) -> bool:
+        """Whether the next batches are planned in the training process until a miss."""
+        return self._mode is PlanMode.LOCAL
 
     def streams(self, epoch: int) -> bool:
         """Whether the workers' stream runs on into ``epoch`` (its tasks wait at the gate)."""
@@ -357,9 +367,11 @@ class BatchPlanStream:
                         if ahead is not None:
                             self._ahead.submit(ahead)
         if plan is None and self._mode is PlanMode.LOCAL:
-            plan = self._planner.plan(indices, produce=False)
+            known = self._warm.published(epoch, indices)  # keys the prefetcher made
+            plan = self._planner.plan(indices, produce=False, known=known)
             if plan is None:  # after a miss the workers plan and produce the rest
                 self._mode = PlanMode.WORKERS
+                self._warm.stop_publishing(epoch)
         if plan is None and self._mode is PlanMode.WORKERS:
             plan = self.confirmed(epoch, j)
         if plan is None:

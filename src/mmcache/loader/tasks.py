@@ -320,17 +320,29 @@ class WorkerPlanner(torch.utils.data.Dataset[PackedPlan]):
                 return TaskResult(index, SampleOrigin.PRODUCED, in_memory=True)
         return TaskResult(index, SampleOrigin.PRODUCED, sample=produced)
 
-    def plan(self, indices: np.ndarray, *, produce: bool = True) -> BatchPlan | None:
+    def plan(
+        self,
+        indices: np.ndarray,
+        *,
+        produce: bool = True,
+        known: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> BatchPlan | None:
         """Plan one batch: its keys, which rows the first tier holds, and the misses made.
 
         The rows the first tier holds are only named (their bytes are gathered
         by the training process); every other row is :meth:`run`, in order.
-        ``produce=False``: return None instead when a row is missing.
+        ``produce=False``: return None instead when a row is missing. ``known``: the
+        batch's keys and file stamps, made this epoch by the stat prefetcher (see
+        :mod:`mmcache.loader.warm_epoch`), not made again here.
         """
         source = self.source
-        stamps = source.stamps(indices) if source.stamp_kind is StampKind.FILE else None
-        with self._keys_lock:
-            keys = source.key_rows(indices, stamps=stamps)
+        stamps: np.ndarray | None
+        if known is not None:
+            keys, stamps = known
+        else:
+            stamps = source.stamps(indices) if source.stamp_kind is StampKind.FILE else None
+            with self._keys_lock:
+                keys = source.key_rows(indices, stamps=stamps)
         reader = self._first_tier()
         if reader is not None:
             planned = reader.contains_many(keys)

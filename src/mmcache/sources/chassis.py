@@ -190,12 +190,15 @@ class BaseSource(PipelineFields):
         logger.warning("skipped %s", err)
 
     def rejects(self) -> list[Reject]:
-        """What was left out at open (:attr:`open_rejects`), then the samples skipped
-        since in any process (deduplicated by id, first reason kept)."""
-        out: dict[str, Reject] = {}
-        for rej in [*self.open_rejects, *self._rejects.read()]:
-            out.setdefault(rej.sample_id, rej)
-        return list(out.values())
+        """What was left out at open (:attr:`open_rejects`, every one: a repeated id's
+        later rows are several entries of one id), then the samples skipped since in any
+        process (deduplicated by id, first reason kept: workers and epochs record one
+        sample again). A kept row that fails later is listed beside its id's left-out
+        repeats, not hidden by them."""
+        since: dict[str, Reject] = {}
+        for rej in self._rejects.read():
+            since.setdefault(rej.sample_id, rej)
+        return [*self.open_rejects, *since.values()]
 
     # -- to a worker ----------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:

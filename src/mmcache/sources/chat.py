@@ -13,8 +13,10 @@ A :class:`~mmcache.sources.files.FileSource` whose pipeline has a
 - :func:`chat_lengths`: each sample's token count (image tokens included, after
   truncation) and whether it keeps an image, from a render and a tokenization per
   sample and each image's header (``PIL.Image.open`` reads only that) through the
-  image stage's resize rule (:func:`~mmcache.transforms.smart_resize.output_hw`): what
-  length grouping and packing plan from, with the :class:`TextReport` of the same pass.
+  image stage's resize rule (:func:`~mmcache.transforms.smart_resize.output_hw`; the
+  original size for LLaVA-NeXT's any-resolution stage, whose token count is a
+  function of it): what length grouping and packing plan from, with the
+  :class:`TextReport` of the same pass.
 
 Thread safety: pure functions; a :class:`TextReport` is immutable.
 """
@@ -41,6 +43,7 @@ from mmcache.rootfiles import make_dir, replace_file
 from mmcache.sources import identity
 from mmcache.sources.records import RecordReject, Records
 from mmcache.transforms.chat import Chat, ChatSpec, FullyMaskedError
+from mmcache.transforms.hf_llava_next import LlavaNextImageStage
 from mmcache.transforms.image import DEFAULT_MAX_BYTES, image_header
 from mmcache.transforms.pixels import DECODE_ERRORS, orientation
 from mmcache.transforms.smart_resize import output_hw
@@ -207,12 +210,21 @@ def _image_hw(stage: object, path: str, sample_id: str) -> tuple[int, int]:
     ) as im:
         turn = orientation(im)
         width, height = im.size
-    hw = output_hw(stage, width, height, turn)
+    hw = _chat_hw(stage, width, height, turn)
     if hw is None:
         raise SampleError(
             f"{width}x{height} image: no size under this stage's rule", sample_id=sample_id
         )
     return hw
+
+
+def _chat_hw(stage: object, width: int, height: int, turn: int) -> tuple[int, int] | None:
+    """The ``(h, w)`` a chat counts an image's tokens from: the processed size
+    (:func:`~mmcache.transforms.smart_resize.output_hw`), or for LLaVA-NeXT's
+    any-resolution stage the original upright size (its count is a function of it)."""
+    if isinstance(stage, LlavaNextImageStage):
+        return (width, height) if turn >= 5 else (height, width)
+    return output_hw(stage, width, height, turn)
 
 
 def _measure(
@@ -330,7 +342,7 @@ def chat_lengths(
     are saved there (``reports/lengths-<fingerprint>-<content digest>.npz``, no pickle)
     and a later pass over the same records reuses them, measuring again only the
     samples whose image files' stamps changed (and, under ``"raise"``, refused ones)."""
-    if image_stage is not None and output_hw(image_stage, 64, 48) is None:
+    if image_stage is not None and _chat_hw(image_stage, 64, 48, 1) is None:
         raise ConfigError(
             "lengths() needs the image stage's resize rule to size images from their "
             "headers: ImageSpec, SmartResize or an hf_image_processor whose size rule is "

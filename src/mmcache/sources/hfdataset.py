@@ -35,7 +35,6 @@ from mmcache.errors import ConfigError, ManifestError, SampleError
 from mmcache.sources.base import OnError, SampleSource, StampKind
 from mmcache.sources.bytesproc import byte_limit
 from mmcache.sources.cells import check_image_type, image_cell
-from mmcache.sources.ids import duplicate_message
 from mmcache.sources.rows import IdColumn, RowSource, StagedProcessor, check_columns, path_column
 
 __all__ = ["HFDatasetSource"]
@@ -65,7 +64,10 @@ class HFDatasetSource(RowSource):
             index as id, the first ``Image`` feature, ``"text"``; ``None``: none).
         on_error: ``"raise"``: a row that cannot be produced (a null image, bad
             bytes) raises SampleError naming the dataset, the row and the id;
-            ``"skip"``: it is left out and listed in :meth:`rejects`.
+            ``"skip"``: it is left out and listed in :meth:`rejects`. A repeated id
+            (``columns={"id": ...}``): a ManifestError naming both rows under
+            ``"raise"``; under ``"skip"`` the first row of the id is served and each
+            later one left out and listed in :meth:`rejects`.
     """
 
     stamp_kind = StampKind.FIXED
@@ -116,28 +118,22 @@ class HFDatasetSource(RowSource):
             if column.null_count:
                 raise ManifestError(f"id column {self.columns['id']!r} is null", path=self.where)
             ids = IdColumn.of_arrow(column)
+        ids, repeated = self.first_of_each_id(ids, on_error, lambda row: (self.where, row))
         super().__init__(pipeline=pipeline, ids=ids, on_error=on_error)
-        pair = self._ids.duplicate_pair()
-        if pair is not None:
-            raise ManifestError(
-                duplicate_message(f"row {pair[0]}"),
-                path=self.where,
-                line=pair[1],
-                sample_id=self._ids.id(pair[1]),
-            )
+        self.open_rejects = repeated
         self._view: Any = None
         self._refs: list[str | None] | None = None
 
     def stamps(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
-        """``int64 [n, 2]``: a hash of the dataset's fingerprint, and the row index."""
+        """``int64 [n, 2]``: a hash of the dataset's fingerprint, and the row."""
         idx = self._checked(indices)
         out = np.empty((idx.shape[0], 2), dtype=np.int64)
         out[:, 0] = self._stamp
-        out[:, 1] = idx
+        out[:, 1] = self.rows(idx)
         return out
 
     def stamp_string(self, index: int, stamp: npt.NDArray[np.int64]) -> str:
-        return f"hf:{self.fingerprint_of_data}:{index}"
+        return f"hf:{self.fingerprint_of_data}:{self.row(index)}"
 
     def image_refs(self, indices: npt.NDArray[np.int64]) -> list[str | None]:
         """Files named by an ``Image()`` column of paths (``cast_column`` from paths,
@@ -155,15 +151,15 @@ class HFDatasetSource(RowSource):
                     self._refs = paths
         if not self._refs:
             return [None] * int(indices.shape[0])
-        return [self._refs[i] for i in indices.tolist()]
+        return [self._refs[r] for r in self.rows(indices).tolist()]
 
     def read_row(self, index: int) -> tuple[bytes | None, str | None, str | None, str]:
         if self._view is None:
             wanted = [c for c in (self.columns["image"], self.columns["text"]) if c]
             self._view = self.dataset.with_format("arrow", columns=wanted)
-        where = f"{self.where} row {index}"
+        where = f"{self.where} row {self.row(index)}"
         try:
-            row = self._view[index]
+            row = self._view[self.row(index)]
         except Exception as exc:  # an Arrow file gone or cut under the mapping
             raise SampleError(
                 f"cannot read the row: {type(exc).__name__}: {exc}",

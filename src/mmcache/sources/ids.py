@@ -12,10 +12,12 @@ The message names both entries (file and line, shard and member, file and row): 
 later one by the error's path, line or member and id, the earlier one in the words of
 :func:`duplicate_message`, so that every source says it the same way; a source
 raises it as a :class:`~mmcache.errors.ManifestError` under ``on_error="raise"``; under
-``"skip"`` a source that can leave an entry out keeps the first and lists the second in
-its rejects (JSONL and LLaVA manifests, WebDataset shards), and one that cannot tell which
-entry its other data means raises under both (a COCO file: its captions refer to the
-image id).
+``"skip"`` a source that can leave an entry out keeps the first and lists the later ones
+in its rejects (JSONL and LLaVA manifests, WebDataset shards, Parquet files and HF
+datasets: :meth:`IdColumn.take` keeps the first rows, and the row source maps each sample
+index to its row), and one that cannot tell which entry its other data means raises under
+both (a COCO file: its captions refer to the image id, so either image could be the one
+they describe).
 
 Thread/process safety: read-only after construction; pickles as its two arrays.
 """
@@ -107,14 +109,36 @@ class IdColumn:
             hasher.update(np.ascontiguousarray(self._off - start, dtype="<i8").data)
         return hasher.hexdigest()
 
-    def duplicate_pair(self) -> tuple[int, int] | None:
-        """``(first, second)``: the first sample whose id an earlier one has, and that
-        earlier one; None when every id is unique (positions always are)."""
+    def duplicates(self) -> list[tuple[int, int]]:
+        """``(first, later)`` for every sample whose id an earlier one has (in order), with
+        the first sample of that id; empty when every id is unique (positions always are)."""
         if self._buf is None or self._off is None:
-            return None
+            return []
         seen: dict[str, int] = {}
+        out = []
         for i, sid in enumerate(self.ids(np.arange(self.n, dtype=np.int64))):
             first = seen.setdefault(sid, i)
             if first != i:
-                return first, i
-        return None
+                out.append((first, i))
+        return out
+
+    def duplicate_pair(self) -> tuple[int, int] | None:
+        """The first of :meth:`duplicates`, or None when every id is unique."""
+        found = self.duplicates()
+        return found[0] if found else None
+
+    def take(self, keep: npt.NDArray[np.int64]) -> IdColumn:
+        """The ids of samples ``keep`` (in that order) as a new column: sample ``j`` of it
+        is sample ``keep[j]`` of this one. A column of positions stays one only when
+        ``keep`` is every position (its ids are the positions)."""
+        keep = np.asarray(keep, dtype=np.int64)
+        if self._buf is None or self._off is None:
+            if not np.array_equal(keep, np.arange(self.n)):
+                raise ValueError("a column of positions cannot leave samples out")
+            return IdColumn(self.n)
+        starts, stops = self._off[keep], self._off[keep + 1]
+        lengths = stops - starts
+        off = np.zeros(keep.shape[0] + 1, dtype=np.int64)
+        np.cumsum(lengths, out=off[1:])
+        gather = np.repeat(starts - off[:-1], lengths) + np.arange(int(off[-1]), dtype=np.int64)
+        return IdColumn(int(keep.shape[0]), self._buf[gather], off)

@@ -44,7 +44,6 @@ from mmcache.sources import identity
 from mmcache.sources.base import OnError, SampleSource, StampKind
 from mmcache.sources.bytesproc import byte_limit
 from mmcache.sources.cells import check_image_type, image_cell
-from mmcache.sources.ids import duplicate_message
 from mmcache.sources.rejects import Reject
 from mmcache.sources.rows import IdColumn, RowSource, StagedProcessor, check_columns, path_column
 from mmcache.units import parse_size
@@ -147,7 +146,9 @@ class ParquetSource(RowSource):
             column or has a null id raises ManifestError naming it; a row that cannot
             be produced (a null image, bad bytes) raises SampleError naming the file,
             the row and the id. ``"skip"``: such files and rows are left out and
-            listed in :meth:`rejects`. A duplicate id raises under both.
+            listed in :meth:`rejects`. A repeated id: a ManifestError naming both rows
+            (file and row) under ``"raise"``; under ``"skip"`` the first row of the id
+            is served and each later one left out and listed in :meth:`rejects`.
         storage_options: passed to ``fsspec`` for URLs.
         row_group_memory: bytes of decoded row groups kept per process (an int or
             ``"128MiB"``; at least the last group read is kept, whatever its size):
@@ -209,17 +210,9 @@ class ParquetSource(RowSource):
         self.stamp_kind = StampKind.FIXED if self.remote else StampKind.FILE
         self._fixed = np.asarray(remote_stamps, dtype=np.int64)  # the stamps at open
         self._file_start = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
-        super().__init__(pipeline=pipeline, ids=self._id_column(id_parts), on_error=on_error)
-        self.open_rejects = rejects
-        pair = self._ids.duplicate_pair()
-        if pair is not None:
-            (f0, r0), (f, r) = self._place(pair[0]), self._place(pair[1])
-            raise ManifestError(
-                duplicate_message(f"{self.files[f0]} row {r0}"),
-                path=self.files[f],
-                line=r,
-                sample_id=self._ids.id(pair[1]),
-            )
+        ids, repeated = self.first_of_each_id(self._id_column(id_parts), on_error, self._name_row)
+        super().__init__(pipeline=pipeline, ids=ids, on_error=on_error)
+        self.open_rejects = rejects + repeated
 
     # -- opening ------------------------------------------------------------------------
     def _resolve(self, names: list[str]) -> list[str]:
@@ -321,16 +314,25 @@ class ParquetSource(RowSource):
         return IdColumn.of_arrow(pa.chunked_array(parts))
 
     # -- where a row is -----------------------------------------------------------------
+    def _locate(self, row: int) -> tuple[int, int]:
+        """``(file, row in it)`` of row ``row`` of all the files."""
+        f = int(np.searchsorted(self._file_start, row, side="right")) - 1
+        return f, row - int(self._file_start[f])
+
+    def _name_row(self, row: int) -> tuple[str, int]:
+        f, r = self._locate(row)
+        return self.files[f], r
+
     def _place(self, index: int) -> tuple[int, int]:
-        f = int(np.searchsorted(self._file_start, index, side="right")) - 1
-        return f, index - int(self._file_start[f])
+        """``(file, row in it)`` of sample ``index``."""
+        return self._locate(self.row(index))
 
     def stamps(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
         """Each row's file stamp as ``int64 [n, 4]``: the file's stat fields (one ``stat``
         per distinct file), ``-2`` where it is gone; remote files: size, mtime, ETag and
         URL hashes read at open."""
         idx = self._checked(indices)
-        files = np.searchsorted(self._file_start, idx, side="right") - 1
+        files = np.searchsorted(self._file_start, self.rows(idx), side="right") - 1
         if self.remote:
             out: np.ndarray = self._fixed[files]
             return out

@@ -5,10 +5,13 @@ A Parquet file (:mod:`~mmcache.sources.parquet`) and an HF dataset
 encoded bytes (or a path beside them, the HF ``Image`` layout), a text and
 perhaps an id. Such a source names its rows (:class:`~mmcache.sources.ids.IdColumn`: a
 UTF-8 buffer and offsets, or the row position), says how a row is stamped, and reads one
-row's bytes; :class:`RowSource` is the :class:`~mmcache.sources.chassis.BaseSource` of
-both (ids, keys of ``(id, stamp string, pipeline fingerprint)`` memoised per stamp,
-rejects, pickling), adds the identity of image files that cells name by path, and
-produces through
+row's bytes. A sample is a row; where ``on_error="skip"`` left rows of a repeated id out
+(:meth:`RowSource.first_of_each_id`: the first row of an id is kept), sample ``i`` is row
+:meth:`RowSource.row` ``(i)``, and with none left out the two are the same (ids, their
+digest and keys unchanged). :class:`RowSource` is the
+:class:`~mmcache.sources.chassis.BaseSource` of both (ids, keys of ``(id, stamp string,
+pipeline fingerprint)`` memoised per stamp, rejects, pickling), adds the identity of image
+files that cells name by path, and produces through
 :func:`~mmcache.sources.bytesproc.process_bytes`, which runs a pipeline's stages on
 bytes in hand exactly as :meth:`mmcache.Pipeline.process` does on a file (same
 output, bit for bit; re-exported here with :class:`StagedProcessor`).
@@ -21,20 +24,21 @@ Thread/process safety: read-only after construction but for the reject log
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from mmcache import keys
-from mmcache.errors import ConfigError
+from mmcache.errors import ConfigError, ManifestError
 from mmcache.sources import identity
 from mmcache.sources.base import OnError
 from mmcache.sources.bytesproc import StagedProcessor, process_bytes
 from mmcache.sources.cells import image_cell
 from mmcache.sources.chassis import BaseSource
-from mmcache.sources.ids import IdColumn
+from mmcache.sources.ids import IdColumn, duplicate_message
+from mmcache.sources.rejects import Reject
 
 __all__ = [
     "IdColumn",
@@ -78,6 +82,10 @@ class RowSource(BaseSource):
     file, and text).
     """
 
+    #: Sample index -> row, where rows of a repeated id were left out (``None``: none
+    #: were, sample ``i`` is row ``i``).
+    _rows: npt.NDArray[np.int64] | None = None
+
     def __init__(self, *, pipeline: StagedProcessor, ids: IdColumn, on_error: OnError) -> None:
         if not isinstance(pipeline, StagedProcessor):
             raise ConfigError(
@@ -85,6 +93,42 @@ class RowSource(BaseSource):
                 f"got {type(pipeline).__name__}"
             )
         super().__init__(pipeline=pipeline, ids=ids, on_error=on_error)
+
+    def first_of_each_id(
+        self, ids: IdColumn, on_error: OnError, name_row: Callable[[int], tuple[str, int]]
+    ) -> tuple[IdColumn, list[Reject]]:
+        """The ids of the samples to serve, and the rows left out, for a subclass to call
+        before ``__init__`` with every row's ids (the one rule of :mod:`~mmcache.sources.ids`).
+
+        ``name_row(row)`` is ``(file, row in it)``, how messages name a row. A repeated id
+        is a :class:`ManifestError` naming both rows under ``on_error="raise"``; under
+        ``"skip"`` the first row of each id is kept, every later one is left out and listed
+        as a :class:`Reject` (its id, ``"<file> row <r>"``, and the first row in
+        :func:`~mmcache.sources.ids.duplicate_message`'s words), and :meth:`row` maps
+        each sample to its row. With no repeated id, ``ids`` itself and no map."""
+        found = ids.duplicates()
+        self._rows = None
+        if not found:
+            return ids, []
+        rejects = []
+        for first, later in found:
+            (path0, r0), (path, r) = name_row(first), name_row(later)
+            message = duplicate_message(f"{path0} row {r0}")
+            if on_error == "raise":
+                raise ManifestError(message, path=path, line=r, sample_id=ids.id(later))
+            rejects.append(Reject(ids.id(later), f"{path} row {r}", message))
+        left_out = np.fromiter((later for _, later in found), dtype=np.int64)
+        rows = np.setdiff1d(np.arange(ids.n, dtype=np.int64), left_out, assume_unique=True)
+        self._rows = rows
+        return ids.take(rows), rejects
+
+    def row(self, index: int) -> int:
+        """The row of sample ``index`` (itself unless repeated ids were left out)."""
+        return index if self._rows is None else int(self._rows[index])
+
+    def rows(self, indices: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """The rows of samples ``indices`` (checked), as :meth:`row`."""
+        return indices if self._rows is None else self._rows[indices]
 
     # -- for subclasses -----------------------------------------------------------------
     def read_row(self, index: int) -> tuple[bytes | None, str | None, str | None, str]:

@@ -17,27 +17,47 @@ where an entry could be served:
   and each one is served its own pixels from one cache root;
 - a rewrite in place that restores the sizes and mtimes is fresh at the next epoch;
 - a ``cp -a`` copy elsewhere has the same keys (what ``scope="cluster"`` with node-local
-  copies needs).
+  copies needs; a source copies its own way with :meth:`IdentityContract.copy_dataset`,
+  and one whose copies cannot keep their keys says why in
+  :attr:`IdentityContract.copy_skip_reason`: the test is skipped with that reason, never
+  silently passed);
+- a flipped byte in any tier (memory, disk, and the source's own, e.g. the raw-bytes tier
+  of remote objects: :meth:`IdentityContract.flip_source_tiers`) is never served: each
+  epoch after the flip is served what the source produces, and the damage is counted.
 
 The hostile-input mixin (:mod:`mmcache.testing.hostile`) is meant to sit next to this one.
 """
 
 from __future__ import annotations
 
+import io
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from mmcache.cache import Cache
 from mmcache.loader import DataLoader
 from mmcache.sources.base import SampleSource
+from mmcache.stores.disk import DiskStore
+from mmcache.stores.memory import MemoryStore
+from mmcache.testing.store_contract import flip_in_files
 
-__all__ = ["IdentityContract", "produced_images", "run_epoch", "wrong_ids"]
+__all__ = ["IdentityContract", "noise_bmp", "produced_images", "run_epoch", "wrong_ids"]
+
+
+def noise_bmp(seed: int, side: int = 32) -> bytes:
+    """A ``side`` px BMP of seeded random pixels: every seed gives other bytes of the
+    same size (what the contract's datasets of "same names and sizes, other bytes" need)."""
+    pixels = np.random.default_rng(seed).integers(0, 256, (side, side, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="BMP")
+    return buf.getvalue()
 
 
 def wrong_ids(batches: Sequence[dict[str, Any]], want: dict[str, torch.Tensor]) -> list[str]:
@@ -65,9 +85,14 @@ def produced_images(source: SampleSource) -> dict[str, torch.Tensor]:
 
 
 class IdentityContract:
-    """Mixin: subclass, set ``__test__ = True``, implement the two methods below."""
+    """Mixin: subclass, set ``__test__ = True``, implement :meth:`write_dataset` and
+    :meth:`open_source`; override :meth:`copy_dataset`, :meth:`flip_source_tiers` and
+    :attr:`copy_skip_reason` where the defaults (local folders, no tier of its own, copies
+    keep their keys) do not fit."""
 
     __test__ = False
+    #: Why a copy of this source's data cannot keep its keys (``None``: it must).
+    copy_skip_reason: ClassVar[str | None] = None
 
     def write_dataset(self, folder: Path, variant: int) -> Path:
         """Write (or rewrite in place) a dataset under ``folder``; return its location.
@@ -79,6 +104,19 @@ class IdentityContract:
     def open_source(self, location: Path) -> SampleSource:
         """A source over ``location``, with a pipeline that keeps ``"image"``."""
         raise NotImplementedError
+
+    def copy_dataset(self, folder: Path, copy: Path, location: Path) -> Path:
+        """Copy the dataset written under ``folder`` to ``copy`` as ``cp -a`` does (same
+        relative names, bytes and mtimes); return the copy's location. Default: the
+        folder tree with its mtimes (a remote source copies its objects instead)."""
+        shutil.copytree(folder, copy, copy_function=shutil.copy2)
+        return copy / location.relative_to(folder)
+
+    def flip_source_tiers(self, source: SampleSource) -> int:
+        """Flip a byte of what ``source``'s own tiers hold (after an epoch filled them);
+        return how many values were flipped. Default: a source with no tier of its own,
+        0."""
+        return 0
 
     @pytest.fixture(autouse=True)
     def _identity_root(self, tmp_path: Path) -> None:
@@ -121,10 +159,45 @@ class IdentityContract:
         assert wrong + self._served_wrong([again]) == []
 
     def test_a_cp_a_copy_has_the_same_keys(self) -> None:
+        if self.copy_skip_reason is not None:
+            pytest.skip(self.copy_skip_reason)
         location = self.write_dataset(self.identity_root / "a", 0)
-        copy = self.identity_root / "b"
-        shutil.copytree(self.identity_root / "a", copy, copy_function=shutil.copy2)
-        moved = copy / location.relative_to(self.identity_root / "a")
+        moved = self.copy_dataset(self.identity_root / "a", self.identity_root / "b", location)
         src_a, src_b = self.open_source(location), self.open_source(moved)
         idx = np.arange(len(src_a))
         np.testing.assert_array_equal(src_a.key_rows(idx), src_b.key_rows(idx))
+
+    def test_a_flipped_byte_in_any_tier_is_never_served(self) -> None:
+        source = self.open_source(self.write_dataset(self.identity_root / "a", 0))
+        want = produced_images(source)
+        needles = [_middle(image) for image in want.values()]
+        root = self.identity_root / "flip"
+        for memory, disk in (("16MiB", 0), (0, "64MiB")):
+            with Cache(root, memory=memory, disk=disk, temporary=True) as cache:
+                loader = DataLoader(source, cache=cache, batch_size=3, seed=1, num_workers=0)
+                try:
+                    assert wrong_ids(run_epoch(loader, 0), want) == []
+                    tier = cache.memory if memory else cache.disk
+                    if isinstance(tier, MemoryStore):
+                        files = tier.segment_paths()
+                    else:
+                        assert isinstance(tier, DiskStore)
+                        files = [str(Path(tier.path) / "data.mdb")]
+                    for needle in needles:
+                        flip_in_files(files, needle)
+                    for epoch in (1, 2):  # the damaged entries are produced again, then kept
+                        assert wrong_ids(run_epoch(loader, epoch), want) == []
+                    name = "memory" if memory else "disk"
+                    assert cache.stats()[name].corrupt >= 1, "the flips were never read"
+                finally:
+                    loader.close()
+        if self.flip_source_tiers(source):  # produced from the source's own tier again
+            again = produced_images(source)
+            assert [sid for sid, image in again.items() if not torch.equal(image, want[sid])] == []
+
+
+def _middle(image: torch.Tensor) -> bytes:
+    """64 bytes from the middle of ``image``: what a tier holds of it verbatim."""
+    data = image.numpy().tobytes()
+    mid = len(data) // 2
+    return data[mid - 32 : mid + 32]

@@ -131,18 +131,11 @@ class HFImageStage:
                 f"CLIPImageProcessor), got {type(processor).__name__}"
             )
         self.processor = processor
-        blob = json.dumps(
-            {"stage": "hf_image_processor", "version": HF_STAGE_VERSION}
-            | processor_identity(processor),
-            sort_keys=True,
-            separators=(",", ":"),
-            default=repr,
-        )
-        self._fingerprint = xxhash.xxh3_128_hexdigest(blob.encode())
+        self._fingerprint = processor_fingerprint("hf_image_processor", HF_STAGE_VERSION, processor)
         self.mean, self.std = processor_mean_std(processor)
         # Refuse now, not in a worker at the first sample, a processor whose output is
         # not one uint8-valued image (patches, crops, a float resample).
-        probe = np.linspace(0, 255, 40 * 30 * 3).reshape(30, 40, 3).astype(np.uint8)
+        probe = probe_pixels()
         try:
             out = self._run(Image.fromarray(probe))
         except SampleError as exc:
@@ -232,6 +225,24 @@ def processor_identity(processor: Any) -> dict[str, Any]:
         "transformers_major": _transformers_major(),
         "config": config,
     }
+
+
+def processor_fingerprint(stage: str, version: int, processor: Any) -> str:
+    """xxh3-128 hex digest of a processor stage's name and version and the
+    :func:`processor_identity` of its ``processor``."""
+    blob = json.dumps(
+        {"stage": stage, "version": version} | processor_identity(processor),
+        sort_keys=True,
+        separators=(",", ":"),
+        default=repr,
+    )
+    return xxhash.xxh3_128_hexdigest(blob.encode())
+
+
+def probe_pixels() -> npt.NDArray[np.uint8]:
+    """The 30x40 RGB gradient a processor stage is run on when it is built (its output
+    checked there, not in a worker at the first sample)."""
+    return np.linspace(0, 255, 40 * 30 * 3).reshape(30, 40, 3).astype(np.uint8)
 
 
 def processor_mean_std(

@@ -9,6 +9,10 @@ layout of their processor:
 - Qwen2-VL / Qwen2.5-VL: flattened patches ``[sum(t*h*w), C * tp * p * p]`` with
   ``image_grid_thw`` ``[N, 3]`` (:func:`qwen_patches`: the processor's ``patchify``, the
   image repeated ``temporal_patch_size`` times, merge-size blocks kept together);
+- LLaVA-NeXT: ``[N, max_crops, 3, h, w]`` with ``image_sizes`` ``[N, 2]`` (the
+  original sizes): each image's ``1 + k`` cached crops normalised, the images with
+  fewer crops zero-padded after normalisation, as ``LlavaNextImageProcessor`` pads a
+  batch (:func:`llava_next_pixels`);
 
 :class:`PixelValues` is a loader hook (``DataLoader(..., hooks=[PixelValues(...)])``)
 that does it to each batch and names the result ``pixel_values``;
@@ -32,7 +36,7 @@ from mmcache.transforms.normalize import normalize, resolve_mean_std
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["MODEL_INPUTS", "PixelValues", "qwen_patches"]
+__all__ = ["MODEL_INPUTS", "PixelValues", "llava_next_pixels", "qwen_patches"]
 
 #: The fields ``PixelValues(model_only=True)`` keeps: what an HF VLM's ``forward`` takes.
 MODEL_INPUTS = frozenset(
@@ -40,6 +44,10 @@ MODEL_INPUTS = frozenset(
 )
 
 _Images = Any  # a uint8 [N, 3, H, W] tensor or a sequence of [3, h, w] tensors
+
+_LAYOUTS = ("image", "qwen", "llava_next")
+#: The fields LLaVA-NeXT's batches carry for the hook (replaced by ``image_sizes``).
+_CROP_FIELDS = ("image_crops", "image_original_sizes")
 
 
 def _each(images: _Images) -> list[torch.Tensor]:
@@ -105,14 +113,64 @@ def qwen_patches(
     return torch.cat(rows), grid
 
 
+def llava_next_pixels(
+    images: _Images,
+    crops: Sequence[int] | torch.Tensor,
+    mean: Sequence[float] | str | object = "clip",
+    std: Sequence[float] | None = None,
+) -> torch.Tensor:
+    """LLaVA-NeXT's ``pixel_values`` of cached crops: float32 ``[N, max_crops, 3, h, w]``.
+
+    ``images`` are the batch's crops in order (a uint8 ``[sum(crops), 3, h, w]`` tensor
+    or a list of ``[3, h, w]``: what the loader gives for a
+    :class:`~mmcache.transforms.hf_llava_next.LlavaNextImageStage` pipeline),
+    ``crops`` each image's ``1 + k``. Each crop is normalised; image ``i`` fills
+    ``[i, :crops[i]]`` and the rest of its row is 0.0 (after normalisation), as
+    ``LlavaNextImageProcessor`` pads a batch to its most crops. On the images'
+    device. ConfigError when the counts and the crops disagree."""
+    import torch
+
+    mean_t, std_t = resolve_mean_std(mean, std)
+    counts = [int(c) for c in (crops.tolist() if isinstance(crops, torch.Tensor) else crops)]
+    each = _each(images) if not isinstance(images, torch.Tensor) or images.dim() != 4 else None
+    stacked = images if each is None else (torch.stack(each) if each else None)
+    total = 0 if stacked is None else int(stacked.shape[0])
+    if sum(counts) != total or any(c < 1 for c in counts):
+        raise ConfigError(
+            f"{total} crops for images of {counts} crops each: LLaVA-NeXT's batches give "
+            "every image's 1 + k crops in order (image_crops)"
+        )
+    if stacked is None:
+        device = images.device if isinstance(images, torch.Tensor) else None
+        return torch.zeros((0, 0, 3, 0, 0), dtype=torch.float32, device=device)
+    x = normalize(stacked, mean_t, std_t)
+    out = x.new_zeros((len(counts), max(counts), *x.shape[1:]))
+    start = 0
+    for i, c in enumerate(counts):
+        out[i, :c] = x[start : start + c]
+        start += c
+    return out
+
+
+def _per_row(value: Any, width: int) -> list[torch.Tensor]:
+    """A batch field held per row (a list of tensors, or one ``[B, ...]`` tensor) as
+    one int64 ``[n, width]`` tensor per row."""
+    import torch
+
+    rows = value.unbind(0) if isinstance(value, torch.Tensor) else value
+    return [torch.as_tensor(v, dtype=torch.int64).reshape(-1, width) for v in rows]
+
+
 class PixelValues:
     """A loader hook naming a batch's pixels ``pixel_values`` as an HF model takes them.
 
     Args:
         mean, std: as :func:`~mmcache.transforms.normalize.normalize` takes them (3
             floats each, a preset name, or a stage with ``mean``/``std``).
-        layout: ``"image"`` (``[N, 3, H, W]``, or a list when shapes vary) or ``"qwen"``
-            (:func:`qwen_patches`, with ``image_grid_thw``).
+        layout: ``"image"`` (``[N, 3, H, W]``, or a list when shapes vary), ``"qwen"``
+            (:func:`qwen_patches`, with ``image_grid_thw``) or ``"llava_next"``
+            (:func:`llava_next_pixels`, with ``image_sizes`` the original sizes and
+            ``image_counts`` images per row; kept by ``model_only``).
         patch_size, merge_size, temporal_patch_size: Qwen's patch geometry.
         device: where to normalise (``"cuda"``: the uint8 batch is copied there
             first); ``None``: where the batch is.
@@ -136,8 +194,8 @@ class PixelValues:
         device: Any = None,
         model_only: bool = False,
     ) -> None:
-        if layout not in ("image", "qwen"):
-            raise ConfigError(f"PixelValues.layout must be 'image' or 'qwen', got {layout!r}")
+        if layout not in _LAYOUTS:
+            raise ConfigError(f"PixelValues.layout must be one of {_LAYOUTS}, got {layout!r}")
         self.mean, self.std = resolve_mean_std(mean, std)
         self.layout = layout
         self.patch = (patch_size, merge_size, temporal_patch_size)
@@ -149,12 +207,18 @@ class PixelValues:
         cls, processor: Any, *, device: Any = None, model_only: bool = False
     ) -> PixelValues:
         """The hook for an HF processor (or its image processor): its rescale, mean and
-        std, and the layout of its class (Qwen2-VL's patches, else
-        plain images)."""
+        std, and the layout of its class (Qwen2-VL's patches, LLaVA-NeXT's crops, else
+        plain images). ConfigError for LLaVA-OneVision's (not cached: see
+        :func:`mmcache.hf_processor`)."""
         from mmcache.transforms.hf import processor_mean_std
 
         images = getattr(processor, "image_processor", None) or processor
+        name = type(images).__name__
+        if name.startswith("LlavaOnevision"):
+            raise ConfigError(f"PixelValues has no layout for {name} (hf_processor refuses it)")
         mean, std = processor_mean_std(images)
+        if hasattr(images, "image_grid_pinpoints"):
+            return cls(mean, std, layout="llava_next", device=device, model_only=model_only)
         if hasattr(images, "merge_size") and hasattr(images, "temporal_patch_size"):
             return cls(
                 mean,
@@ -181,7 +245,9 @@ class PixelValues:
                 images = images.to(self.device, non_blocking=True)
             else:
                 images = [t.to(self.device, non_blocking=True) for t in _each(images)]
-        if self.layout == "qwen":
+        if self.layout == "llava_next":
+            self._llava_next(batch, images)
+        elif self.layout == "qwen":
             p, m, t = self.patch
             pixels, grid = qwen_patches(
                 images, self.mean, self.std, patch_size=p, merge_size=m, temporal_patch_size=t
@@ -194,10 +260,31 @@ class PixelValues:
             batch["pixel_values"] = normalize(images, self.mean, self.std)
         return self._kept(batch)
 
+    def _llava_next(self, batch: dict[str, Any], images: Any) -> None:
+        """LLaVA-NeXT's crops -> ``pixel_values``, and its per-image fields: ``image_sizes``
+        the original sizes (the model's name), ``image_counts`` images per row."""
+        import torch
+
+        missing = [f for f in _CROP_FIELDS if f not in batch]
+        if missing:
+            raise ConfigError(
+                f"PixelValues(layout='llava_next') needs the batch's {missing}: a pipeline "
+                "of mmcache.hf_processor(LlavaNextProcessor) caches them"
+            )
+        crops = _per_row(batch.pop("image_crops"), 1)
+        originals = _per_row(batch.pop("image_original_sizes"), 2)
+        counts = torch.cat(crops).reshape(-1) if crops else torch.zeros(0, dtype=torch.int64)
+        batch["pixel_values"] = llava_next_pixels(images, counts, self.mean, self.std)
+        batch["image_sizes"] = (
+            torch.cat(originals) if originals else torch.zeros((0, 2), dtype=torch.int64)
+        )
+        batch["image_counts"] = torch.tensor([len(c) for c in crops], dtype=torch.int64)
+
     def _kept(self, batch: dict[str, Any]) -> dict[str, Any]:
         if not self.model_only:
             return batch
-        return {k: v for k, v in batch.items() if k in MODEL_INPUTS}
+        keep = MODEL_INPUTS | ({"image_sizes"} if self.layout == "llava_next" else set())
+        return {k: v for k, v in batch.items() if k in keep}
 
     def __repr__(self) -> str:
         return f"PixelValues(layout={self.layout!r}, mean={self.mean}, std={self.std})"

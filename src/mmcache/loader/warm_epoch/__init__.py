@@ -13,6 +13,14 @@ reached are ``stat``-ed here. A batch whose guess fails (a file changed, an
 entry went, a key never learnt on this rank) is planned and produced here,
 and the rest of the epoch is planned as usual.
 
+An epoch whose keys this process does not know (its first, over a cache an
+earlier run filled) is planned in the training process until its first miss
+(persistent workers are started then, not before): the prefetcher is asked
+for the epoch's keys too (:meth:`WarmEpochs.begin` with ``local``), made from
+the stamps it takes after the epoch began, as a worker makes them, and a batch
+whose keys it has published (:meth:`WarmEpochs.published`) is only looked up,
+not keyed, here.
+
 Guessing runs for ``StampKind.FILE`` sources (a ``stat`` re-checks a key) and
 ``StampKind.FIXED`` ones (a guessed batch is checked against the source's own keys,
 which change when a revalidated shard or object changed), with workers
@@ -49,6 +57,12 @@ __all__ = ["LearntKeys", "WarmEpochs"]
 
 #: Guessed epochs remembered (with their check rounds).
 _KEEP_GUESSED = 4
+#: A start past every epoch's last batch: a request that stops the prefetcher's round.
+_NOTHING = 1 << 62
+#: Most samples whose keys the prefetcher publishes: the board then takes 48 bytes more
+#: per sample of shared memory (``/dev/shm``), 48 MiB here; beyond, a new process's first
+#: epoch is keyed in the training process.
+_KEYED_MAX = 1 << 20
 
 
 class LearntKeys:
@@ -125,6 +139,8 @@ class WarmEpochs:
         #: Guessed epochs (the last few) and their check rounds.
         self.guessed: dict[int, int] = {}
         self._rounds = 0  # check rounds handed out
+        #: Epochs whose keys the prefetcher publishes, and their rounds.
+        self._keyed: dict[int, int] = {}
         self._board: FileCheckBoard | None = None
         self._prefetcher: StatPrefetcher | None = None
         # A FIXED source (shard members, rows) has nothing to stat: a guess is checked
@@ -132,7 +148,8 @@ class WarmEpochs:
         self._fixed = num_workers > 0 and cache is not None and source.stamp_kind is StampKind.FIXED
         self._key_lock = threading.Lock()  # key_rows is not thread-safe; verified() is
         if num_workers > 0 and cache is not None and source.stamp_kind is StampKind.FILE:
-            self._board = FileCheckBoard(self._n, context)
+            words = STAMP_WORDS if self._n <= _KEYED_MAX else 0
+            self._board = FileCheckBoard(self._n, context, key_stamps=words)
             self._prefetcher = StatPrefetcher(self._board, source, order, context)
             # Started now (a fork: milliseconds, plus a copy of each page the training
             # process writes afterwards): not in the first epoch's time, and before any
@@ -160,10 +177,14 @@ class WarmEpochs:
             return False
         return not beginning or self.learnt.count() >= self._num_samples
 
-    def begin(self, epoch: int, start: int, *, warm: bool, streams: bool) -> None:
+    def begin(
+        self, epoch: int, start: int, *, warm: bool, streams: bool, local: bool = False
+    ) -> None:
         """The training loop begins ``epoch`` at batch ``start``: guess it if it begins
-        warm and the workers hold no plans of it (``streams``)."""
+        warm and the workers hold no plans of it (``streams``); else, when it is planned
+        here until its first miss (``local``), have the prefetcher publish its keys."""
         self.guessed.pop(epoch, None)
+        self._keyed.clear()
         if self.should_guess(warm, beginning=True) and not streams:
             self._rounds += 1
             self.guessed[epoch] = self._rounds
@@ -171,6 +192,34 @@ class WarmEpochs:
                 del self.guessed[next(iter(self.guessed))]
             if self._prefetcher is not None:
                 self._prefetcher.request(self._rounds, epoch, start)
+        elif local and (prefetcher := self._keying_prefetcher()) is not None:
+            self._rounds += 1
+            self._keyed[epoch] = self._rounds
+            prefetcher.request(self._rounds, epoch, start, keys=True)
+
+    def _keying_prefetcher(self) -> StatPrefetcher | None:
+        """The prefetcher when it may publish keys, else None. Only the process forked as
+        the loader was made, before its threads, keys samples: one forked later may hold a
+        copy of a lock another thread held then (the source's identity ledger's), and
+        would key nothing (the training process would key every batch itself)."""
+        board, prefetcher = self._board, self._prefetcher
+        if board is None or not board.carries_keys or prefetcher is None:
+            return None
+        return prefetcher if prefetcher.starts == 1 else None
+
+    def published(self, epoch: int, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """The keys and stamps of a batch of ``epoch`` the prefetcher has published this
+        epoch, or None (not asked for, not there yet)."""
+        round_ = self._keyed.get(epoch)
+        if round_ is None or self._board is None:
+            return None
+        return self._board.published(indices, round_)
+
+    def stop_publishing(self, epoch: int) -> None:
+        """``epoch`` is planned by the workers from here on: the prefetcher stops keying it."""
+        if self._keyed.pop(epoch, None) is not None and self._prefetcher is not None:
+            self._rounds += 1
+            self._prefetcher.request(self._rounds, epoch, _NOTHING)
 
     def is_guessed(self, epoch: int) -> bool:
         return epoch in self.guessed

@@ -20,10 +20,20 @@ whole old value or a whole new one, and a value only matches what the reader
 expects when the file was ``stat``-ed in that round and had the expected
 stamp. Zero means "never published".
 
-Thread/process safety: :meth:`publish` from any process (the prefetcher),
-:meth:`verified` from the training process; created before the workers
-start (fork) or sent to them at start (spawn), like the other
-``multiprocessing`` shared objects.
+A board made with ``key_stamps`` also carries *published keys*, for an epoch
+whose keys the training process does not know (a new process's first epoch
+over a cache another run filled, see :mod:`mmcache.loader.warm_epoch`): the
+prefetcher computes each sample's cache key from the stamps it just took and
+publishes key, stamps and a seal of both and the round (:meth:`publish_keys`).
+The seal is written last and the reader checks it against the very key and
+stamps it copied (:meth:`published`), twice read: a row copied while being
+rewritten, or seen before its key on a weakly ordered CPU, fails the check and
+is never served; only whole rows published in the round asked for pass.
+
+Thread/process safety: :meth:`publish` and :meth:`publish_keys` from any process
+(the prefetcher), :meth:`verified` and :meth:`published` from the training
+process; created before the workers start (fork) or sent to them at start
+(spawn), like the other ``multiprocessing`` shared objects.
 """
 
 from __future__ import annotations
@@ -47,6 +57,8 @@ _K_FIELDS = (
     np.uint64(0xBF58476D1CE4E5B9),
     np.uint64(0xFF51AFD7ED558CCD),
     np.uint64(0xC4CEB9FE1A85EC53),
+    np.uint64(0x2545F4914F6CDD1D),
+    np.uint64(0x9FB21C651E98DF25),
 )
 _K_ROUND = 0x94D049BB133111EB
 _K_MIX = np.uint64(0xD6E8FEB86659FD93)
@@ -54,9 +66,10 @@ _MASK = (1 << 64) - 1
 
 
 def seal(stamps: npt.NDArray[np.int64], round_: int) -> npt.NDArray[np.uint64]:
-    """One non-zero 64-bit value per row of ``stamps`` (``int64 [n, k]``, k <= 4: the
-    :meth:`~mmcache.sources.base.SampleSource.stamps` rows of a ``StampKind.FILE`` source)
-    for check round ``round_``;
+    """One non-zero 64-bit value per row of ``stamps`` (``int64 [n, k]``, k <= 6: the
+    :meth:`~mmcache.sources.base.SampleSource.stamps` rows of a ``StampKind.FILE`` source,
+    and for :func:`seal_keyed` the two words of the key after them) for check round
+    ``round_``;
     equal values mean equal stamps in the same round, but for a 2**-63 chance. A
     few numpy operations per field: the training process checks every batch with it."""
     arr = np.ascontiguousarray(stamps, dtype=np.int64)
@@ -76,26 +89,93 @@ def seal(stamps: npt.NDArray[np.int64], round_: int) -> npt.NDArray[np.uint64]:
     return out
 
 
+def seal_keyed(
+    keys: npt.NDArray[np.uint8], stamps: npt.NDArray[np.int64], round_: int
+) -> npt.NDArray[np.uint64]:
+    """:func:`seal` of each row's stamps followed by its 16-byte key (``uint8 [n, 16]``)."""
+    words = np.ascontiguousarray(keys, dtype=np.uint8).view(np.int64).reshape(len(keys), 2)
+    return seal(np.concatenate([np.asarray(stamps, dtype=np.int64), words], axis=1), round_)
+
+
 class FileCheckBoard:
     """The shared ``stat`` results of ``n`` samples (see the module docstring).
 
     Args:
         n: samples (dataset rows).
         context: the multiprocessing context (or its name) of the workers.
+        key_stamps: the words of a stamp row when the board carries published keys
+            too (48 bytes more per sample, shared), 0 when it does not.
     """
 
-    def __init__(self, n: int, context: Any = None) -> None:
+    def __init__(self, n: int, context: Any = None, *, key_stamps: int = 0) -> None:
         if isinstance(context, str):
             context = multiprocessing.get_context(context)
         ctx = context if context is not None else multiprocessing.get_context()
         self._n = n
         self._raw = ctx.RawArray("Q", max(n, 1))
         self._values: npt.NDArray[np.uint64] | None = None
+        self._words = key_stamps
+        # Published keys: a seal, the key and the stamps of each sample (see the module).
+        self._keyed_raw = ctx.RawArray("Q", max(n, 1)) if key_stamps else None
+        self._keys_raw = ctx.RawArray("B", 16 * max(n, 1)) if key_stamps else None
+        self._stamps_raw = ctx.RawArray("q", key_stamps * max(n, 1)) if key_stamps else None
+        self._keyed: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_values"] = None  # a view of this process's mapping: made again on arrival
+        state["_values"] = None  # views of this process's mapping: made again on arrival
+        state["_keyed"] = None
         return state
+
+    @property
+    def carries_keys(self) -> bool:
+        return self._keyed_raw is not None
+
+    def _key_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(seals ``uint64 [n]``, keys ``uint8 [n, 16]``, stamps ``int64 [n, words]``)."""
+        if self._keyed is None:
+            if self._keyed_raw is None or self._keys_raw is None or self._stamps_raw is None:
+                raise RuntimeError("this board carries no keys (made without key_stamps)")
+            n = self._n
+            self._keyed = (
+                np.frombuffer(self._keyed_raw, dtype=np.uint64, count=n),
+                np.frombuffer(self._keys_raw, dtype=np.uint8, count=16 * n).reshape(n, 16),
+                np.frombuffer(self._stamps_raw, dtype=np.int64, count=self._words * n).reshape(
+                    n, self._words
+                ),
+            )
+        return self._keyed
+
+    def publish_keys(
+        self,
+        indices: npt.NDArray[np.int64],
+        keys: npt.NDArray[np.uint8],
+        stamps: npt.NDArray[np.int64],
+        round_: int,
+    ) -> None:
+        """Record that ``indices`` had ``keys``, made from ``stamps`` ``stat``-ed in
+        ``round_``: key and stamps first, the seal of all three last."""
+        seals, key_rows, stamp_rows = self._key_arrays()
+        key_rows[indices] = keys
+        stamp_rows[indices] = stamps
+        seals[indices] = seal_keyed(keys, stamps, round_)
+
+    def published(
+        self, indices: npt.NDArray[np.int64], round_: int
+    ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64]] | None:
+        """The keys and stamps of ``indices`` published in ``round_``, or None unless
+        every row was, whole (its seal read before and after copying it matches it)."""
+        seals, key_rows, stamp_rows = self._key_arrays()
+        before = seals[indices]
+        if not before.all():  # a row never published (the common early case)
+            return None
+        keys, stamps = key_rows[indices], stamp_rows[indices]  # (fancy indexing: copies)
+        after = seals[indices]
+        if not (
+            np.array_equal(before, after) and (before == seal_keyed(keys, stamps, round_)).all()
+        ):
+            return None
+        return keys, stamps
 
     @property
     def values(self) -> npt.NDArray[np.uint64]:

@@ -10,6 +10,14 @@ and publishes each result on a
 (see there). The training process ``stat``-s itself any file the prefetcher
 has not reached yet, so the prefetcher only ever saves work.
 
+Asked for an epoch's *keys* (``request(..., keys=True)``: an epoch whose keys
+the training process does not know, planned there until its first miss), it
+also computes each sample's cache key from the stamps it just took
+(:meth:`~mmcache.sources.base.SampleSource.key_rows`, with the source's own
+memo and identity ledger in this process) and publishes key and stamps on the
+board (:meth:`~mmcache.loader.warm_epoch.board.FileCheckBoard.publish_keys`):
+a batch found there is not keyed in the training process.
+
 The process runs at the lowest CPU priority (nice 19, and ``SCHED_IDLE``
 where allowed): it uses a core only when nothing else wants it. At normal
 priority, waking it at the start of each epoch preempted the training loop
@@ -44,6 +52,8 @@ _PARENT_CHECK_S = 1.0
 class _Stamps(Protocol):
     def stamps(self, indices: np.ndarray) -> np.ndarray: ...
 
+    def key_rows(self, indices: np.ndarray, *, stamps: np.ndarray | None = None) -> np.ndarray: ...
+
 
 class _Batches(Protocol):
     def batches(self, epoch: int) -> list[np.ndarray]: ...
@@ -56,6 +66,7 @@ class _Slot(IntEnum):
     EPOCH = 1
     START = 2  # the first batch to stat
     STOP = 3  # non-zero: exit
+    KEYS = 4  # non-zero: publish the keys too (FileCheckBoard.publish_keys)
 
 
 @dataclass(frozen=True)
@@ -72,7 +83,8 @@ class StatPrefetcher:
 
     Args:
         board: where the results go.
-        source: has ``stamps(indices)`` (a ``StampKind.FILE`` source: file stats).
+        source: has ``stamps(indices)`` (a ``StampKind.FILE`` source: file stats) and
+            ``key_rows(indices, stamps=...)``.
         order: has ``batches(epoch)``: the epoch's batches, in order (holding no
             lock: the process may be forked while another thread holds one).
         context: the multiprocessing context (or its name) to start it with.
@@ -91,6 +103,8 @@ class StatPrefetcher:
             self._ctx.RawArray("q", len(_Slot)), self._ctx.Lock(), self._ctx.Semaphore(0)
         )
         self._process: Any = None
+        #: Processes started so far (one, unless it was closed and started again).
+        self.starts = 0
 
     @property
     def pid(self) -> int | None:
@@ -102,6 +116,7 @@ class StatPrefetcher:
         if self._process is None or not self._process.is_alive():
             ch = self._channel
             ch.request[_Slot.STOP] = 0
+            self.starts += 1
             self._process = self._ctx.Process(
                 target=_run,
                 args=(self._board, self._source, self._order, ch, os.getpid()),
@@ -110,14 +125,16 @@ class StatPrefetcher:
             )
             self._process.start()
 
-    def request(self, round_: int, epoch: int, start: int = 0) -> None:
+    def request(self, round_: int, epoch: int, start: int = 0, *, keys: bool = False) -> None:
         """Stat ``epoch`` from batch ``start`` on, as check round ``round_`` (replaces
-        any request in progress). Never blocks once started (:meth:`start`)."""
+        any request in progress), and with ``keys`` publish the keys too. Never blocks
+        once started (:meth:`start`)."""
         ch = self._channel
         with ch.lock:
             ch.request[_Slot.ROUND] = round_
             ch.request[_Slot.EPOCH] = epoch
             ch.request[_Slot.START] = start
+            ch.request[_Slot.KEYS] = int(keys)
         self.start()
         ch.posted.release()
 
@@ -153,7 +170,16 @@ def _run(
         with lock:
             round_ = int(request[_Slot.ROUND])
             epoch, start = int(request[_Slot.EPOCH]), int(request[_Slot.START])
+            keys = bool(request[_Slot.KEYS])
         for indices in order.batches(epoch)[start:]:
             if request[_Slot.STOP] or int(request[_Slot.ROUND]) != round_:
                 break  # stopped, or a newer epoch was asked for
-            board.publish(indices, source.stamps(indices), round_)
+            stamps = source.stamps(indices)
+            if not keys:
+                board.publish(indices, stamps, round_)
+                continue
+            try:
+                rows = source.key_rows(indices, stamps=stamps)
+            except Exception:  # noqa: S112 - the training process keys it and reports it
+                continue
+            board.publish_keys(indices, rows, stamps, round_)

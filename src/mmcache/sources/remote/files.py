@@ -7,7 +7,14 @@ are each object's version stamp (ETag, generation) and size, taken in one batch 
 source is opened (one listing per directory of objects) and again by :meth:`revalidate`
 (once per epoch by :class:`~mmcache.sources.remote.prefetch.RemotePrefetch`):
 ``StampKind.FIXED``. An overwritten object gets a new ETag, hence a new key, and its
-old bytes are never served (the raw tier is keyed by URL + ETag). Producing a sample
+old bytes are never served (the raw tier is keyed by URL + ETag).
+
+A key holds the identity of the object's bytes, not where the object is, wherever the
+stamp is one (:func:`~mmcache.sources.remote.fs.byte_identity`): an S3 ETag (computed
+from the bytes) or the digest of the bytes of an object whose server gives no ETag. So
+the same objects copied under another bucket or prefix keep their keys (the remote
+``cp -a``), and other bytes never share one. HTTP ETags, GCS generations and version
+ids name a version of one object only: those keys keep the URL. Producing a sample
 fetches the whole object (raw tier first) and runs the pipeline on its bytes, exactly as
 the loose file would be (:func:`~mmcache.sources.bytesproc.process_bytes`).
 
@@ -32,7 +39,14 @@ from mmcache.sources.base import OnError, SampleSource, StampKind
 from mmcache.sources.bytesproc import StagedProcessor, byte_limit, check_size, process_bytes
 from mmcache.sources.files import FileSource, RecordProcessor
 from mmcache.sources.records import Records
-from mmcache.sources.remote.fs import Offline, Remote, RemoteError, RetryPolicy, is_remote
+from mmcache.sources.remote.fs import (
+    Offline,
+    Remote,
+    RemoteError,
+    RetryPolicy,
+    is_remote,
+    object_identity,
+)
 from mmcache.sources.remote.raw import RawTier, fetch_bytes
 from mmcache.sources.remote.state import SharedStamps, private_dir
 
@@ -206,15 +220,18 @@ class RemoteFileSource(FileSource):
     def stamp_strings(
         self, indices: npt.NDArray[np.int64], stamps: npt.NDArray[np.int64]
     ) -> list[str]:
-        """Each sample's object: its URL, stamp (ETag or digest) and size; ``"none"`` for
-        a text-only record."""
+        """Each sample's object (:func:`~mmcache.sources.remote.fs.object_identity`): the
+        identity of its bytes and its size where the stamp is one (an S3 ETag, the digest
+        of a server without ETag), else its URL, stamp and size; ``"none"`` for a
+        text-only record."""
         out = []
         for i in indices.tolist():
             u = int(self.row_url[i])
             if u < 0:
                 out.append("none")
             else:
-                out.append(f"obj:{self.urls[u]}:{self.object_stamps[u]}:{self.object_sizes[u]}")
+                url, stamp = self.urls[u], self.object_stamps[u]
+                out.append(object_identity(url, stamp, int(self.object_sizes[u])))
         return out
 
     def key_rows(

@@ -34,17 +34,28 @@ import asyncio
 import errno
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
 from mmcache.errors import ConfigError, RemoteError, RemoteErrorKind
+from mmcache.sources.identity import CONTENT_PREFIX
 from mmcache.sources.remote.listing import Entry, ListingFile
 from mmcache.sources.remote.options import backend_options, check_options, quiet_retries, redact
 from mmcache.sources.remote.retry import CircuitBreaker, RetryPolicy
 
-__all__ = ["Offline", "Remote", "RemoteError", "RetryPolicy", "is_remote", "object_stamp"]
+__all__ = [
+    "Offline",
+    "Remote",
+    "RemoteError",
+    "RetryPolicy",
+    "byte_identity",
+    "is_remote",
+    "object_identity",
+    "object_stamp",
+]
 
 T = TypeVar("T")
 
@@ -130,6 +141,51 @@ def object_stamp(info: Mapping[str, Any]) -> str | None:
         if value not in (None, ""):
             return f"{field}={str(value).strip(chr(34))}"
     return None
+
+
+#: An S3 ETag that is a function of the object's bytes: the MD5 of a single-part upload
+#: (32 hex) or, for a multipart one, the MD5 of its parts' MD5s and their count.
+_S3_CONTENT_ETAG = re.compile(r"ETag=([0-9a-f]{32}(?:-[1-9][0-9]{0,4})?)")
+
+
+def byte_identity(url: str, stamp: str | None) -> str | None:
+    """The identity of an object's bytes that does not name where the object is, when its
+    ``stamp`` (:func:`object_stamp`, or a digest of the fetched bytes) is one; else ``None``
+    (the stamp only tells versions of *this* object apart, so the key keeps the URL).
+
+    - ``"xxh3:<hex>"`` (:func:`~mmcache.sources.identity.content_digest` of the bytes,
+      the stamp of an object whose server gives no ETag): itself.
+    - an ``s3://`` ETag of 32 hex digits, optionally ``-<parts>``: ``"s3-etag:<etag>"``.
+      S3 computes it from the bytes (the MD5 of a single-part upload; of the parts' MD5s
+      for a multipart one), so equal bytes under another bucket or prefix, a copy made
+      with ``aws s3 cp``/``sync`` or ``CopyObject``, give the same key and other bytes
+      another one. A multipart ETag depends on the part sizes too: equal bytes uploaded
+      in other parts give another key (a miss, never wrong data). SSE-KMS/SSE-C ETags
+      are not an MD5 but are still per object (other bytes never share one).
+
+    Not location-free, on purpose: HTTP ETags (servers derive many from inode, size and
+    mtime: two files of equal size and mtime on two servers share one, G4), GCS
+    generations and etags, S3 version ids (a version, not the bytes).
+    """
+    if stamp is None:
+        return None
+    if stamp.startswith(CONTENT_PREFIX):
+        return stamp
+    if url.partition("://")[0].lower() in ("s3", "s3a"):
+        m = _S3_CONTENT_ETAG.fullmatch(stamp)
+        if m is not None:
+            return "s3-etag:" + m.group(1)
+    return None
+
+
+def object_identity(url: str, stamp: str | None, size: int) -> str:
+    """What a sample's key holds of one object: ``"obj:<identity>:<size>"`` where the
+    stamp is an identity of the bytes (:func:`byte_identity`: a copy elsewhere keeps its
+    keys), else ``"obj:<url>:<stamp>:<size>"`` (this object, this version)."""
+    ident = byte_identity(url, stamp)
+    if ident is not None:
+        return f"obj:{ident}:{size}"
+    return f"obj:{url}:{stamp}:{size}"
 
 
 class Remote:

@@ -7,9 +7,10 @@ pipeline (``Pipeline(text=ChatSpec(..., video=VideoTokens()), video=VideoSpec(..
 every video part must be a URL. When the source is opened, every clip's version stamp
 (ETag) and size are taken in one batch (:meth:`Remote.stamps`, as
 :class:`~mmcache.sources.remote.files.RemoteFileSource` takes its images'), so a
-sample's key is made of its conversation, its parts' options and each clip's URL, ETag
-and size (``StampKind.FIXED``): an overwritten clip has a new ETag, a new key, and its
-old bytes (the raw tier is keyed by URL + ETag) are never served.
+sample's key is made of its conversation, its parts' options and each clip's identity
+and size (:func:`~mmcache.sources.remote.fs.object_identity`: an S3 ETag or a digest of
+the bytes, else the URL and ETag; ``StampKind.FIXED``): an overwritten clip has a new
+ETag, a new key, and its old bytes (the raw tier is keyed by URL + ETag) are never served.
 
 Producing a sample checks each clip's listed size against the pipeline's ``max_bytes``
 (its ``ImageSpec``'s, else 256 MiB) before anything is fetched, fetches each clip whole
@@ -41,6 +42,7 @@ from mmcache.sources.base import OnError, SampleSource, StampKind
 from mmcache.sources.bytesproc import byte_limit, check_size
 from mmcache.sources.files import FileSource
 from mmcache.sources.records import Records
+from mmcache.sources.remote import fs as remote_fs
 from mmcache.sources.remote.fs import Offline, Remote, RemoteError, RetryPolicy, is_remote
 from mmcache.sources.remote.raw import RawTier, fetch_bytes
 from mmcache.sources.remote.state import private_dir
@@ -119,7 +121,9 @@ class RemoteVideoSource(FileSource):
     def _clip_stamp(self, index: int) -> str:
         parts = [self.objects[p["video"]] for p in self.records.videos(index)]
         urls = [p["video"] for p in self.records.videos(index)]
-        return "|".join(f"obj:{u}:{s}:{n}" for u, (n, s) in zip(urls, parts, strict=True))
+        return "|".join(
+            remote_fs.object_identity(u, s, n) for u, (n, s) in zip(urls, parts, strict=True)
+        )
 
     def stamps(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
         """``int64 [n, 2]``: a 63-bit digest of the sample's clips' stamps, their total size."""
@@ -134,7 +138,9 @@ class RemoteVideoSource(FileSource):
     def stamp_strings(
         self, indices: npt.NDArray[np.int64], stamps: npt.NDArray[np.int64]
     ) -> list[str]:
-        """Each clip's URL, stamp (ETag) and size (what :meth:`stamps` digests)."""
+        """Each clip's identity and size (:func:`~mmcache.sources.remote.fs.object_identity`:
+        the URL only where the stamp is not an identity of the bytes), as :meth:`stamps`
+        digests them."""
         return [self._clip_stamp(i) for i in indices.tolist()]
 
     # -- produce -------------------------------------------------------------------------
