@@ -91,7 +91,13 @@ def check_reads(store: S) -> S:
     returned as they are (their reads go through the tier list's check)."""
     if isinstance(store, FormedDiskStore):
         store.enable_gather(codec.checksum_matches)  # decodes its hits (disk/formed.py)
-    elif isinstance(store, (MemoryStore, DiskStore)):
+    elif isinstance(store, MemoryStore):  # a batch of one layout is checked at once
+        store.enable_gather(
+            codec.checksum_matches,
+            copied=codec.checksum_matches_copied,
+            rows=codec.checksums_match_rows,
+        )
+    elif isinstance(store, DiskStore):
         store.enable_gather(codec.checksum_matches, copied=codec.checksum_matches_copied)
     return store
 

@@ -142,15 +142,21 @@ class FileSource(BaseSource):
         ``content_stamp=True`` they are the same stat fields, but keys do not use them.)
         """
         idx = self._checked(indices)
-        stamps = np.full((idx.shape[0], len(keys.STAT_FIELDS)), -2, dtype=np.int64)
         stat, fields = os.stat, keys.stat_fields
-        for j, path in enumerate(self.records.stat_paths(idx)):
+        none = (-2,) * len(keys.STAT_FIELDS)
+        rows: list[tuple[int, ...]] = []
+        # Rows gathered in a list and made one array: a numpy row assignment per file
+        # cost about as much as its stat (the training process stats most files of a
+        # warm epoch itself when the stat prefetcher gets no CPU).
+        for path in self.records.stat_paths(idx):
             if path is None:
+                rows.append(none)
                 continue
             try:
-                stamps[j] = fields(stat(path))
+                rows.append(fields(stat(path)))
             except (OSError, ValueError):  # missing, unreadable, or a NUL in the path
-                continue
+                rows.append(none)
+        stamps = np.array(rows, dtype=np.int64).reshape(len(rows), len(none))
         if self._chat is not None:  # a multi-file sample: all its files in one row
             for j, i in enumerate(idx.tolist()):
                 if self._multi_file(i):

@@ -6,11 +6,23 @@ many entries into a batch; what makes an entry intact is the codec's business
 in and the store stays bytes-only: :class:`GatherCheck` holds it.
 
 Each entry is copied, then checked, before the next one is copied: the check reads
-the copies just made, while they are still in the CPU cache
-(``codec.checksum_matches_copied``, given the ``(offset, copy)`` of every range,
-the bytes between the ranges read from the entry itself): one pass over the
-entry's bytes in memory, not two. Targets whose ranges overlap, or whose rows
-are not contiguous, are checked on the entry itself (``codec.checksum_matches``).
+the copies just made, while they are still in the CPU cache, and what is served is
+what was checked (a byte changed in ``/dev/shm`` after the copy is not in the copy).
+Two forms:
+
+* :meth:`GatherCheck.copy_checked_rows`, the memory tier's: entries of one size in one
+  2-D array of slots (a size class's slab). The small ranges (header, token ids) and
+  the small gaps between ranges are copied for the whole batch by one fancy-indexing
+  step each; then, entry by entry, its large ranges (the image) are copied and the
+  entry hashed from the copies (``codec.checksums_match_rows``, what to hash worked
+  out once per batch): a few microseconds of Python per entry beside the copy and the
+  hash, which both release the GIL (numpy's copy; ``xxhash``'s ``update`` above
+  64 KiB), so two assembling threads overlap.
+* :meth:`GatherCheck.copy_checked`, for entries given one by one
+  (``codec.checksum_matches_copied``, given the ``(offset, copy)`` of every range,
+  the bytes between the ranges read from the entry itself): any layout of ranges;
+  targets whose ranges overlap, or whose rows are not contiguous, are checked on the
+  entry itself (``codec.checksum_matches``).
 
 Used by the memory tier (and the cluster's in-flight tier, a memory store);
 the disk tier interleaves the same two checks with its copies
@@ -25,13 +37,22 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["CopiedCheck", "EntryCheck", "GatherCheck", "Targets", "ranges_apart"]
+__all__ = ["CopiedCheck", "EntryCheck", "GatherCheck", "RowsCheck", "Targets", "ranges_apart"]
 
 #: The read check of a gathered entry: whether its bytes are intact (``codec.checksum_matches``).
 EntryCheck = Callable[[memoryview], bool]
 #: The read check given the copies of byte ranges of the entry (``(offset, copy)``,
 #: sorted by offset, apart): ``codec.checksum_matches_copied``.
 CopiedCheck = Callable[[memoryview, Sequence[tuple[int, npt.NDArray[np.uint8]]]], bool]
+#: The read check of a batch of entries of one size from copies of pieces that tile
+#: them, ``(size, pieces, rows, before)``: ``codec.checksums_match_rows``.
+RowsCheck = Callable[
+    [int, Sequence[tuple[int, npt.NDArray[np.uint8]]], Sequence[int], Callable[[int], None] | None],
+    npt.NDArray[np.bool_],
+]
+#: Ranges and gaps up to this long are copied for a whole batch in one fancy-indexing
+#: step (its temporary is small, and a row copy in Python per entry costs more).
+SMALL_RANGE = 4096
 #: The ``(offset, length, out)`` ranges of one gather.
 Targets = Sequence[tuple[int, int, npt.NDArray[np.uint8]]]
 
@@ -48,11 +69,63 @@ def ranges_apart(targets: Targets) -> bool:
 class GatherCheck:
     """The entry check a gathering tier runs on what it copied (see the module docstring)."""
 
-    __slots__ = ("check", "copied")
+    __slots__ = ("check", "copied", "rows")
 
-    def __init__(self, check: EntryCheck, copied: CopiedCheck | None = None) -> None:
+    def __init__(
+        self, check: EntryCheck, copied: CopiedCheck | None = None, rows: RowsCheck | None = None
+    ) -> None:
         self.check = check
         self.copied = copied
+        self.rows = rows
+
+    def copy_checked_rows(
+        self,
+        slab: npt.NDArray[np.uint8],
+        rows: npt.NDArray[np.int64],
+        slots: npt.NDArray[np.int64],
+        size: int,
+        targets: Targets,
+    ) -> npt.NDArray[np.bool_] | None:
+        """Copy entry ``j`` (``slab[slots[j], :size]``, every entry ``size`` bytes) into row
+        ``rows[j]`` of each target and check it (see the module docstring); per entry,
+        whether it failed (True: do not serve that row). None, with nothing copied,
+        where this form does not apply (no rows check, ranges that overlap or rows not
+        contiguous, a large gap between ranges): the caller uses :meth:`copy_checked`."""
+        rows_check = self.rows
+        if rows_check is None or not targets or not ranges_apart(targets):
+            return None
+        m = targets[0][2].shape[0]
+        pieces: list[tuple[int, npt.NDArray[np.uint8]]] = []
+        batched: list[tuple[int, int, npt.NDArray[np.uint8]]] = []  # copied for the batch
+        large: list[tuple[int, int, npt.NDArray[np.uint8]]] = []  # copied entry by entry
+        spans: list[tuple[int, int, npt.NDArray[np.uint8] | None]] = [
+            (offset, offset + length, out) for offset, length, out in targets if length
+        ]
+        spans.sort(key=lambda t: t[0])
+        pos = 0
+        for start, stop, out in [*spans, (size, size, None)]:
+            if start > pos:  # a gap: hashed, never served (a copy of its own)
+                if start - pos > SMALL_RANGE:
+                    return None
+                gap = np.empty((m, start - pos), dtype=np.uint8)
+                batched.append((pos, start, gap))
+                pieces.append((pos, gap))
+            if out is not None:
+                (large if stop - start > SMALL_RANGE else batched).append((start, stop, out))
+                pieces.append((start, out))
+            pos = stop
+        for start, stop, out in batched:
+            out[rows] = slab[slots, start:stop]
+        rows_list, slots_list = rows.tolist(), slots.tolist()
+
+        def copy_large(j: int) -> None:
+            r, slot = rows_list[j], slots_list[j]
+            for start, stop, out in large:
+                out[r] = slab[slot, start:stop]
+
+        ok = rows_check(size, pieces, rows_list, copy_large if large else None)
+        bad: npt.NDArray[np.bool_] = ~ok
+        return bad
 
     def copy_checked(
         self,

@@ -46,7 +46,7 @@ from mmcache.errors import ConfigError
 from mmcache.policies import Policy, get_policy
 from mmcache.stats import TierStats
 from mmcache.stores.base import KEY_SIZE, EntryInfo, Keys, Store, check_key
-from mmcache.stores.gathercheck import CopiedCheck, EntryCheck, GatherCheck
+from mmcache.stores.gathercheck import CopiedCheck, EntryCheck, GatherCheck, RowsCheck
 from mmcache.stores.memory import repair
 from mmcache.stores.memory.access import Access
 from mmcache.stores.memory.admission import INLINE_COPY_MAX, Writer
@@ -290,10 +290,18 @@ class MemoryStore(Store):
                     mv.release()
                     base.release()
 
-    def enable_gather(self, check: EntryCheck, *, copied: CopiedCheck | None = None) -> None:
+    def enable_gather(
+        self,
+        check: EntryCheck,
+        *,
+        copied: CopiedCheck | None = None,
+        rows: RowsCheck | None = None,
+    ) -> None:
         """Check every entry a gather copies with ``check`` (``codec.checksum_matches``)
         before it is served; ``copied`` (``codec.checksum_matches_copied``) is the same
-        check reading the copies just made (:mod:`mmcache.stores.gathercheck`).
+        check reading the copies just made, and ``rows`` (``codec.checksums_match_rows``)
+        the same for a batch of entries of one size at once
+        (:mod:`mmcache.stores.gathercheck`).
 
         The owner installs it (the cache does, for its memory tier and the cluster's
         in-flight tier): bytes in ``/dev/shm`` can be changed by any process of the
@@ -302,7 +310,7 @@ class MemoryStore(Store):
         absent: the caller produces it again. Without a check every entry is served
         as found (a store used for bytes that are not codec entries).
         """
-        self._gather_check = GatherCheck(check, copied)
+        self._gather_check = GatherCheck(check, copied, rows)
 
     def gather(
         self, keys: Keys, offset: int, length: int, out: npt.NDArray[np.uint8]
@@ -354,8 +362,9 @@ class MemoryStore(Store):
                 fits = t.size[e] >= end
                 idx, e = idx[fits], e[fits]
                 if idx.shape[0] and check is not None:  # each entry copied, then checked
-                    entries = [t.payload(x, s.slabs) for x in e.tolist()]
-                    bad = check.copy_checked(idx.tolist(), entries, targets)
+                    bad = s.slabs.copy_checked(
+                        check, idx, t.cls[e], t.slot[e], t.size[e], targets=targets
+                    )
                     if bad.any():
                         corrupt = [q[i].tobytes() for i in idx[bad].tolist()]
                         idx, e = idx[~bad], e[~bad]

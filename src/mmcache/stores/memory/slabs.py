@@ -41,6 +41,10 @@ import numpy as np
 import numpy.typing as npt
 
 from mmcache.errors import CacheError
+
+# SMALL_RANGE: byte ranges up to this long are gathered in one fancy-indexing step
+# (copy_rows here, and the checked gather's copies).
+from mmcache.stores.gathercheck import SMALL_RANGE, GatherCheck, Targets
 from mmcache.stores.memory.access import Access
 from mmcache.stores.memory.layout import C_CREATED, C_HINT, C_MARKED, C_SLOTS, C_USED, data_path
 from mmcache.stores.memory.shm import PAGE_SIZE, Segment, page_round
@@ -67,9 +71,6 @@ _CLASSES_PER_OCTAVE = 16
 #: A class's bitmap pages are reserved in steps of at least this many slots (one page),
 #: and at least an eighth of those reserved so far.
 BITMAP_STEP = PAGE_SIZE
-
-#: Byte ranges up to this long are gathered in one fancy-indexing step (see copy_rows).
-SMALL_RANGE = 4096
 
 
 def slot_sizes_upto(max_size: int) -> npt.NDArray[np.int64]:
@@ -367,6 +368,38 @@ class Slabs:
                 continue
             for i, r in zip(rows_out, rows_in, strict=True):
                 out[i] = slab[r, start:stop]
+
+    def copy_checked(
+        self,
+        check: GatherCheck,
+        out_rows: npt.NDArray[np.int64],
+        cls: npt.NDArray[np.int32],
+        slots: npt.NDArray[np.int64],
+        sizes: npt.NDArray[np.int64],
+        *,
+        targets: Targets,
+    ) -> npt.NDArray[np.bool_]:
+        """Copy the entries at ``slots`` of classes ``cls`` (``sizes`` bytes each) into rows
+        ``out_rows`` of the targets and check each (:mod:`mmcache.stores.gathercheck`):
+        :meth:`GatherCheck.copy_checked_rows` per group of entries of one size in one
+        class (a batch of one layout is one group), else entry by entry. Per entry,
+        whether it failed its read check. Caller holds the store lock (shared)."""
+        if (cls == cls[0]).all() and (sizes == sizes[0]).all():
+            groups = [np.arange(len(cls))]
+        else:
+            pairs = np.stack([cls.astype(np.int64), sizes.astype(np.int64)], axis=1)
+            _, inverse = np.unique(pairs, axis=0, return_inverse=True)
+            groups = [np.flatnonzero(inverse.ravel() == g) for g in range(int(inverse.max()) + 1)]
+        bad = np.zeros(len(cls), dtype=bool)
+        for g in groups:
+            first = int(g[0])
+            slab, size = self.get(int(cls[first])).rows, int(sizes[first])
+            got = check.copy_checked_rows(slab, out_rows[g], slots[g], size, targets)
+            if got is None:  # a layout of ranges that form does not take: entry by entry
+                entries = [slab[slot, :size] for slot in slots[g].tolist()]
+                got = check.copy_checked(out_rows[g].tolist(), entries, targets)
+            bad[g] = got
+        return bad
 
     def after_fork(self) -> None:
         """In a fork child: a fresh thread lock (the parent's may have been held)."""
