@@ -164,7 +164,7 @@ def run_cached(
             seed=0,
             num_workers=args.workers,
             persistent_workers=True,
-            augment=Augment(augment, device=device),
+            augment=Augment(augment, device=device) if augment is not None else None,
         )
         cold = 0.0
         warm, cpu = [], []
