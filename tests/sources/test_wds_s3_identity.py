@@ -65,6 +65,7 @@ class RemoteWebDatasetIdentity(IdentityContract):
     """A dataset is one shard under a prefix of its own (from the test's folder) and a
     local file naming its URL; each source keeps its raw-bytes tier and member index."""
 
+    pipeline: Pipeline
     storage_options: dict[str, Any] | None = None
 
     def put(self, key: str, body: bytes) -> str:
