@@ -24,14 +24,13 @@ import pytest
 from mmcache.pipeline import Pipeline
 from mmcache.sources.remote import RawTier
 from mmcache.sources.wds import WebDatasetSource
-from mmcache.testing.identity_contract import IdentityContract, noise_bmp
+from mmcache.testing.identity_contract import IdentityContract, flip_raw_spans, noise_bmp
 from mmcache.testing.s3 import S3Endpoint, moto_s3
-from mmcache.testing.store_contract import flip_in_files
 
 N = 8
 MTIME_NS = 1_600_000_000_000_000_000
-COPIES = "copies"  # the second bucket the remote ``cp -a`` copies into
 SHARD = "00000.tar"
+COPIES = "copies"  # the second bucket the remote ``cp -a`` copies into
 
 
 @pytest.fixture(scope="module")
@@ -101,19 +100,9 @@ class RemoteWebDatasetIdentity(IdentityContract):
         )
 
     def flip_source_tiers(self, source: Any) -> int:
-        raw = source.raw
-        flipped = 0
-        for i in range(len(source)):
-            span = source.remote_span(i)
-            assert span is not None, f"sample {i} has no remote span"
-            url, stamp, start, end = span
-            held = raw.get(url, stamp, start, end)
-            assert held is not None, f"{url} [{start}, {end}) is not in the raw tier"
-            mid = (end - start) // 2
-            flip_in_files([str(Path(raw.path) / "data.mdb")], held[mid - 32 : mid + 32])
-            assert raw.get(url, stamp, start, end) is None  # checked on read
-            flipped += 1
-        return flipped
+        spans = [source.remote_span(i) for i in range(len(source))]
+        assert None not in spans, "a sample has no remote span"
+        return flip_raw_spans(source.raw, spans)
 
 
 class TestS3WebDatasetIdentity(RemoteWebDatasetIdentity):
