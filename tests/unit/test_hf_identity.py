@@ -81,3 +81,26 @@ class TestHFPathsIdentity(TestHFBytesIdentity):
     def open_source(self, location: Path) -> HFDatasetSource:
         paths = [str(location / "images" / f"{i:04d}.bmp") for i in range(N)]
         return HFDatasetSource(_dataset(paths), pipeline=self.pipeline, columns=COLUMNS)
+
+
+class TestHFArrowFileIdentity(TestHFBytesIdentity):
+    """An Arrow file opened with ``Dataset.from_file`` (no ``state.json``): ``datasets``
+    fingerprints it by its path and mtime only, so the key holds the file's identity too
+    (a same-size rewrite with its mtime restored was served stale before)."""
+
+    copy_skip_reason = (
+        "datasets fingerprints a Dataset.from_file dataset by the file's absolute path and "
+        "mtime: a copy elsewhere is another dataset with other keys (a miss, never wrong "
+        "data); load_from_disk copies keep their keys (TestHFBytesIdentity)"
+    )
+
+    def write_dataset(self, folder: Path, variant: int) -> Path:
+        saved = super().write_dataset(folder / "saved", variant)
+        out = folder / "data.arrow"
+        out.write_bytes(next(saved.glob("*.arrow")).read_bytes())
+        os.utime(out, ns=(MTIME_NS, MTIME_NS))
+        return out
+
+    def open_source(self, location: Path) -> HFDatasetSource:
+        ds = datasets.Dataset.from_file(str(location))
+        return HFDatasetSource(ds, pipeline=self.pipeline, columns=COLUMNS)
