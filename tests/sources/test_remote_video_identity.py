@@ -14,7 +14,6 @@ from __future__ import annotations
 import io
 import json
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,24 +24,21 @@ import torch
 from mmcache.sources.remote import RawTier
 from mmcache.sources.remote.videos import RemoteVideoSource
 from mmcache.testing.identity_contract import IdentityContract, flip_raw_spans
-from mmcache.testing.s3 import S3Endpoint, moto_s3
+from mmcache.testing.s3 import S3Endpoint
 
 av = pytest.importorskip("av")
 pytest.importorskip("jinja2")
 pytest.importorskip("moto")
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "unit"))
+import test_remote_identity as remote_identity  # noqa: E402 (the same folder)
 from video_support import video_chat_pipeline  # noqa: E402
 
 N = 4
-COPIES = "copies"  # the second bucket the remote ``cp -a`` copies into
-
-
-@pytest.fixture(scope="module")
-def s3() -> Iterator[S3Endpoint]:
-    with moto_s3() as endpoint:
-        endpoint.client.create_bucket(Bucket=COPIES)
-        yield endpoint
+# The moto server with a second bucket for the remote ``cp -a`` copies (module-scoped),
+# as RemoteFileSource's identity test has it.
+COPIES = remote_identity.COPIES
+s3 = remote_identity.s3
 
 
 def noise_clip(seed: int, frames: int = 8, side: int = 56) -> bytes:
@@ -87,9 +83,7 @@ class TestS3VideoIdentity(IdentityContract):
     def _where(self, s3: S3Endpoint) -> None:
         self.pipeline, self.s3 = video_chat_pipeline(), s3
 
-    @staticmethod
-    def prefix(folder: Path) -> str:
-        return f"{folder.parent.parent.name}/{folder.name}"  # unique per test and dataset
+    prefix = staticmethod(remote_identity.RemoteIdentity.prefix)  # unique per test, dataset
 
     def write_dataset(self, folder: Path, variant: int) -> Path:
         prefix = self.prefix(folder)

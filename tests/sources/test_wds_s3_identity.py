@@ -15,30 +15,25 @@ import io
 import os
 import shutil
 import tarfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import test_remote_identity as remote_identity  # the multipart upload (same folder)
+import test_remote_identity as remote_identity  # its S3 fixture, multipart upload (same folder)
 
 from mmcache.pipeline import Pipeline
 from mmcache.sources.remote import RawTier
 from mmcache.sources.wds import WebDatasetSource
 from mmcache.testing.identity_contract import IdentityContract, flip_raw_spans, noise_bmp
-from mmcache.testing.s3 import S3Endpoint, moto_s3
+from mmcache.testing.s3 import S3Endpoint
 
 N = 8
 MTIME_NS = 1_600_000_000_000_000_000
 SHARD = "00000.tar"
-COPIES = "copies"  # the second bucket the remote ``cp -a`` copies into
-
-
-@pytest.fixture(scope="module")
-def s3() -> Iterator[S3Endpoint]:
-    with moto_s3() as endpoint:
-        endpoint.client.create_bucket(Bucket=COPIES)
-        yield endpoint
+# The moto server with a second bucket for the remote ``cp -a`` copies (module-scoped),
+# as RemoteFileSource's identity test has it.
+COPIES = remote_identity.COPIES
+s3 = remote_identity.s3
 
 
 def _shard(seeds: list[int]) -> bytes:
@@ -76,9 +71,7 @@ class RemoteWebDatasetIdentity(IdentityContract):
         """Copy object ``key`` to ``to`` (elsewhere: another bucket or folder); its URL."""
         raise NotImplementedError
 
-    @staticmethod
-    def prefix(folder: Path) -> str:
-        return f"{folder.parent.parent.name}/{folder.name}"  # unique per test and dataset
+    prefix = staticmethod(remote_identity.RemoteIdentity.prefix)  # unique per test, dataset
 
     def write_dataset(self, folder: Path, variant: int) -> Path:
         body = _shard([variant * 100 + i for i in range(N)])
