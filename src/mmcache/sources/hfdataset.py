@@ -8,9 +8,15 @@ decoding (datasets#7753) is never used.
 
 Stamps (``StampKind.FIXED``): the dataset's fingerprint (``ds._fingerprint``,
 which ``datasets`` changes with every transform: ``map``, ``filter``,
-``select``, ``shuffle``...) plus the row index. A dataset is immutable, so
-nothing is re-checked per epoch; a changed dataset is a new object with a new
-fingerprint, and all its keys are new (they are never the old dataset's).
+``select``, ``shuffle``...), the identity of each Arrow file the dataset is
+memory-mapped from (:func:`mmcache.sources.identity.file_identity`: the digest
+of its bytes, remembered in the node's ledger under the file's stat, so read
+once per node and file version), plus the row index. The files are in the key
+because a fingerprint need not follow the bytes: ``Dataset.from_file`` hashes
+the file's path and mtime only, so an Arrow file rewritten with its mtime
+restored kept its keys and was served stale. A dataset is immutable, so nothing
+is re-checked per epoch; a changed dataset is a new object with a new
+fingerprint or new files, and all its keys are new.
 
 Pickling (spawn workers): the source pickles its dataset, which ``datasets``
 pickles as the paths of its memory-mapped Arrow files (``load_from_disk``,
@@ -32,6 +38,7 @@ import numpy.typing as npt
 import xxhash
 
 from mmcache.errors import ConfigError, ManifestError, SampleError
+from mmcache.sources import identity
 from mmcache.sources.base import OnError, SampleSource, StampKind
 from mmcache.sources.bytesproc import byte_limit
 from mmcache.sources.cells import check_image_type, image_cell
@@ -108,8 +115,16 @@ class HFDatasetSource(RowSource):
         if image is not None:
             check_image_type(dataset.data.schema.field(image).type, column=image, path=self.where)
         self.dataset = dataset
+        # The bytes behind the fingerprint: an in-memory table has none (its fingerprint
+        # hashes the table itself); "" keeps the stamp string of such a dataset as it was.
+        files = [identity.file_identity(f["filename"]) for f in dataset.cache_files]
+        self.files_identity = xxhash.xxh3_128_hexdigest("|".join(files).encode()) if files else ""
         self._stamp = int(
-            np.uint64(xxhash.xxh3_64_intdigest(self.fingerprint_of_data.encode())).view(np.int64)
+            np.uint64(
+                xxhash.xxh3_64_intdigest(
+                    f"{self.fingerprint_of_data}{self.files_identity}".encode()
+                )
+            ).view(np.int64)
         )
         ids = IdColumn(len(dataset))
         if self.columns["id"]:
@@ -125,7 +140,7 @@ class HFDatasetSource(RowSource):
         self._refs: list[str | None] | None = None
 
     def stamps(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
-        """``int64 [n, 2]``: a hash of the dataset's fingerprint, and the row."""
+        """``int64 [n, 2]``: a hash of the dataset's fingerprint and files, and the row."""
         idx = self._checked(indices)
         out = np.empty((idx.shape[0], 2), dtype=np.int64)
         out[:, 0] = self._stamp
@@ -133,7 +148,8 @@ class HFDatasetSource(RowSource):
         return out
 
     def stamp_string(self, index: int, stamp: npt.NDArray[np.int64]) -> str:
-        return f"hf:{self.fingerprint_of_data}:{self.row(index)}"
+        files = f"{self.files_identity}:" if self.files_identity else ""
+        return f"hf:{self.fingerprint_of_data}:{files}{self.row(index)}"
 
     def image_refs(self, indices: npt.NDArray[np.int64]) -> list[str | None]:
         """Files named by an ``Image()`` column of paths (``cast_column`` from paths,

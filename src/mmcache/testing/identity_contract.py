@@ -25,6 +25,10 @@ where an entry could be served:
   of remote objects: :meth:`IdentityContract.flip_source_tiers`) is never served: each
   epoch after the flip is served what the source produces, and the damage is counted.
 
+A source whose samples are not one ``image`` each (clips: ``videos``, served as one
+tensor per clip) names its field in :attr:`IdentityContract.field` and says how a batch's
+values map to its samples in :meth:`IdentityContract.served_values`.
+
 The hostile-input mixin (:mod:`mmcache.testing.hostile`) is meant to sit next to this one.
 """
 
@@ -32,7 +36,7 @@ from __future__ import annotations
 
 import io
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -48,7 +52,14 @@ from mmcache.stores.disk import DiskStore
 from mmcache.stores.memory import MemoryStore
 from mmcache.testing.store_contract import flip_in_files
 
-__all__ = ["IdentityContract", "noise_bmp", "produced_images", "run_epoch", "wrong_ids"]
+__all__ = [
+    "IdentityContract",
+    "flip_raw_spans",
+    "noise_bmp",
+    "produced_images",
+    "run_epoch",
+    "wrong_ids",
+]
 
 
 def noise_bmp(seed: int, side: int = 32) -> bytes:
@@ -76,11 +87,26 @@ def run_epoch(loader: Any, epoch: int) -> list[dict[str, Any]]:
     return list(loader)
 
 
-def produced_images(source: SampleSource) -> dict[str, torch.Tensor]:
-    """What each id's ``image`` really is, produced without a cache."""
+def flip_raw_spans(raw: Any, spans: Iterable[tuple[str, str, int, int]]) -> int:
+    """Flip a byte in the middle of each ``(url, stamp, start, end)`` span that the
+    raw-bytes tier ``raw`` (a :class:`~mmcache.sources.remote.RawTier`) holds, and check
+    that each then reads as a miss (its checksum is checked on read); return how many were
+    flipped. What a remote source's :meth:`IdentityContract.flip_source_tiers` does."""
+    flipped = 0
+    for url, stamp, start, end in spans:
+        held = raw.get(url, stamp, start, end)
+        assert held is not None, f"{url} [{start}, {end}) is not in the raw tier"
+        mid = (end - start) // 2
+        flip_in_files([str(Path(raw.path) / "data.mdb")], held[mid - 32 : mid + 32])
+        assert raw.get(url, stamp, start, end) is None, f"{url}: a flipped byte was read"
+        flipped += 1
+    return flipped
+
+
+def produced_images(source: SampleSource, field: str = "image") -> dict[str, torch.Tensor]:
+    """What each id's ``field`` (``image`` by default) really is, produced without a cache."""
     return {
-        source.sample_id(i): torch.from_numpy(source.produce(i)["image"])
-        for i in range(len(source))
+        source.sample_id(i): torch.from_numpy(source.produce(i)[field]) for i in range(len(source))
     }
 
 
@@ -93,6 +119,8 @@ class IdentityContract:
     __test__ = False
     #: Why a copy of this source's data cannot keep its keys (``None``: it must).
     copy_skip_reason: ClassVar[str | None] = None
+    #: The produced field compared with what is served (what a tier holds verbatim).
+    field: ClassVar[str] = "image"
 
     def write_dataset(self, folder: Path, variant: int) -> Path:
         """Write (or rewrite in place) a dataset under ``folder``; return its location.
@@ -118,6 +146,20 @@ class IdentityContract:
         0."""
         return 0
 
+    def served_values(self, batch: dict[str, Any]) -> list[torch.Tensor]:
+        """``batch``'s value of :attr:`field` for each of its ids, in order, in the form
+        :func:`produced_images` gives. Default: the batch's rows of ``batch[field]``."""
+        return list(batch[self.field])
+
+    def _wrong(self, batches: Sequence[dict[str, Any]], want: dict[str, torch.Tensor]) -> list[str]:
+        """As :func:`wrong_ids`, for :attr:`field` through :meth:`served_values`."""
+        return [
+            sid
+            for b in batches
+            for sid, value in zip(b["id"], self.served_values(b), strict=True)
+            if not torch.equal(value, want[sid])
+        ]
+
     @pytest.fixture(autouse=True)
     def _identity_root(self, tmp_path: Path) -> None:
         self.identity_root = tmp_path / "identity"
@@ -129,11 +171,11 @@ class IdentityContract:
         root = self.identity_root / "cache"
         with Cache(root, memory="16MiB", disk="64MiB", temporary=True) as cache:
             for source in sources:
-                want = produced_images(source)
+                want = produced_images(source, self.field)
                 loader = DataLoader(source, cache=cache, batch_size=3, seed=1, num_workers=0)
                 try:
                     for epoch in (0, 1):
-                        wrong += wrong_ids(run_epoch(loader, epoch), want)
+                        wrong += self._wrong(run_epoch(loader, epoch), want)
                 finally:
                     loader.close()
         return wrong
@@ -169,14 +211,14 @@ class IdentityContract:
 
     def test_a_flipped_byte_in_any_tier_is_never_served(self) -> None:
         source = self.open_source(self.write_dataset(self.identity_root / "a", 0))
-        want = produced_images(source)
+        want = produced_images(source, self.field)
         needles = [_middle(image) for image in want.values()]
         root = self.identity_root / "flip"
         for memory, disk in (("16MiB", 0), (0, "64MiB")):
             with Cache(root, memory=memory, disk=disk, temporary=True) as cache:
                 loader = DataLoader(source, cache=cache, batch_size=3, seed=1, num_workers=0)
                 try:
-                    assert wrong_ids(run_epoch(loader, 0), want) == []
+                    assert self._wrong(run_epoch(loader, 0), want) == []
                     tier = cache.memory if memory else cache.disk
                     if isinstance(tier, MemoryStore):
                         files = tier.segment_paths()
@@ -186,13 +228,13 @@ class IdentityContract:
                     for needle in needles:
                         flip_in_files(files, needle)
                     for epoch in (1, 2):  # the damaged entries are produced again, then kept
-                        assert wrong_ids(run_epoch(loader, epoch), want) == []
+                        assert self._wrong(run_epoch(loader, epoch), want) == []
                     name = "memory" if memory else "disk"
                     assert cache.stats()[name].corrupt >= 1, "the flips were never read"
                 finally:
                     loader.close()
         if self.flip_source_tiers(source):  # produced from the source's own tier again
-            again = produced_images(source)
+            again = produced_images(source, self.field)
             assert [sid for sid, image in again.items() if not torch.equal(image, want[sid])] == []
 
 

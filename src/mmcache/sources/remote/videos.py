@@ -29,6 +29,7 @@ Thread/process safety: as :class:`FileSource`; read-only after construction.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -118,6 +119,16 @@ class RemoteVideoSource(FileSource):
                 self.objects[url] = (size, etag or f"size={size}")
 
     # -- which sample --------------------------------------------------------------------
+    def key_text(self, index: int) -> str:
+        """The conversation and the video parts' options, without their URLs: each clip is
+        in the key by its identity, in part order (:meth:`stamp_strings`; the URL is kept
+        there only where the ETag is no identity of the bytes), so a copy of the clips
+        under another bucket or prefix keeps its keys (``scope="cluster"`` with copies per
+        site). With the URLs here, every copy got other keys: a miss, never wrong data."""
+        parts = [{k: v for k, v in p.items() if k != "video"} for p in self.records.videos(index)]
+        options = json.dumps(parts, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        return f"{self.records.chat_json(index)}\x00{options}"
+
     def _clip_stamp(self, index: int) -> str:
         parts = [self.objects[p["video"]] for p in self.records.videos(index)]
         urls = [p["video"] for p in self.records.videos(index)]
