@@ -84,6 +84,19 @@ from treecompare import compare_trees  # benchmarks/ (the script's folder is on 
 torch.set_num_threads(1)
 
 
+def _client(url: str) -> Any:
+    """A boto3 S3 client of the moto server at ``url`` (its test credentials)."""
+    import boto3
+
+    return boto3.client(
+        "s3",
+        endpoint_url=url,
+        aws_access_key_id=KEY,
+        aws_secret_access_key=SECRET,
+        region_name=REGION,
+    )
+
+
 @contextlib.contextmanager
 def moto_process() -> Iterator[str]:
     """moto's S3 server in its own process (so that it does not share our GIL)."""
@@ -95,15 +108,7 @@ def moto_process() -> Iterator[str]:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        import boto3
-
-        client = boto3.client(
-            "s3",
-            endpoint_url=url,
-            aws_access_key_id=KEY,
-            aws_secret_access_key=SECRET,
-            region_name=REGION,
-        )
+        client = _client(url)
         for _ in range(100):
             try:
                 client.list_buckets()
@@ -321,15 +326,7 @@ def _s3_options(endpoint: str) -> dict[str, Any]:
 
 def _upload(url: str, shards: list[Path]) -> list[str]:
     """Upload ``shards`` to the moto server at ``url``; their ``s3://`` URLs."""
-    import boto3
-
-    client = boto3.client(
-        "s3",
-        endpoint_url=url,
-        aws_access_key_id=KEY,
-        aws_secret_access_key=SECRET,
-        region_name=REGION,
-    )
+    client = _client(url)
     for p in shards:
         client.upload_file(str(p), "data", f"wds/{p.name}")
     return [f"s3://data/wds/{p.name}" for p in shards]
