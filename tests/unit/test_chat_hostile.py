@@ -40,13 +40,17 @@ def _chat_dataset(tmp_path: Path, image: str, on_error: OnError) -> Any:
     return MultimodalDataset(manifest, pipeline=Pipeline(image=sr, text=spec), on_error=on_error)
 
 
-@pytest.mark.parametrize("kind", ["fifo", "bomb"])
-def test_lengths_never_block_and_a_bomb_is_the_samples_error(tmp_path: Path, kind: str) -> None:
-    target = tmp_path / "hostile.png"
+def _write_hostile(target: Path, kind: str) -> None:
+    """``target`` as a FIFO (a read would block) or a PNG bomb (a huge header)."""
     if kind == "fifo":
         os.mkfifo(target)
     else:
         target.write_bytes(bomb_png())
+
+
+@pytest.mark.parametrize("kind", ["fifo", "bomb"])
+def test_lengths_never_block_and_a_bomb_is_the_samples_error(tmp_path: Path, kind: str) -> None:
+    _write_hostile(tmp_path / "hostile.png", kind)
     with pytest.raises(SampleError) as info:
         _chat_dataset(tmp_path, "hostile.png", "raise").lengths()
     assert info.value.sample_id == "hostile"
@@ -75,11 +79,7 @@ def test_grouping_and_packing_never_block_and_a_bomb_is_the_samples_error(
     of every batch under "skip" (the epoch serves the other sample)."""
     from mmcache import DataLoader
 
-    target = tmp_path / "hostile.png"
-    if kind == "fifo":
-        os.mkfifo(target)
-    else:
-        target.write_bytes(bomb_png())
+    _write_hostile(tmp_path / "hostile.png", kind)
     with pytest.raises(SampleError) as info:
         DataLoader(_chat_dataset(tmp_path, "hostile.png", "raise"), cache=None, **_loader_kw(mode))
     assert info.value.sample_id == "hostile"
