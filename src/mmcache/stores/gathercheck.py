@@ -14,9 +14,10 @@ Two forms:
   2-D array of slots (a size class's slab). The small ranges (header, token ids) and
   the small gaps between ranges are copied for the whole batch by one fancy-indexing
   step each; then, entry by entry, its large ranges (the image) are copied and the
-  entry hashed from the copies (``codec.checksums_match_rows``, what to hash worked
-  out once per batch): a few microseconds of Python per entry beside the copy and the
-  hash, which both release the GIL (numpy's copy; ``xxhash``'s ``update`` above
+  entry hashed from the copies, both in ``codec.checksums_match_rows`` (what to copy
+  and hash worked out once per batch, handed over as data: no Python call per entry):
+  ~2 microseconds of Python per entry beside the copy and the hash, which both
+  release the GIL (numpy's copy; ``xxhash``'s ``update`` above
   64 KiB), so two assembling threads overlap.
 * :meth:`GatherCheck.copy_checked`, for entries given one by one
   (``codec.checksum_matches_copied``, given the ``(offset, copy)`` of every range,
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -44,12 +46,28 @@ EntryCheck = Callable[[memoryview], bool]
 #: The read check given the copies of byte ranges of the entry (``(offset, copy)``,
 #: sorted by offset, apart): ``codec.checksum_matches_copied``.
 CopiedCheck = Callable[[memoryview, Sequence[tuple[int, npt.NDArray[np.uint8]]]], bool]
-#: The read check of a batch of entries of one size from copies of pieces that tile
-#: them, ``(size, pieces, rows, before)``: ``codec.checksums_match_rows``.
-RowsCheck = Callable[
-    [int, Sequence[tuple[int, npt.NDArray[np.uint8]]], Sequence[int], Callable[[int], None] | None],
-    npt.NDArray[np.bool_],
-]
+#: One large range copied entry by entry by the rows check, ``(out, src, start, stop)``:
+#: entry ``j``'s ``src[sources[j], start:stop]`` into ``out[rows[j]]``, just before its hash.
+RowCopy = tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8], int, int]
+
+
+class RowsCheck(Protocol):
+    """The read check of a batch of entries of one size from copies of pieces that tile
+    them, copying the large ranges (``copies``) entry by entry just before each entry is
+    hashed: ``codec.checksums_match_rows``."""
+
+    def __call__(
+        self,
+        size: int,
+        pieces: Sequence[tuple[int, npt.NDArray[np.uint8]]],
+        rows: Sequence[int],
+        before: Callable[[int], None] | None = None,
+        *,
+        copies: Sequence[RowCopy] = (),
+        sources: Sequence[int] = (),
+    ) -> npt.NDArray[np.bool_]: ...
+
+
 #: Ranges and gaps up to this long are copied for a whole batch in one fancy-indexing
 #: step (its temporary is small, and a row copy in Python per entry costs more).
 SMALL_RANGE = 4096
@@ -116,14 +134,8 @@ class GatherCheck:
             pos = stop
         for start, stop, out in batched:
             out[rows] = slab[slots, start:stop]
-        rows_list, slots_list = rows.tolist(), slots.tolist()
-
-        def copy_large(j: int) -> None:
-            r, slot = rows_list[j], slots_list[j]
-            for start, stop, out in large:
-                out[r] = slab[slot, start:stop]
-
-        ok = rows_check(size, pieces, rows_list, copy_large if large else None)
+        copies = [(out, slab, start, stop) for start, stop, out in large]
+        ok = rows_check(size, pieces, rows.tolist(), None, copies=copies, sources=slots.tolist())
         bad: npt.NDArray[np.bool_] = ~ok
         return bad
 
