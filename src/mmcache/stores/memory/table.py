@@ -70,6 +70,9 @@ log = logging.getLogger(__name__)
 
 CELL_FREE = 0
 CELL_TOMBSTONE = -1
+#: ``EntryState.READY`` as a plain int: an enum member read costs two Python calls
+#: (``EnumType.__getattr__``), on every batch lookup of the warm path.
+_READY = int(EntryState.READY)
 
 _MIX = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: Fibonacci hashing
 _MASK64 = (1 << 64) - 1
@@ -310,7 +313,7 @@ class EntryTable:
         """Rows of the published entries of keys ``q`` (``uint64 [n, 2]``), -1 where absent."""
         eids = lookup_many(self.cells, self.key, q, self.shift)
         hit = eids >= 0
-        hit[hit] = self.state[eids[hit]] == EntryState.READY
+        hit[hit] = self.state[eids[hit]] == _READY
         return np.where(hit, eids, -1)
 
     def residents(self, old: int) -> tuple[npt.NDArray[np.int64], Residents]:
