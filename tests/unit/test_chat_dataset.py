@@ -473,3 +473,32 @@ def test_lengths_saved_under_the_root_are_reused_by_the_next_run(
     calls.clear()
     MultimodalDataset(manifest, pipeline=qwen_pipeline(max_length=300)).lengths(root=root)
     assert calls == ["one", "two", "text"]
+
+
+def test_which_samples_have_several_files_is_found_once_not_per_sample(
+    manifest: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new process keys every sample of its first epoch: asking the records per sample
+    whether it has several files cost ~5 us twice a sample (its stamps, then its
+    identities; main). Found once for every record instead, with the same stamps and keys
+    (the two-image sample's stamp row is its files' combined one)."""
+    from mmcache.sources.records import Records
+
+    ds = MultimodalDataset(manifest, pipeline=qwen_pipeline())
+    one_by_one = [ds.key(i) for i in range(3)]
+    stamps = ds.stamps(np.arange(3))
+    fresh = MultimodalDataset(manifest, pipeline=qwen_pipeline())
+    asked: list[int] = []
+    count = Records.image_count
+
+    def counted(self: Records, i: int) -> int:
+        asked.append(i)
+        return count(self, i)
+
+    monkeypatch.setattr(Records, "image_count", counted)
+    for _ in range(2):  # an epoch's file check, then its keys, twice
+        np.testing.assert_array_equal(fresh.stamps(np.arange(3)), stamps)
+        fresh._memo_keys = None  # keyed anew, as in a new process
+        assert [r.tobytes() for r in fresh.key_rows(np.array([2, 1, 0]))] == one_by_one[::-1]
+    assert asked == []
+    assert stamps[1].tolist() != stamps[0].tolist() and stamps[2, 0] == -2

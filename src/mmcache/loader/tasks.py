@@ -38,6 +38,7 @@ from mmcache.keys import STAT_FIELDS
 from mmcache.sources.base import SampleSource, StampKind
 from mmcache.stores.base import BatchReader
 from mmcache.stores.claims import Claims
+from mmcache.stores.gathering import TieredReader
 from mmcache.writeback import pending_write, write_behind
 
 __all__ = [
@@ -345,8 +346,7 @@ class WorkerPlanner(torch.utils.data.Dataset[PackedPlan]):
                 keys = source.key_rows(indices, stamps=stamps)
         reader = self._first_tier()
         if reader is not None:
-            planned = reader.contains_many(keys)
-            self.ahead(keys)
+            planned = self._held(reader, keys)
         else:
             planned = np.zeros(len(indices), dtype=bool)
         if not produce and not planned.all():
@@ -372,6 +372,30 @@ class WorkerPlanner(torch.utils.data.Dataset[PackedPlan]):
             for r, res in zip(missing, first, strict=True)
         ]
         return BatchPlan(indices, keys, planned, results, stamps)
+
+    def _held(self, reader: BatchReader, keys: np.ndarray) -> np.ndarray:
+        """Which of ``keys`` some tier of ``reader`` holds (``bool [n]``), after :meth:`ahead`
+        of the batch's gather where it has work.
+
+        Over several tiers the first is asked first: when it holds every key (every batch
+        of a warm epoch), nothing lies below it to promote or read ahead, and
+        :meth:`ahead` is not run (both of its steps would ask the first tier again for
+        each key, for nothing: two lookups a batch, ~0.2 ms each for 16 keys, in the
+        training process when it plans a new process's first epoch). Otherwise the
+        lower tiers are asked for the rest and :meth:`ahead` runs as before.
+        """
+        if not isinstance(reader, TieredReader):
+            planned = np.asarray(reader.contains_many(keys), dtype=bool)
+            self.ahead(keys)
+            return planned
+        first: Any = reader.stores[0]  # a BatchReader (TieredReader checks each tier)
+        planned = np.asarray(first.contains_many(keys), dtype=bool)
+        if planned.all():
+            return planned
+        left = np.flatnonzero(~planned)
+        planned[left] = np.asarray(reader.contains_many(keys[left]), dtype=bool)
+        self.ahead(keys)
+        return planned
 
     def ahead(self, keys: np.ndarray) -> int:
         """Ahead of a batch's gather (planning runs batches ahead, in the epoch's order):

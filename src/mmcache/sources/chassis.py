@@ -163,13 +163,23 @@ class BaseSource(PipelineFields):
         else:
             stale = np.arange(idx.shape[0])
         if stale.size:
-            texts = self.stamp_strings(idx[stale], stamps[stale])
-            for j, text in zip(stale.tolist(), texts, strict=True):
-                i = int(idx[j])
-                key = keys.sample_key(self._ids.id(i), text, self._fingerprint, self.key_text(i))
-                memo_keys[i] = np.frombuffer(key, dtype=np.uint8)
-                keep = self._memoise_keys and stamps[j, 0] != -2  # missing: not memoised
-                memo_stamp[i] = stamps[j] if keep else -1
+            # The stale rows' ids in one call and their memo rows in two array writes: a
+            # new process keys every sample of its first epoch here, and per-row numpy
+            # writes cost about what the key's hash does.
+            redo = idx[stale]
+            texts = self.stamp_strings(redo, stamps[stale])
+            fp, key_text = self._fingerprint, self.key_text
+            made = [
+                keys.sample_key(sid, text, fp, key_text(i))
+                for sid, text, i in zip(self._ids.ids(redo), texts, redo.tolist(), strict=True)
+            ]
+            memo_keys[redo] = np.frombuffer(b"".join(made), dtype=np.uint8).reshape(-1, 16)
+            kept = stamps[stale].copy()
+            if self._memoise_keys:
+                kept[kept[:, 0] == -2] = -1  # missing: not memoised
+            else:
+                kept[:] = -1
+            memo_stamp[redo] = kept
         rows: np.ndarray = memo_keys[idx]
         return rows
 

@@ -294,6 +294,11 @@ class Records:
         i = self._row(i)
         return "" if self._videos is None else _field(*self._videos, i)
 
+    @property
+    def has_videos(self) -> bool:
+        """Whether any row may have video parts (their :meth:`video_json` is stored)."""
+        return self._videos is not None
+
     def video_counts(self) -> _I64:
         """Return how many videos each row has (int64 ``[N]``)."""
         if self._videos is None:
