@@ -59,7 +59,8 @@ from mmcache.augment import (
     RandomGrayscale,
     RandomHorizontalFlip,
     RandomResizedCrop,
-    sample_generators,
+    augment_into,
+    reseed_generators,
 )
 
 __all__ = ["CropPool", "poolable"]
@@ -115,6 +116,7 @@ def _serve(augment: Any, tasks: Any, done: Any) -> None:
     ``lo..hi`` of ``out``; ``forget``: the ids of buffers the pool no longer sends."""
     torch.set_num_threads(1)
     mapped: dict[tuple[int, int, int], Any] = {}
+    generators: list[torch.Generator] = []  # reseeded for each batch (none is kept)
     while True:
         task = tasks.get()
         if task is None:
@@ -122,9 +124,13 @@ def _serve(augment: Any, tasks: Any, done: Any) -> None:
         try:
             src, dst, lo, hi, seed, epoch, indices, forget = task
             images, out = _rebuild(src, mapped), _rebuild(dst, mapped)
-            rows = augment(images[lo:hi], sample_generators(seed, epoch, indices))
-            out[lo:hi].copy_(rows)
-            del images, out, rows
+            part, rows = images[lo:hi], out[lo:hi]
+            gens = reseed_generators(generators, seed, epoch, indices)
+            # A crop (and flips) resizes straight into the shared rows; anything after
+            # (colour, Normalize) makes a batch of its own, copied in.
+            if not augment_into(augment, part, gens, rows):
+                rows.copy_(augment(part, gens))
+            del images, out, part, rows, gens
             for key in forget:
                 mapped.pop(key, None)
             done.put(None)
