@@ -237,7 +237,7 @@ class CropPool:
         while True:
             try:
                 if answers.poll(0.5):
-                    return answers.recv_bytes() == b""
+                    return bool(answers.recv_bytes() == b"")
             except (EOFError, OSError):  # the process is gone
                 return False
             waited += 0.5
