@@ -75,15 +75,16 @@ def reference(ds: MultimodalDataset) -> dict[int, list[dict[str, Any]]]:
 
 def _count_crops_here(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """From now on each crop of a batch in this (the training) process is counted; the
-    crop processes, forked before, are not."""
+    crop processes, forked before, are not. (Every crop of a batch draws its boxes once,
+    called or fused with the flips after it.)"""
     calls = [0]
-    crop = RandomResizedCrop.__call__
+    boxes = RandomResizedCrop._boxes
 
     def counted(self: RandomResizedCrop, *args: Any) -> Any:
         calls[0] += 1
-        return crop(self, *args)
+        return boxes(self, *args)
 
-    monkeypatch.setattr(RandomResizedCrop, "__call__", counted)
+    monkeypatch.setattr(RandomResizedCrop, "_boxes", counted)
     return calls
 
 

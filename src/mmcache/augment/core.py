@@ -49,8 +49,8 @@ threads at once are safe (each call draws from the generators it is given).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Literal, Protocol, TypeAlias, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, Protocol, TypeAlias, runtime_checkable
 
 import numpy as np
 import torch
@@ -65,8 +65,10 @@ __all__ = [
     "RandomHorizontalFlip",
     "RandomResizedCrop",
     "Resample",
+    "augment_into",
     "batch_generator",
     "check_images",
+    "reseed_generators",
     "sample_generators",
     "sample_seed",
 ]
@@ -90,11 +92,15 @@ def _mix(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def _seed_of(*parts: int) -> int:
+def _fold(*parts: int) -> int:
     h = 0
     for p in parts:
         h = _mix(h ^ (int(p) & _MASK64))
-    return h >> 1  # torch.Generator.manual_seed takes up to 2**63 - 1 without wrapping
+    return h
+
+
+def _seed_of(*parts: int) -> int:
+    return _fold(*parts) >> 1  # torch.Generator.manual_seed takes up to 2**63 - 1 without wrapping
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -102,16 +108,56 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
     return _seed_of(_SAMPLE_TAG, seed, epoch, index)
 
 
+_M1 = np.uint64(0x9E3779B97F4A7C15)
+_M2, _M3 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_S27, _S30, _S31, _S1 = np.uint64(27), np.uint64(30), np.uint64(31), np.uint64(1)
+
+
+def _sample_seeds(seed: int, epoch: int, indices: Sequence[int] | np.ndarray) -> list[int]:
+    """:func:`sample_seed` of each index, the last mixing step done for the whole batch in
+    numpy (uint64 arithmetic wraps as ``& _MASK64`` does): ~0.3 us an index instead of
+    ~5 us, the same ints."""
+    try:
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+    except (OverflowError, TypeError, ValueError):  # ints beyond int64: the plain form
+        return [sample_seed(seed, epoch, int(i)) for i in indices]
+    h = _fold(_SAMPLE_TAG, seed, epoch)
+    with np.errstate(over="ignore"):
+        x = idx.view(np.uint64) ^ np.uint64(h)
+        x = x + _M1
+        x = (x ^ (x >> _S30)) * _M2
+        x = (x ^ (x >> _S27)) * _M3
+        x = (x ^ (x >> _S31)) >> _S1
+    return x.tolist()  # type: ignore[no-any-return]
+
+
 def sample_generators(
     seed: int, epoch: int, indices: Sequence[int] | np.ndarray
 ) -> list[torch.Generator]:
     """One CPU ``torch.Generator`` per dataset index, seeded by :func:`sample_seed`."""
     out = []
-    for i in indices:
+    for s in _sample_seeds(seed, epoch, indices):
         g = torch.Generator()
-        g.manual_seed(sample_seed(seed, epoch, int(i)))
+        g.manual_seed(s)
         out.append(g)
     return out
+
+
+def reseed_generators(
+    generators: list[torch.Generator], seed: int, epoch: int, indices: Sequence[int] | np.ndarray
+) -> list[torch.Generator]:
+    """The generators :func:`sample_generators` gives, made by seeding those in
+    ``generators`` again (grown as needed; ``manual_seed`` resets a CPU generator's whole
+    state, so each is as a new one): for a caller that makes a batch's generators again and
+    again and keeps none (a crop process). Returns the first ``len(indices)`` of the list.
+
+    Not thread-safe: one list per thread."""
+    seeds = _sample_seeds(seed, epoch, indices)
+    while len(generators) < len(seeds):
+        generators.append(torch.Generator())
+    for g, s in zip(generators, seeds, strict=False):
+        g.manual_seed(s)
+    return generators[: len(seeds)]
 
 
 def batch_generator(seed: int, epoch: int, batch: int) -> torch.Generator:
@@ -210,26 +256,39 @@ class RandomResizedCrop:
     def params(self, height: int, width: int, g: torch.Generator) -> tuple[int, int, int, int]:
         """``(top, left, h, w)`` of one crop of a ``height x width`` image (torchvision's
         ``get_params``, drawing from ``g``)."""
-        return self._params(height, width, g, torch.empty(1), torch.empty(1, dtype=torch.int64))
+        return self._params(height, width, g, _Draws())
 
     def _params(
-        self, height: int, width: int, g: torch.Generator, real: torch.Tensor, whole: torch.Tensor
+        self, height: int, width: int, g: torch.Generator, draws: _Draws
     ) -> tuple[int, int, int, int]:
-        # The draws of torchvision's get_params into two reused one-element tensors
-        # (``real`` float32, ``whole`` int64): the same values from the same generator
-        # state, without allocating four tensors per try (~40 -> ~15 us per image).
+        # torchvision's get_params draws, per try, a uniform area fraction, then a uniform
+        # log aspect ratio; on the first try that fits, a top and a left. Each draw of a
+        # tensor element takes the generator's next numbers, element after element, so
+        # the ten tries' values are drawn at once, twice from the same state (once per
+        # range: the values are the same floats the one-by-one draws give), and the
+        # generator is then put where the one-by-one draws leave it: four tensor calls
+        # instead of ~11 (one per draw, ~3 us each; measured, busy). The results are
+        # pinned against the one-by-one draws (tests/unit/test_augment_fast.py).
         area = height * width
         lo, hi = self._log_ratio
-        for _ in range(10):
-            target_area = area * real.uniform_(*self.scale, generator=g).item()
-            aspect = math.exp(real.uniform_(lo, hi, generator=g).item())
+        state = g.get_state()
+        fractions = draws.tries.uniform_(*self.scale, generator=g).tolist()
+        g.set_state(state)
+        logs = draws.tries.uniform_(lo, hi, generator=g).tolist()
+        for k in range(10):
+            target_area = area * fractions[2 * k]
+            aspect = math.exp(logs[2 * k + 1])
             w = round(math.sqrt(target_area * aspect))
             h = round(math.sqrt(target_area / aspect))
             if 0 < w <= width and 0 < h <= height:
+                g.set_state(state)
+                draws.tries[: 2 * k + 2].uniform_(generator=g)  # the k+1 tries' draws
+                whole = draws.whole
                 top = int(whole.random_(0, height - h + 1, generator=g).item())
                 left = int(whole.random_(0, width - w + 1, generator=g).item())
                 return top, left, h, w
-        # Fallback to a centre crop, clipped to the image.
+        # Ten tries failed (the generator is past their 20 draws, as one by one): a centre
+        # crop, clipped to the image.
         in_ratio = width / height
         if in_ratio < min(self.ratio):
             w = width
@@ -241,17 +300,22 @@ class RandomResizedCrop:
             w, h = width, height
         return (height - h) // 2, (width - w) // 2, h, w
 
+    def _boxes(
+        self, seq: Sequence[torch.Tensor], generators: Sequence[torch.Generator]
+    ) -> list[tuple[int, int, int, int]]:
+        draws = _Draws()
+        return [
+            self._params(int(im.shape[1]), int(im.shape[2]), g, draws)
+            for im, g in zip(seq, generators, strict=True)
+        ]
+
     def __call__(self, images: Images, generators: Sequence[torch.Generator], /) -> torch.Tensor:
         n = check_images(images, generators, "RandomResizedCrop")
         seq = list(images) if isinstance(images, torch.Tensor) else images
         channels = seq[0].shape[0] if n else 3
         device = seq[0].device if n else torch.device("cpu")
         s = self.size
-        real, whole = torch.empty(1), torch.empty(1, dtype=torch.int64)
-        boxes = [
-            self._params(int(im.shape[1]), int(im.shape[2]), g, real, whole)
-            for im, g in zip(seq, generators, strict=True)
-        ]
+        boxes = self._boxes(seq, generators)
         if device.type != "cpu":
             # CUDA resamples floats only: each crop resized, the batch rounded back once.
             fout = torch.empty((n, channels, s, s), dtype=torch.float32, device=device)
@@ -259,18 +323,64 @@ class RandomResizedCrop:
                 crop = im[:, top : top + h, left : left + w].unsqueeze(0).float()
                 fout[i] = self._resize(crop)[0]
             return fout.round_().clamp_(0, 255).to(torch.uint8)
+        return self._write(seq, boxes, None, [False] * n)
+
+    def crop_into(
+        self,
+        images: Images,
+        generators: Sequence[torch.Generator],
+        out: torch.Tensor | None,
+        flips: Sequence[RandomHorizontalFlip] = (),
+    ) -> torch.Tensor:
+        """The crops of CPU ``images``, then the ``flips`` after them, written into ``out``
+        (a CPU uint8 ``[B,C,size,size]``; None: a new batch, channels-last from interleaved
+        images) and returned: bitwise ``Compose([self, *flips])(images, generators)``.
+        The draws are the same, in the same order (every crop's, then each flip's)."""
+        check_images(images, generators, "RandomResizedCrop")
+        seq = list(images) if isinstance(images, torch.Tensor) else images
+        boxes = self._boxes(seq, generators)
+        flipped = [False] * len(seq)
+        for f in flips:
+            flipped = [a != b for a, b in zip(flipped, f.draws(generators), strict=True)]
+        return self._write(seq, boxes, out, flipped)
+
+    def _write(
+        self,
+        seq: Sequence[torch.Tensor],
+        boxes: Sequence[tuple[int, int, int, int]],
+        out: torch.Tensor | None,
+        flips: Sequence[bool],
+    ) -> torch.Tensor:
+        """Each CPU crop resized straight into its row of ``out`` (flipped left-right where
+        ``flips`` says), without a resized copy of it in between; ``out`` None: a new
+        batch, channels-last from interleaved images (interleaved in, interleaved out)."""
+        if out is None:
+            channels, s = (seq[0].shape[0] if seq else 3), self.size
+            fmt = torch.channels_last if _interleaved(seq, channels) else torch.contiguous_format
+            out = torch.empty((len(seq), channels, s, s), dtype=torch.uint8, memory_format=fmt)
         # The CPU resamples uint8 natively (fastest) from a channels-last crop. From
         # interleaved pixels (ImageSpec(channels_last=True)) that crop is a copy of
         # rows; from [3,H,W] planes an interleaving copy, about as long as the resize
         # itself (torch's is 1.3-2.7x faster than numpy's transpose, measured on
-        # 3x240x240 crops with 1 and 2 intra-op threads). Bitwise the same result.
-        # Interleaved in, interleaved out: the batch stays channels-last.
-        interleaved = n > 0 and channels > 1 and all(im.stride(0) == 1 for im in seq)
-        fmt = torch.channels_last if interleaved else torch.contiguous_format
-        out = torch.empty((n, channels, s, s), dtype=torch.uint8, memory_format=fmt)
+        # 3x240x240 crops with 1 and 2 intra-op threads). Bitwise the same result. The
+        # kernel takes the crop as a strided view too (bitwise the same) but is slower
+        # so (~500 against ~330 us for a 243 px crop of a 256 px image, busy).
+        # The kernel writes each row of ``out`` in that row's own layout (channels-last or
+        # planar), the values bitwise F.interpolate's.
+        resize = self._resize_into
+        scratch: torch.Tensor | None = None
         for i, (im, (top, left, h, w)) in enumerate(zip(seq, boxes, strict=True)):
             crop = im[:, top : top + h, left : left + w].unsqueeze(0)
-            out[i] = self._resize(crop.contiguous(memory_format=torch.channels_last))[0]
+            crop = crop.contiguous(memory_format=torch.channels_last)
+            if flips[i]:
+                if scratch is None:
+                    scratch = torch.empty(
+                        (1, *out.shape[1:]), dtype=torch.uint8, memory_format=torch.channels_last
+                    )
+                resize(crop, scratch)
+                out[i].copy_(scratch[0].flip(-1))
+            else:
+                resize(crop, out[i : i + 1])
         return out
 
     def _resize(self, crop: torch.Tensor) -> torch.Tensor:
@@ -282,6 +392,38 @@ class RandomResizedCrop:
             align_corners=False,
             antialias=self.antialias,
         )
+
+    def _resize_into(self, crop: torch.Tensor, out: torch.Tensor) -> None:
+        # What F.interpolate(crop, size=(s, s), mode, align_corners=False, antialias)
+        # calls, with its out= form: the result lands in ``out`` (a row of the batch),
+        # bitwise F.interpolate's (pinned for all four modes in tests/unit/test_augment_fast.py).
+        s = self.size
+        _RESIZE[self.interpolation, self.antialias](crop, (s, s), False, None, None, out=out)
+
+
+#: F.interpolate's kernels by (interpolation, antialias), called in their out= form
+#: ``(input, output_size, align_corners, scales_h, scales_w, *, out)``.
+_RESIZE: dict[tuple[str, bool], Callable[..., Any]] = {
+    ("bilinear", True): torch._C._nn._upsample_bilinear2d_aa,
+    ("bicubic", True): torch._C._nn._upsample_bicubic2d_aa,
+    ("bilinear", False): torch._C._nn.upsample_bilinear2d,
+    ("bicubic", False): torch._C._nn.upsample_bicubic2d,
+}
+
+
+class _Draws:
+    """The tensors :meth:`RandomResizedCrop._params` draws into, made once a batch: the
+    ten tries' 20 values (the default float dtype, as torchvision's
+    ``torch.empty(1).uniform_``) and an int64 for the top and the left. Not shared
+    between threads."""
+
+    def __init__(self) -> None:
+        self.tries = torch.empty(20)
+        self.whole = torch.empty(1, dtype=torch.int64)
+
+
+def _interleaved(seq: Sequence[torch.Tensor], channels: int) -> bool:
+    return len(seq) > 0 and channels > 1 and all(im.stride(0) == 1 for im in seq)
 
 
 class RandomHorizontalFlip:
@@ -306,7 +448,7 @@ class RandomHorizontalFlip:
         in place (what :class:`Compose` does with the fresh output of a crop: a new
         9.6 MB batch would cost its page faults again on every batch)."""
         n = check_images(images, generators, "RandomHorizontalFlip")
-        flip = [bool(torch.rand(1, generator=g).item() < self.p) for g in generators]
+        flip = self.draws(generators)
         if isinstance(images, torch.Tensor):
             if images.device.type != "cpu":
                 rows = torch.tensor([i for i in range(n) if flip[i]], device=images.device)
@@ -321,6 +463,12 @@ class RandomHorizontalFlip:
                     dst[i].copy_(images[i].flip(-1))
             return dst
         return [im.flip(-1) if f else im for im, f in zip(images, flip, strict=True)]
+
+    def draws(self, generators: Sequence[torch.Generator]) -> list[bool]:
+        """Whether each image is flipped: ``torch.rand(1, generator=g) < p`` per generator,
+        in order (drawn into one reused tensor: the same value, ~1 us less a draw)."""
+        real, p = torch.empty(1), self.p  # torch.rand's dtype and kernel: uniform_(0, 1)
+        return [bool(real.uniform_(0, 1, generator=g).item() < p) for g in generators]
 
 
 class Compose:
@@ -341,13 +489,74 @@ class Compose:
 
     def __call__(self, images: Images, generators: Sequence[torch.Generator], /) -> Images:
         fresh = False  # whether ``images`` is a tensor made here, so free to change in place
-        for t in self.transforms:
+        transforms = self.transforms
+        crop, flips = self._crop_stage()
+        if crop is not None and _on_cpu(images):
+            # The crop and the flips right after it in one pass: each flipped crop is
+            # resized into a scratch row and written flipped into its batch row, instead
+            # of a flip and a copy of the batch row afterwards. The draws are the ones the
+            # transforms make one after another (the crops', then each flip's, over all
+            # images), so the result is bitwise the same.
+            images = crop.crop_into(images, generators, None, flips)
+            transforms, fresh = transforms[1 + len(flips) :], True
+        for t in transforms:
             if isinstance(t, RandomHorizontalFlip):
                 images = t.apply(images, generators, in_place=fresh)
             else:
                 images = t(images, generators)
                 fresh = isinstance(t, RandomResizedCrop)
         return images
+
+    def _crop_stage(self) -> tuple[RandomResizedCrop | None, tuple[RandomHorizontalFlip, ...]]:
+        """The leading crop and the flips right after it (None, () without a leading crop)."""
+        if not self.transforms or not isinstance(self.transforms[0], RandomResizedCrop):
+            return None, ()
+        flips: list[RandomHorizontalFlip] = []
+        for t in self.transforms[1:]:
+            if not isinstance(t, RandomHorizontalFlip):
+                break
+            flips.append(t)
+        return self.transforms[0], tuple(flips)
+
+
+def _on_cpu(images: Images) -> bool:
+    """Whether ``images`` is a non-empty batch (or list) whose first image is a CPU tensor
+    (anything else takes the transforms one by one, which say what is wrong with it)."""
+    if not isinstance(images, (torch.Tensor, list)) or len(images) == 0:
+        return False
+    first = images[0]
+    return isinstance(first, torch.Tensor) and first.device.type == "cpu"
+
+
+def augment_into(
+    augment: object, images: Images, generators: Sequence[torch.Generator], out: torch.Tensor
+) -> bool:
+    """Run ``augment`` on CPU ``images`` with its result written into ``out`` (a CPU uint8
+    ``[B,C,size,size]`` tensor, any strides: a slice of a shared batch) when it is a
+    :class:`RandomResizedCrop`, or a :class:`Compose` of one and then flips only: True,
+    bitwise what ``augment(images, generators)`` returns, without a batch in between.
+    False (``out`` untouched, nothing drawn): any other augment or input; the caller
+    copies ``augment(images, generators)`` itself."""
+    crop: RandomResizedCrop | None
+    flips: tuple[RandomHorizontalFlip, ...]
+    if isinstance(augment, RandomResizedCrop):
+        crop, flips = augment, ()
+    elif isinstance(augment, Compose):
+        crop, flips = augment._crop_stage()
+        if crop is None or 1 + len(flips) != len(augment.transforms):
+            return False
+    else:
+        return False
+    s = crop.size
+    if (
+        not _on_cpu(images)
+        or out.device.type != "cpu"
+        or out.dtype != torch.uint8
+        or tuple(out.shape) != (len(images), images[0].shape[0], s, s)
+    ):
+        return False
+    crop.crop_into(images, generators, out, flips)
+    return True
 
 
 def output_size(augment: object) -> int | None:

@@ -44,7 +44,6 @@ import contextlib
 import itertools
 import multiprocessing as mp
 import os
-import queue
 import threading
 from typing import Any
 
@@ -59,7 +58,8 @@ from mmcache.augment import (
     RandomGrayscale,
     RandomHorizontalFlip,
     RandomResizedCrop,
-    sample_generators,
+    augment_into,
+    reseed_generators,
 )
 
 __all__ = ["CropPool", "poolable"]
@@ -112,9 +112,11 @@ def _rebuild(handle: _Handle, mapped: dict[tuple[int, int, int], Any]) -> torch.
 
 def _serve(augment: Any, tasks: Any, done: Any) -> None:
     """A crop process: ``(images, out, lo, hi, seed, epoch, indices, forget)`` -> rows
-    ``lo..hi`` of ``out``; ``forget``: the ids of buffers the pool no longer sends."""
+    ``lo..hi`` of ``out``; ``forget``: the ids of buffers the pool no longer sends. The
+    answer on ``done`` (this process's own pipe): empty bytes (cropped) or the error's text."""
     torch.set_num_threads(1)
     mapped: dict[tuple[int, int, int], Any] = {}
+    generators: list[torch.Generator] = []  # reseeded for each batch (none is kept)
     while True:
         task = tasks.get()
         if task is None:
@@ -122,14 +124,18 @@ def _serve(augment: Any, tasks: Any, done: Any) -> None:
         try:
             src, dst, lo, hi, seed, epoch, indices, forget = task
             images, out = _rebuild(src, mapped), _rebuild(dst, mapped)
-            rows = augment(images[lo:hi], sample_generators(seed, epoch, indices))
-            out[lo:hi].copy_(rows)
-            del images, out, rows
+            part, rows = images[lo:hi], out[lo:hi]
+            gens = reseed_generators(generators, seed, epoch, indices)
+            # A crop (and flips) resizes straight into the shared rows; anything after
+            # (colour, Normalize) makes a batch of its own, copied in.
+            if not augment_into(augment, part, gens, rows):
+                rows.copy_(augment(part, gens))
+            del images, out, part, rows, gens
             for key in forget:
                 mapped.pop(key, None)
-            done.put(None)
+            done.send_bytes(b"")
         except Exception as exc:  # reported to the training process, which crops itself
-            done.put(f"{type(exc).__name__}: {exc}")
+            done.send_bytes(f"{type(exc).__name__}: {exc}".encode() or b"?")
         del task
 
 
@@ -156,11 +162,18 @@ class CropPool:
         # Per process, the buffers it maps (least recently sent first): a buffer is sent
         # once, then named by its id (a file descriptor passed per message costs ~1 ms).
         self._sent: list[collections.OrderedDict[tuple[int, int, int], None]] = []
-        self._done = ctx.Queue()  # answers: None (cropped) or the error's text
+        # Answers, one pipe per process: written by the process itself, where a shared
+        # Queue goes through a feeder thread (one more thread wake-up a message in the
+        # crop process, and the training process's get takes the queue's lock); each
+        # wake-up costs about as much CPU as a message's pickling on this VM.
+        self._done: list[Any] = []
         for _ in range(n):
             q = ctx.SimpleQueue()
-            p = ctx.Process(target=_serve, args=(augment, q, self._done), daemon=True)
+            answers, answer = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_serve, args=(augment, q, answer), daemon=True)
             p.start()
+            answer.close()  # the process's end: its exit is then an EOF here
+            self._done.append(answers)
             self._procs.append(p)
             self._tasks.append(q)
             self._sent.append(collections.OrderedDict())
@@ -188,8 +201,8 @@ class CropPool:
                 task = (src, dst, lo, hi, seed, epoch, np.asarray(indices[lo:hi]), forget)
                 self._tasks[w].put(task)
             ok = True
-            for _ in range(k):
-                if not self._wait():
+            for w in range(k):
+                if not self._wait(w):
                     ok = False
                     break
             if not ok:
@@ -218,16 +231,18 @@ class CropPool:
             forget.append(old)
         return handles[0], handles[1], forget
 
-    def _wait(self) -> bool:
-        """One crop process's answer: True when it cropped its rows."""
-        waited = 0.0
+    def _wait(self, w: int) -> bool:
+        """Crop process ``w``'s answer: True when it cropped its rows."""
+        waited, answers = 0.0, self._done[w]
         while True:
             try:
-                return self._done.get(timeout=0.5) is None
-            except queue.Empty:
-                waited += 0.5
-                if waited >= _WAIT_S or not all(p.is_alive() for p in self._procs):
-                    return False
+                if answers.poll(0.5):
+                    return bool(answers.recv_bytes() == b"")
+            except (EOFError, OSError):  # the process is gone
+                return False
+            waited += 0.5
+            if waited >= _WAIT_S or not all(p.is_alive() for p in self._procs):
+                return False
 
     def _shut(self) -> None:
         self._closed = True
@@ -240,6 +255,8 @@ class CropPool:
             if p.is_alive():
                 p.kill()
                 p.join(2.0)
+        for answers in self._done:
+            answers.close()
 
     def close(self) -> None:
         """Stop the processes. Idempotent."""
