@@ -86,19 +86,18 @@ _to_key = as_key  # 16 bytes and 32 hex as they are, any other str/bytes hashed
 def check_reads(store: S) -> S:
     """Install the codec's checksum as the read check of ``store``'s batch gathers, as
     the cache does for each of its tiers, and return it: a memory store (the memory
-    tier, the cluster's in-flight tier) checks the copies it made; a disk store its
-    entries (a formed one the stored entry, before its decode). Other stores are
-    returned as they are (their reads go through the tier list's check)."""
+    tier, the cluster's in-flight tier) and a disk store check the copies they made (a
+    batch of one layout at once); a formed disk store the stored entry, before its
+    decode. Other stores are returned as they are (their reads go through the tier
+    list's check)."""
     if isinstance(store, FormedDiskStore):
         store.enable_gather(codec.checksum_matches)  # decodes its hits (disk/formed.py)
-    elif isinstance(store, MemoryStore):  # a batch of one layout is checked at once
+    elif isinstance(store, (MemoryStore, DiskStore)):  # a batch of one layout checked at once
         store.enable_gather(
             codec.checksum_matches,
             copied=codec.checksum_matches_copied,
             rows=codec.checksums_match_rows,
         )
-    elif isinstance(store, DiskStore):
-        store.enable_gather(codec.checksum_matches, copied=codec.checksum_matches_copied)
     return store
 
 

@@ -62,7 +62,7 @@ from mmcache.loader.hooks import BatchContext, EpochContext, Hooks, LoaderHook
 from mmcache.loader.options import Augment, Distributed, SFTBatching, legacy_options, renamed
 from mmcache.loader.packing import PackSpec
 from mmcache.loader.progress import check_progress, with_progress
-from mmcache.loader.readahead import Calm
+from mmcache.loader.readahead import Calm, ReadAhead
 from mmcache.loader.state import STATE_VERSION, check_batching, read_state
 from mmcache.loader.stream import (
     BatchPlanStream,
@@ -308,6 +308,11 @@ class DataLoader:
         weakref.finalize(self, self._warm.close)
         self._state = StreamState()  # where the workers' stream is (shared explicitly)
         self._calm = Calm()  # whether the read-ahead finds pages resident, across epochs
+        # The next batches' promotion and page reads (loader/readahead.py), one for all
+        # epochs: its threads start once.
+        self._ahead = ReadAhead(
+            self._planner.read_ahead, ordered=self._planner.promote, calm=self._calm
+        )
         if self._hooks.plan:
             self._state.before_plan = self._hooks.before_plan
         if self.exchange is not None:  # one batch a task: none planned beyond its horizon
@@ -483,6 +488,7 @@ class DataLoader:
         stream, self._stream = self._stream, None
         if stream is not None:
             stream.close()
+        self._ahead.close()  # (a later epoch starts its threads again)
         if self._workers is not None:
             self._workers.stop()
 
@@ -587,7 +593,7 @@ class DataLoader:
                 planner=self._planner,
                 workers=workers,
                 warm=self._warm,
-                calm=self._calm,
+                ahead=self._ahead,
             )
         streams = source.streams(run.epoch)
         self._warm.begin(

@@ -22,6 +22,10 @@ promoted), only one chunk in :data:`PROBE_EVERY` submissions is read, as a
 probe; a probe that faults (the pages went: dropped, evicted, another epoch
 of a larger set) brings every chunk back at once.
 
+The loader keeps one :class:`ReadAhead` across its epochs (its plan streams
+:meth:`~ReadAhead.cancel` it when they end, and the loader closes it), so its
+threads start once, not at each epoch.
+
 Thread/fork safety: the threads start on first use in each process (a forked
 child never inherits them); every method may be called from any thread.
 """
@@ -167,6 +171,14 @@ class ReadAhead:
         ]
         for t in self._threads:
             t.start()
+
+    def cancel(self) -> None:
+        """Drop what is queued and keep the threads, for the next submissions (the
+        loader's plan stream ends with each epoch of non-persistent workers; starting
+        and joining four threads for each epoch cost the training loop 1-18 ms of a
+        150-280 ms epoch of 600 samples, measured on the busy 2-core machine)."""
+        with self._cond:
+            self._pending.clear()
 
     def close(self) -> None:
         """Stop the threads (what is queued is dropped); a later submit starts new ones."""

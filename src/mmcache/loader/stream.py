@@ -295,6 +295,7 @@ class BatchPlanStream:
         workers: MissWorkers | None,
         warm: WarmEpochs,
         calm: Calm | None = None,
+        ahead: ReadAhead | None = None,
     ) -> None:
         self.cursor = (epoch, start)
         self._order = order
@@ -305,9 +306,13 @@ class BatchPlanStream:
         self._gate = workers.gate if workers is not None else None
         # The next batches: promoted into free memory, their pages read ahead, off the loop.
         # Promotion in the epoch's order (one chunk at a time), page reads concurrently;
-        # calm: the loader's, kept across epochs.
-        self._ahead = ReadAhead(
-            self._read_ahead_of_use, ordered=self._promote_ahead_of_use, calm=calm
+        # calm: the loader's, kept across epochs. ahead: the loader's read-ahead (its
+        # threads kept across streams; cancelled, not closed, when this one ends).
+        self._owns_ahead = ahead is None
+        self._ahead = (
+            ahead
+            if ahead is not None
+            else ReadAhead(self._read_ahead_of_use, ordered=self._promote_ahead_of_use, calm=calm)
         )
         self._first_epoch = epoch  # of the workers' current stream
         self._base = 0  # the gate value its tasks count from
@@ -415,7 +420,10 @@ class BatchPlanStream:
             gate.open_to(self._base + epoch - self._first_epoch)
 
     def close(self) -> None:
-        self._ahead.close()
+        if self._owns_ahead:
+            self._ahead.close()
+        else:
+            self._ahead.cancel()
         if self._plans is not None and self._gate is not None:
             self._gate.open_all()  # tasks held for epochs that will not come
         self._plans = None  # a non-persistent torch iterator stops its workers when dropped

@@ -143,10 +143,12 @@ class FormedDiskStore(DiskStore):
 
         return super().verify(unpacked_ok)
 
-    def enable_gather(self, check: Callable[[memoryview], bool], *, copied: Any = None) -> None:
+    def enable_gather(
+        self, check: Callable[[memoryview], bool], *, copied: Any = None, rows: Any = None
+    ) -> None:
         """Gather batches here, checking each stored entry with ``check`` before its
-        decode; stays off for a form without ``write_ranges`` (``copied`` is unused:
-        the decode reads the stored bytes once, after the check)."""
+        decode; stays off for a form without ``write_ranges`` (``copied`` and ``rows``
+        are unused: the decode reads the stored bytes once, after the check)."""
         if callable(getattr(self._form, "write_ranges", None)):
             super().enable_gather(check)
 

@@ -33,7 +33,14 @@ from mmcache.errors import CacheError
 from mmcache.stores.base import KEY_SIZE, Keys
 from mmcache.stores.disk.counters import Counter, CounterFile
 from mmcache.stores.disk.env import EnvHandle, Txn
-from mmcache.stores.gathercheck import CopiedCheck, EntryCheck, ranges_apart
+from mmcache.stores.gathercheck import (
+    SMALL_RANGE,
+    CopiedCheck,
+    EntryCheck,
+    RowsCheck,
+    Targets,
+    ranges_apart,
+)
 
 __all__ = ["DiskGather", "EntryCheck"]
 
@@ -72,6 +79,35 @@ def _check_targets(n: int, targets: Sequence[tuple[int, int, npt.NDArray[np.uint
     return end
 
 
+def _tiles(
+    targets: Targets, end: int, m: int
+) -> tuple[list[tuple[int, npt.NDArray[np.uint8]]], list[tuple[int, int, npt.NDArray[np.uint8]]]]:
+    """What a batch check of entries of ``end`` bytes needs of ``targets`` (ranges apart):
+    the pieces that tile ``[0, end)`` (each target's rows, and an ``[m, gap]``
+    temporary for each gap between ranges: hashed, never served) and the same as
+    ``(start, stop, array)`` to copy each entry into. Empty pieces where a gap is
+    longer than ``SMALL_RANGE`` (its temporary would be large): the caller checks
+    entry by entry instead."""
+    spans = sorted(
+        ((offset, offset + length, out) for offset, length, out in targets if length),
+        key=lambda t: t[0],
+    )
+    pieces: list[tuple[int, npt.NDArray[np.uint8]]] = []
+    copies: list[tuple[int, int, npt.NDArray[np.uint8]]] = []
+    pos = 0
+    for start, stop, out in spans:
+        if start > pos:
+            if start - pos > SMALL_RANGE:
+                return [], []
+            gap = np.empty((m, start - pos), dtype=np.uint8)
+            pieces.append((pos, gap))
+            copies.append((pos, start, gap))
+        pieces.append((start, out))
+        copies.append((start, stop, out))
+        pos = stop
+    return pieces, copies
+
+
 class DiskGather:
     """The batch-reading half of :class:`~mmcache.stores.disk.DiskStore` (a mixin).
 
@@ -82,6 +118,7 @@ class DiskGather:
     supports_gather: bool = False
     _gather_check: EntryCheck | None = None
     _gather_copied: CopiedCheck | None = None
+    _gather_rows_check: RowsCheck | None = None
     _counters: CounterFile
     name: str
 
@@ -99,7 +136,13 @@ class DiskGather:
     ) -> bool:  # pragma: no cover - overridden
         raise NotImplementedError
 
-    def enable_gather(self, check: EntryCheck, *, copied: CopiedCheck | None = None) -> None:
+    def enable_gather(
+        self,
+        check: EntryCheck,
+        *,
+        copied: CopiedCheck | None = None,
+        rows: RowsCheck | None = None,
+    ) -> None:
         """Let the loader gather from this store; every entry gathered must pass ``check``.
 
         ``copied`` (``codec.checksum_matches_copied``): the same check, reading the
@@ -107,9 +150,13 @@ class DiskGather:
         copies an entry's ranges first and checks them while they are still in the
         CPU cache (one pass over the entry's bytes in memory, not two); a failed
         entry's rows are left for the caller to produce again, as any absent one.
+        ``rows`` (``codec.checksums_match_rows``, with ``copied``): the check of many
+        entries of one length from the batch's rows, for the entries the gathered
+        ranges tile (see the module docstring).
         """
         self._gather_check = check
         self._gather_copied = copied
+        self._gather_rows_check = rows if copied is not None else None
         self.supports_gather = True
 
     def gather_ranges(
@@ -147,6 +194,8 @@ class DiskGather:
             raise ValueError(f"{n} keys but {len(rows)} rows")
         end = _check_targets(int(np.max(rows)) + 1, targets)
         copied = self._gather_copied if ranges_apart(targets) else None
+        rows_check = self._gather_rows_check if copied is not None else None
+        pieces, tiles = _tiles(targets, end, int(np.max(rows)) + 1) if rows_check else ([], [])
         order = sorted(targets, key=lambda t: t[0])
         row_list = rows.tolist()
         corrupt: list[bytes] = []
@@ -154,9 +203,13 @@ class DiskGather:
             h = self._env()
             with Txn(h, buffers=True) as txn:
                 get, db = txn.get, h.data
+                tiled: list[tuple[int, memoryview]] = []  # (j, buffer): checked as a batch
                 for j, key in enumerate(ks):
                     buf = get(key, db=db)
                     if buf is None or len(buf) < end:
+                        continue
+                    if tiles and len(buf) == end:
+                        tiled.append((j, buf))  # (each get returns a buffer of its own)
                         continue
                     src = np.frombuffer(buf, dtype=np.uint8)
                     r = row_list[j]
@@ -176,6 +229,21 @@ class DiskGather:
                         corrupt.append(key)
                         continue
                     found[j] = True
+                if tiled and rows_check is not None:
+                    tiled_rows = [row_list[j] for j, _ in tiled]
+
+                    def copy_entry(i: int) -> None:  # just before entry i is hashed
+                        src, r = np.frombuffer(tiled[i][1], dtype=np.uint8), tiled_rows[i]
+                        for start, stop, out in tiles:
+                            out[r] = src[start:stop]
+
+                    good = rows_check(end, pieces, tiled_rows, copy_entry).tolist()
+                    for (j, _), ok in zip(tiled, good, strict=True):
+                        if ok:
+                            found[j] = True
+                        else:
+                            corrupt.append(ks[j])
+                    tiled.clear()  # the buffers end with the transaction
         except CacheError as exc:
             logger.warning("disk-tier gather failed, its reads are misses: %s", exc)
             found[:] = False
