@@ -39,7 +39,15 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["CopiedCheck", "EntryCheck", "GatherCheck", "RowsCheck", "Targets", "ranges_apart"]
+__all__ = [
+    "CopiedCheck",
+    "EntryCheck",
+    "GatherCheck",
+    "RowsCheck",
+    "Targets",
+    "ranges_apart",
+    "tile_ranges",
+]
 
 #: The read check of a gathered entry: whether its bytes are intact (``codec.checksum_matches``).
 EntryCheck = Callable[[memoryview], bool]
@@ -84,6 +92,39 @@ def ranges_apart(targets: Targets) -> bool:
     return all(out.strides[1] == 1 for _, _, out in targets)
 
 
+def tile_ranges(
+    targets: Targets, size: int, m: int
+) -> (
+    tuple[list[tuple[int, npt.NDArray[np.uint8]]], list[tuple[int, int, npt.NDArray[np.uint8]]]]
+    | None
+):
+    """What a batch check of entries of ``size`` bytes needs of ``targets`` (ranges apart,
+    ``m`` rows): the pieces that tile ``[0, size)`` as ``(offset, array)`` (each target's
+    rows, and an ``[m, gap]`` temporary for each gap between or after the ranges: hashed,
+    never served), and the same pieces as ``(start, stop, array)`` to copy an entry into.
+    None where a gap is longer than :data:`SMALL_RANGE` (its temporary would be large):
+    the caller checks entry by entry instead."""
+    spans: list[tuple[int, int, npt.NDArray[np.uint8] | None]] = [
+        (offset, offset + length, out) for offset, length, out in targets if length
+    ]
+    spans.sort(key=lambda t: t[0])
+    pieces: list[tuple[int, npt.NDArray[np.uint8]]] = []
+    tiles: list[tuple[int, int, npt.NDArray[np.uint8]]] = []
+    pos = 0
+    for start, stop, out in [*spans, (size, size, None)]:
+        if start > pos:
+            if start - pos > SMALL_RANGE:
+                return None
+            gap = np.empty((m, start - pos), dtype=np.uint8)
+            pieces.append((pos, gap))
+            tiles.append((pos, start, gap))
+        if out is not None:
+            pieces.append((start, out))
+            tiles.append((start, stop, out))
+        pos = stop
+    return pieces, tiles
+
+
 class GatherCheck:
     """The entry check a gathering tier runs on what it copied (see the module docstring)."""
 
@@ -112,26 +153,12 @@ class GatherCheck:
         rows_check = self.rows
         if rows_check is None or not targets or not ranges_apart(targets):
             return None
-        m = targets[0][2].shape[0]
-        pieces: list[tuple[int, npt.NDArray[np.uint8]]] = []
-        batched: list[tuple[int, int, npt.NDArray[np.uint8]]] = []  # copied for the batch
-        large: list[tuple[int, int, npt.NDArray[np.uint8]]] = []  # copied entry by entry
-        spans: list[tuple[int, int, npt.NDArray[np.uint8] | None]] = [
-            (offset, offset + length, out) for offset, length, out in targets if length
-        ]
-        spans.sort(key=lambda t: t[0])
-        pos = 0
-        for start, stop, out in [*spans, (size, size, None)]:
-            if start > pos:  # a gap: hashed, never served (a copy of its own)
-                if start - pos > SMALL_RANGE:
-                    return None
-                gap = np.empty((m, start - pos), dtype=np.uint8)
-                batched.append((pos, start, gap))
-                pieces.append((pos, gap))
-            if out is not None:
-                (large if stop - start > SMALL_RANGE else batched).append((start, stop, out))
-                pieces.append((start, out))
-            pos = stop
+        tiled = tile_ranges(targets, size, targets[0][2].shape[0])
+        if tiled is None:
+            return None
+        pieces, tiles = tiled
+        batched = [t for t in tiles if t[1] - t[0] <= SMALL_RANGE]  # copied for the batch
+        large = [t for t in tiles if t[1] - t[0] > SMALL_RANGE]  # copied entry by entry
         for start, stop, out in batched:
             out[rows] = slab[slots, start:stop]
         copies = [(out, slab, start, stop) for start, stop, out in large]

@@ -34,12 +34,11 @@ from mmcache.stores.base import KEY_SIZE, Keys
 from mmcache.stores.disk.counters import Counter, CounterFile
 from mmcache.stores.disk.env import EnvHandle, Txn
 from mmcache.stores.gathercheck import (
-    SMALL_RANGE,
     CopiedCheck,
     EntryCheck,
     RowsCheck,
-    Targets,
     ranges_apart,
+    tile_ranges,
 )
 
 __all__ = ["DiskGather", "EntryCheck"]
@@ -77,35 +76,6 @@ def _check_targets(n: int, targets: Sequence[tuple[int, int, npt.NDArray[np.uint
             raise ValueError(f"out must be a writeable uint8 array of shape [>={n}, {length}]")
         end = max(end, offset + length)
     return end
-
-
-def _tiles(
-    targets: Targets, end: int, m: int
-) -> tuple[list[tuple[int, npt.NDArray[np.uint8]]], list[tuple[int, int, npt.NDArray[np.uint8]]]]:
-    """What a batch check of entries of ``end`` bytes needs of ``targets`` (ranges apart):
-    the pieces that tile ``[0, end)`` (each target's rows, and an ``[m, gap]``
-    temporary for each gap between ranges: hashed, never served) and the same as
-    ``(start, stop, array)`` to copy each entry into. Empty pieces where a gap is
-    longer than ``SMALL_RANGE`` (its temporary would be large): the caller checks
-    entry by entry instead."""
-    spans = sorted(
-        ((offset, offset + length, out) for offset, length, out in targets if length),
-        key=lambda t: t[0],
-    )
-    pieces: list[tuple[int, npt.NDArray[np.uint8]]] = []
-    copies: list[tuple[int, int, npt.NDArray[np.uint8]]] = []
-    pos = 0
-    for start, stop, out in spans:
-        if start > pos:
-            if start - pos > SMALL_RANGE:
-                return [], []
-            gap = np.empty((m, start - pos), dtype=np.uint8)
-            pieces.append((pos, gap))
-            copies.append((pos, start, gap))
-        pieces.append((start, out))
-        copies.append((start, stop, out))
-        pos = stop
-    return pieces, copies
 
 
 class DiskGather:
@@ -195,7 +165,8 @@ class DiskGather:
         end = _check_targets(int(np.max(rows)) + 1, targets)
         copied = self._gather_copied if ranges_apart(targets) else None
         rows_check = self._gather_rows_check if copied is not None else None
-        pieces, tiles = _tiles(targets, end, int(np.max(rows)) + 1) if rows_check else ([], [])
+        tiled_ranges = tile_ranges(targets, end, int(np.max(rows)) + 1) if rows_check else None
+        pieces, tiles = tiled_ranges or ([], [])
         order = sorted(targets, key=lambda t: t[0])
         row_list = rows.tolist()
         corrupt: list[bytes] = []
