@@ -280,6 +280,51 @@ def test_a_loaders_read_ahead_threads_start_once_for_all_its_epochs(
         assert not any(t.is_alive() for t in left)
 
 
+def test_guessed_epochs_that_memory_serves_stop_reading_ahead_until_the_disk_serves_again(
+    tiny_data: Path, small_pipeline: Pipeline, cache_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Memory + disk, memory holding everything: once the first tier has served
+    ``FIRST_TIER_CALM`` guessed batches in a row the loader submits nothing to its
+    read-ahead (its calls had nothing to read and took the GIL from the loop: 13% of
+    a warm epoch); when entries leave memory the disk serves them, and the read-ahead
+    (its promotion into free memory included) comes back. The batches stay the
+    uncached loader's throughout."""
+    from mmcache.loader.stream import FIRST_TIER_CALM
+
+    ds = MultimodalDataset(tiny_data, pipeline=small_pipeline)
+    reference = [_epoch(DataLoader(ds, cache=None, batch_size=4, seed=3), e) for e in range(7)]
+    submitted: list[int] = []
+    real_submit = ReadAhead.submit
+
+    def spy(self: ReadAhead, keys: np.ndarray) -> None:
+        submitted.append(len(keys))
+        real_submit(self, keys)
+
+    monkeypatch.setattr(ReadAhead, "submit", spy)
+    with Cache(cache_root, memory="64MiB", disk="64MiB") as cache:
+        assert cache.memory is not None
+        loader = DataLoader(ds, cache=cache, batch_size=4, seed=3, num_workers=2)
+        per_epoch = []
+        for e in range(5):
+            before = len(submitted)
+            _same(_epoch(loader, e), reference[e])
+            per_epoch.append(len(submitted) - before)
+        stats = loader.stats().epochs
+        assert all(ep.tier_hits == {"memory": 48} for ep in stats[1:]), stats
+        assert sum(per_epoch) > 0  # the first guessed batches read ahead, as before
+        assert FIRST_TIER_CALM < 2 * 12 and per_epoch[4] == 0, per_epoch
+        for key in [ds.key(i) for i in range(len(ds))]:
+            cache.memory.delete(key)  # the disk serves the next epoch
+        before = len(submitted)
+        _same(_epoch(loader, 5), reference[5])
+        assert len(submitted) > before  # a lower tier served: reading ahead again
+        e5 = loader.stats().epochs[-1]
+        assert e5.misses == 0 and e5.tier_hits.get("disk", 0) > 0, e5
+        _same(_epoch(loader, 6), reference[6])
+        assert cache.memory.nbytes() > 0  # promoted back while reading ahead
+        loader.close()
+
+
 def test_a_guessed_epoch_promotes_disk_entries_into_free_memory(
     tiny_data: Path, small_pipeline: Pipeline, cache_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -649,13 +649,16 @@ class DataLoader:
         if plan.guessed:
             batch = assembler.gather_guess(plan)
             if batch is not None and self._warm.verified(plan):
-                assembler.count_guess(plan, stats)
+                below = assembler.count_guess(plan, stats)
+                state = self._state  # read by the plan stream: whether to read ahead
+                state.first_tier_run = 0 if below else state.first_tier_run + 1
                 if self._hooks.after:
                     batch = self._after_assemble(batch, epoch, j, plan.indices, guessed=True)
                 return batch
             # A file changed or an entry went: this batch is planned and its misses are
             # produced here; the next ones are planned as in an epoch that is not guessed.
             self._warm.stop_guessing(epoch)
+            self._state.first_tier_run = 0
             plan = self._planner.produced(plan.indices)
             self._warm.learn(plan)
             self._state.warm = self._state.warm and bool(plan.planned_hit.all())

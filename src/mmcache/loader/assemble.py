@@ -158,19 +158,24 @@ class BatchAssembler:
         present_channels_last(batch, self.channels_last)
         return batch
 
-    def count_guess(self, plan: BatchPlan, counter: EpochCounter) -> None:
+    def count_guess(self, plan: BatchPlan, counter: EpochCounter) -> bool:
         """Count a served guessed batch: all hits, each in the tier that served it (the
-        rows read one by one, entries of other shapes, the tier counted already)."""
+        rows read one by one, entries of other shapes, the tier counted already).
+
+        Returns whether a tier below the first served a row (True also for a single
+        tier that reads ahead itself, the disk tier alone): what the loader's
+        read-ahead is for; while the first (memory) tier serves every row it has
+        nothing to read."""
         reader, n = self.reader, len(plan.indices)
         own: list[int] = getattr(self._counted, "own", [])
         self._counted.own = []
         if reader is None:
-            return
+            return False
         served = plan.served
         if served is None or len(self._names) == 1:
             reader.count_reads(hits=n - len(own))  # gathered with count=False
             counter.count_hits(reader.name, n)
-            return
+            return not isinstance(reader, TieredReader) and hasattr(reader, "prefetch")
         if isinstance(reader, TieredReader):
             uncounted = np.ones(n, dtype=bool)
             uncounted[own] = False
@@ -179,6 +184,7 @@ class BatchAssembler:
             [_MEMORY if i == 0 else _LOWER for i in served.tolist()],
             [self._names[i] for i in served.tolist()],
         )
+        return bool(served.any())
 
     # -- a planned batch -----------------------------------------------------------------
     def assemble(
