@@ -128,9 +128,10 @@ def main() -> None:
             decodes = sum(r[0] for r in res)
             epoch = statistics.median(r[1] for r in res)
             train_cpu, worker_cpu = sum(r[2] for r in res), sum(r[3] for r in res)
-            busy = (train_cpu + worker_cpu) / (cores * max(r[1] for r in res))
+            total = train_cpu + worker_cpu
+            busy = total / (cores * max(r[1] for r in res))
             if not rows:  # the first row: one job alone, 2 workers
-                alone, alone_cpu = epoch, train_cpu + worker_cpu
+                alone, alone_cpu = epoch, total
             rows.append(
                 (
                     k,
@@ -138,7 +139,7 @@ def main() -> None:
                     workers,
                     decodes / n,
                     epoch / alone,
-                    (train_cpu + worker_cpu) / alone_cpu,
+                    total / alone_cpu,
                     busy,
                 )
             )

@@ -162,10 +162,10 @@ class BatchAssembler:
         """Count a served guessed batch: all hits, each in the tier that served it (the
         rows read one by one, entries of other shapes, the tier counted already).
 
-        Returns whether a tier below the first served a row (True also for a single
-        tier that reads ahead itself, the disk tier alone): what the loader's
-        read-ahead is for; while the first (memory) tier serves every row it has
-        nothing to read."""
+        Returns whether a tier below the first served a row, and True for a single
+        tier (what the loader's read-ahead reads: a disk tier alone reads its own
+        pages; a memory tier alone never reads ahead). While the first tier of
+        several serves every row, the read-ahead has nothing to read."""
         reader, n = self.reader, len(plan.indices)
         own: list[int] = getattr(self._counted, "own", [])
         self._counted.own = []
@@ -175,7 +175,7 @@ class BatchAssembler:
         if served is None or len(self._names) == 1:
             reader.count_reads(hits=n - len(own))  # gathered with count=False
             counter.count_hits(reader.name, n)
-            return not isinstance(reader, TieredReader) and hasattr(reader, "prefetch")
+            return True
         if isinstance(reader, TieredReader):
             uncounted = np.ones(n, dtype=bool)
             uncounted[own] = False
