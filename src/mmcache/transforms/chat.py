@@ -281,19 +281,13 @@ class ChatSpec:
                     f"the tokenizer has no token {image_token!r}: add it as a special token "
                     "(tokenizer.add_special_tokens) or pass ChatSpec(image_token_id=...)"
                 )
-            setattr_(self, "image_token_id", int(found))
+            image_id = int(found)
         else:
             # Any int32: LLaVA's own code marks an image with -200 (IMAGE_TOKEN_INDEX).
-            setattr_(
-                self,
-                "image_token_id",
-                check_int(
-                    "ChatSpec.image_token_id",
-                    self.image_token_id,
-                    minimum=-(2**31),
-                    maximum=2**31 - 1,
-                ),
+            image_id = check_int(
+                "ChatSpec.image_token_id", self.image_token_id, minimum=-(2**31), maximum=2**31 - 1
             )
+        setattr_(self, "image_token_id", image_id)
         video = self.video
         if video is not None and not isinstance(video, VideoTokens):
             raise ConfigError(f"ChatSpec.video must be a VideoTokens, got {video!r}")
@@ -326,7 +320,7 @@ class ChatSpec:
             video_wrap = _encode_wrap(tok, video.prefix, video.suffix)
         setattr_(self, "_wrap", wrap)
         setattr_(self, "_video_wrap", video_wrap)
-        self._derive_vision(tok, [*wrap, *video_wrap])
+        self._derive_vision(tok, image_id, [*wrap, *video_wrap])
         self.fingerprint()  # refuses an image_tokens function that cannot be hashed
 
     def _check_texts(self, template: str, specials: dict[str, str]) -> None:
@@ -341,23 +335,24 @@ class ChatSpec:
             "ChatSpec.image_prefix": self.image_prefix,
             "ChatSpec.image_suffix": self.image_suffix,
         }
-        for key, value in specials.items():
+        for key, token in specials.items():
             field_name = f"ChatSpec.{key}" if key in SPECIAL_NAMES[:2] else f"the tokenizer's {key}"
-            texts[field_name] = value
+            texts[field_name] = token
         if isinstance(self.video, VideoTokens):
-            for name in ("placeholder", "pad_token", "prefix", "suffix"):
-                texts[f"VideoTokens.{name}"] = getattr(self.video, name)
-        for name, value in texts.items():
+            for attr in ("placeholder", "pad_token", "prefix", "suffix"):
+                texts[f"VideoTokens.{attr}"] = getattr(self.video, attr)
+        for label, value in texts.items():
             if isinstance(value, str):  # (a wrong type is refused with its own message)
-                check_text(name, value)
+                check_text(label, value)
 
-    def _derive_vision(self, tok: Tokenizer, wraps: Sequence[npt.NDArray[np.int32]]) -> None:
+    def _derive_vision(
+        self, tok: Tokenizer, image_id: int, wraps: Sequence[npt.NDArray[np.int32]]
+    ) -> None:
         """The vision tokens: the image token's id, the video pad's, and the added tokens
         around their runs (:func:`~mmcache.transforms.chat_tokenizer.vision_tokens`).
         Qwen2-VL's and LLaVA's forward count them in ``input_ids`` against the images'
-        and videos' features, so one written by the text is a sample that fails far from
-        here (issue 37, H7); :meth:`encode` refuses it."""
-        image_id = int(self.image_token_id)  # type: ignore[arg-type]  (resolved by _derive)
+        and videos' features, so one written by the text makes a batch fail far from
+        its sample; :meth:`encode` refuses it."""
         image_name = tok.id_to_token(image_id) if image_id >= 0 else None
         runs = {image_id: image_name or self.image_token}
         placeholders = {self.image_token}

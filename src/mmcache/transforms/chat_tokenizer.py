@@ -77,9 +77,7 @@ def pad_id_of(tok: Tokenizer, specials: dict[str, str]) -> int:
     return 0
 
 
-def vision_tokens(
-    tok: Tokenizer, runs: dict[int, str], wraps: Iterable[int]
-) -> dict[int, str]:
+def vision_tokens(tok: Tokenizer, runs: dict[int, str], wraps: Iterable[int]) -> dict[int, str]:
     """The ids a model counts as vision tokens, each with its text: ``runs`` (the id an
     image's or a video's run is made of, with its name) and, among ``wraps`` (the ids
     written around the runs, such as ``<|vision_start|>``), those that are added tokens
