@@ -20,6 +20,16 @@ Each image placeholder (``image_token``) becomes the image token id repeated
 the last whole assistant turn before that image instead. A sample left with no
 trainable token raises ``SampleError("fully masked ...")``.
 
+Only the media runs may hold a vision token (the image token's id, the video pad's,
+and the added tokens around their runs, such as ``<|vision_start|>``): the model
+counts them against the images' and videos' features. A message that writes one as
+text is a ``SampleError`` naming it, and before a sample is cached each vision token
+is counted against the runs, so a chat template that writes one is refused too.
+Refused, not escaped: ``transformers`` processors refuse such a text by default
+(their placeholder and token counts), and its opt-in escape
+(``apply_chat_template(sanitize_control_tokens=True)``) does not combine with the
+assistant mask that SFT labels come from.
+
 Thread and process safety: a :class:`ChatSpec` is immutable; it pickles to the
 tokenizer's JSON and its options. One sample is encoded at a time (never
 ``encode_batch``, which would start the tokenizers thread pool before the DataLoader
@@ -565,10 +575,9 @@ class ChatSpec:
         more of it than its images and videos account for, and the model's forward
         fails on its batch, steps later and naming no sample (Qwen2-VL: "video features
         and video tokens do not match"); in a reply it would also be trained on.
-        Refused, as the model's processor refuses it, rather than escaped: tokenizing
-        it as plain characters would give ids that neither the processor nor the
-        model's tokenizer ever makes of that text. The placeholders are counted
-        instead (a surplus one is refused by that count)."""
+        Refused, as the model's processor refuses it, rather than escaped (the module
+        docstring says why). The placeholders are counted instead (a surplus one is
+        refused by that count)."""
         for k, (role, content) in enumerate(chat.messages):
             reason = surrogate_reason(f"message {k} ({role})", content)
             if reason is not None:
@@ -689,22 +698,18 @@ class ChatSpec:
         also sees what :meth:`_check_messages` cannot: a chat template that writes a
         vision token, or a spelling the tokenizer reads as one (an added token matched
         after normalisation)."""
-        if not texts:
-            return
-        text = np.concatenate(texts)
-        hit = np.isin(text, np.fromiter(self._vision, np.int64, len(self._vision)))
-        if not hit.any():
-            return
-        token = int(text[hit][0])
-        extra = int(np.count_nonzero(text == token))
-        total = int(np.count_nonzero(ids == token))
-        name = self._vision[token]
-        raise SampleError(
-            f"{total} {name!r} tokens where the sample's images and videos account for "
-            f"{total - extra}: the chat template, or text the tokenizer reads as {name!r}, "
-            f"writes the other {extra}, and the model's forward would fail on its batch",
-            sample_id=sample_id,
-        )
+        text = np.concatenate(texts) if texts else ids[:0]
+        for token, name in self._vision.items():  # a few ids: one compare each
+            extra = int(np.count_nonzero(text == token))
+            if extra:
+                total = int(np.count_nonzero(ids == token))
+                raise SampleError(
+                    f"{total} {name!r} tokens where the sample's images and videos account "
+                    f"for {total - extra}: the chat template, or text the tokenizer reads as "
+                    f"{name!r}, writes the other {extra}, and the model's forward would fail "
+                    "on its batch",
+                    sample_id=sample_id,
+                )
 
     def _video_block(
         self,
