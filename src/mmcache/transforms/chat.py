@@ -20,6 +20,16 @@ Each image placeholder (``image_token``) becomes the image token id repeated
 the last whole assistant turn before that image instead. A sample left with no
 trainable token raises ``SampleError("fully masked ...")``.
 
+Only the media runs may hold a vision token (the image token's id, the video pad's,
+and the added tokens around their runs, such as ``<|vision_start|>``): the model
+counts them against the images' and videos' features. A message that writes one as
+text is a ``SampleError`` naming it, and before a sample is cached each vision token
+is counted against the runs, so a chat template that writes one is refused too.
+Refused, not escaped: ``transformers`` processors refuse such a text by default
+(their placeholder and token counts), and its opt-in escape
+(``apply_chat_template(sanitize_control_tokens=True)``) does not combine with the
+assistant mask that SFT labels come from.
+
 Thread and process safety: a :class:`ChatSpec` is immutable; it pickles to the
 tokenizer's JSON and its options. One sample is encoded at a time (never
 ``encode_batch``, which would start the tokenizers thread pool before the DataLoader
@@ -49,9 +59,11 @@ from mmcache.transforms.chat_tokenizer import (
     pad_id_of,
     tokenizer_digest,
     tokenizer_parts,
+    vision_tokens,
 )
 from mmcache.transforms.fingerprint import callable_fingerprint
 from mmcache.transforms.stage import StageKind
+from mmcache.transforms.text import check_text, surrogate_reason
 from mmcache.transforms.video import VideoTokens
 
 __all__ = ["IGNORE_INDEX", "Chat", "ChatEncoding", "ChatSpec", "FullyMaskedError"]
@@ -200,6 +212,11 @@ class ChatSpec:
     video_token_id: int = field(init=False, default=-1, metadata=_DERIVED)
     _digest: str = field(init=False, default="", metadata=_DERIVED)
     _wrap: tuple[npt.NDArray[np.int32], ...] = field(init=False, metadata=_DERIVED)
+    _video_wrap: tuple[npt.NDArray[np.int32], ...] = field(init=False, metadata=_DERIVED)
+    #: The vision tokens (id -> text) that only a media run may hold (:meth:`_derive`).
+    _vision: dict[int, str] = field(init=False, metadata=_DERIVED)
+    #: Their texts that a record's message may not write (the placeholders aside).
+    _literals: tuple[str, ...] = field(init=False, metadata=_DERIVED)
 
     def __post_init__(self) -> None:
         tokenizer_json, specials, own_template = tokenizer_parts(self.tokenizer)
@@ -224,6 +241,7 @@ class ChatSpec:
             specials["bos_token"] = self.bos_token
         if self.eos_token is not None:
             specials["eos_token"] = self.eos_token
+        self._check_texts(template, specials)
         pad_id = self.pad_id
         if pad_id is None:
             pad_id = pad_id_of(Tokenizer.from_str(tokenizer_json), specials)
@@ -273,19 +291,13 @@ class ChatSpec:
                     f"the tokenizer has no token {image_token!r}: add it as a special token "
                     "(tokenizer.add_special_tokens) or pass ChatSpec(image_token_id=...)"
                 )
-            setattr_(self, "image_token_id", int(found))
+            image_id = int(found)
         else:
             # Any int32: LLaVA's own code marks an image with -200 (IMAGE_TOKEN_INDEX).
-            setattr_(
-                self,
-                "image_token_id",
-                check_int(
-                    "ChatSpec.image_token_id",
-                    self.image_token_id,
-                    minimum=-(2**31),
-                    maximum=2**31 - 1,
-                ),
+            image_id = check_int(
+                "ChatSpec.image_token_id", self.image_token_id, minimum=-(2**31), maximum=2**31 - 1
             )
+        setattr_(self, "image_token_id", image_id)
         video = self.video
         if video is not None and not isinstance(video, VideoTokens):
             raise ConfigError(f"ChatSpec.video must be a VideoTokens, got {video!r}")
@@ -312,15 +324,56 @@ class ChatSpec:
         setattr_(self, "_digest", tokenizer_digest(self._json))
         setattr_(self, "tokenizer", tok)
         setattr_(self, "video_token_id", video_id)
-        setattr_(
-            self,
-            "_wrap",
-            tuple(
-                np.asarray(tok.encode(t, add_special_tokens=False).ids if t else [], np.int32)
-                for t in (self.image_prefix, self.image_suffix)
-            ),
-        )
+        wrap = _encode_wrap(tok, self.image_prefix, self.image_suffix)
+        video_wrap: tuple[npt.NDArray[np.int32], ...] = ()
+        if video is not None and not video.per_frame:
+            video_wrap = _encode_wrap(tok, video.prefix, video.suffix)
+        setattr_(self, "_wrap", wrap)
+        setattr_(self, "_video_wrap", video_wrap)
+        self._derive_vision(tok, image_id, [*wrap, *video_wrap])
         self.fingerprint()  # refuses an image_tokens function that cannot be hashed
+
+    def _check_texts(self, template: str, specials: dict[str, str]) -> None:
+        """ConfigError naming the field for a configuration string holding a lone
+        surrogate: it would reach the tokenizer with every sample, which refuses it
+        with a bare TypeError (the template and the special tokens it writes), or could
+        never match a record's text (a placeholder, a marker)."""
+        texts: dict[str, object] = {
+            "ChatSpec.template": template,
+            "ChatSpec.image_token": self.image_token,
+            "ChatSpec.end_of_turn": self.end_of_turn,
+            "ChatSpec.image_prefix": self.image_prefix,
+            "ChatSpec.image_suffix": self.image_suffix,
+        }
+        for key, token in specials.items():
+            field_name = f"ChatSpec.{key}" if key in SPECIAL_NAMES[:2] else f"the tokenizer's {key}"
+            texts[field_name] = token
+        if isinstance(self.video, VideoTokens):
+            for attr in ("placeholder", "pad_token", "prefix", "suffix"):
+                texts[f"VideoTokens.{attr}"] = getattr(self.video, attr)
+        for label, value in texts.items():
+            if isinstance(value, str):  # (a wrong type is refused with its own message)
+                check_text(label, value)
+
+    def _derive_vision(
+        self, tok: Tokenizer, image_id: int, wraps: Sequence[npt.NDArray[np.int32]]
+    ) -> None:
+        """The vision tokens: the image token's id, the video pad's, and the added tokens
+        around their runs (:func:`~mmcache.transforms.chat_tokenizer.vision_tokens`).
+        Qwen2-VL's and LLaVA's forward count them in ``input_ids`` against the images'
+        and videos' features, so one written by the text makes a batch fail far from
+        its sample; :meth:`encode` refuses it."""
+        image_name = tok.id_to_token(image_id) if image_id >= 0 else None
+        runs = {image_id: image_name or self.image_token}
+        placeholders = {self.image_token}
+        if self.video is not None:
+            placeholders.add(self.video.placeholder)
+            if self.video_token_id >= 0:
+                runs[self.video_token_id] = self.video.pad_token
+        vision = vision_tokens(tok, runs, itertools.chain.from_iterable(wraps))
+        literals = tuple(sorted({t for t in vision.values() if t and t not in placeholders}))
+        object.__setattr__(self, "_vision", vision)
+        object.__setattr__(self, "_literals", literals)
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -426,8 +479,10 @@ class ChatSpec:
     def encode(self, chat: Chat, *, sample_id: str = "<chat>") -> ChatEncoding:
         """Render, tokenize, label and truncate one conversation (see the module
         docstring). Raises SampleError (naming ``sample_id``) for a placeholder count
-        that differs from ``len(chat.image_sizes)``, a template that rewrites a reply,
-        and a fully masked result."""
+        that differs from ``len(chat.image_sizes)``, a message holding a lone surrogate
+        or writing a vision token (see :meth:`_check_messages`), a template that
+        rewrites a reply, and a fully masked result."""
+        self._check_messages(chat, sample_id)
         messages = [{"role": r, "content": c} for r, c in chat.messages]
         placeholders = sum(c.count(self.image_token) for _, c in chat.messages)
         if placeholders != len(chat.image_sizes):
@@ -511,6 +566,33 @@ class ChatSpec:
                 return marker
         return ""
 
+    def _check_messages(self, chat: Chat, sample_id: str) -> None:
+        """SampleError naming the message for one that holds a lone surrogate (no
+        tokenizer reads it) or writes a vision token, such as ``<|video_pad|>`` or
+        ``<|vision_start|>``, as text.
+
+        Such a token would be tokenized as the vision token itself: the sample would hold
+        more of it than its images and videos account for, and the model's forward
+        fails on its batch, steps later and naming no sample (Qwen2-VL: "video features
+        and video tokens do not match"); in a reply it would also be trained on.
+        Refused, as the model's processor refuses it, rather than escaped (the module
+        docstring says why). The placeholders are counted instead (a surplus one is
+        refused by that count)."""
+        for k, (role, content) in enumerate(chat.messages):
+            reason = surrogate_reason(f"message {k} ({role})", content)
+            if reason is not None:
+                raise SampleError(reason, sample_id=sample_id)
+            for token in self._literals:
+                if token in content:
+                    trained = "; a reply would also be trained on it" if role == "assistant" else ""
+                    raise SampleError(
+                        f"message {k} ({role}) writes the vision token {token!r} as text: the "
+                        f"sample would hold more {token!r} tokens than its images and videos "
+                        f"account for, and the model's forward fails on its batch{trained}. "
+                        "Remove it from the record's text",
+                        sample_id=sample_id,
+                    )
+
     def _check_videos(self, chat: Chat, sample_id: str) -> None:
         """SampleError when the video placeholders and ``chat.video_sizes`` disagree."""
         if self.video is None:
@@ -554,6 +636,7 @@ class ChatSpec:
                 sample_id=sample_id,
             )
         ids: list[npt.NDArray[np.int32]] = []
+        texts: list[npt.NDArray[np.int32]] = []  # the text pieces' ids (no media run)
         spans: list[npt.NDArray[np.int64]] = []  # [n, 2] character offsets per part
         runs: list[tuple[int, int]] = []
         blocks: list[tuple[int, int]] = []
@@ -584,7 +667,8 @@ class ChatSpec:
             if piece:
                 enc = self.tokenizer.encode(piece, add_special_tokens=False)
                 if enc.ids:
-                    ids.append(np.asarray(enc.ids, dtype=np.int32))
+                    texts.append(np.asarray(enc.ids, dtype=np.int32))
+                    ids.append(texts[-1])
                     flat = itertools.chain.from_iterable(enc.offsets)
                     pairs = np.fromiter(flat, dtype=np.int64, count=2 * len(enc.ids))
                     spans.append(pairs.reshape(-1, 2) + base)
@@ -601,7 +685,31 @@ class ChatSpec:
             empty = np.zeros(0, dtype=np.int64)
             return np.zeros(0, dtype=np.int32), empty, empty, runs, blocks
         offsets = np.concatenate(spans)
-        return np.concatenate(ids), offsets[:, 0], offsets[:, 1], runs, blocks
+        every = np.concatenate(ids)
+        self._check_vision_counts(every, texts, sample_id)
+        return every, offsets[:, 0], offsets[:, 1], runs, blocks
+
+    def _check_vision_counts(
+        self, ids: npt.NDArray[np.int32], texts: list[npt.NDArray[np.int32]], sample_id: str
+    ) -> None:
+        """SampleError unless each vision token occurs in ``ids`` exactly as many times
+        as the images' and videos' runs put it there (their grids' counts): the text
+        pieces' ids (``texts``) hold none. The last check before a sample is cached; it
+        also sees what :meth:`_check_messages` cannot: a chat template that writes a
+        vision token, or a spelling the tokenizer reads as one (an added token matched
+        after normalisation)."""
+        text = np.concatenate(texts) if texts else ids[:0]
+        for token, name in self._vision.items():  # a few ids: one compare each
+            extra = int(np.count_nonzero(text == token))
+            if extra:
+                total = int(np.count_nonzero(ids == token))
+                raise SampleError(
+                    f"{total} {name!r} tokens where the sample's images and videos account "
+                    f"for {total - extra}: the chat template, or text the tokenizer reads as "
+                    f"{name!r}, writes the other {extra}, and the model's forward would fail "
+                    "on its batch",
+                    sample_id=sample_id,
+                )
 
     def _video_block(
         self,
@@ -621,18 +729,18 @@ class ChatSpec:
             for _ in range(t):
                 image_run(h, w)
         else:
-            wrap = self._video_wrap(video)
-            emit(wrap[0])
+            emit(self._video_wrap[0])
             emit(np.full(video.count(t, h, w), self.video_token_id, dtype=np.int32))
-            emit(wrap[1])
+            emit(self._video_wrap[1])
         blocks.append((start, position()))
 
-    def _video_wrap(self, video: VideoTokens) -> tuple[npt.NDArray[np.int32], ...]:
-        encode = self.tokenizer.encode
-        return tuple(
-            np.asarray(encode(t, add_special_tokens=False).ids if t else [], np.int32)
-            for t in (video.prefix, video.suffix)
-        )
+
+def _encode_wrap(tok: Tokenizer, *texts: str) -> tuple[npt.NDArray[np.int32], ...]:
+    """The token ids of each of ``texts`` (a run's prefix and suffix; none for ``""``)."""
+    return tuple(
+        np.asarray(tok.encode(t, add_special_tokens=False).ids if t else [], np.int32)
+        for t in texts
+    )
 
 
 def _free_mark(text: str, messages: list[dict[str, str]]) -> str:

@@ -1,5 +1,6 @@
 """The tokenizer side of :class:`~mmcache.transforms.chat.ChatSpec`: what it accepts as a
-tokenizer, the digest of it that enters the fingerprint, and the pad id batches use.
+tokenizer, the digest of it that enters the fingerprint, the pad id batches use, and
+the vision tokens only an image's or a video's run may hold.
 
 Pure functions; thread-safe.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from typing import Any
 
 import xxhash
@@ -16,7 +18,7 @@ from tokenizers import Tokenizer
 from mmcache.errors import ConfigError
 from mmcache.transforms.text import _canonical_tokenizer_json
 
-__all__ = ["SPECIAL_NAMES", "pad_id_of", "tokenizer_digest", "tokenizer_parts"]
+__all__ = ["SPECIAL_NAMES", "pad_id_of", "tokenizer_digest", "tokenizer_parts", "vision_tokens"]
 
 #: The special tokens a chat template may read, as transformers passes them.
 SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -73,3 +75,19 @@ def pad_id_of(tok: Tokenizer, specials: dict[str, str]) -> int:
         if found is not None:
             return int(found)
     return 0
+
+
+def vision_tokens(tok: Tokenizer, runs: dict[int, str], wraps: Iterable[int]) -> dict[int, str]:
+    """The ids a model counts as vision tokens, each with its text: ``runs`` (the id an
+    image's or a video's run is made of, with its name) and, among ``wraps`` (the ids
+    written around the runs, such as ``<|vision_start|>``), those that are added tokens
+    of ``tok``. A wrap written as plain text (``image_prefix="Image: "``) tokenizes to
+    ordinary words that any text may hold, so its ids are not counted; an added token
+    is one the model's own code looks for."""
+    out = dict(runs)
+    added = tok.get_added_tokens_decoder()
+    for i in wraps:
+        token = added.get(int(i))
+        if token is not None:
+            out[int(i)] = token.content
+    return out

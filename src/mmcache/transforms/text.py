@@ -27,10 +27,10 @@ import xxhash
 from tokenizers import Encoding, Tokenizer
 
 from mmcache.checks import check_int
-from mmcache.errors import ConfigError
+from mmcache.errors import ConfigError, SampleError
 from mmcache.transforms.stage import StageKind
 
-__all__ = ["TextSpec", "train_tokenizer"]
+__all__ = ["TextSpec", "check_text", "surrogate_at", "train_tokenizer"]
 
 _PAD_TOKENS = ("[PAD]", "<pad>")
 _SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]")
@@ -46,6 +46,52 @@ _PREFIX_GROWTH = 4
 # prefix's encoding before its cut can no longer change them.
 _PREFIX_MARGIN_TOKENS = 8
 _PREFIX_MARGIN_WORDS = 2
+
+#: What to tell a user whose text holds a surrogate code point (U+D800..U+DFFF): a Python
+#: str may hold one, UTF-8 cannot, and tokenizers refuses the whole string with a bare
+#: TypeError.
+_SURROGATE_FIX = (
+    "UTF-8 cannot encode it, so no tokenizer can read the text; it is usually a JSON "
+    "'\\ud800'-style escape without its pair, or bytes decoded with "
+    "errors='surrogateescape': fix the text where it was made"
+)
+
+
+def surrogate_at(text: str) -> int:
+    """The index of the first surrogate code point (U+D800..U+DFFF) in ``text``, or -1.
+
+    >>> surrogate_at("ok"), surrogate_at("a" + chr(0xD800))
+    (-1, 1)
+    """
+    # Only a surrogate makes UTF-8 encoding fail, and encoding runs at several GB/s
+    # where a regular expression over the surrogate range reads ~100 MB/s: this is paid
+    # once per message of every sample.
+    if text.isascii():
+        return -1
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return -1
+
+
+def surrogate_reason(what: str, text: str) -> str | None:
+    """The message for ``text`` (described by ``what``) when it holds a surrogate code
+    point; ``None`` when it holds none."""
+    at = surrogate_at(text)
+    if at < 0:
+        return None
+    code = ord(text[at])
+    return f"{what} holds a lone surrogate (U+{code:04X} at character {at}): {_SURROGATE_FIX}"
+
+
+def check_text(name: str, value: str) -> str:
+    """``value``, a configuration string, when it holds no surrogate code point;
+    ConfigError naming ``name`` otherwise (it would fail at every sample's tokenization)."""
+    reason = surrogate_reason(name, value)
+    if reason is not None:
+        raise ConfigError(reason)
+    return value
 
 
 def _canonical_tokenizer_json(tokenizer_json: str) -> str:
@@ -206,14 +252,24 @@ class TextSpec:
         truncated, wrapped in the special tokens and padded), but a text longer than
         ``64 * max_length`` characters is tokenized only as far as needed: its cost
         depends on ``max_length``, not on its length, unless the text starts with a
-        huge run without a word boundary (see :meth:`_encode_long`).
+        huge run without a word boundary (see :meth:`_encode_long`). SampleError when
+        the part it tokenizes holds a lone surrogate (:func:`surrogate_at`).
         """
         # One string at a time on purpose: encode_batch would start the Rayon pool
         # (see the module docstring about forked workers).
-        if len(text) <= self.max_length * _PREFIX_CHARS_PER_TOKEN:
-            enc = self._tokenizer.encode(text)
-        else:
-            enc = self._encode_long(text)
+        try:
+            if len(text) <= self.max_length * _PREFIX_CHARS_PER_TOKEN:
+                enc = self._tokenizer.encode(text)
+            else:
+                enc = self._encode_long(text)
+        except TypeError as exc:
+            # tokenizers' only word for a str it cannot read (a surrogate in the part it
+            # tokenizes) is "TextInputSequence must be str": look for the cause only
+            # then, so a good caption pays nothing for the check.
+            reason = surrogate_reason("the text", text) if isinstance(text, str) else None
+            if reason is None:
+                raise
+            raise SampleError(reason, sample_id="<text>") from exc
         return np.array(enc.ids, dtype=np.int32), np.array(enc.attention_mask, dtype=np.int32)
 
     def _encode_long(self, text: str) -> Encoding:
