@@ -279,14 +279,15 @@ class Ledger:
                 # file of each batch: one statement per key cost ~15 us each, one per batch
                 # ~2 us a key). The SQL text holds only placeholders, never data; the keys
                 # are bound parameters.
-                cur = conn.cursor()
+                cur, got = conn.cursor(), {}
                 for at in range(0, len(missing), _IN_KEYS):
                     part = missing[at : at + _IN_KEYS]
                     marks = ",".join("?" * len(part))
                     sql = f"SELECT ev, d, mtime, ctime, t FROM digest WHERE ev IN ({marks})"  # noqa: S608
                     for ev, d, mtime, ctime, taken in cur.execute(sql, part):
                         if self.vouches(mtime, ctime, taken):
-                            found[bytes(ev)] = bytes(d)
+                            got[bytes(ev)] = bytes(d)
+                found.update(got)  # none of a query that failed part way (a damaged file)
 
             if missing:
                 self._run_locked(select)
