@@ -148,3 +148,25 @@ def test_a_shard_rewritten_in_its_spans_tick_is_fresh(
     _rewrite(shard, ord("b"))
     assert keys.stat_fields(shard.stat()) == fields
     assert identity.span_identities(shard, fields, spans, read) == truth()
+
+
+def test_a_file_stamped_in_the_future_is_read_each_time_with_one_warning(
+    tmp_path: Path,
+    book: Callable[[], tuple[identity.Ledger, FakeClock]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A stamp ahead of the clock (a file server's clock ahead, ``tar x`` of future
+    mtimes) could be a rewrite in the digest's tick: never served, and said once."""
+    path = tmp_path / "future.bin"
+    path.write_bytes(b"f" * 4096)
+    ahead = path.stat().st_ctime + 3600
+    os.utime(path, (ahead, ahead))
+    _, clock = book()
+    clock.now = ahead - 3600 + identity.RACY_SECONDS + 1  # the ctime is old enough
+    with caplog.at_level("WARNING", logger=identity.__name__):
+        for fill in (1, 2):
+            _rewrite(path, fill)
+            os.utime(path, (ahead, ahead))
+            assert identity.file_identity(path) == _truth(path)
+    told = [r.getMessage() for r in caplog.records]
+    assert len(told) == 1 and "in the future" in told[0] and str(path) in told[0], told
