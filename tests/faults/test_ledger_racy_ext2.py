@@ -116,6 +116,7 @@ def _need(condition: bool, reason: str) -> None:
         pytest.skip(reason)
 
 
+@pytest.mark.slow
 def test_rewrites_in_the_digests_second_on_ext2_are_fresh(tmp_path: Path) -> None:
     _need(os.geteuid() == 0, "unshare -m and a loop mount need root (CAP_SYS_ADMIN)")
     for tool in ("unshare", "mkfs.ext2", "mount", "umount"):
@@ -148,7 +149,7 @@ def test_rewrites_in_the_digests_second_on_ext2_are_fresh(tmp_path: Path) -> Non
         capture_output=True,
         text=True,
         env=env,
-        timeout=300,
+        timeout=240,
     )
     _need(run.returncode != 77, f"cannot loop-mount an ext2 image here: {run.stderr.strip()}")
     assert run.returncode == 0, run.stderr
