@@ -27,6 +27,24 @@ the file is read and digested again: a content check, never a stale key and neve
 for bytes that did not change. ``content_stamp=True`` skips the ledger and digests every
 time (for file systems whose ctimes or inode numbers cannot be trusted).
 
+**Racy stamps** (git's "racy index" problem). A same-size rewrite within one tick of the
+file system's clock keeps all four fields: 1 s on ext2/ext3 with 128-byte inodes, HFS+ and
+some NFS servers, 2 s on FAT, a jiffy for ctimes on kernels before 6.13. Evidence alone
+then cannot tell "unchanged" from "rewritten just after its digest was taken", so a digest
+vouches for its evidence only when the file's last change (the later of its mtime and
+ctime) is at least :data:`RACY_SECONDS` older than the moment its bytes began to be read
+(the ledger's ``clock``): any rewrite after that moment falls in a later tick and changes
+the ctime. A digest taken sooner is kept with its time but never served: the file is read
+again at each key computation until its stamp is old enough, then remembered as usual.
+Files older than that (the common case) cost one ``stat`` each as before; a file stamped in
+the future is read at each key computation until that time has passed (one warning per
+process: a file server's clock ahead of this node's, or a ``tar x`` of future mtimes). A
+file server's clock *behind* this node's by more than about a second defeats the margin:
+there, use ``content_stamp=True``. Rejected: git's own test, a stamp not older than the
+index file's mtime (the ledger lives on another file system than the data, with another
+clock and granularity), and the ctime alone (FAT-like file systems report a creation time
+there; only the mtime moves).
+
 Rejected alternatives: keys from ``(size, mtime, ctime, inode)`` (turn 2) are never stale but
 differ on every copy (G17: the cluster refused every exchanged entry); keys from
 ``(size, mtime)`` are equal on copies but serve another dataset's or an old version's pixels
@@ -37,14 +55,18 @@ node, in ``$MMCACHE_IDENTITY_DIR`` (default ``$XDG_CACHE_HOME/mmcache/identity``
 the host so that a home directory shared between nodes never has two nodes lock one file.
 ``MMCACHE_IDENTITY_DIR=off`` keeps it in memory (one per process: every process digests
 what it keys once). It holds only digests of bytes this node read; losing it, or any error
-reading or writing it, costs a re-read, never a wrong key (one warning, then in memory).
+reading or writing it, costs a re-read, never a wrong key (one warning, then in memory). A
+damaged ledger (SQLite finds no database, or a malformed page) is rebuilt instead: the
+first process to meet it, holding ``<ledger>.lock``, moves it aside to ``<ledger>.damaged``
+(replacing an older one) and starts an empty one, with one warning; other processes find
+the new file and go on (a process rebuilds at most once; if it fails, it stays in memory).
 
 Each row keeps what it was learned from (the file's path, its stat fields, the span) and
 when, so ``mmcache gc`` can prune it (:func:`prune_ledger`): rows of files gone or changed
 since (their evidence can never match again), then the oldest beyond
 :data:`MAX_LEDGER_ROWS`. A ledger (or its folder) owned by another user, or a link, is never
-used nor pruned (:func:`check_ledger_owner`). A ledger of an older schema (rows without
-their paths) is emptied when first opened: it costs one re-read of each file.
+used, pruned nor rebuilt (:func:`check_ledger_owner`). A ledger of an older schema (rows
+without their paths) is emptied when first opened: it costs one re-read of each file.
 
 Remote objects are identified by their ETag or version id (:mod:`mmcache.sources.remote`).
 
@@ -55,6 +77,7 @@ child); its methods take an internal lock, and SQLite serialises processes.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import socket
@@ -77,6 +100,7 @@ __all__ = [
     "CONTENT_PREFIX",
     "MAX_DIGEST_BYTES",
     "MAX_LEDGER_ROWS",
+    "RACY_SECONDS",
     "Ledger",
     "LedgerReport",
     "check_ledger_owner",
@@ -102,13 +126,24 @@ MAX_DIGEST_BYTES = 1 << 30
 #: Rows ``mmcache gc`` leaves in a ledger (the most recently learned): ~150 B each, so
 #: ~150 MB at most, for two million files; beyond, the oldest digests are read again.
 MAX_LEDGER_ROWS = 1_000_000
+#: A digest vouches for a file's evidence only when the file's last change (mtime or ctime,
+#: the later) is this much older than the moment its bytes began to be read (see "Racy
+#: stamps" above): the coarsest timestamps met (FAT's 2 s) plus a coarse clock's lag and
+#: about a second of skew between this node's clock and a file server's.
+RACY_SECONDS = 3.0
 #: The table's layout (``PRAGMA user_version``); a ledger of another one is emptied.
 _SCHEMA = 2
 _TABLE = (
     "CREATE TABLE IF NOT EXISTS digest (ev BLOB PRIMARY KEY, d BLOB NOT NULL,"
     " path BLOB NOT NULL, size INT, mtime INT, ctime INT, ino INT, lo INT, hi INT,"
     " t REAL NOT NULL) WITHOUT ROWID"
-)
+)  # t: when the digest's bytes began to be read (seconds since the epoch)
+#: SQLite's primary result codes of a damaged file: "database disk image is malformed" and
+#: "file is not a database" (``sqlite3.SQLITE_CORRUPT``/``SQLITE_NOTADB`` from Python 3.11).
+_DAMAGED_CODES = frozenset({11, 26})
+#: :meth:`Ledger.vouches` in SQL, on a row's own stamp and time (the racy margin in ns bound
+#: last): in the query, so that a racy row costs the batch no Python (~0.8 us a key).
+_VOUCHES = "max(mtime, ctime) + ? <= t * 1e9"
 #: Most keys of one ledger query (SQLite's bound parameters: at least 999 everywhere).
 _IN_KEYS = 500
 #: One row a ledger learns: ``(evidence, digest, path, stat fields, span or None)``.
@@ -135,19 +170,61 @@ class Ledger:
     """Remembered digests, by local evidence (see the module docstring).
 
     ``path=None``: in memory only. Otherwise an SQLite file, opened lazily once per
-    process. Every failure of the file (full disk, damaged or locked database) logs one
-    warning and continues in memory: the ledger is a cost saver, never a source of truth.
+    process. A damaged file is rebuilt (once per process); every other failure of the
+    file (full disk, locked database, another user's file) logs one warning and continues
+    in memory: the ledger is a cost saver, never a source of truth.
+
+    ``clock`` (seconds since the epoch, comparable with file timestamps: ``time.time`` or
+    a test's fake) dates each digest when :meth:`put_many` is not told when it was taken;
+    ``racy_s`` is :data:`RACY_SECONDS`. :meth:`get_many` serves a digest only when its file's
+    stamp was that much older than the digest (see "Racy stamps" in the module docstring).
+
+    Thread-safe (one internal lock); process-safe through SQLite, and a rebuild is
+    serialised between processes by an ``flock`` on ``<path>.lock``.
     """
 
-    def __init__(self, path: str | None) -> None:
+    def __init__(
+        self,
+        path: str | None,
+        *,
+        clock: Callable[[], float] = time.time,
+        racy_s: float = RACY_SECONDS,
+    ) -> None:
         self.path = path
+        self.clock = clock
+        self._racy_ns = int(racy_s * 1e9)
         self._lock = threading.Lock()
-        self._mem: dict[bytes, bytes] = {}
+        self._mem: dict[bytes, bytes] = {}  # only digests that vouch for their evidence
         self._conn: sqlite3.Connection | None = None
+        self._opened: tuple[int, int] | None = None  # (st_dev, st_ino) that _conn reads
         self._pid = -1
         self._failed = path is None
+        self._rebuilt = False
+        self._told_future = False
 
-    def _connection(self) -> sqlite3.Connection | None:
+    def vouches(self, mtime_ns: int, ctime_ns: int, taken: float) -> bool:
+        """Whether a digest whose bytes began to be read at ``taken`` (seconds since the
+        epoch) may stand for a file stamped ``mtime_ns``/``ctime_ns``: its last change
+        was at least ``racy_s`` before, so no rewrite since can have kept the stamp."""
+        return max(int(mtime_ns), int(ctime_ns)) + self._racy_ns <= taken * 1e9  # as _VOUCHES
+
+    def _tell_future_locked(self, path: str | bytes, fields: Sequence[int], when: float) -> None:
+        """One warning per process for a file stamped in the future: it is read at every key
+        computation until then (a silent cost otherwise)."""
+        ahead = max(int(fields[1]), int(fields[2])) / 1e9 - when
+        if ahead > self._racy_ns / 1e9:
+            self._told_future = True
+            logger.warning(
+                "%s is stamped %.0f s in the future (its mtime or ctime): a file is read at"
+                " each key computation until its stamp is %.0f s old (a file server's clock"
+                " ahead of this node's, or files extracted with future mtimes; samples are"
+                " keyed correctly)",
+                os.fsdecode(path),
+                ahead,
+                self._racy_ns / 1e9,
+            )
+
+    def _connection_locked(self) -> sqlite3.Connection | None:
         if self._failed or self.path is None:
             return None
         if self._pid != os.getpid():
@@ -157,15 +234,39 @@ class Ledger:
                 _INHERITED.append(self._conn)
             self._conn, self._pid = None, os.getpid()
         if self._conn is None:
+            seen = None
             try:
                 os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
                 check_ledger_owner(self.path)
+                seen = _file_id(self.path)
                 conn = _open_ledger(self.path)
             except (OSError, sqlite3.Error, CacheError) as exc:
-                self._fail(exc)
-                return None
-            self._conn = conn
+                self._opened = seen
+                return self._recover_locked(exc)
+            self._conn, self._opened = conn, seen or _file_id(self.path)
         return self._conn
+
+    def _recover_locked(self, exc: BaseException) -> sqlite3.Connection | None:
+        """After ``exc`` from the ledger file: a connection to a rebuilt ledger when the
+        file is damaged (at most once per process), else None (one warning; in memory
+        from now on)."""
+        if self._conn is not None:
+            with contextlib.suppress(sqlite3.Error):
+                self._conn.close()
+            self._conn = None
+        if self.path is None or self._rebuilt or not _damaged(exc):
+            self._fail(exc)
+            return None
+        self._rebuilt = True
+        try:
+            conn, self._opened, aside = _rebuild_ledger(self.path, self._opened)
+        except (OSError, sqlite3.Error, CacheError) as again:
+            self._fail(again)
+            return None
+        if aside is not None:
+            _warn_rebuilt(self.path, aside, exc)
+        self._conn = conn
+        return conn
 
     def _fail(self, exc: BaseException) -> None:
         logger.warning(
@@ -178,52 +279,70 @@ class Ledger:
         self._failed = True
         self._conn = None
 
+    def _run_locked(self, op: Callable[[sqlite3.Connection], None]) -> None:
+        """``op(connection)`` on the ledger file, if it can be used; after an error, once
+        more on the rebuilt file when the error was damage (see :meth:`_recover_locked`)."""
+        conn = self._connection_locked()
+        while conn is not None:
+            try:
+                op(conn)
+                return
+            except sqlite3.Error as exc:
+                conn = self._recover_locked(exc)  # a connection at most once
+
     def get_many(self, evs: Sequence[bytes]) -> list[bytes | None]:
-        """The remembered 16-byte digest of each evidence key, or None."""
+        """The remembered 16-byte digest of each evidence key that vouches for it (see
+        :meth:`vouches`), or None."""
         with self._lock:
             found = {ev: self._mem[ev] for ev in evs if ev in self._mem}
             missing = [ev for ev in evs if ev not in found]
-            conn = self._connection() if missing else None
-            if conn is not None:
-                try:
-                    # One query per _IN_KEYS keys (a new process's first epoch asks for
-                    # every file of each batch: one statement per key cost ~15 us each,
-                    # one per batch ~2 us a key). The SQL text holds only placeholders,
-                    # never data; the keys are bound parameters.
-                    cur = conn.cursor()
-                    for at in range(0, len(missing), _IN_KEYS):
-                        part = missing[at : at + _IN_KEYS]
-                        marks = ",".join("?" * len(part))
-                        sql = f"SELECT ev, d FROM digest WHERE ev IN ({marks})"  # noqa: S608
-                        for ev, d in cur.execute(sql, part):
-                            found[bytes(ev)] = bytes(d)
-                except sqlite3.Error as exc:
-                    self._fail(exc)
+
+            def select(conn: sqlite3.Connection) -> None:
+                # One query per _IN_KEYS keys (a new process's first epoch asks for every
+                # file of each batch: one statement per key cost ~15 us each, one per batch
+                # ~2 us a key). The SQL text holds only placeholders, never data; the keys
+                # are bound parameters.
+                cur, got = conn.cursor(), {}
+                for at in range(0, len(missing), _IN_KEYS):
+                    part = missing[at : at + _IN_KEYS]
+                    marks = ",".join("?" * len(part))
+                    sql = f"SELECT ev, d FROM digest WHERE ev IN ({marks}) AND {_VOUCHES}"  # noqa: S608
+                    for ev, d in cur.execute(sql, [*part, self._racy_ns]):
+                        got[bytes(ev)] = bytes(d)
+                found.update(got)  # none of a query that failed part way (a damaged file)
+
+            if missing:
+                self._run_locked(select)
             return [found.get(ev) for ev in evs]
 
-    def put_many(self, items: Sequence[Learned]) -> None:
-        """Remember ``(evidence, digest, path, fields, span)`` rows (one transaction)."""
+    def put_many(self, items: Sequence[Learned], *, taken: float | None = None) -> None:
+        """Remember ``(evidence, digest, path, fields, span)`` rows (one transaction), as
+        digests whose bytes began to be read at ``taken`` (default: now, by ``clock``).
+        A row whose stamp is too recent for its digest to vouch for it is stored with its
+        time but not served (:meth:`vouches`); the next key computation reads the file."""
         if not items:
             return
+        when = self.clock() if taken is None else taken
         with self._lock:
-            self._mem.update((ev, d) for ev, d, *_ in items)
-            conn = self._connection()
-            if conn is None:
-                return
-            now = time.time()
+            for ev, d, path, fields, _ in items:
+                if self.vouches(fields[1], fields[2], when):
+                    self._mem[ev] = d
+                elif not self._told_future:
+                    self._tell_future_locked(path, fields, when)
             rows = [
                 (ev, d, os.fsencode(os.path.abspath(path)), *(int(f) for f in fields))
                 + (span if span is not None else (None, None))
-                + (now,)
+                + (when,)
                 for ev, d, path, fields, span in items
             ]
-            try:
+
+            def insert(conn: sqlite3.Connection) -> None:
                 with conn:
                     conn.executemany(
                         "INSERT OR REPLACE INTO digest VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows
                     )
-            except sqlite3.Error as exc:
-                self._fail(exc)
+
+            self._run_locked(insert)
 
 
 def _open_ledger(path: str) -> sqlite3.Connection:
@@ -239,26 +358,113 @@ def _open_ledger(path: str) -> sqlite3.Connection:
     return conn
 
 
+def _file_id(path: str) -> tuple[int, int] | None:
+    """``(st_dev, st_ino)`` of the file at ``path`` (links not followed), None if absent."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _damaged(exc: BaseException) -> bool:
+    """Whether ``exc`` says the ledger file is damaged (not busy, full, read-only...)."""
+    if not isinstance(exc, sqlite3.DatabaseError):
+        return False
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF in _DAMAGED_CODES
+    # Python 3.10 has no result code: its sqlite3 raises DatabaseError itself only for a
+    # damaged file (SQLITE_CORRUPT, SQLITE_NOTADB, SQLITE_FORMAT) and a subclass otherwise.
+    return type(exc) is sqlite3.DatabaseError
+
+
+def _rebuild_ledger(
+    path: str, damaged: tuple[int, int] | None
+) -> tuple[sqlite3.Connection, tuple[int, int] | None, str | None]:
+    """Replace the damaged ledger file ``path`` (the file ``damaged``: ``(st_dev, st_ino)``)
+    by an empty one: ``(connection, its file's id, where the damaged one went or None)``.
+
+    Under an ``flock`` on ``<path>.lock``, so that of several processes that met the damage
+    one moves it aside and the others (finding another file at ``path``, or none) open the
+    new one. The -wal and -shm files go first, so that no process pairs the old WAL with
+    the new file. Another user's file, a link, or a folder not ours is never touched
+    (:func:`check_ledger_owner` raises CacheError)."""
+    with _ledger_lock(path):
+        check_ledger_owner(path)
+        aside = None
+        if damaged is not None and _file_id(path) == damaged:
+            for suffix in ("-wal", "-shm"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path + suffix)
+            aside = path + ".damaged"
+            os.replace(path, aside)
+        conn = _open_ledger(path)
+        return conn, _file_id(path), aside
+
+
+@contextlib.contextmanager
+def _ledger_lock(path: str, wait_s: float = 30.0) -> Iterator[None]:
+    """An exclusive ``flock`` on ``<path>.lock`` (made 0600 if absent; never through a link,
+    never another user's), given up after ``wait_s`` (CacheError: a holder stopped)."""
+    where = path + ".lock"
+    fd = os.open(where, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        _refuse_unless_own(where, os.fstat(fd), want_dir=False)
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise CacheError(
+                        f"the identity ledger lock {where} was held for over {wait_s:.0f} s:"
+                        " the damaged ledger is not rebuilt by this process (a process"
+                        " holding it may be stopped)"
+                    ) from None
+                time.sleep(0.01)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _warn_rebuilt(path: str, aside: str, exc: BaseException) -> None:
+    logger.warning(
+        "the identity ledger %s was damaged (%s): moved aside to %s (safe to delete) and"
+        " started afresh; files are read once more to learn their digests again",
+        path,
+        exc,
+        aside,
+    )
+
+
 def check_ledger_owner(path: str) -> None:
     """Raise :class:`~mmcache.errors.CacheError` unless the ledger file ``path`` (if it
     exists) and its folder are this user's own, not links: a ledger another user could
     write would hand this user's jobs the keys of bytes they never read."""
-    me = os.geteuid()
     for where, want_dir in ((os.path.dirname(path), True), (path, False)):
         try:
             st = os.lstat(where)
         except FileNotFoundError:
             continue
-        kind_ok = stat.S_ISDIR(st.st_mode) if want_dir else stat.S_ISREG(st.st_mode)
-        if st.st_uid == me and kind_ok:
-            continue
-        what = "folder" if want_dir else "file"
-        raise CacheError(
-            f"refusing the identity ledger {what} {where}: it has {describe_owner(st)}, but"
-            f" mmcache uses and prunes only a regular {what} of uid {me} (not a link). Set"
-            " MMCACHE_IDENTITY_DIR to a folder of your own (or 'off' to keep digests in"
-            " memory), or remove it as its owner"
-        )
+        _refuse_unless_own(where, st, want_dir=want_dir)
+
+
+def _refuse_unless_own(where: str, st: os.stat_result, *, want_dir: bool) -> None:
+    """CacheError unless ``st`` (of ``where``) is a folder (``want_dir``) or a regular file
+    of this user: never a link, never another uid's."""
+    me = os.geteuid()
+    kind_ok = stat.S_ISDIR(st.st_mode) if want_dir else stat.S_ISREG(st.st_mode)
+    if st.st_uid == me and kind_ok:
+        return
+    what = "folder" if want_dir else "file"
+    raise CacheError(
+        f"refusing the identity ledger {what} {where}: it has {describe_owner(st)}, but"
+        f" mmcache uses and prunes only a regular {what} of uid {me} (not a link). Set"
+        " MMCACHE_IDENTITY_DIR to a folder of your own (or 'off' to keep digests in"
+        " memory), or remove it as its owner"
+    )
 
 
 _LEDGERS: dict[str | None, Ledger] = {}
@@ -352,6 +558,7 @@ def file_identities(
     book = ledger()
     known = book.get_many(list(evs.values())) if evs and not content else [None] * len(evs)
     learned: list[Learned] = []
+    taken = book.clock()  # before any byte below is read: what a digest may vouch for
     for (j, ev), got in zip(evs.items(), known, strict=True):
         if got is not None:
             out[j] = CONTENT_PREFIX + got.hex()
@@ -367,7 +574,7 @@ def file_identities(
         if stable:
             digest = bytes.fromhex(ident[len(CONTENT_PREFIX) :])
             learned.append((ev, digest, path, fields[j].tolist(), None))
-    book.put_many(learned)
+    book.put_many(learned, taken=taken)
     return [s if s is not None else "missing" for s in out]
 
 
@@ -410,13 +617,14 @@ def span_identities(
     known = book.get_many(evs)
     out: list[str] = []
     learned: list[Learned] = []
+    taken = book.clock()  # before any span below is read
     for ev, (start, end), got in zip(evs, spans, known, strict=True):
         digest = got
         if digest is None:
             digest = xxhash.xxh3_128_digest(read(start, end))
             learned.append((ev, digest, path, fields, (start, end)))
         out.append(CONTENT_PREFIX + digest.hex())
-    book.put_many(learned)
+    book.put_many(learned, taken=taken)
     return out
 
 
@@ -476,7 +684,8 @@ def ledger_report(path: str | None = None) -> LedgerReport:
 def prune_ledger(path: str | None = None, *, max_rows: int = MAX_LEDGER_ROWS) -> LedgerReport:
     """Remove the rows of ledger ``path`` (default :func:`ledger_file`) whose file is gone
     or changed (one ``stat`` each: their evidence can never match again), then the
-    oldest beyond ``max_rows``; what is left, and what was removed.
+    oldest beyond ``max_rows``; what is left, and what was removed. A damaged ledger is
+    rebuilt empty, as a job would (one warning; see the module docstring).
 
     Safe while jobs use the ledger (SQLite serialises the writers; a row removed under
     a job costs it one re-read). CacheError for a ledger of another user, never touched.
@@ -485,36 +694,50 @@ def prune_ledger(path: str | None = None, *, max_rows: int = MAX_LEDGER_ROWS) ->
     if path is None or not os.path.exists(path):
         return ledger_report(path)
     check_ledger_owner(path)
-    conn = _open_ledger(path)
+    seen = _file_id(path)
     try:
-        stale: dict[str, list[bytes]] = {"gone": [], "changed": []}
-        cur = conn.execute("SELECT ev, path, size, mtime, ctime, ino FROM digest")
-        while batch := cur.fetchmany(4096):
-            for ev, where, *fields in batch:
-                try:
-                    now = keys.stat_fields(os.stat(bytes(where)))
-                except OSError:
-                    stale["gone"].append(ev)
-                    continue
-                if list(now) != fields:
-                    stale["changed"].append(ev)
-        with conn:
-            for evs in stale.values():
-                conn.executemany("DELETE FROM digest WHERE ev = ?", [(ev,) for ev in evs])
-            left = int(conn.execute("SELECT count(*) FROM digest").fetchone()[0])
-            over = max(left - max_rows, 0)
-            if over:
-                conn.execute(
-                    "DELETE FROM digest WHERE ev IN (SELECT ev FROM digest ORDER BY t LIMIT ?)",
-                    (over,),
-                )
-        if over or any(stale.values()):
-            with contextlib.suppress(sqlite3.Error):  # busy: another job holds it; later
-                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-                conn.execute("VACUUM")
-    finally:
+        conn = _open_ledger(path)
+        try:
+            gone, changed, over = _prune_rows(conn, max_rows)
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as exc:
+        if not _damaged(exc):
+            raise
+        conn, _, aside = _rebuild_ledger(path, seen)
         conn.close()
+        if aside is not None:
+            _warn_rebuilt(path, aside, exc)
+        return ledger_report(path)
     got = ledger_report(path)
-    return LedgerReport(
-        path, True, got.rows, got.bytes, len(stale["gone"]), len(stale["changed"]), over
-    )
+    return LedgerReport(path, True, got.rows, got.bytes, gone, changed, over)
+
+
+def _prune_rows(conn: sqlite3.Connection, max_rows: int) -> tuple[int, int, int]:
+    """:func:`prune_ledger`'s work on an open ledger: ``(gone, changed, over)`` removed."""
+    stale: dict[str, list[bytes]] = {"gone": [], "changed": []}
+    cur = conn.execute("SELECT ev, path, size, mtime, ctime, ino FROM digest")
+    while batch := cur.fetchmany(4096):
+        for ev, where, *fields in batch:
+            try:
+                now = keys.stat_fields(os.stat(bytes(where)))
+            except OSError:
+                stale["gone"].append(ev)
+                continue
+            if list(now) != fields:
+                stale["changed"].append(ev)
+    with conn:
+        for evs in stale.values():
+            conn.executemany("DELETE FROM digest WHERE ev = ?", [(ev,) for ev in evs])
+        left = int(conn.execute("SELECT count(*) FROM digest").fetchone()[0])
+        over = max(left - max_rows, 0)
+        if over:
+            conn.execute(
+                "DELETE FROM digest WHERE ev IN (SELECT ev FROM digest ORDER BY t LIMIT ?)",
+                (over,),
+            )
+    if over or any(stale.values()):
+        with contextlib.suppress(sqlite3.Error):  # busy: another job holds it; later
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            conn.execute("VACUUM")
+    return len(stale["gone"]), len(stale["changed"]), over
