@@ -163,6 +163,21 @@ def test_resume_refuses_a_reordered_manifest_of_the_same_length(
         ({"seed": None}, "seed"),  # removed
         ({"position": None}, "position"),
         ({"ids": None}, "ids"),
+        # The global position (version 3): checked though a same-world-size resume
+        # goes by position, as another world size's resume would read it.
+        ({"consumed": 4.0}, "consumed"),
+        ({"consumed": 49}, "consumed"),  # past stop (48)
+        ({"stop": True}, "stop"),
+        ({"stop": 49}, "stop"),  # past the dataset's 48 samples
+        ({"span": [3, 1]}, "span"),
+        ({"span": [0, "a"]}, "span"),
+        ({"span": [0, 40]}, "span"),  # its end is not the state's stop
+        ({"span": [0, 1, 48]}, "span"),
+        ({"span": "0-48"}, "span"),
+        ({"span": [8, 48]}, "consumed"),  # consumed 0 lies before the span's start
+        ({"span": None}, "span"),  # removed
+        ({"world_size": 2.0}, "world_size"),
+        ({"rank": 1}, "rank"),  # world_size 1
     ],
 )
 def test_resume_refuses_a_bad_state_naming_the_key(
@@ -179,6 +194,24 @@ def test_resume_refuses_a_bad_state_naming_the_key(
         loader.load_state_dict(state)
     assert not isinstance(err.value, KeyError)
     assert loader.state_dict()["position"] == 0  # nothing restored
+
+
+@pytest.mark.parametrize("name", ["ids", "seed", "epoch", "span", "batching", "version"])
+def test_resume_errors_show_a_tampered_value_cut_short(ds: MultimodalDataset, name: str) -> None:
+    # A state file edited or damaged into megabytes: the error names the key and
+    # shows the start of the value, not all of it.
+    loader = DataLoader(ds, cache=None, batch_size=BATCH, seed=3)
+    state = {**loader.state_dict(), name: "7" * 1_000_000}
+    with pytest.raises(ConfigError, match=name) as err:
+        loader.load_state_dict(state)
+    assert len(str(err.value)) < 600, str(err.value)[:600]
+    assert "1000002 characters" in str(err.value)
+
+
+def test_resume_refuses_an_int_too_long_to_print(ds: MultimodalDataset) -> None:
+    loader = DataLoader(ds, cache=None, batch_size=BATCH, seed=3)
+    with pytest.raises(ConfigError, match=r"position .* got <an int of"):
+        loader.load_state_dict({**loader.state_dict(), "position": 10**5000})
 
 
 def test_resume_accepts_the_end_of_an_epoch(ds: MultimodalDataset) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mmcache.checks import check_int
+from mmcache.checks import check_int, shown
 from mmcache.errors import ConfigError
 
 __all__ = [
@@ -85,16 +85,22 @@ def read_state(
     version = state.get("version")
     if version not in (2, STATE_VERSION):
         raise ConfigError(
-            f"unsupported loader state version {version!r} (this mmcache reads 1, 2 and "
+            f"unsupported loader state version {shown(version)} (this mmcache reads 1, 2 and "
             f"{STATE_VERSION}): it was saved by another mmcache version"
         )
     _check_order(state, mine, STATE_GLOBAL if version == STATE_VERSION else STATE_ORDER)
     epoch = _state_int(state, "epoch", 0, None)
-    same = state.get("world_size") == world_size
-    if version == 2 or (same and state.get("span") is None):
+    if version == 2:  # same rank and world size (checked above): by batch position
         return Resume(epoch, _state_int(state, "position", 0, count(epoch)), None)
-    stop = _state_int(state, "stop", 0, mine["size"])
-    consumed = _state_int(state, "consumed", 0, stop)
+    # Every field of a version-3 state is checked, read or not: a value that
+    # state_dict() never writes means the state was edited or damaged, and this
+    # resume would silently ignore what another world size's resume would use.
+    saved_world = _state_int(state, "world_size", 1, None)
+    _state_int(state, "rank", 0, saved_world - 1)
+    consumed, stop, span = _global_position(state, mine["size"])
+    if saved_world == world_size and span is None:
+        return Resume(epoch, _state_int(state, "position", 0, count(epoch)), None)
+    _state_int(state, "position", 0, None)  # counted in the saver's batches: no bound here
     return Resume(epoch, 0, (consumed, stop))
 
 
@@ -105,13 +111,13 @@ def check_batching(state: dict[str, Any], batching: str, world_size: int) -> Non
     only plain batches resume elastically)."""
     if (saved := state.get("batching", "plain")) != batching:
         raise ConfigError(
-            f"cannot resume: state has batching={saved!r} but this loader has "
+            f"cannot resume: state has batching={shown(saved)} but this loader has "
             f"{batching!r} (group_by_length / pack differ): other batches"
         )
     if batching != "plain" and state.get("world_size") != world_size:
         raise ConfigError(
             f"cannot resume {batching} batches saved with world_size="
-            f"{state.get('world_size')!r} on world_size={world_size}: grouped and packed "
+            f"{shown(state.get('world_size'))} on world_size={world_size}: grouped and packed "
             "plans resume on the same world size only"
         )
 
@@ -123,8 +129,8 @@ def _check_order(state: dict[str, Any], mine: dict[str, Any], names: tuple[str, 
         if state[name] != mine[name]:
             what = "the dataset's ids in order" if name == "ids" else name
             raise ConfigError(
-                f"cannot resume: state has {name}={state[name]!r} but this loader has "
-                f"{mine[name]!r} ({what} differs); the order (and so the remaining "
+                f"cannot resume: state has {name}={shown(state[name])} but this loader has "
+                f"{shown(mine[name])} ({what} differs); the order (and so the remaining "
                 "batches) would differ"
             )
 
@@ -134,3 +140,28 @@ def _state_int(state: dict[str, Any], name: str, low: int, high: int | None) -> 
     if name not in state:
         raise ConfigError(f"cannot resume: the loader state has no {name!r}")
     return check_int(f"cannot resume: state {name}", state[name], minimum=low, maximum=high)
+
+
+def _global_position(state: dict[str, Any], size: int) -> tuple[int, int, tuple[int, int] | None]:
+    """A version-3 state's ``consumed``, ``stop`` and ``span``, checked against each
+    other as :meth:`DataLoader.state_dict` writes them: ``stop`` in ``[0, size]``,
+    ``span`` None or ``[start, stop]`` (the part of the epoch's order that run was
+    given) and ``consumed`` in ``[start, stop]`` (``start`` 0 without a span)."""
+    stop = _state_int(state, "stop", 0, size)
+    if "span" not in state:
+        raise ConfigError("cannot resume: the loader state has no 'span'")
+    span = state["span"]
+    if span is None:
+        return _state_int(state, "consumed", 0, stop), stop, None
+    ints = isinstance(span, list | tuple) and len(span) == 2
+    if not ints or any(isinstance(v, bool) or not isinstance(v, int) for v in span):
+        raise ConfigError(
+            f"cannot resume: state span must be None or [start, stop] (two ints), got {shown(span)}"
+        )
+    start, end = span
+    if not 0 <= start <= end == stop:
+        raise ConfigError(
+            f"cannot resume: state span must be [start, stop] with 0 <= start <= stop "
+            f"and stop equal to the state's stop ({stop}), got {shown(span)}"
+        )
+    return _state_int(state, "consumed", start, stop), stop, (start, end)
