@@ -44,6 +44,7 @@ import numpy as np
 import numpy.typing as npt
 
 from mmcache.errors import ConfigError, SampleError
+from mmcache.units import format_size
 
 if TYPE_CHECKING:
     from mmcache.transforms.video import VideoSpec
@@ -232,7 +233,7 @@ def _plan(
         raise SampleError(
             f"video frames of {info.width}x{info.height} ({pixels} pixels; {len(indices)} of "
             f"{info.total_frames} kept) are over VideoSpec.max_source_pixels={limit}: "
-            f"decoding one takes about {pixels * _BYTES_PER_SOURCE_PIXEL >> 20} MiB; raise "
+            f"decoding one takes about {format_size(pixels * _BYTES_PER_SOURCE_PIXEL)}; raise "
             f"max_source_pixels (None: no limit) to accept such clips",
             sample_id=sample_id,
             path=path,
