@@ -32,7 +32,7 @@ pytest.importorskip("jinja2")
 _SPEC = VideoSpec(min_pixels=4 * 28 * 28, max_pixels=16 * 28 * 28, max_source_pixels=64 * 96)
 _WHY = re.escape(
     "video frames of 128x72 (9216 pixels; 4 of 24 kept) are over "
-    "VideoSpec.max_source_pixels=6144: decoding one takes about 180.00 KiB"
+    "VideoSpec.max_source_pixels=6144: decoding one takes about 270.00 KiB"
 )
 
 

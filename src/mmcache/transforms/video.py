@@ -55,6 +55,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FRAME_FACTOR",
+    "MAX_SOURCE_PIXELS",
     "PART_KEYS",
     "VideoSpec",
     "VideoTokens",
@@ -133,9 +134,9 @@ class VideoSpec:
         max_source_pixels: refuse clips whose frames, as the stream declares them, have
             more pixels than this, before a frame is decoded (a SampleError that
             ``on_error="skip"`` skips and counts). Frames are decoded and resized one at
-            a time, so a clip costs its output plus about 20 bytes per source pixel of
-            one frame (RGB, the resize's float32 copies; the decoder's reference frames
-            besides); this bounds the second term. Default :data:`MAX_SOURCE_PIXELS`
+            a time, so a clip costs its output plus about 30 bytes per source pixel of
+            one frame (the decoder's frames, RGB, the resize's float32 copies); this
+            bounds the second term (about 1 GiB at the default). Default :data:`MAX_SOURCE_PIXELS`
             (8192 x 4352, the largest frame H.264, H.265 and AV1 allow); ``None``: no
             limit. Like ``ImageSpec.max_pixels`` it decides which samples fail, never
             what a sample contains, so it is not in the fingerprint.
