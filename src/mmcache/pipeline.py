@@ -382,10 +382,7 @@ class Pipeline:
             # A part of a shard member or an object carries the clip's bytes, the name
             # errors give it and the size limit it was read under.
             name = part.get("name", part["video"])
-            try:
-                spec = cast(VideoSpec, self.video).for_part(part)
-            except ConfigError as exc:
-                raise SampleError(str(exc), sample_id=sample_id, path=name) from exc
+            spec = cast(VideoSpec, self.video).for_sample(part, sample_id=sample_id, path=name)
             clips.append(load_clip(spec, part["video"], sample_id=sample_id, name=name,
                                    max_bytes=part.get("max_bytes")))  # fmt: skip
         return clips

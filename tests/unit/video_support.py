@@ -229,9 +229,10 @@ def run_epochs(
     return out
 
 
-def video_chat_pipeline(max_bytes: int | None = None) -> Any:
-    """A small Qwen2.5-VL-style video SFT pipeline (frames of 4-16 tokens of 28 x 28)
-    whose ``ImageSpec(max_bytes=)`` bounds every member or object a source reads."""
+def video_chat_pipeline(max_bytes: int | None = None, *, video: Any = None) -> Any:
+    """A small Qwen2.5-VL-style video SFT pipeline (frames of 4-16 tokens of 28 x 28, or
+    the given ``video`` spec) whose ``ImageSpec(max_bytes=)`` bounds every member or
+    object a source reads."""
     from chat_support import make_tokenizer
 
     from mmcache import ChatSpec, ImageSpec, Pipeline, VideoSpec
@@ -242,5 +243,5 @@ def video_chat_pipeline(max_bytes: int | None = None) -> Any:
     return Pipeline(
         image=ImageSpec(size=28, max_bytes=max_bytes),
         text=ChatSpec(tok, "chatml", 4096, video=VideoTokens()),
-        video=VideoSpec(min_pixels=4 * 28 * 28, max_pixels=16 * 28 * 28),
+        video=video or VideoSpec(min_pixels=4 * 28 * 28, max_pixels=16 * 28 * 28),
     )

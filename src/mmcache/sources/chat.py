@@ -272,8 +272,9 @@ def _measure(
                         "record has videos, but the pipeline has no VideoSpec",
                         sample_id=sample_id,
                     )
+                spec = video.for_sample(part, sample_id=sample_id, path=part["video"])
                 status = _UNREADABLE
-                clips.append(video_shape(video.for_part(part), part["video"], sample_id=sample_id))
+                clips.append(video_shape(spec, part["video"], sample_id=sample_id))
                 status = _REFUSED
             enc = chat.encode(
                 Chat(tuple(messages), tuple(sizes), tuple(clips)), sample_id=sample_id

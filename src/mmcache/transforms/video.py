@@ -47,7 +47,7 @@ import numpy.typing as npt
 import xxhash
 
 from mmcache.checks import check_int
-from mmcache.errors import ConfigError
+from mmcache.errors import ConfigError, SampleError
 from mmcache.transforms.normalize import CLIP_MEAN, CLIP_STD
 
 if TYPE_CHECKING:
@@ -55,6 +55,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FRAME_FACTOR",
+    "MAX_SOURCE_PIXELS",
     "PART_KEYS",
     "VideoSpec",
     "VideoTokens",
@@ -72,6 +73,10 @@ _MAX_RATIO = 200
 _VIDEO_MIN_TOKENS = 128
 _VIDEO_MAX_TOKENS = 768
 _MODEL_SEQ_LEN = 128000
+#: The default of :attr:`VideoSpec.max_source_pixels`: the largest frame any level of
+#: H.264, H.265 and AV1 allows (8192 x 4352; their levels 6.x share this bound), so every
+#: conforming stream passes and only a header that claims more is refused.
+MAX_SOURCE_PIXELS = 8192 * 4352
 #: Bump when the meaning of a VideoSpec's output changes for the same options.
 VIDEO_FORMAT_VERSION = 1
 
@@ -126,9 +131,21 @@ class VideoSpec:
             ``max_pixels`` only ever lowers Qwen's own bound, as in ``fetch_video``.
         start, end: the part of the clip used, in seconds (``video_start``/``video_end``).
         patch_size, merge_size, temporal_patch_size: the vision tower's (14, 2, 2).
+        max_source_pixels: refuse clips whose frames, as the stream declares them, have
+            more pixels than this, before a frame is decoded (a SampleError that
+            ``on_error="skip"`` skips and counts). Frames are decoded and resized one at
+            a time, so a clip costs its output plus about 30 bytes per source pixel of
+            one frame (the decoder's frames, RGB, the resize's float32 copies); this
+            bounds the second term (about 1 GiB at the default). Default :data:`MAX_SOURCE_PIXELS`
+            (8192 x 4352, the largest frame H.264, H.265 and AV1 allow); ``None``: no
+            limit. Like ``ImageSpec.max_pixels`` it decides which samples fail, never
+            what a sample contains, so it is not in the fingerprint.
 
-    A record's video part may override each per video (:meth:`for_part`). The
-    fingerprint covers every field. Immutable, picklable, thread-safe.
+    A record's video part may override the first nine per video (:meth:`for_part`).
+    Combinations that refuse every clip (``max_pixels`` below ``min_pixels``, ``nframes``
+    or ``max_frames`` that round to no frame, ``max_pixels`` under one 28 x 28 patch) are
+    a ConfigError here, not a refusal of each clip after its decode. The fingerprint
+    covers every field but ``max_source_pixels``. Immutable, picklable, thread-safe.
 
     >>> spec = VideoSpec()
     >>> spec.frame_indices(total_frames=60, video_fps=30.0)
@@ -153,14 +170,17 @@ class VideoSpec:
     patch_size: int = 14
     merge_size: int = 2
     temporal_patch_size: int = 2
+    max_source_pixels: int | None = MAX_SOURCE_PIXELS
 
     def __post_init__(self) -> None:
-        for name in ("min_frames", "max_frames", "patch_size", "merge_size"):
+        for name in ("min_frames", "patch_size", "merge_size", "temporal_patch_size"):
             check_int(f"VideoSpec.{name}", getattr(self, name), minimum=1)
-        check_int("VideoSpec.temporal_patch_size", self.temporal_patch_size, minimum=1)
+        # Kept counts are rounded to a multiple of FRAME_FACTOR: 1 frame rounds to none,
+        # and Qwen's rule then refuses every clip.
+        check_int("VideoSpec.max_frames", self.max_frames, minimum=FRAME_FACTOR)
         if self.nframes is not None:
-            check_int("VideoSpec.nframes", self.nframes, minimum=1)
-        for name in ("min_pixels", "max_pixels", "total_pixels"):
+            check_int("VideoSpec.nframes", self.nframes, minimum=FRAME_FACTOR)
+        for name in ("min_pixels", "max_pixels", "total_pixels", "max_source_pixels"):
             value = getattr(self, name)
             if value is not None:
                 check_int(f"VideoSpec.{name}", value, minimum=1)
@@ -168,12 +188,51 @@ class VideoSpec:
         for name, value in numbers:
             if value is None and name != "fps":
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ConfigError(f"VideoSpec.{name} must be a number >= 0, got {value!r}")
+            # NaN passes every comparison below and fails each clip's frame count; an
+            # infinite start is past every clip's end.
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value < 0
+            ):
+                raise ConfigError(f"VideoSpec.{name} must be a finite number >= 0, got {value!r}")
         if self.fps <= 0:
             raise ConfigError(f"VideoSpec.fps must be > 0, got {self.fps!r}")
         if self.start is not None and self.end is not None and self.end <= self.start:
             raise ConfigError(f"VideoSpec.end ({self.end}) must be after start ({self.start})")
+        self._check_pixels()
+
+    def _check_pixels(self) -> None:
+        """ConfigError for pixel bounds no frame can meet, found once here rather than by
+        refusing each clip after its decode."""
+        f2 = self.factor * self.factor
+        if self.max_pixels is not None:
+            low = self.min_pixels if self.min_pixels is not None else _VIDEO_MIN_TOKENS * f2
+            if self.max_pixels < low:
+                which = (
+                    f"min_pixels ({low})"
+                    if self.min_pixels is not None
+                    else f"the default min_pixels ({low}: {_VIDEO_MIN_TOKENS} tokens of "
+                    f"{self.factor} x {self.factor})"
+                )
+                raise ConfigError(
+                    f"VideoSpec.max_pixels ({self.max_pixels}) is below {which}: "
+                    f"every frame would be refused (qwen-vl-utils asserts max_pixels >= "
+                    f"min_pixels); pass min_pixels <= {self.max_pixels} or max_pixels >= {low}"
+                )
+        # The fewest frames kept (FRAME_FACTOR) allow the largest frame. smart_resize
+        # floors both sides to multiples of the factor, so a bound under one factor x
+        # factor patch gives every frame a side of 0.
+        _, high = self.pixel_bounds(FRAME_FACTOR)
+        if high < f2:
+            raise ConfigError(
+                f"VideoSpec allows frames of at most {high:g} pixels (max_pixels="
+                f"{self.max_pixels}, total_pixels={self.total_pixels}, min_pixels="
+                f"{self.min_pixels}), less than one {self.factor} x {self.factor} patch "
+                f"({f2} pixels): every frame would have a side of 0; pass max_pixels (and "
+                f"total_pixels or min_pixels) >= {f2}"
+            )
 
     # -- per video ---------------------------------------------------------------
 
@@ -193,6 +252,16 @@ class VideoSpec:
         if "video_end" in given:
             given["end"] = given.pop("video_end")
         return replace(self, **given)
+
+    def for_sample(self, part: Mapping[str, Any], *, sample_id: str, path: str) -> VideoSpec:
+        """:meth:`for_part` for one record's part, its ConfigError (a record's options
+        that contradict each other or this spec, e.g. a ``max_pixels`` below the
+        ``min_pixels``) a SampleError naming ``sample_id`` and the clip's ``path``: one
+        record's bad options refuse that record, not the run."""
+        try:
+            return self.for_part(part)
+        except ConfigError as exc:
+            raise SampleError(str(exc), sample_id=sample_id, path=path) from exc
 
     @property
     def factor(self) -> int:
@@ -266,12 +335,20 @@ class VideoSpec:
         return low, high
 
     def frame_size(self, height: int, width: int, *, nframes: int) -> tuple[int, int]:
-        """The ``(h, w)`` the kept frames are resized to. ValueError for an aspect over 200
-        or a ``max_pixels`` below ``min_pixels``."""
+        """The ``(h, w)`` the kept frames are resized to. ValueError for an aspect over
+        200, a ``max_pixels`` below ``min_pixels`` or a side of 0 (bounds under one patch
+        for this many frames: a small ``total_pixels`` and ``min_pixels``)."""
         low, high = self.pixel_bounds(nframes)
         if high < low:  # qwen-vl-utils asserts it
             raise ValueError(f"max_pixels {high} is below min_pixels {low}")
-        return qwen_smart_resize(height, width, factor=self.factor, min_pixels=low, max_pixels=high)
+        h, w = qwen_smart_resize(height, width, factor=self.factor, min_pixels=low,
+                                 max_pixels=high)  # fmt: skip
+        if h <= 0 or w <= 0:
+            raise ValueError(
+                f"{width}x{height} frames become {w}x{h} under max_pixels {high:g} for "
+                f"{nframes} frames: raise total_pixels or min_pixels"
+            )
+        return h, w
 
     # -- tokens ------------------------------------------------------------------------
 
@@ -292,8 +369,11 @@ class VideoSpec:
     # -- fingerprint ---------------------------------------------------------------------
 
     def fingerprint(self) -> str:
-        """xxh3-128 hex digest of every field and :data:`VIDEO_FORMAT_VERSION`."""
-        payload = {"version": VIDEO_FORMAT_VERSION, "resize": "bicubic-aa-f32", **asdict(self)}
+        """xxh3-128 hex digest of every field but ``max_source_pixels``, and
+        :data:`VIDEO_FORMAT_VERSION`."""
+        fields = asdict(self)
+        del fields["max_source_pixels"]  # which clips fail, never what one holds
+        payload = {"version": VIDEO_FORMAT_VERSION, "resize": "bicubic-aa-f32", **fields}
         blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))
         return xxhash.xxh3_128_hexdigest(blob.encode())
 
