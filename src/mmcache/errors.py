@@ -166,9 +166,10 @@ class RemoteError(MmcacheError):
 
     @property
     def no_response(self) -> bool:
-        """Whether no answer came at all (what the circuit breaker counts): a timeout
-        after the server answered (an HTTP status, then too few bytes) is an answer."""
-        return self.status is None and self.kind in ("unreachable", "timeout")
+        """Whether no whole answer came: the connection failed, or the call's deadline
+        passed (perhaps after the server began to answer: then :attr:`status` is set).
+        What the circuit breaker counts."""
+        return self.kind in ("unreachable", "timeout")
 
     def __reduce__(self) -> tuple[object, ...]:
         return (

@@ -9,6 +9,7 @@ import os
 import pickle
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -367,4 +368,25 @@ def test_a_timeout_while_connecting_counts_as_the_stores():
 
     with pytest.raises(RemoteError):
         remote.attempt("s3://b/k", unreachable)  # 3 tries of one object
+    assert remote.unreachable
+
+
+def test_a_store_that_stalls_every_answer_midway_opens_the_breaker():
+    # Timeouts after the server began to answer (HTTP 206, then too few bytes) count as
+    # the object's, like any timeout: a store that stalls them all still opens it.
+    clock = Clock()
+    policy = RetryPolicy(attempts=3, call_deadline=20.0, connect_timeout=2.0, breaker_after=3)
+    remote = Remote({}, retries=policy, sleep=clock.sleep, clock=clock)
+
+    def stalled(url: str) -> Callable[[float | None], bytes]:
+        def op(left: float | None) -> bytes:
+            clock.now += left or 0.0
+            raise RemoteError(url, 206, False, "sent 10 of 643 bytes", kind="timeout")
+
+        return op
+
+    for name in ("a", "b"):
+        with pytest.raises(RemoteError) as info:
+            remote.attempt(f"s3://b/{name}", stalled(f"s3://b/{name}"))
+        assert info.value.status == 206 and "HTTP 206" in str(info.value)
     assert remote.unreachable

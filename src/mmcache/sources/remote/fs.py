@@ -400,7 +400,7 @@ class Remote:
         more than asked is a permanent :class:`RemoteError` of kind ``"range-ignored"``
         once one byte too many came, never after its whole body was read. A GET that
         times out after the server answered is kind ``"timeout"`` with that HTTP status
-        (the server answered: the circuit breaker does not count it)."""
+        (one object's failure for the circuit breaker, as any timeout)."""
         fs, path = self.filesystem(url)
         want = end - start
 

@@ -18,8 +18,7 @@ more, and the connection is closed at once.
 
 What came of the GET so far (its HTTP status, the bytes received, the length the server
 declared) is kept in an :class:`Answer` as the body arrives, so a GET that times out
-after the server answered can say so (the server answered: not a store that cannot be
-reached, :mod:`~mmcache.sources.remote.retry`).
+after the server answered can say so (its status and how many bytes came).
 
 The s3fs path uses two of s3fs's own members (``_call_s3``, ``req_kw``), pinned with
 fsspec by the ``s3`` extra. Thread-safe: the coroutine runs on the file system's event
