@@ -76,6 +76,7 @@ def expected(path: Path, pipe: Pipeline) -> dict[str, np.ndarray]:
 def test_parquet_on_s3_rewritten_between_epochs_serves_the_new_rows(
     num_workers, s3, small_pipeline, tmp_path, cache_root
 ):
+    # 2 persistent workers: their copies take the new stamps through the state file
     old, new = write_table(tmp_path / "v1.parquet", 0), write_table(tmp_path / "v2.parquet", 90)
     upload(s3, old)
     ds = mc.MultimodalDataset(
@@ -91,6 +92,7 @@ def test_parquet_on_s3_rewritten_between_epochs_serves_the_new_rows(
             shuffle=True,
             seed=1,
             num_workers=num_workers,
+            persistent_workers=num_workers > 0,
             hooks=[RemotePrefetch(ds)],
         )
         want_old, want_new = expected(old, small_pipeline), expected(new, small_pipeline)
