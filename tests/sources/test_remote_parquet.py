@@ -23,7 +23,7 @@ from mmcache.pipeline import Pipeline
 from mmcache.sources.capabilities import Revalidating, SharesStamps
 from mmcache.sources.parquet import ParquetSource
 from mmcache.sources.remote.prefetch import RemotePrefetch
-from mmcache.testing.s3 import S3Endpoint, moto_s3
+from support.s3 import S3Endpoint, moto_s3
 
 N = 12
 URL = "s3://data/t/train.parquet"

@@ -16,7 +16,7 @@ import pytest
 import mmcache as mc
 from mmcache.dataset import SourceDataset
 from mmcache.errors import ConfigError
-from mmcache.loader import DataLoader
+from mmcache.loader import DataLoader, SFTBatching
 from mmcache.pipeline import Pipeline
 from mmcache.sources.capabilities import (
     FieldLayout,
@@ -44,7 +44,7 @@ def test_group_by_length_on_a_source_without_lengths_names_the_capability(
     assert isinstance(ds, SourceDataset)
     assert not isinstance(ds, HasLengths)
     with pytest.raises(ConfigError, match=r"group_by_length=True.*HasLengths.*lengths"):
-        DataLoader(ds, cache=None, batch_size=2, group_by_length=True)
+        DataLoader(ds, cache=None, batch_size=2, batching=SFTBatching(group_by_length=True))
 
 
 def test_the_face_claims_a_capability_exactly_when_its_source_does(

@@ -59,7 +59,7 @@ from mmcache.loader.augmenting import AugmentHook
 from mmcache.loader.batching import plan_batching
 from mmcache.loader.counters import EpochCounter, HitRateWatch, epoch_scalars
 from mmcache.loader.hooks import BatchContext, EpochContext, Hooks, LoaderHook
-from mmcache.loader.options import Augment, Distributed, SFTBatching, legacy_options, renamed
+from mmcache.loader.options import Augment, Distributed, SFTBatching, loader_options
 from mmcache.loader.packing import PackSpec
 from mmcache.loader.progress import check_progress, with_progress
 from mmcache.loader.readahead import Calm, ReadAhead
@@ -176,11 +176,6 @@ class DataLoader:
             ``stall_s``, ...), ready for TensorBoard or W&B.
         progress: a tqdm bar per epoch with samples/s and the hit rate of each tier
             (see :mod:`mmcache.loader.progress`).
-
-    The flat options of the last release (``pad_token_id``, ``pad_to_multiple_of``,
-    ``group_by_length``, ``pack``, ``device``, ``rank``, ``world_size``,
-    ``distributed_drop_last``, ``prefetch``) still work for one release, with a
-    ``DeprecationWarning`` naming the new spelling (:mod:`mmcache.loader.options`).
     """
 
     def __init__(
@@ -206,12 +201,9 @@ class DataLoader:
         hooks: Sequence[LoaderHook] = (),
         on_epoch_end: Callable[[dict[str, float]], None] | None = None,
         progress: bool = False,
-        **deprecated: Any,
     ) -> None:
-        if "prefetch" in deprecated:
-            prefetch_factor = renamed(deprecated.pop("prefetch"), "prefetch", "prefetch_factor")
-        batching, augment, distributed = legacy_options(
-            deprecated, batching=batching, augment=augment, distributed=distributed
+        batching, augment, distributed = loader_options(
+            batching=batching, augment=augment, distributed=distributed
         )
         if not isinstance(dataset, SampleSource):
             raise ConfigError(

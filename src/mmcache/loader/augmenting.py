@@ -1,6 +1,6 @@
 """The loader's ``augment``: a seeded random transform of each batch's images after the cache.
 
-``DataLoader(..., augment=aug, device=None)`` runs ``aug`` on every assembled
+``DataLoader(..., augment=Augment(aug, device=None))`` runs ``aug`` on every assembled
 batch, in the training process, as the first ``after_assemble`` hook (see
 :mod:`mmcache.loader.hooks`): the cache keeps the un-augmented uint8 images,
 and each epoch gets fresh crops. With ``device`` the images are moved there
@@ -33,7 +33,8 @@ with any ``num_workers`` and after ``load_state_dict`` mid-epoch:
               out = aug(images.float() / 255)
           return (out * 255).round().clamp(0, 255).to(torch.uint8)
 
-      loader = DataLoader(ds, cache=cache, batch_size=64, augment=kornia_augment, device="cuda")
+      loader = DataLoader(ds, cache=cache, batch_size=64,
+                          augment=Augment(kornia_augment, device="cuda"))
 
 Images are a uint8 tensor ``[B,3,H,W]``, or for a source with varying image
 shapes a list of ``[3,H_i,W_i]`` tensors (then the batch's ``image_sizes`` is
