@@ -2,13 +2,14 @@
 
 ``python loader_jobs.py COMMAND ARGS``; each command prints one JSON line last:
 
-- ``train DATA ROOT MARKER``: a training loop over epochs without end (crop
-  processes, two persistent workers), appending ``epoch`` to MARKER at the fourth
-  batch of each epoch: what the kill -9 tests kill;
-- ``orphans DATA SCRATCH EPOCH``: starts ``train``, kills it with SIGKILL once it is
-  at EPOCH (0: cold, 2: warm), then reports its children still running after
-  ``SETTLE_S`` seconds and the bytes of ``/dev/shm`` no file holds (buffers still
-  mapped by some process: zero once every child is gone);
+- ``train DATA ROOT MARKER MEMORY SIZE STEP``: a training loop over epochs without
+  end (crop processes, two persistent workers, a cache of MEMORY bytes, SIZE px
+  images, STEP seconds a batch), appending ``epoch`` to MARKER at the fourth batch of
+  each epoch: what the kill -9 tests kill;
+- ``orphans DATA SCRATCH EPOCH [MEMORY SIZE STEP]``: starts ``train``, kills it with
+  SIGKILL once it is at EPOCH (0: cold, 2: warm), then reports its children still
+  running after ``SETTLE_S`` seconds and the bytes of ``/dev/shm`` no file holds
+  (buffers still mapped by some process: zero once every child is gone);
 - ``job DATA ROOT MEMORY SIZE``: one job: the uncached batches of two epochs (crops
   in this process), then the same two epochs through a cache of ``MEMORY`` (bytes,
   or ``auto``) with two workers and crop processes, images of ``SIZE`` px; reports
@@ -64,9 +65,10 @@ def loader(ds: MultimodalDataset, cache: Cache | None, **kw: Any) -> DataLoader:
     return DataLoader(ds, cache=cache, batch_size=BATCH, seed=5, augment=AUG, **kw)
 
 
-def train(data: str, root: str, marker: str) -> None:
-    ds = dataset(data)
-    cache = Cache(root, memory="16MiB", disk="64MiB", temporary=True)
+def train(data: str, root: str, marker: str, how: list[str]) -> None:
+    memory, size, step = how
+    ds = dataset(data, int(size))
+    cache = Cache(root, memory=int(memory), disk="64MiB", temporary=True)
     run = loader(ds, cache, num_workers=2, persistent_workers=True)
     epoch = 0
     while True:
@@ -75,7 +77,7 @@ def train(data: str, root: str, marker: str) -> None:
             if i == 3:
                 with open(marker, "a") as f:
                     f.write(f"{epoch}\n")
-            time.sleep(0.02)
+            time.sleep(float(step))
         epoch += 1
 
 
@@ -91,12 +93,11 @@ def shm_unaccounted() -> int:
     return used - held
 
 
-def orphans(data: str, scratch: str, epoch: int) -> dict[str, Any]:
+def orphans(data: str, scratch: str, epoch: int, how: list[str]) -> dict[str, Any]:
     marker = os.path.join(scratch, "marker")
     before = shm_unaccounted()
-    child = subprocess.Popen(
-        [sys.executable, __file__, "train", data, os.path.join(scratch, "root"), marker]
-    )
+    root = os.path.join(scratch, "root")
+    child = subprocess.Popen([sys.executable, __file__, "train", data, root, marker, *how])
     deadline = time.monotonic() + 120
     while not os.path.exists(marker) or len(Path(marker).read_text().split()) <= epoch:
         if child.poll() is not None or time.monotonic() > deadline:
@@ -222,10 +223,10 @@ def full(data: str, scratch: str, free: int) -> dict[str, Any]:
 def main(argv: list[str]) -> None:
     command, args = argv[0], argv[1:]
     if command == "train":
-        train(*args)
+        train(args[0], args[1], args[2], args[3:])
         return
     if command == "orphans":
-        result = orphans(args[0], args[1], int(args[2]))
+        result = orphans(args[0], args[1], int(args[2]), args[3:] or [str(16 << 20), "64", "0.02"])
     elif command == "job":
         result = job(*args)
     elif command == "jobs":
