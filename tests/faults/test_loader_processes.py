@@ -18,10 +18,13 @@ import contextlib
 import logging
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 from shm_namespace import private_shm_problem, run_job
@@ -63,6 +66,58 @@ def test_kill_9_of_the_training_process_ends_its_children(
     if private:  # this /dev/shm is the job's alone: every byte in use is a file's
         assert result["mapped_while_running"] > 0, result  # (what the check can see)
         assert result["leaked"] == 0, f"/dev/shm still mapped after the kill: {result}"
+
+
+_FORKED_BY_A_THREAD = """
+import threading, time
+from mmcache.augment import RandomResizedCrop
+from mmcache.loader.croppool import CropPool
+pools = []
+
+
+def fork():
+    pools.append(CropPool(RandomResizedCrop(8), 1))
+    time.sleep(0.5)  # the child holds its lifeline meanwhile
+
+
+forker = threading.Thread(target=fork)
+forker.start()
+forker.join()  # the thread that forked is gone; the process lives on
+time.sleep(1.0)
+print(pools[0]._procs[0].pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_child_forked_by_a_thread_outlives_it_but_not_the_process() -> None:
+    """PR_SET_PDEATHSIG follows the thread that forked: a crop process (or worker) forked
+    by the loader's assembling thread must not die with that thread, only with the
+    process (noticed by its watch thread)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _FORKED_BY_A_THREAD], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert parent.stdout is not None
+        child = psutil.Process(int(parent.stdout.readline()))
+        assert _running(child), "the crop process died with the thread that forked it"
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 5.0
+    while _running(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    running = _running(child)
+    if running:
+        child.kill()
+    assert not running, "the crop process outlived the training process"
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 # -- a stopped crop process --------------------------------------------------------------

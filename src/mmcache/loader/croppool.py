@@ -265,7 +265,8 @@ class CropPool:
         pending: dict[Any, int] = {self._done[w]: w for w in range(k)}
         deadline, stopped_since = time.monotonic() + _WAIT_S, dict[int, float]()
         while pending:
-            for ready in wait(list(pending), _POLL_S):
+            answered = wait(list(pending), _POLL_S)
+            for ready in answered:
                 w = pending.pop(ready)
                 try:
                     answer = self._done[w].recv_bytes()
@@ -277,6 +278,8 @@ class CropPool:
                     return []
             if not pending:
                 return None
+            if answered:
+                continue  # answers are coming: the processes are looked at once none does
             if not all(p.is_alive() for p in self._procs):
                 return []
             now = time.monotonic()

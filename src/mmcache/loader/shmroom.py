@@ -4,23 +4,22 @@ Besides the cache's memory tier (which refuses puts when ``/dev/shm`` is full, s
 :mod:`mmcache.stores.memory.layout`), the loader keeps a few pieces of its own in
 ``/dev/shm``, each with a way to do without:
 
-============================================  =============================================
-piece                                         without it
-============================================  =============================================
-batch tensors the crop processes read         private batch tensors; the crops run in the
-(:class:`~mmcache.loader.assemble.BatchAssembler`)  training process
-the crop processes' output batches            the crops run in the training process
-the crop processes' queues (POSIX semaphores) no crop processes
-the stat prefetcher's lock and semaphore      no guessed epochs: the workers plan each one
-the epoch gate's lock and semaphores          workers that are not persistent
-the workers' queues (torch's, semaphores)     the training process plans and produces
-                                              every batch (as with ``num_workers=0``)
-============================================  =============================================
+- the batch tensors the crop processes read (the
+  :class:`~mmcache.loader.assemble.BatchAssembler`'s): private ones instead, the
+  crops run in the training process;
+- the crop processes' output batches: the crops run in the training process;
+- the crop processes' queues (POSIX semaphores): no crop processes;
+- the stat prefetcher's lock and semaphore: no guessed epochs, the workers plan each;
+- the epoch gate's lock and semaphores: workers that are not persistent;
+- the workers' queues (torch's, semaphores): the training process plans and produces
+  every batch (as with ``num_workers=0``).
 
 The batches are bitwise the same either way (the crops are seeded per sample), so a
 full ``/dev/shm`` costs speed, never a crash. One :class:`ShmRoom` per loader
-records the first shortage with one warning; from then on its pieces no longer try
-(``full``), and later shortages are logged at INFO.
+records the first shortage with one warning; from then on (``full``) the loader makes
+none of its own pieces there (the workers are still started: their queues take a
+few pages, and without them the training process produces every miss), and later
+shortages are logged at INFO.
 
 torch's ``share_memory_`` names its file (``/dev/shm/torch_<pid>_<n>_<n>``) before it
 reserves its pages and unlinks it only once they are mapped: when the reservation
