@@ -111,7 +111,7 @@ def orphans(data: str, scratch: str, epoch: int, how: list[str]) -> dict[str, An
     alive = kids
     while alive and time.monotonic() - killed < SETTLE_S:
         time.sleep(0.1)
-        alive = [k for k in kids if _running(k)]
+        alive = [k for k in kids if running(k)]
     gone_s = time.monotonic() - killed
     left = [{"pid": k.pid, "name": _name(k)} for k in alive]
     leaked = shm_unaccounted() - before
@@ -126,7 +126,8 @@ def orphans(data: str, scratch: str, epoch: int, how: list[str]) -> dict[str, An
     }
 
 
-def _running(p: psutil.Process) -> bool:
+def running(p: psutil.Process) -> bool:
+    """Whether ``p`` runs (a zombie does not: it waits for its parent to reap it)."""
     try:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:

@@ -7,6 +7,9 @@ costs a bounded wait that is said (issue 37: H3, H10).
   where one can be had, so its space can be accounted for exactly). Before, the crop
   processes blocked in their queue's ``get`` for ever and the workers in joining their
   queue's feeder thread, each holding mapped batch buffers.
+- A crop process forked by a thread that then ends lives on while the process does
+  (``PR_SET_PDEATHSIG`` follows the forking thread, so it is only asked for from the
+  main thread), and ends with the process.
 - A crop process stopped with ``SIGSTOP`` and never resumed: the batch waits about a
   second, one warning names the pid, the batches are those of an uncached run. Before,
   the wait was 60 s, with nothing logged.
@@ -27,6 +30,7 @@ from typing import Any
 import psutil
 import pytest
 import torch
+from loader_jobs import running
 from shm_namespace import private_shm_problem, run_job
 
 from mmcache.augment import Compose, RandomHorizontalFlip, RandomResizedCrop
@@ -100,24 +104,17 @@ def test_a_child_forked_by_a_thread_outlives_it_but_not_the_process() -> None:
     try:
         assert parent.stdout is not None
         child = psutil.Process(int(parent.stdout.readline()))
-        assert _running(child), "the crop process died with the thread that forked it"
+        assert running(child), "the crop process died with the thread that forked it"
     finally:
         parent.kill()
         parent.wait()
     deadline = time.monotonic() + 5.0
-    while _running(child) and time.monotonic() < deadline:
+    while running(child) and time.monotonic() < deadline:
         time.sleep(0.05)
-    running = _running(child)
-    if running:
+    outlived = running(child)
+    if outlived:
         child.kill()
-    assert not running, "the crop process outlived the training process"
-
-
-def _running(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+    assert not outlived, "the crop process outlived the training process"
 
 
 # -- a stopped crop process --------------------------------------------------------------
