@@ -61,6 +61,7 @@ from mmcache.stores.disk import DiskStore
 from mmcache.stores.disk.formed import FormedDiskStore
 from mmcache.stores.gathering import TieredReader
 from mmcache.stores.memory import MAX_INDEX_CAPACITY, MemoryStore, store_exists
+from mmcache.stores.memory.budgets import shm_claims, sizing_turn
 from mmcache.stores.tiered import Accepted, Tier, TieredStore
 from mmcache.units import parse_duration, parse_size
 
@@ -251,8 +252,9 @@ class Cache:
         # becomes the budget of later opens.
         self._opened_as: OpenedAs = _opened_as
         self._inspect = _opened_as == "inspect"
-        if memory == "auto":
-            self.memory_budget = sizing.auto_memory_budget()
+        auto = memory == "auto"
+        if auto:
+            self.memory_budget = 0  # sized as the tiers open, in this user's turn (below)
         elif isinstance(memory, (int, str)):
             self.memory_budget = parse_size(memory, name="memory")
         else:
@@ -260,7 +262,19 @@ class Cache:
         self.disk_budget = None if disk is None else parse_size(disk, name="disk")
         self.registry: FingerprintRegistry | None = None
         self._store = TieredStore([])
-        self._open()
+        if not auto:
+            self._open()
+            return
+        # Sized and created in this user's turn: a job started at the same moment
+        # then sees this store's budget (mmcache.sizing).
+        with sizing_turn(memory_group(self.root, self.mode)):
+            claims = shm_claims(self.memory_name)
+            host = sizing.host_memory(
+                shm=claims.directory, shm_promised=claims.promised, shm_own=claims.own
+            )
+            self.memory_budget = sizing.auto_memory_budget(host=host)
+            logger.debug("memory='auto' for %s: %s", self.root, sizing.describe(host))
+            self._open()
 
     # -- opening --------------------------------------------------------------------------
     def _specs(self) -> list[_TierSpec]:
