@@ -151,17 +151,8 @@ def replace_file(path: str | os.PathLike[str], data: bytes, mode: int) -> None:
     full file system); nothing is left behind then.
     """
     target = os.fspath(path)
-    folder, name = os.path.split(target)
-    tmp = os.path.join(folder, f".{name}.{secrets.token_hex(8)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
+    tmp = _temp_copy(target, data, mode)
     try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fchmod(fd, mode)
-        finally:
-            os.close(fd)
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -182,6 +173,21 @@ def create_file(path: str | os.PathLike[str], data: bytes, mode: int) -> bool:
     full file system, one without hard links); nothing is left behind then.
     """
     target = os.fspath(path)
+    tmp = _temp_copy(target, data, mode)
+    try:
+        os.link(tmp, target, follow_symlinks=False)
+    except FileExistsError:
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    return True
+
+
+def _temp_copy(target: str, data: bytes, mode: int) -> str:
+    """A new file beside ``target`` holding ``data`` with ``mode``: its path. Its name is
+    random and it is created exclusively, so it is never a file or link planted at a
+    name this process could be expected to use. Nothing is left behind on an error."""
     folder, name = os.path.split(target)
     tmp = os.path.join(folder, f".{name}.{secrets.token_hex(8)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
@@ -193,14 +199,11 @@ def create_file(path: str | os.PathLike[str], data: bytes, mode: int) -> bool:
             os.fchmod(fd, mode)
         finally:
             os.close(fd)
-        try:
-            os.link(tmp, target, follow_symlinks=False)
-        except FileExistsError:
-            return False
-        return True
-    finally:
+    except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        raise
+    return tmp
 
 
 def read_root_id(root: str | os.PathLike[str]) -> int | None:
