@@ -71,7 +71,13 @@ class EpochStats:
     """One epoch of a :class:`~mmcache.loader.DataLoader`, as seen by the consuming process.
 
     ``hits`` are samples served from a cache tier (``tier_hits`` splits them by
-    tier), ``misses`` samples produced by the pipeline. ``stall_s`` is the time
+    the tier that served them: a hit of an entry promoted from the disk tier into
+    memory just before it was gathered is the disk tier's), ``misses`` samples this
+    job produced with the pipeline, ``waited`` samples another process of the node was
+    producing when this job asked for them (the claim protocol of
+    :mod:`mmcache.stores.claims`): this job waited and took what that process
+    published, so they are neither decodes of this job nor cache hits. Each sample
+    served is one of the three. ``stall_s`` is the time
     the training loop spent waiting inside ``next(loader)``; ``seconds`` the wall
     time from the first request to the last batch. ``late_misses`` counts hits
     planned ahead that were evicted before use and produced in the consumer.
@@ -87,10 +93,13 @@ class EpochStats:
     seconds: float = 0.0
     stall_s: float = 0.0
     tier_hits: dict[str, int] = field(default_factory=dict)
+    waited: int = 0
 
     @property
     def hit_rate(self) -> float:
-        total = self.hits + self.misses
+        """hits / (hits + misses + waited): the share of the samples served that the
+        cache held when asked, 0.0 before any."""
+        total = self.hits + self.misses + self.waited
         return self.hits / total if total else 0.0
 
     @property
@@ -119,8 +128,12 @@ class LoaderStats:
         return sum(e.misses for e in self.epochs)
 
     @property
+    def waited(self) -> int:
+        return sum(e.waited for e in self.epochs)
+
+    @property
     def hit_rate(self) -> float:
-        total = self.hits + self.misses
+        total = self.hits + self.misses + self.waited
         return self.hits / total if total else 0.0
 
     @property
@@ -139,6 +152,7 @@ class LoaderStats:
         return {
             "hits": self.hits,
             "misses": self.misses,
+            "waited": self.waited,
             "hit_rate": self.hit_rate,
             "stall_s": self.stall_s,
             "tier_hits": self.tier_hits,

@@ -579,7 +579,8 @@ class DataLoader:
         else:
             slot, last = len(self._history), None
             self._history.append(EpochStats(epoch=run.epoch))
-        stats = EpochCounter(run.epoch, last)
+        promotions = self.cache.store.promotions if self.cache is not None else None
+        stats = EpochCounter(run.epoch, last, promotions)
         self._live, self._live_slot = stats, slot
         source = self._stream
         workers = self._workers

@@ -192,6 +192,7 @@ class BatchAssembler:
         counter.count(
             [_MEMORY if i == 0 else _LOWER for i in served.tolist()],
             [self._names[i] for i in served.tolist()],
+            plan.keys,
         )
         return bool(served.any())
 
@@ -236,7 +237,7 @@ class BatchAssembler:
                         self._layout = self._find_layout(plan, rows, hit_rows)
         layout = self._layout
         if layout is None:  # every sample of the batch was rejected
-            counter.count(origins, tiers)
+            counter.count(origins, tiers, plan.keys)
             return None
         out = self._allocate(layout, n)
         found = np.zeros(n, dtype=bool)
@@ -267,7 +268,7 @@ class BatchAssembler:
         for r, sample in samples.items():
             self._check_shapes(layout, sample, int(plan.indices[r]))
         self._fill(layout, out, samples)
-        counter.count(origins, tiers)
+        counter.count(origins, tiers, plan.keys)
         keep = [r for r in range(n) if origins[r] is not _REJECTED]
         if not keep:
             return None
