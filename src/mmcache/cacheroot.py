@@ -24,7 +24,7 @@ from mmcache.codec.compact import parse_disk_form
 from mmcache.dist import NODE_ENV
 from mmcache.errors import CacheError, ConfigError
 from mmcache.policies import policy_names
-from mmcache.rootfiles import replace_file
+from mmcache.rootfiles import read_regular, replace_file
 from mmcache.units import parse_duration, parse_size
 
 __all__ = ["CONFIG_FILE", "memory_group", "memory_name", "read_config", "write_config"]
@@ -33,6 +33,17 @@ logger = logging.getLogger(__name__)
 
 #: Budgets of a cache root, written beside its disk tier (see Cache.open_existing).
 CONFIG_FILE = "cache.json"
+#: The most bytes ``cache.json`` may have (it holds a few short fields): a bigger one
+#: is refused, never read whole.
+CONFIG_MAX_BYTES = 64 * 1024
+
+
+def _read_recorded(path: Path) -> Any:
+    """The JSON in ``path``, read only if it is a regular file of at most
+    :data:`CONFIG_MAX_BYTES` (a FIFO a member of a shared root planted there would
+    block every command that reopens the root: :func:`~mmcache.rootfiles.read_regular`).
+    Raises OSError or ValueError."""
+    return json.loads(read_regular(path, max_bytes=CONFIG_MAX_BYTES))
 
 
 def memory_name(root: Path) -> str:
@@ -74,12 +85,15 @@ def read_config(root: str | os.PathLike[str]) -> dict[str, Any]:
     """
     path = Path(os.path.expanduser(os.fspath(root))) / CONFIG_FILE
     try:
-        config = json.loads(path.read_text())
+        config = _read_recorded(path)
     except FileNotFoundError as exc:
         raise CacheError(
-            f"{path} not found: {root} is not an mmcache cache root (no disk tier was made)"
+            f"{path} not found: {root} is not an mmcache cache root (no process has made"
+            " a cache there)"
         ) from exc
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
+        raise CacheError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    except ValueError as exc:
         raise CacheError(f"cannot read {path}: {exc}") from exc
     if not isinstance(config, dict) or config.get("format") != 1:
         raise CacheError(f"{path}: unknown cache config format")
@@ -133,7 +147,7 @@ def write_config(
     out: dict[str, Any] = {"format": 1, **config}
     if changes:
         try:
-            recorded = json.loads(path.read_text())
+            recorded = _read_recorded(path)
         except (OSError, ValueError):
             recorded = None
         if isinstance(recorded, dict) and recorded.get("format") == 1:

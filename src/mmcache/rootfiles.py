@@ -1,4 +1,4 @@
-"""Creating and replacing files inside a cache root that other users may write to.
+"""Creating, replacing and reading files inside a cache root that other users may write to.
 
 A root shared by a team (``chgrp team ROOT; chmod 2770 ROOT``, ``Cache(mode=0o660)``)
 is a folder every member can write: any of them can put a symbolic or hard link
@@ -30,6 +30,14 @@ checked here just before (a member racing that check could still redirect it,
 which a sticky root, ``chmod 3770``, prevents for files it did not create).
 Members are trusted with the cache's *contents* (they can write entries); this
 module only keeps them from steering this process's writes to other files.
+
+Reading has its own trap: a member can put a FIFO where a file is read by name
+(``cache.json``), and a user can name a FIFO or ``/dev/zero`` where a manifest,
+shard or image is expected. Opening a FIFO for reading blocks until a writer
+comes (forever), and ``/dev/zero`` never ends. So every read of such a file goes
+through :func:`open_regular` (or :func:`read_regular`, bounded): opened with
+``O_NONBLOCK`` (a FIFO opens at once; no effect on a regular file) and refused by
+its ``fstat`` mode, before a byte is read, unless it is a regular file.
 Thread-safe and process-safe (no state).
 """
 
@@ -46,7 +54,16 @@ from collections.abc import Iterator, Sequence
 
 from mmcache.errors import CacheError
 
-__all__ = ["UnsafeFileError", "make_dir", "open_file", "pinned_files", "replace_file"]
+__all__ = [
+    "NotRegularFileError",
+    "UnsafeFileError",
+    "make_dir",
+    "open_file",
+    "open_regular",
+    "pinned_files",
+    "read_regular",
+    "replace_file",
+]
 
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -54,6 +71,71 @@ _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 class UnsafeFileError(CacheError):
     """A file or folder of a cache root is a link (or not what it should be): it was
     not opened, so nothing was written through it."""
+
+
+class NotRegularFileError(OSError):
+    """A file to read is a FIFO, a device or a socket: it was not read (a FIFO would block
+    the reader until some writer comes, a device like ``/dev/zero`` never ends).
+    ``strerror`` says what it is; ``filename`` is the path."""
+
+
+#: What a file that is not a regular one is, by its ``st_mode`` (for the messages).
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def open_regular(path: str | os.PathLike[str], *, flags: int = 0) -> tuple[int, os.stat_result]:
+    """Open the regular file ``path`` for reading without ever blocking: ``(fd, fstat)``.
+
+    ``O_NONBLOCK`` makes opening a FIFO return at once (it has no effect on a regular
+    file, so reads of the descriptor are ordinary ones); the descriptor's ``fstat``
+    then refuses anything but a regular file before a byte is read: a folder with
+    ``IsADirectoryError``, a FIFO, device or socket with :class:`NotRegularFileError`
+    (``O_NOCTTY``: a terminal named here never becomes this process's own).
+    ``flags`` are added to ``O_RDONLY`` (``O_NOFOLLOW``, ``O_BINARY``). Other
+    failures raise the OSError of ``open`` (``FileNotFoundError``,
+    ``PermissionError``). The caller closes the descriptor (``open(fd, "rb")``
+    wraps it). Thread-safe.
+    """
+    name = os.fspath(path)
+    fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC | flags)
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, "is a folder, not a file", name)
+        if not stat.S_ISREG(st.st_mode):
+            what = next((kind for test, kind in _KINDS if test(st.st_mode)), "not a file")
+            raise NotRegularFileError(errno.EINVAL, f"{what}, not a regular file", name)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def read_regular(path: str | os.PathLike[str], *, max_bytes: int) -> bytes:
+    """The bytes of the regular file ``path`` (:func:`open_regular`), at most ``max_bytes``.
+
+    A file over ``max_bytes`` (by its ``fstat`` size, or grown while being read)
+    raises OSError ``EFBIG`` naming the limit, having read at most ``max_bytes + 1``
+    bytes: a small record file (``cache.json``) that is not small is refused, never
+    loaded whole. Thread-safe.
+    """
+    name = os.fspath(path)
+    fd, st = open_regular(name)
+    with open(fd, "rb", closefd=True) as f:
+        data = f.read(max_bytes + 1) if st.st_size <= max_bytes else b""
+    if st.st_size > max_bytes or len(data) > max_bytes:
+        why = (
+            f"{st.st_size} bytes, over the limit of {max_bytes} bytes"
+            if st.st_size > max_bytes
+            else f"grew past the limit of {max_bytes} bytes while being read"
+        )
+        raise OSError(errno.EFBIG, why, name)
+    return data
 
 
 def _refuse(path: str, what: str) -> UnsafeFileError:
