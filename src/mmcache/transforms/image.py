@@ -436,16 +436,16 @@ def _open_regular(path: str, sample_id: str, max_bytes: int | None) -> tuple[int
         else:
             reason = f"cannot open file: {exc.strerror or exc}"
         raise SampleError(reason, sample_id=sample_id, path=path) from exc
-    reason = None
+    refused: str | None = None
     if st.st_size == 0:
-        reason = "empty file"
+        refused = "empty file"
     elif max_bytes is not None and st.st_size > max_bytes:
-        reason = (
+        refused = (
             f"file is {st.st_size} bytes, over the limit of {max_bytes} bytes (ImageSpec.max_bytes)"
         )
-    if reason is not None:
+    if refused is not None:
         os.close(fd)
-        raise SampleError(reason, sample_id=sample_id, path=path)
+        raise SampleError(refused, sample_id=sample_id, path=path)
     return fd, st
 
 
