@@ -24,10 +24,17 @@ from mmcache.codec.compact import parse_disk_form
 from mmcache.dist import NODE_ENV
 from mmcache.errors import CacheError, ConfigError
 from mmcache.policies import policy_names
-from mmcache.rootfiles import read_regular, replace_file
+from mmcache.rootfiles import create_file, read_regular, replace_file
 from mmcache.units import parse_duration, parse_size
 
-__all__ = ["CONFIG_FILE", "memory_group", "memory_name", "read_config", "write_config"]
+__all__ = [
+    "CONFIG_FILE",
+    "memory_group",
+    "memory_name",
+    "read_config",
+    "record_config_once",
+    "write_config",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -156,4 +163,22 @@ def write_config(
     try:  # never through a link a member of a shared root planted (rootfiles)
         replace_file(path, json.dumps(out, indent=1).encode(), mode)
     except OSError as exc:  # read-only root: the config is a convenience
+        logger.debug("cannot write %s: %s", path, exc)
+
+
+def record_config_once(root: Path, config: dict[str, Any], *, mode: int) -> None:
+    """Record ``config`` in ``root/cache.json`` unless the root has a record already.
+
+    For a cache with a memory tier only (``Cache(root, disk=None)``): its record lets
+    ``stats``, ``verify`` and ``gc --cache ROOT`` reopen it (they read its memory tier,
+    and ``gc`` its TTL), but it must never replace the record of a root that has a
+    disk tier, whose budgets later opens need: the file is created with a hard link,
+    which replaces nothing (:func:`mmcache.rootfiles.create_file`), so a disk tier's
+    owner writing at the same moment wins. Like :func:`write_config`, silent on a
+    root that cannot be written (the record is a convenience).
+    """
+    path = root / CONFIG_FILE
+    try:
+        create_file(path, json.dumps({"format": 1, **config}, indent=1).encode(), mode)
+    except OSError as exc:
         logger.debug("cannot write %s: %s", path, exc)

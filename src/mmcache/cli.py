@@ -399,6 +399,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
             _print_json({**report.as_dict(), "identity_ledger": _pruned_json(book, refused)})
         else:
             print(f"{len(report.orphan_segments)} orphaned shared-memory segments removed")
+            print(f"{len(report.reject_logs)} reject logs of ended processes removed")
             _print_pruned(book, refused)
         return 0 if refused is None else 1
     cache = _open(args)
@@ -426,7 +427,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
             f"{len(report.orphan_segments)} orphaned shared-memory segments, "
             f"{report.dropped_entries} entries of {len(report.dropped_fingerprints)} "
             f"unused pipeline fingerprints, {len(report.index_files)} stale WebDataset "
-            "member indexes"
+            f"member indexes, {len(report.reject_logs)} reject logs of ended processes"
         )
         if compacted is not None:
             before, after = format_size(compacted.before), format_size(compacted.after)

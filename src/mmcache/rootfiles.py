@@ -19,6 +19,12 @@ Every writer of the library goes through this module, whose rules are:
   tier's counters and LMDB files) is opened with ``O_NOFOLLOW``, created with
   ``O_EXCL`` (and only then given its mode), and refused unless it is a regular
   file with a single link (:func:`open_file`);
+* a file that is **created once** and never changed by its creator (the record
+  of a memory-only root, ``cache.json``, which must never replace the record of
+  a disk tier's owner) is written whole under a random temp name, then
+  hard-linked to its name: ``link`` never replaces anything, so of processes
+  racing to create it one wins, and every reader sees the whole file or none
+  (:func:`create_file`);
 * a **folder** is made with the exact mode asked, through a descriptor opened
   with ``O_NOFOLLOW``, and keeps the set-group-ID bit of its parent, so that
   in a ``2770`` root every file gets the team's group whatever the creator's
@@ -57,6 +63,7 @@ from mmcache.errors import CacheError
 __all__ = [
     "NotRegularFileError",
     "UnsafeFileError",
+    "create_file",
     "make_dir",
     "open_file",
     "open_regular",
@@ -228,6 +235,40 @@ def replace_file(path: str | os.PathLike[str], data: bytes, mode: int) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def create_file(path: str | os.PathLike[str], data: bytes, mode: int) -> bool:
+    """Create ``path`` holding ``data`` with ``mode``, unless something is there already:
+    True if this call made it, False if another file (or link) was there first.
+
+    For a file written once and never changed: ``data`` goes whole into a temp file of
+    a random name beside it (created exclusively, never through a link), which is then
+    hard-linked to ``path`` and removed. ``link`` fails when ``path`` exists, a planted
+    link included, and replaces nothing; so of processes racing to create it exactly
+    one wins, and readers see the whole file or none (``O_EXCL`` on ``path`` itself
+    would let a reader see it empty, before its bytes). Raises OSError (a read-only or
+    full file system, one without hard links); nothing is left behind then.
+    """
+    target = os.fspath(path)
+    folder, name = os.path.split(target)
+    tmp = os.path.join(folder, f".{name}.{secrets.token_hex(8)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, target, follow_symlinks=False)
+        except FileExistsError:
+            return False
+        return True
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
 
 
 def make_dir(path: str | os.PathLike[str], mode: int) -> bool:
