@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -453,8 +454,8 @@ def test_gc_all_sweeps_the_nodes_orphans_without_a_cache_root(
     names = {root: _memory_name(root) for root in (live, private, shared)}
     shared_files = glob.glob(f"{store_dir(os.getegid())}/mmcache-{names[shared]}*")
     assert shared_files and shm_files(names[private])
-    private.rmdir()
-    shared.rmdir()  # orphans now: their owner paths are gone
+    shutil.rmtree(private)  # (a memory-only root holds its cache.json)
+    shutil.rmtree(shared)  # orphans now: their owner paths are gone
     try:
         assert cli.main(["gc", "--all"]) == 0
         assert "orphaned shared-memory segments removed" in capsys.readouterr().out
