@@ -209,16 +209,11 @@ def open_file(path: str | os.PathLike[str], flags: int, mode: int) -> tuple[int,
         return _checked(fd, name), False
 
 
-def replace_file(path: str | os.PathLike[str], data: bytes, mode: int) -> None:
-    """Replace ``path`` by a file holding ``data`` with ``mode``, atomically.
-
-    Readers see the old file or the new one, never a part. The temp file beside
-    it has a random name and is created exclusively, so a link planted at any
-    name this process could be expected to use is never written through; the
-    rename replaces a link at ``path`` itself. Raises OSError (a read-only or
-    full file system); nothing is left behind then.
-    """
-    target = os.fspath(path)
+def _temp_copy(target: str, data: bytes, mode: int) -> str:
+    """A new file beside ``target`` holding ``data`` with ``mode``: its path. Its name is
+    random and it is created exclusively without following a link, so no link planted
+    at a name this process could be expected to use is ever written through. Raises
+    OSError, leaving nothing behind."""
     folder, name = os.path.split(target)
     tmp = os.path.join(folder, f".{name}.{secrets.token_hex(8)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
@@ -230,6 +225,25 @@ def replace_file(path: str | os.PathLike[str], data: bytes, mode: int) -> None:
             os.fchmod(fd, mode)
         finally:
             os.close(fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return tmp
+
+
+def replace_file(path: str | os.PathLike[str], data: bytes, mode: int) -> None:
+    """Replace ``path`` by a file holding ``data`` with ``mode``, atomically.
+
+    Readers see the old file or the new one, never a part. The temp file beside
+    it has a random name and is created exclusively, so a link planted at any
+    name this process could be expected to use is never written through; the
+    rename replaces a link at ``path`` itself. Raises OSError (a read-only or
+    full file system); nothing is left behind then.
+    """
+    target = os.fspath(path)
+    tmp = _temp_copy(target, data, mode)
+    try:
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -250,25 +264,15 @@ def create_file(path: str | os.PathLike[str], data: bytes, mode: int) -> bool:
     full file system, one without hard links); nothing is left behind then.
     """
     target = os.fspath(path)
-    folder, name = os.path.split(target)
-    tmp = os.path.join(folder, f".{name}.{secrets.token_hex(8)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
+    tmp = _temp_copy(target, data, mode)
     try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fchmod(fd, mode)
-        finally:
-            os.close(fd)
-        try:
-            os.link(tmp, target, follow_symlinks=False)
-        except FileExistsError:
-            return False
-        return True
+        os.link(tmp, target, follow_symlinks=False)
+    except FileExistsError:
+        return False
     finally:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+    return True
 
 
 def make_dir(path: str | os.PathLike[str], mode: int) -> bool:
