@@ -40,7 +40,13 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 import numpy as np
 
 from mmcache import codec, sizing
-from mmcache.cacheroot import memory_group, read_config, root_id, write_config
+from mmcache.cacheroot import (
+    memory_group,
+    read_config,
+    record_config_once,
+    root_id,
+    write_config,
+)
 from mmcache.cacheroot import memory_name as _memory_name
 from mmcache.checks import check_int
 from mmcache.codec.compact import parse_disk_form
@@ -352,6 +358,10 @@ class Cache:
         self._store = TieredStore(
             [Tier(opened[s.name], s.verify, s.deferred) for s in specs if s.name in opened]
         )
+        if self._opened_as == "owner" and self.disk_budget is None and self.memory_budget > 0:
+            # A memory-only root records its options too (the disk tier's opening does it
+            # otherwise), so the CLI can check and collect it; never over a disk's record.
+            record_config_once(self.root, self._options(), mode=self.mode)
 
     def _open_disk(self) -> Store:
         if self.disk_budget is None:  # pragma: no cover - only opened when wanted

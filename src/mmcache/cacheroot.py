@@ -33,7 +33,7 @@ from mmcache.codec.compact import parse_disk_form
 from mmcache.dist import NODE_ENV
 from mmcache.errors import CacheError, ConfigError
 from mmcache.policies import policy_names
-from mmcache.rootfiles import ROOT_ID_FILE, create_file, read_root_id, replace_file
+from mmcache.rootfiles import ROOT_ID_FILE, create_file, read_regular, read_root_id, replace_file
 from mmcache.units import parse_duration, parse_size
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "memory_group",
     "memory_name",
     "read_config",
+    "record_config_once",
     "root_id",
     "write_config",
 ]
@@ -49,6 +50,17 @@ logger = logging.getLogger(__name__)
 
 #: Budgets of a cache root, written beside its disk tier (see Cache.open_existing).
 CONFIG_FILE = "cache.json"
+#: The most bytes ``cache.json`` may have (it holds a few short fields): a bigger one
+#: is refused, never read whole.
+CONFIG_MAX_BYTES = 64 * 1024
+
+
+def _read_recorded(path: Path) -> Any:
+    """The JSON in ``path``, read only if it is a regular file of at most
+    :data:`CONFIG_MAX_BYTES` (a FIFO a member of a shared root planted there would
+    block every command that reopens the root: :func:`~mmcache.rootfiles.read_regular`).
+    Raises OSError or ValueError."""
+    return json.loads(read_regular(path, max_bytes=CONFIG_MAX_BYTES))
 
 
 def root_id(root: Path, *, mode: int, create: bool) -> int:
@@ -138,12 +150,15 @@ def read_config(root: str | os.PathLike[str]) -> dict[str, Any]:
     """
     path = Path(os.path.expanduser(os.fspath(root))) / CONFIG_FILE
     try:
-        config = json.loads(path.read_text())
+        config = _read_recorded(path)
     except FileNotFoundError as exc:
         raise CacheError(
-            f"{path} not found: {root} is not an mmcache cache root (no disk tier was made)"
+            f"{path} not found: {root} is not an mmcache cache root (no process has made"
+            " a cache there)"
         ) from exc
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
+        raise CacheError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    except ValueError as exc:
         raise CacheError(f"cannot read {path}: {exc}") from exc
     if not isinstance(config, dict) or config.get("format") != 1:
         raise CacheError(f"{path}: unknown cache config format")
@@ -197,7 +212,7 @@ def write_config(
     out: dict[str, Any] = {"format": 1, **config}
     if changes:
         try:
-            recorded = json.loads(path.read_text())
+            recorded = _read_recorded(path)
         except (OSError, ValueError):
             recorded = None
         if isinstance(recorded, dict) and recorded.get("format") == 1:
@@ -206,4 +221,22 @@ def write_config(
     try:  # never through a link a member of a shared root planted (rootfiles)
         replace_file(path, json.dumps(out, indent=1).encode(), mode)
     except OSError as exc:  # read-only root: the config is a convenience
+        logger.debug("cannot write %s: %s", path, exc)
+
+
+def record_config_once(root: Path, config: dict[str, Any], *, mode: int) -> None:
+    """Record ``config`` in ``root/cache.json`` unless the root has a record already.
+
+    For a cache with a memory tier only (``Cache(root, disk=None)``): its record lets
+    ``stats``, ``verify`` and ``gc --cache ROOT`` reopen it (they read its memory tier,
+    and ``gc`` its TTL), but it must never replace the record of a root that has a
+    disk tier, whose budgets later opens need: the file is created with a hard link,
+    which replaces nothing (:func:`mmcache.rootfiles.create_file`), so a disk tier's
+    owner writing at the same moment wins. Like :func:`write_config`, silent on a
+    root that cannot be written (the record is a convenience).
+    """
+    path = root / CONFIG_FILE
+    try:
+        create_file(path, json.dumps({"format": 1, **config}, indent=1).encode(), mode)
+    except OSError as exc:
         logger.debug("cannot write %s: %s", path, exc)

@@ -2,12 +2,15 @@
 
 ``mmcache demo | synth | warm | bench | stats | verify | gc | inspect``; ``--help`` on each.
 Sizes accept IEC units (``512MiB``, ``10GiB``), durations s/m/h/d (``7d``).
-Commands whose output is data take ``--json``.
+Commands whose output is data take ``--json``. ``--version`` says which copy runs.
+Exit status: 0, 1 (a check found problems), 2 (an error, on one line), 141 (the
+reader of the output went away: ``mmcache stats | head``, quietly).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -32,7 +35,7 @@ from mmcache.cliargs import (
     parse_budget,
     size_of,
 )
-from mmcache.cliinspect import add_inspect_parser
+from mmcache.cliinspect import add_inspect_parser, first_sample
 
 __all__ = ["build_parser", "main"]
 
@@ -407,6 +410,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
             _print_json({**report.as_dict(), "identity_ledger": _pruned_json(book, refused)})
         else:
             print(f"{len(report.orphan_segments)} orphaned shared-memory segments removed")
+            print(f"{len(report.reject_logs)} reject logs of ended processes removed")
             _print_pruned(book, refused)
         return 0 if refused is None else 1
     cache = _open(args)
@@ -434,7 +438,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
             f"{len(report.orphan_segments)} orphaned shared-memory segments, "
             f"{report.dropped_entries} entries of {len(report.dropped_fingerprints)} "
             f"unused pipeline fingerprints, {len(report.index_files)} stale WebDataset "
-            "member indexes"
+            f"member indexes, {len(report.reject_logs)} reject logs of ended processes"
         )
         if compacted is not None:
             before, after = format_size(compacted.before), format_size(compacted.after)
@@ -474,7 +478,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     pipe = default_pipeline(size=args.size, max_length=args.max_length, tokenizer=args.tokenizer)
     ds = mc.MultimodalDataset(args.manifest, pipeline=pipe, on_error="skip", **data_options(args))
-    first = _first_sample(ds, limit=100)
+    _, first, _ = first_sample(ds, limit=100)
     if first is None:
         raise mc.ConfigError(f"none of the first 100 samples of {args.manifest} can be decoded")
     data_bytes = mc.codec.encoded_size(first) * len(ds)
@@ -550,18 +554,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _first_sample(ds: Any, *, limit: int) -> Any:
-    """The first of the first ``limit`` samples that decodes (each decoded once), or None."""
-    from mmcache.errors import SampleError
-
-    for i in range(min(len(ds), limit)):
-        try:
-            return ds.produce(i)
-        except SampleError:
-            continue
-    return None
-
-
 # -- parser -------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
@@ -569,6 +561,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Decode, resize and tokenize image-text samples once; cache them.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument(
+        "--version", action="version", version=_version(), help="print the version and exit"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("demo", help="run the main job on synthetic data (nothing to download)")
@@ -692,6 +687,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    """``mmcache 0.1.0 from /path/to/mmcache (python 3.12)``: which copy runs, as pip says
+    it (a checkout on ``PYTHONPATH`` and an installed wheel can differ)."""
+    import platform
+
+    import mmcache
+
+    where = os.path.dirname(os.path.abspath(mmcache.__file__))
+    return f"mmcache {mmcache.__version__} from {where} (python {platform.python_version()})"
+
+
+#: The exit status when the reader of stdout went away (``mmcache stats | head``): what a
+#: shell reports for a command killed by SIGPIPE (128 + 13), as for ``yes | head``.
+EXIT_BROKEN_PIPE = 128 + 13
+
+
+def _stdout_gone() -> int:
+    """After a BrokenPipeError on stdout: point stdout at /dev/null, so that the flush at
+    exit writes nowhere instead of printing a second error (the recipe of the Python
+    docs, "Note on SIGPIPE"), and give :data:`EXIT_BROKEN_PIPE`."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    # a stdout without a descriptor (an embedding caller's) has nothing to redirect
+    with contextlib.suppress(OSError, ValueError):
+        os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_BROKEN_PIPE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(glue_dash_values(parser, sys.argv[1:] if argv is None else argv))
@@ -703,6 +726,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         code: int = args.func(args)
+        sys.stdout.flush()  # a reader that went away shows here, not at exit
+    except BrokenPipeError:  # mmcache stats | head: the output was not wanted further
+        return _stdout_gone()
     except MmcacheError as exc:
         print(f"mmcache {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -51,6 +51,9 @@ class GcReport:
     dropped_entries: int = 0
     #: WebDataset member indexes removed from ``ROOT/wds-index`` (shard gone or changed).
     index_files: tuple[str, ...] = ()
+    #: Reject logs of this user's ended processes removed from the temporary folder
+    #: (:func:`~mmcache.sources.rejects.sweep_reject_logs`).
+    reject_logs: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -212,8 +215,12 @@ def gc(
 
     WebDataset member indexes kept under the root (``ROOT/wds-index``) whose
     local shard is gone or changed are removed too
-    (:func:`~mmcache.sources.wds.home.sweep_indexes`).
+    (:func:`~mmcache.sources.wds.home.sweep_indexes`), and so are the reject logs
+    that killed processes of this user left in the temporary folder (the next
+    process that makes one removes them too, but none may come:
+    :func:`~mmcache.sources.rejects.sweep_reject_logs`).
     """
+    from mmcache.sources.rejects import sweep_reject_logs
     from mmcache.sources.wds.home import INDEX_FOLDER, sweep_indexes
 
     ages = [a for a in (cache.ttl, older_than) if a is not None]
@@ -250,6 +257,7 @@ def gc(
         dropped_fingerprints=tuple(dropped),
         dropped_entries=removed_by_fp,
         index_files=indexes,
+        reject_logs=tuple(sweep_reject_logs()),
     )
 
 
@@ -264,8 +272,10 @@ def sweep_orphans() -> GcReport:
     exists is exactly what leaves its store behind. A group's directory that
     another user could control is skipped with a warning (never used, never
     emptied); this user's own raises :class:`~mmcache.errors.CacheError`.
+    The reject logs of this user's ended processes go too (as in :func:`gc`).
     Process-safe.
     """
+    from mmcache.sources.rejects import sweep_reject_logs
     from mmcache.stores.memory import reclaim_orphans
 
     removed = list(reclaim_orphans("*"))
@@ -274,4 +284,4 @@ def sweep_orphans() -> GcReport:
             removed += reclaim_orphans("*", group=group)
         except CacheError as exc:  # UntrustedFileError: not ours to sweep
             logger.warning("skipping the memory stores of group %d: %s", group, exc)
-    return GcReport(orphan_segments=tuple(removed))
+    return GcReport(orphan_segments=tuple(removed), reject_logs=tuple(sweep_reject_logs()))

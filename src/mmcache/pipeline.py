@@ -410,8 +410,9 @@ class Pipeline:
             if stage.kind == "image":
                 if image_path is None:
                     raise SampleError(
-                        "record has no image, but the pipeline has an ImageSpec "
-                        "(use Pipeline(image=None, ...) for text-only data)",
+                        "record has no image, but the pipeline has an ImageSpec (text-only"
+                        " data: Pipeline(image=None, ...); chat records, with images or not:"
+                        " a ChatSpec text stage, see docs/recipes/sft.md)",
                         sample_id=sample_id,
                     )
                 image = load_image(stage, image_path, sample_id=sample_id)

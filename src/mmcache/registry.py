@@ -12,7 +12,10 @@ line it is in, and the next newline resynchronises the log (a torn binary
 record would shift every later key).
 
 The files are untrusted input like every cache file: the key log is read as
-hex lines (anything else is skipped), the JSON is plain data, and file names
+hex lines (anything else is skipped), the JSON is plain data (at most
+:data:`RECORD_MAX_BYTES`), every file is read only if it is a regular one (a
+FIFO planted by a member of a shared root would block the reader:
+:func:`~mmcache.rootfiles.open_regular`), and file names
 come only from validated hex fingerprints. Deleting the keys of one
 fingerprint can never touch another's entries, since every key includes its
 fingerprint. Process-safe; thread-safe.
@@ -30,7 +33,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from mmcache.rootfiles import UnsafeFileError, make_dir, open_file, replace_file
+from mmcache.rootfiles import (
+    UnsafeFileError,
+    make_dir,
+    open_file,
+    open_regular,
+    read_regular,
+    replace_file,
+)
 from mmcache.stores.base import KEY_SIZE, dir_mode
 
 __all__ = ["FingerprintInfo", "FingerprintRegistry"]
@@ -38,6 +48,13 @@ __all__ = ["FingerprintInfo", "FingerprintRegistry"]
 logger = logging.getLogger(__name__)
 
 _FP_RE = re.compile(r"^[0-9a-f]{8,64}$")
+#: The most bytes a fingerprint's JSON record may have (its description is cut at 500).
+RECORD_MAX_BYTES = 64 * 1024
+
+
+def _record(path: Path) -> Any:
+    """The JSON record at ``path``; OSError or ValueError when it cannot be read."""
+    return json.loads(read_regular(path, max_bytes=RECORD_MAX_BYTES))
 
 
 @dataclass(frozen=True)
@@ -74,7 +91,7 @@ class FingerprintRegistry:
         path = self.folder / f"{_check(fp)}.json"
         first = now
         with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
-            first = float(json.loads(path.read_text())["first_used"])
+            first = float(_record(path)["first_used"])
         data = {
             "fingerprint": fp,
             "description": description[:500],
@@ -112,7 +129,9 @@ class FingerprintRegistry:
         """The keys logged for ``fp`` (a torn last record is ignored)."""
         path = self.folder / f"{_check(fp)}.keys"
         try:
-            data = path.read_bytes()
+            fd, _ = open_regular(path)
+            with open(fd, "rb", closefd=True) as f:
+                data = f.read()
         except OSError:
             return
         for line in data.split(b"\n"):
@@ -129,7 +148,7 @@ class FingerprintRegistry:
             if _FP_RE.match(fp) is None:
                 continue
             try:
-                data = json.loads(path.read_text())
+                data = _record(path)
                 first, last = float(data["first_used"]), float(data["last_used"])
                 desc = str(data.get("description", ""))
             except (OSError, ValueError, TypeError, KeyError):

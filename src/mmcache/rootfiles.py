@@ -1,4 +1,4 @@
-"""Creating and replacing files inside a cache root that other users may write to.
+"""Creating, replacing and reading files inside a cache root that other users may write to.
 
 A root shared by a team (``chgrp team ROOT; chmod 2770 ROOT``, ``Cache(mode=0o660)``)
 is a folder every member can write: any of them can put a symbolic or hard link
@@ -19,11 +19,13 @@ Every writer of the library goes through this module, whose rules are:
   tier's counters and LMDB files) is opened with ``O_NOFOLLOW``, created with
   ``O_EXCL`` (and only then given its mode), and refused unless it is a regular
   file with a single link (:func:`open_file`);
-* a file that is **created once** and never changed (the root's identity,
-  ``root-id``) is written whole under a random temp name, then hard-linked to its
-  name: ``link`` never replaces anything, so of processes racing to create it one
-  wins, and every reader sees the whole file or none (:func:`create_file`); it is
-  read without following a link or blocking on a FIFO (:func:`read_root_id`);
+* a file that is **created once** and never changed by its creator (the root's
+  identity, ``root-id``; the record of a memory-only root, ``cache.json``, which
+  must never replace the record of a disk tier's owner) is written whole under a
+  random temp name, then hard-linked to its name: ``link`` never replaces
+  anything, so of processes racing to create it one wins, and every reader sees
+  the whole file or none (:func:`create_file`); the identity is read without
+  following a link or blocking on a FIFO (:func:`read_root_id`);
 * a **folder** is made with the exact mode asked, through a descriptor opened
   with ``O_NOFOLLOW``, and keeps the set-group-ID bit of its parent, so that
   in a ``2770`` root every file gets the team's group whatever the creator's
@@ -35,6 +37,14 @@ checked here just before (a member racing that check could still redirect it,
 which a sticky root, ``chmod 3770``, prevents for files it did not create).
 Members are trusted with the cache's *contents* (they can write entries); this
 module only keeps them from steering this process's writes to other files.
+
+Reading has its own trap: a member can put a FIFO where a file is read by name
+(``cache.json``), and a user can name a FIFO or ``/dev/zero`` where a manifest,
+shard or image is expected. Opening a FIFO for reading blocks until a writer
+comes (forever), and ``/dev/zero`` never ends. So every read of such a file goes
+through :func:`open_regular` (or :func:`read_regular`, bounded): opened with
+``O_NONBLOCK`` (a FIFO opens at once; no effect on a regular file) and refused by
+its ``fstat`` mode, before a byte is read, unless it is a regular file.
 Thread-safe and process-safe (no state).
 """
 
@@ -53,16 +63,17 @@ from mmcache.errors import CacheError
 
 __all__ = [
     "ROOT_ID_FILE",
+    "NotRegularFileError",
     "UnsafeFileError",
     "create_file",
     "make_dir",
     "open_file",
+    "open_regular",
     "pinned_files",
+    "read_regular",
     "read_root_id",
     "replace_file",
 ]
-
-_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 #: The file that records a cache root's identity: a random number made with the root
 #: (:func:`mmcache.cacheroot.root_id`), so that a root removed and made again at the same
@@ -71,10 +82,77 @@ ROOT_ID_FILE = "root-id"
 #: The most bytes of ``root-id`` read (16 hex digits and a newline are written).
 _ROOT_ID_MAX = 64
 
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+
 
 class UnsafeFileError(CacheError):
     """A file or folder of a cache root is a link (or not what it should be): it was
     not opened, so nothing was written through it."""
+
+
+class NotRegularFileError(OSError):
+    """A file to read is a FIFO, a device or a socket: it was not read (a FIFO would block
+    the reader until some writer comes, a device like ``/dev/zero`` never ends).
+    ``strerror`` says what it is; ``filename`` is the path."""
+
+
+#: What a file that is not a regular one is, by its ``st_mode`` (for the messages).
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def open_regular(path: str | os.PathLike[str], *, flags: int = 0) -> tuple[int, os.stat_result]:
+    """Open the regular file ``path`` for reading without ever blocking: ``(fd, fstat)``.
+
+    ``O_NONBLOCK`` makes opening a FIFO return at once (it has no effect on a regular
+    file, so reads of the descriptor are ordinary ones); the descriptor's ``fstat``
+    then refuses anything but a regular file before a byte is read: a folder with
+    ``IsADirectoryError``, a FIFO, device or socket with :class:`NotRegularFileError`
+    (``O_NOCTTY``: a terminal named here never becomes this process's own).
+    ``flags`` are added to ``O_RDONLY`` (``O_NOFOLLOW``, ``O_BINARY``). Other
+    failures raise the OSError of ``open`` (``FileNotFoundError``,
+    ``PermissionError``). The caller closes the descriptor (``open(fd, "rb")``
+    wraps it). Thread-safe.
+    """
+    name = os.fspath(path)
+    fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC | flags)
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, "is a folder, not a file", name)
+        if not stat.S_ISREG(st.st_mode):
+            what = next((kind for test, kind in _KINDS if test(st.st_mode)), "not a file")
+            raise NotRegularFileError(errno.EINVAL, f"{what}, not a regular file", name)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def read_regular(path: str | os.PathLike[str], *, max_bytes: int) -> bytes:
+    """The bytes of the regular file ``path`` (:func:`open_regular`), at most ``max_bytes``.
+
+    A file over ``max_bytes`` (by its ``fstat`` size, or grown while being read)
+    raises OSError ``EFBIG`` naming the limit, having read at most ``max_bytes + 1``
+    bytes: a small record file (``cache.json``) that is not small is refused, never
+    loaded whole. Thread-safe.
+    """
+    name = os.fspath(path)
+    fd, st = open_regular(name)
+    with open(fd, "rb", closefd=True) as f:
+        data = f.read(max_bytes + 1) if st.st_size <= max_bytes else b""
+    if st.st_size > max_bytes or len(data) > max_bytes:
+        why = (
+            f"{st.st_size} bytes, over the limit of {max_bytes} bytes"
+            if st.st_size > max_bytes
+            else f"grew past the limit of {max_bytes} bytes while being read"
+        )
+        raise OSError(errno.EFBIG, why, name)
+    return data
 
 
 def _refuse(path: str, what: str, *, action: str = "write") -> UnsafeFileError:
@@ -141,6 +219,29 @@ def open_file(path: str | os.PathLike[str], flags: int, mode: int) -> tuple[int,
         return _checked(fd, name), False
 
 
+def _temp_copy(target: str, data: bytes, mode: int) -> str:
+    """A new file beside ``target`` holding ``data`` with ``mode``: its path. Its name is
+    random and it is created exclusively without following a link, so no link planted
+    at a name this process could be expected to use is ever written through. Raises
+    OSError, leaving nothing behind."""
+    folder, name = os.path.split(target)
+    tmp = os.path.join(folder, f".{name}.{secrets.token_hex(8)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return tmp
+
+
 def replace_file(path: str | os.PathLike[str], data: bytes, mode: int) -> None:
     """Replace ``path`` by a file holding ``data`` with ``mode``, atomically.
 
@@ -184,53 +285,30 @@ def create_file(path: str | os.PathLike[str], data: bytes, mode: int) -> bool:
     return True
 
 
-def _temp_copy(target: str, data: bytes, mode: int) -> str:
-    """A new file beside ``target`` holding ``data`` with ``mode``: its path. Its name is
-    random and it is created exclusively, so it is never a file or link planted at a
-    name this process could be expected to use. Nothing is left behind on an error."""
-    folder, name = os.path.split(target)
-    tmp = os.path.join(folder, f".{name}.{secrets.token_hex(8)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
-    try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fchmod(fd, mode)
-        finally:
-            os.close(fd)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return tmp
-
-
 def read_root_id(root: str | os.PathLike[str]) -> int | None:
     """The identity recorded in ``root``'s :data:`ROOT_ID_FILE`, None when it has none.
 
     Opened without following a link and without blocking (a FIFO a member of a shared
-    root planted there is refused, never waited on), a regular file only, at most a
-    few bytes read. Raises ``FileNotFoundError`` when ``root`` itself is missing,
-    :class:`UnsafeFileError` for a link or anything but a regular file, ``OSError``
-    when it cannot be read (permissions), and ``CacheError`` when it does not hold an
-    identity (16 hex digits). Thread-safe and process-safe (reads only).
+    root planted there is refused, never waited on: :func:`open_regular`), a regular
+    file only, at most a few bytes read. Raises ``FileNotFoundError`` when ``root``
+    itself is missing, :class:`UnsafeFileError` for a link or anything but a regular
+    file, ``OSError`` when it cannot be read (permissions), and ``CacheError`` when it
+    does not hold an identity (16 hex digits). Thread-safe and process-safe (reads only).
     """
     path = os.path.join(os.fspath(root), ROOT_ID_FILE)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW)
+        fd, _ = open_regular(path, flags=_NOFOLLOW)
     except FileNotFoundError:
         if not os.path.isdir(root):
             raise
         return None
+    except NotRegularFileError as exc:
+        raise _refuse(path, "not a regular file", action="read") from exc
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise _refuse(path, "a symbolic link", action="read") from exc
         raise
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise _refuse(path, "not a regular file", action="read")
         raw = os.read(fd, _ROOT_ID_MAX)
     finally:
         os.close(fd)

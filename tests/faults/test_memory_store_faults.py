@@ -455,7 +455,7 @@ def test_gc_all_sweeps_the_nodes_orphans_without_a_cache_root(
     names = {root: _memory_name(root) for root in (live, private, shared)}
     shared_files = glob.glob(f"{store_dir(os.getegid())}/mmcache-{names[shared]}*")
     assert shared_files and shm_files(names[private])
-    shutil.rmtree(private)
+    shutil.rmtree(private)  # (a memory-only root holds its cache.json)
     shutil.rmtree(shared)  # orphans now: their owner paths are gone
     try:
         assert cli.main(["gc", "--all"]) == 0

@@ -101,3 +101,90 @@ def test_an_unreadable_manifest_is_an_error_naming_the_file_and_line(
     code, out, err = _inspect(capsys, str(bad), "--size", "32")
     assert code == 2 and out == ""
     assert f"mmcache inspect: error: {bad}{where}" in err
+
+
+CHAT_PIPELINE = """
+import mmcache as mc
+
+
+def sft():
+    text = mc.ChatSpec({tokenizer!r}, "vicuna_v1", max_length=512, image_token_id=-200)
+    return mc.Pipeline(image=mc.ImageSpec(size=32), text=text)
+"""
+
+
+@pytest.fixture
+def chat_file(data: Path) -> Path:
+    """The SFT recipe's LLaVA file (docs/recipes/sft.md) whose first record is text-only."""
+    records = []
+    for i, line in enumerate((data / "manifest.jsonl").read_text().splitlines()[:6]):
+        r = json.loads(line)
+        chat = [
+            {"from": "human", "value": "<image>\nWhat is in the picture?"},
+            {"from": "gpt", "value": r["caption"]},
+        ]
+        if i == 0:
+            chat[0]["value"] = "Say something."
+            records.append({"id": f"t{i}", "conversations": chat})
+        else:
+            records.append({"id": r["id"], "image": r["image_path"], "conversations": chat})
+    path = data / "llava.json"
+    path.write_text(json.dumps(records))
+    return path
+
+
+def test_a_chat_file_whose_first_record_is_text_only_gets_the_sft_advice(
+    chat_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Item 12 of issue 37: inspect looked at record 0 only and advised
+    Pipeline(image=None) for a chat file with images. It looks further, counts the
+    records, and says what the SFT recipe says: a ChatSpec, with an image stage."""
+    code, out, err = _inspect(capsys, str(chat_file), "--size", "32")
+    assert code == 0, err
+    assert "records: 5 with images, 1 text-only, conversations" in out
+    assert "refused: 1 samples before it" in out and "index 0, id 't0'" in out
+    assert "first sample: index 1, id '000001'" in out and "[3, 32, 32]" in out
+    (advice,) = [line for line in out.splitlines() if line.startswith("advice: ")]
+    assert "ChatSpec" in advice and "image=mc.ImageSpec(" in advice, advice
+    assert "image=None" not in advice and "docs/recipes/sft.md" in advice
+
+    code, out, _ = _inspect(capsys, str(chat_file), "--size", "32", "--json")
+    report = json.loads(out)
+    assert report["records"] == {
+        "records": 6,
+        "with_images": 5,
+        "text_only": 1,
+        "chat": True,
+        "video": False,
+    }
+    assert report["refused"]["count"] == 1 and report["first"]["index"] == 1
+    assert len(report["advice"]) == 1
+
+
+def test_a_chat_file_with_a_chat_pipeline_needs_no_advice(
+    chat_file: Path, tokenizer_json: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    module = tmp_path / "train_sft.py"
+    module.write_text(CHAT_PIPELINE.format(tokenizer=str(tokenizer_json)))
+    code, out, err = _inspect(capsys, str(chat_file), "--pipeline", f"{module}:sft", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["advice"] == [] and report["refused"]["count"] == 0
+    assert report["first"]["id"] == "t0"  # the text-only record is a text-only sample
+    assert "image" not in report["first"]["fields"] and "labels" in report["first"]["fields"]
+
+
+def test_a_file_none_of_whose_first_samples_can_be_made_is_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    manifest = tmp_path / "gone.jsonl"
+    manifest.write_text(
+        "".join(
+            json.dumps({"id": f"s{i}", "image_path": f"gone{i}.jpg", "caption": "c"}) + "\n"
+            for i in range(3)
+        )
+    )
+    code, out, err = _inspect(capsys, str(manifest), "--size", "32")
+    assert code == 2 and out == ""
+    assert "none of the first 3 samples can be made" in err and "'s0'" in err
+    assert len(err.strip().splitlines()) == 1

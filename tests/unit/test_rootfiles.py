@@ -1,4 +1,5 @@
-"""mmcache.rootfiles: writes inside a shared root never go through a planted link."""
+"""mmcache.rootfiles: writes inside a shared root never go through a planted link; reads
+never block on a planted FIFO nor read a device or an oversized file whole."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ import pytest
 from mmcache.errors import CacheError
 from mmcache.rootfiles import (
     ROOT_ID_FILE,
+    NotRegularFileError,
     UnsafeFileError,
     create_file,
     make_dir,
     open_file,
+    open_regular,
+    read_regular,
     read_root_id,
     replace_file,
 )
@@ -106,3 +110,45 @@ def test_read_root_id_reads_only_a_regular_file_of_16_hex_digits(tmp_path: Path)
         read_root_id(tmp_path)
     with pytest.raises(FileNotFoundError):
         read_root_id(tmp_path / "gone")
+
+
+def test_create_file_never_replaces_a_file_or_a_planted_link(tmp_path: Path, victim: Path) -> None:
+    target = tmp_path / "cache.json"
+    assert create_file(target, b"first", 0o640) is True
+    assert stat.S_IMODE(target.stat().st_mode) == 0o640
+    assert create_file(target, b"second", 0o600) is False
+    assert target.read_bytes() == b"first"
+    link = tmp_path / "linked.json"
+    link.symlink_to(victim)
+    assert create_file(link, b"x", 0o600) is False
+    assert victim.read_text() == "precious\n" and link.is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache.json", "linked.json", "victim.txt"]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs (os.mkfifo)")
+def test_open_regular_refuses_a_fifo_a_device_and_a_folder_without_blocking(
+    tmp_path: Path,
+) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # no writer: a plain open for reading would wait forever
+    with pytest.raises(NotRegularFileError, match=r"a FIFO \(named pipe\), not a regular file"):
+        open_regular(fifo)
+    if os.path.exists("/dev/zero"):
+        with pytest.raises(NotRegularFileError, match="a character device"):
+            read_regular("/dev/zero", max_bytes=1 << 20)
+    with pytest.raises(IsADirectoryError):
+        open_regular(tmp_path)
+
+
+def test_read_regular_reads_a_small_file_and_refuses_a_big_one_unread(tmp_path: Path) -> None:
+    small = tmp_path / "small.json"
+    small.write_bytes(b"{}")
+    assert read_regular(small, max_bytes=2) == b"{}"
+    fd, st = open_regular(small)
+    os.close(fd)
+    assert st.st_size == 2
+    big = tmp_path / "big.json"
+    with open(big, "wb") as f:
+        f.truncate(1 << 40)  # sparse: 1 TiB that must never be read
+    with pytest.raises(OSError, match="1099511627776 bytes, over the limit of 65536 bytes"):
+        read_regular(big, max_bytes=65536)

@@ -39,7 +39,7 @@ import xxhash
 
 from mmcache import keys
 from mmcache.errors import ConfigError, ManifestError, SampleError
-from mmcache.rootfiles import make_dir, replace_file
+from mmcache.rootfiles import make_dir, read_regular, replace_file
 from mmcache.sources import identity
 from mmcache.sources.records import RecordReject, Records
 from mmcache.transforms.chat import Chat, ChatSpec, FullyMaskedError
@@ -61,6 +61,8 @@ __all__ = [
 ]
 
 _REPORTS = "reports"
+#: The most bytes a text report may have (a few counts): a bigger one is not read.
+_REPORT_MAX_BYTES = 64 * 1024
 # What reading an image header can raise.
 _HEADER_ERRORS: tuple[type[BaseException], ...] = (*DECODE_ERRORS, SampleError)
 
@@ -173,7 +175,8 @@ def read_text_reports(root: str | os.PathLike[str]) -> list[TextReport]:
     found: list[tuple[float, TextReport]] = []
     for path in folder.glob("text-*.json") if folder.is_dir() else ():
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            # only a regular file: a FIFO planted in a shared root would block stats
+            data = json.loads(read_regular(path, max_bytes=_REPORT_MAX_BYTES))
             found.append((path.stat().st_mtime, TextReport(**data)))
         except (OSError, ValueError, TypeError):
             continue

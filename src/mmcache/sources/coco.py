@@ -30,6 +30,7 @@ import os
 from typing import Any, Literal
 
 from mmcache.errors import ConfigError, ManifestError
+from mmcache.rootfiles import open_regular
 from mmcache.sources.base import OnError
 from mmcache.sources.files import FileSource, RecordProcessor, check_on_error
 from mmcache.sources.records import Records, RecordsBuilder
@@ -75,7 +76,8 @@ def read_coco(
         raise ConfigError(f"per must be 'caption' or 'image', got {per!r}")
     source = os.fspath(path)
     try:
-        with open(source, "rb") as f:
+        fd, _ = open_regular(source)  # never blocks on a FIFO; refuses /dev/zero
+        with open(fd, "rb", closefd=True) as f:
             document = json.loads(f.read().decode("utf-8-sig"))
     except FileNotFoundError as exc:
         raise ManifestError("file not found", path=source) from exc

@@ -47,6 +47,7 @@ import numpy.typing as npt
 
 from mmcache import keys
 from mmcache.errors import ConfigError, ManifestError, SampleError
+from mmcache.rootfiles import open_regular
 from mmcache.sources import identity
 from mmcache.sources.base import OnError, SampleSource, StampKind
 from mmcache.sources.bytesproc import byte_limit
@@ -291,7 +292,9 @@ class ParquetSource(RowSource):
                 pf = pq.ParquetFile(handle)
             else:
                 handle = None
-                stamp = keys.stat_fields(os.stat(name))
+                fd, st = open_regular(name)  # a FIFO would block pyarrow's open forever
+                os.close(fd)
+                stamp = keys.stat_fields(st)
                 pf = pq.ParquetFile(name, memory_map=True)
         except FileNotFoundError as exc:
             raise ManifestError("file not found", path=name) from exc

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO, Literal
 
 from mmcache.errors import ConfigError, ManifestError
+from mmcache.rootfiles import open_regular
 from mmcache.sources.records import Records, RecordsBuilder
 from mmcache.transforms.video import PART_KEYS
 
@@ -569,7 +570,8 @@ def read_manifest(
     if not isinstance(source, str):
         raise ConfigError(f"path must be a str or os.PathLike[str], got {source!r}")
     try:
-        with open(source, "rb") as f:
+        fd, _ = open_regular(source)  # never blocks on a FIFO; refuses /dev/zero
+        with open(fd, "rb", closefd=True) as f:
             kind = _sniff(f) if format == "auto" else format
             reader = _READERS[kind]
             builder = RecordsBuilder(source, on_error, reader.unit)

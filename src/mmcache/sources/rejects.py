@@ -5,7 +5,12 @@ Rejects found in DataLoader worker processes are appended to a small JSON-lines 
 (one ``write`` with ``O_APPEND`` per reject, atomic between processes), so the parent
 lists them whatever the start method (fork, spawn, forkserver). The creating process
 removes the file when the log is garbage-collected; a killed creator's file is removed
-by the next log made by the same user (the creator's pid is in the name).
+by the next log made by the same user, or by ``mmcache gc`` (:func:`sweep_reject_logs`).
+The creator is named in the file's name by its pid, its start time and its pid
+namespace: a pid reused by a later process, which a bare pid would take for the
+creator still running, is told apart by its start time (``(pid, start)`` names one
+process, as in the memory tier's process table), and a log of another pid namespace
+(another container sharing ``/tmp``) is left alone, its pids being meaningless here.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import tempfile
 import weakref
 from dataclasses import dataclass
@@ -21,8 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from mmcache.errors import SampleError
+from mmcache.stores.memory.shm import own_start_time, pid_alive, pid_namespace
 
-__all__ = ["Reject", "RejectLog"]
+__all__ = ["Reject", "RejectLog", "sweep_reject_logs"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +50,13 @@ def _remove(path: str) -> None:
         os.unlink(path)
 
 
+#: ``mmcache-rejects-<pid>[-s<start>-n<pid namespace>]-<random>.jsonl`` (logs made before
+#: the start time and namespace were in the name have the pid alone).
+_REJECT_LOG_NAME = re.compile(
+    re.escape(_REJECT_LOG_PREFIX) + r"(\d+)(?:-s(\d+)-n(\d+))?-[a-z0-9_]+\.jsonl"
+)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -53,21 +67,38 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _remove_stale_reject_logs(directory: str) -> None:
-    """Remove this user's reject logs whose creating process is gone (killed, so its
-    finalizer never ran). The creator's pid is in the name (``mmcache-rejects-<pid>-*``);
-    a reused pid only keeps a stale log for a while, it never removes a live one."""
-    with contextlib.suppress(OSError), os.scandir(directory) as entries:
+def _creator_gone(name: str) -> bool:
+    """Whether the process that made the reject log called ``name`` has ended (False for
+    a name that is not a reject log's, or a log of another pid namespace)."""
+    found = _REJECT_LOG_NAME.fullmatch(name)
+    if found is None:
+        return False
+    pid, start, namespace = found.groups()
+    if start is None or int(start) == 0:
+        # an older name, or a system without /proc (no start time): the pid alone, which
+        # a reused pid keeps alive for a while
+        return not _alive(int(pid))
+    if int(namespace) != pid_namespace():
+        return False
+    return not pid_alive(int(pid), int(start))
+
+
+def sweep_reject_logs(directory: str | None = None) -> list[str]:
+    """Remove this user's reject logs in ``directory`` (default: the temporary folder,
+    where logs are made) whose creating process has ended (killed, so its finalizer
+    never ran); return their paths. Run by every new log and by ``mmcache gc``.
+    Process-safe: a log whose creator runs is never removed."""
+    removed: list[str] = []
+    folder = tempfile.gettempdir() if directory is None else directory
+    with contextlib.suppress(OSError), os.scandir(folder) as entries:
         for entry in entries:
-            name = entry.name
-            if not (name.startswith(_REJECT_LOG_PREFIX) and name.endswith(".jsonl")):
-                continue
-            pid = name[len(_REJECT_LOG_PREFIX) :].split("-", 1)[0]
-            if not pid.isdigit() or _alive(int(pid)):
+            if not _creator_gone(entry.name):
                 continue
             with contextlib.suppress(OSError):
                 if entry.stat(follow_symlinks=False).st_uid == os.getuid():
                     os.unlink(entry.path)
+                    removed.append(entry.path)
+    return removed
 
 
 class RejectLog:
@@ -78,10 +109,9 @@ class RejectLog:
     """
 
     def __init__(self) -> None:
-        _remove_stale_reject_logs(tempfile.gettempdir())
-        fd, self.path = tempfile.mkstemp(
-            prefix=f"{_REJECT_LOG_PREFIX}{os.getpid()}-", suffix=".jsonl"
-        )
+        sweep_reject_logs()
+        creator = f"{os.getpid()}-s{own_start_time()}-n{pid_namespace()}"
+        fd, self.path = tempfile.mkstemp(prefix=f"{_REJECT_LOG_PREFIX}{creator}-", suffix=".jsonl")
         os.close(fd)
         # Only the creating process removes the log; pickled copies in workers just append.
         self._finalizer: weakref.finalize[Any, Any] | None = weakref.finalize(

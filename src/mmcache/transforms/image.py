@@ -61,7 +61,6 @@ import json
 import logging
 import os
 import re
-import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Any, ClassVar, Literal, cast
@@ -74,6 +73,7 @@ from PIL import Image, ImageFile, JpegImagePlugin, UnidentifiedImageError
 
 from mmcache.checks import check_int
 from mmcache.errors import ConfigError, SampleError
+from mmcache.rootfiles import NotRegularFileError, open_regular
 from mmcache.transforms.pixels import (
     ALPHA_BACKGROUND,
     DECODE_ERRORS,
@@ -407,17 +407,18 @@ def _open_regular(path: str, sample_id: str, max_bytes: int | None) -> tuple[int
     """A descriptor of the regular, non-empty file ``path`` and its ``fstat``, refused
     (SampleError with a plain reason) when it is not one or is over ``max_bytes``.
 
-    ``O_NONBLOCK`` keeps a FIFO from blocking the opener forever (it has no effect on
-    regular files); a FIFO or device is then refused by its ``fstat`` mode, before
-    anything is read. Every read of an image file, whole (:func:`read_file`) or of its
-    header only (:func:`open_image_file`), opens it here."""
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+    The file is opened by :func:`mmcache.rootfiles.open_regular` (``O_NONBLOCK``, so a
+    FIFO never blocks the opener; a FIFO or device refused by its ``fstat`` mode
+    before anything is read). Every read of an image file, whole (:func:`read_file`)
+    or of its header only (:func:`open_image_file`), opens it here."""
     try:
-        fd = os.open(path, flags)
+        fd, st = open_regular(path, flags=getattr(os, "O_BINARY", 0))
     except FileNotFoundError:
         raise SampleError("file not found", sample_id=sample_id, path=path) from None
     except IsADirectoryError:
         raise SampleError("is a directory", sample_id=sample_id, path=path) from None
+    except NotRegularFileError:
+        raise SampleError("not a regular file", sample_id=sample_id, path=path) from None
     except PermissionError:
         raise SampleError("permission denied", sample_id=sample_id, path=path) from None
     except ValueError as exc:
@@ -435,29 +436,16 @@ def _open_regular(path: str, sample_id: str, max_bytes: int | None) -> tuple[int
         else:
             reason = f"cannot open file: {exc.strerror or exc}"
         raise SampleError(reason, sample_id=sample_id, path=path) from exc
-    try:
-        st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode):
-            raise SampleError("is a directory", sample_id=sample_id, path=path)
-        if not stat.S_ISREG(st.st_mode):
-            raise SampleError("not a regular file", sample_id=sample_id, path=path)
-        if st.st_size == 0:
-            raise SampleError("empty file", sample_id=sample_id, path=path)
-        if max_bytes is not None and st.st_size > max_bytes:
-            raise SampleError(
-                f"file is {st.st_size} bytes, over the limit of {max_bytes} bytes "
-                "(ImageSpec.max_bytes)",
-                sample_id=sample_id,
-                path=path,
-            )
-    except OSError as exc:
+    refused: str | None = None
+    if st.st_size == 0:
+        refused = "empty file"
+    elif max_bytes is not None and st.st_size > max_bytes:
+        refused = (
+            f"file is {st.st_size} bytes, over the limit of {max_bytes} bytes (ImageSpec.max_bytes)"
+        )
+    if refused is not None:
         os.close(fd)
-        raise SampleError(
-            f"cannot read file: {exc.strerror or exc}", sample_id=sample_id, path=path
-        ) from exc
-    except BaseException:
-        os.close(fd)
-        raise
+        raise SampleError(refused, sample_id=sample_id, path=path)
     return fd, st
 
 

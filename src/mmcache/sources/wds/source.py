@@ -51,6 +51,7 @@ import torch
 
 from mmcache import keys
 from mmcache.errors import ConfigError, ManifestError, SampleError
+from mmcache.rootfiles import open_regular
 from mmcache.sources import identity
 from mmcache.sources.base import OnError, SampleSource, StampKind
 from mmcache.sources.bytesproc import StagedProcessor, byte_limit, check_size, process_bytes
@@ -215,9 +216,10 @@ class WebDatasetSource(RemoteShards, BaseSource, torch.utils.data.Dataset[dict[s
                     out[s] = (size, stamp)
                 continue
             try:
-                st = os.stat(loc)
-                with open(loc, "rb"):  # permissions are checked here, not at the first read
-                    pass
+                # permissions are checked here, not at the first read; a FIFO or a
+                # device is refused, never waited on nor read forever
+                fd, st = open_regular(loc)
+                os.close(fd)
             except OSError as exc:
                 out[s] = exc
                 continue
@@ -231,7 +233,8 @@ class WebDatasetSource(RemoteShards, BaseSource, torch.utils.data.Dataset[dict[s
             if is_remote(loc):
                 handle: IO[bytes] = self.remote.open(loc)
                 return handle
-            return open(loc, "rb")
+            fd, _ = open_regular(loc)
+            return open(fd, "rb", closefd=True)
 
         return load_or_build(
             location=loc,
