@@ -59,6 +59,13 @@ from mmcache.loader.augmenting import AugmentHook
 from mmcache.loader.batching import plan_batching
 from mmcache.loader.counters import EpochCounter, HitRateWatch, epoch_scalars
 from mmcache.loader.hooks import BatchContext, EpochContext, Hooks, LoaderHook
+from mmcache.loader.mixing import (
+    STATE_KEY,
+    PartHook,
+    PartTally,
+    check_mixture_state,
+    mixture_state,
+)
 from mmcache.loader.options import Augment, Distributed, SFTBatching, legacy_options, renamed
 from mmcache.loader.packing import PackSpec
 from mmcache.loader.progress import check_progress, with_progress
@@ -77,6 +84,7 @@ from mmcache.loader.warm_epoch.assembler import AssemblerThread, InOrderBuilder
 from mmcache.loader.warm_epoch.gate import EpochGate
 from mmcache.sampler import EpochSampler
 from mmcache.sources.base import SampleSource
+from mmcache.sources.capabilities import DrawsEpochs
 from mmcache.stats import EpochStats, LoaderStats
 from mmcache.writeback import flush_all
 
@@ -237,6 +245,8 @@ class DataLoader:
             rank=rank,
             world_size=world_size,
             drop_last=distributed.drop_last,
+            # A mixture: each epoch's samples are drawn (repeats included), then shuffled.
+            draw=dataset.draw if isinstance(dataset, DrawsEpochs) else None,
         )
         plan = plan_batching(
             dataset, self.sampler, batch_size=batch_size, drop_last=drop_last, options=batching
@@ -267,6 +277,8 @@ class DataLoader:
         # batch's shape), augment (on the padded batch), the cluster exchange (which
         # only counts batches), then the user's ``hooks`` in their order.
         first: list[Any] = [] if plan.hook is None else [plan.hook]
+        if isinstance(dataset, DrawsEpochs):  # each row's part, kept by padding and packing
+            first.insert(0, PartHook(dataset))
         if augment is not None:
             first.append(AugmentHook(augment.fn, augment.device))
         #: The cluster exchange (``Cache(scope=Cluster(...))`` under torch.distributed), or None.
@@ -344,6 +356,7 @@ class DataLoader:
         self._chosen = False  # set_epoch called since the last iteration began
         self._resumed = False  # the position came from load_state_dict
         self._ids: str | None = None  # the dataset's ids digest (state_dict)
+        self._mixture = mixture_state(dataset)  # a mixture's parts (state_dict), or None
         # One record per pass over an epoch, in the order they ran (stats()); a pass
         # that left early and is continued (a later `for`, or a resume of the same
         # epoch) goes on in its own record, a new pass from the start gets a new one.
@@ -433,6 +446,7 @@ class DataLoader:
             "consumed": consumed,
             "stop": stop,
             "span": None if span is None else list(span),
+            **({} if self._mixture is None else {STATE_KEY: self._mixture}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -456,6 +470,7 @@ class DataLoader:
                 f"a loader state is a dict (from state_dict()), got {type(state).__name__}"
             )
         check_batching(state, self._batching, self.sampler.world_size)
+        check_mixture_state(state, self._mixture)
         order = self._order.order
         resume = read_state(
             state,
@@ -552,6 +567,13 @@ class DataLoader:
                 samples=self.sampler.num_samples() * self.sampler.world_size,
             )
 
+    def _part_tally(self, last: EpochStats | None) -> PartTally | None:
+        """A mixture's per-part counts of the pass that begins (going on from ``last``)."""
+        source = self.dataset
+        if not isinstance(source, DrawsEpochs):
+            return None
+        return PartTally(source.part_names, source.part_of, None if last is None else last.parts)
+
     # -- consuming (training process) ------------------------------------------------------
     def _iterate(self, run: _EpochRun) -> Generator[dict[str, Any], None, None]:
         """Yield the batches of ``run`` in order, assembled ahead while the training step runs.
@@ -573,7 +595,7 @@ class DataLoader:
         else:
             slot, last = len(self._history), None
             self._history.append(EpochStats(epoch=run.epoch))
-        stats = EpochCounter(run.epoch, last)
+        stats = EpochCounter(run.epoch, last, self._part_tally(last))
         self._live, self._live_slot = stats, slot
         source = self._stream
         workers = self._workers

@@ -12,7 +12,10 @@ import collections
 import logging
 import threading
 
+import numpy as np
+
 from mmcache.cache import Cache
+from mmcache.loader.mixing import PartTally
 from mmcache.loader.tasks import SampleOrigin
 from mmcache.stats import EpochStats
 from mmcache.units import format_size
@@ -21,11 +24,25 @@ __all__ = ["EpochCounter", "HitRateWatch", "epoch_scalars"]
 
 logger = logging.getLogger(__name__)
 
+#: A row's origin as the per-part tally counts it (absent: not counted).
+_PART_KIND: dict[SampleOrigin | None, int] = {
+    SampleOrigin.MEMORY_HIT: PartTally.HIT,
+    SampleOrigin.DISK_HIT: PartTally.HIT,
+    SampleOrigin.PRODUCED: PartTally.MISS,
+    SampleOrigin.REJECTED: PartTally.REJECT,
+}
+
 
 class EpochCounter:
-    """Accumulates one epoch's :class:`EpochStats` in the training process. Thread-safe."""
+    """Accumulates one epoch's :class:`EpochStats` in the training process. Thread-safe.
 
-    def __init__(self, epoch: int, previous: EpochStats | None) -> None:
+    ``parts``: a mixture's per-part tally (None: one source), fed with the indices the
+    assembler passes with each batch's rows.
+    """
+
+    def __init__(
+        self, epoch: int, previous: EpochStats | None, parts: PartTally | None = None
+    ) -> None:
         p = previous if previous is not None else EpochStats(epoch=epoch)
         self.epoch = epoch
         self.samples, self.batches = p.samples, p.batches
@@ -35,6 +52,7 @@ class EpochCounter:
         self.tier_hits = dict(p.tier_hits)
         self._t_begin: float | None = None
         self._seconds_before = p.seconds
+        self._parts = parts
         # count() and late_miss() run on both assembling threads.
         self._lock = threading.Lock()
 
@@ -53,9 +71,18 @@ class EpochCounter:
         with self._lock:
             self.late += 1
 
-    def count(self, origins: list[SampleOrigin | None], tiers: list[str]) -> None:
-        """One batch: each row's origin, and for a hit the name of the tier it came from."""
+    def count(
+        self,
+        origins: list[SampleOrigin | None],
+        tiers: list[str],
+        indices: np.ndarray | None = None,
+    ) -> None:
+        """One batch: each row's origin, and for a hit the name of the tier it came from
+        (``indices``: the rows' samples, for the counts per part)."""
         with self._lock:
+            if self._parts is not None and indices is not None:
+                kinds = np.array([_PART_KIND.get(o, -1) for o in origins], dtype=np.int64)
+                self._parts.add(indices, kinds)
             self.batches += 1
             for (origin, tier), k in collections.Counter(zip(origins, tiers, strict=True)).items():
                 if origin is SampleOrigin.REJECTED:
@@ -68,9 +95,11 @@ class EpochCounter:
                     self.samples += k
                     self.tier_hits[tier] = self.tier_hits.get(tier, 0) + k
 
-    def count_hits(self, tier: str, n: int) -> None:
+    def count_hits(self, tier: str, n: int, indices: np.ndarray | None = None) -> None:
         """A batch of ``n`` hits in ``tier``: ``count`` of as many hits, cheaper."""
         with self._lock:
+            if self._parts is not None and indices is not None:
+                self._parts.add(indices, np.zeros(n, np.int64))
             self.batches += 1
             self.hits += n
             self.samples += n
@@ -89,6 +118,7 @@ class EpochCounter:
                 seconds=self.seconds,
                 stall_s=self.stall_s,
                 tier_hits=dict(self.tier_hits),
+                parts={} if self._parts is None else self._parts.snapshot(),
             )
 
 
