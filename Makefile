@@ -29,7 +29,7 @@ $(REF_STAMP): tests/reference/requirements.txt pyproject.toml
 	test -x $(REF_PY) || $(PYTHON) -m venv $(REF_VENV)
 	$(REF_PY) -m pip install -q --upgrade pip
 	$(REF_PY) -m pip install -q -r tests/reference/requirements.txt
-	$(REF_PY) -m pip install -q -e '.[testing,hf,chat,video]' pytest-timeout
+	$(REF_PY) -m pip install -q -e '.[testing,hf,chat,video,plot]' pytest-timeout
 	touch $(REF_STAMP)
 
 ref-env: $(REF_STAMP)

@@ -226,6 +226,18 @@ def memory_cache(root: Path, memory: int, policy: str = "value") -> Iterator[Cac
         shutil.rmtree(root, ignore_errors=True)
 
 
+def stamped_epoch(loader: Any, epoch: int) -> tuple[list[float], float]:
+    """One epoch of ``loader``: the ``perf_counter`` before it and after each batch, and
+    the training process's CPU seconds over it (``time.process_time``, all its threads),
+    which the load of other jobs on the machine moves far less than the wall times."""
+    loader.set_epoch(epoch)
+    c0 = time.process_time()
+    stamps = [time.perf_counter()]
+    for _batch in loader:
+        stamps.append(time.perf_counter())
+    return stamps, time.process_time() - c0
+
+
 def run_interleaved(
     ds: mc.MultimodalDataset,
     root: Path,
@@ -256,12 +268,8 @@ def run_interleaved(
             t0 = time.perf_counter()
             np_batches += numpy_epoch(arrays, rng.permutation(n), bs)[:-1]
             bound = n / (time.perf_counter() - t0)
-            loader.set_epoch(e)
-            c0 = time.process_time()
-            stamps = [time.perf_counter()]
-            for _batch in loader:
-                stamps.append(time.perf_counter())
-            cpu.append((time.process_time() - c0) / n)
+            stamps, seconds = stamped_epoch(loader, e)
+            cpu.append(seconds / n)
             mm_batches += list(np.diff(stamps)[1:-1])
             ratios.append(n / (stamps[-1] - stamps[0]) / bound)
         loader.close()
@@ -310,13 +318,18 @@ def make_inputs(data: Path, n: int) -> tuple[Path, Any]:
     return manifest, tok
 
 
-def ratio_only(data: Path, n: int, bs: int, workers: int, pairs: int) -> dict[str, float]:
-    """Just the interleaved warm-vs-bound measurement (what ``--compare`` runs per tree)."""
+def make_dataset(data: Path, n: int) -> mc.MultimodalDataset:
+    """The benchmark's dataset over :func:`make_inputs`: resize 256, crop 224, 32 tokens."""
     manifest, tok = make_inputs(data, n)
     pipe = mc.Pipeline(
         image=mc.ImageSpec(size=224, resize=256), text=mc.TextSpec(tok, max_length=32)
     )
-    ds = mc.MultimodalDataset(manifest, pipeline=pipe)
+    return mc.MultimodalDataset(manifest, pipeline=pipe)
+
+
+def ratio_only(data: Path, n: int, bs: int, workers: int, pairs: int) -> dict[str, float]:
+    """Just the interleaved warm-vs-bound measurement (what ``--compare`` runs per tree)."""
+    ds = make_dataset(data, n)
     data_bytes = len(ds) * mc.codec.encoded_size(ds.produce(0))
     arrays = numpy_arrays(ds)
     root = Path(tempfile.mkdtemp(prefix="mmcache-bench-ratio-"))

@@ -21,7 +21,7 @@ same preprocessing (resize 256, crop 224, 32 tokens), batch size, workers and se
   the same preprocessing (no cache: every epoch is a cold one).
 
 Bad weather (issue 27), the same shards behind a
-:class:`~mmcache.testing.faults.FaultProxy` at ``--latency``, default retry policy:
+:class:`support.faults.FaultProxy` at ``--latency``, default retry policy:
 
 - ``server down, warm epoch``: after a cold and a warm epoch the proxy refuses every
   connection; the next three epochs (the first pays the tries that open the circuit
@@ -77,9 +77,13 @@ from mmcache.sources.bytesproc import process_bytes
 from mmcache.sources.remote import RawTier
 from mmcache.sources.remote.prefetch import RemotePrefetch
 from mmcache.sources.wds import WebDatasetSource, write_shards
-from mmcache.testing.faults import FaultProxy
-from mmcache.testing.s3 import KEY, REGION, SECRET, DelayProxy, free_port
 from treecompare import compare_trees  # benchmarks/ (the script's folder is on sys.path)
+
+# The local S3 server's credentials and the proxies are the tests' (tests/support/), not
+# the package's: this checkout's tests/ goes on sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support.faults import FaultProxy
+from support.s3 import KEY, REGION, SECRET, DelayProxy, free_port
 
 torch.set_num_threads(1)
 

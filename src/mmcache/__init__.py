@@ -11,17 +11,14 @@ node-shared memory tier and a persistent disk tier; feed them to PyTorch.
 The top level is what a training script uses: ``__all__`` lists it. What a new source,
 stage, tier or policy is built from lives in :mod:`mmcache.sources`,
 :mod:`mmcache.transforms`, :mod:`mmcache.stores`, :mod:`mmcache.policies` and
-:mod:`mmcache.testing`, each with its own ``__all__``. The names that were at the top
-level before still work for one release, with a ``DeprecationWarning`` naming their
-new home (see :data:`MOVED`).
+:mod:`mmcache.testing`, each with its own ``__all__``.
 """
 
 from __future__ import annotations
 
-import importlib
-import warnings
-from typing import Any
-
+# synth is reached as an attribute (``mc.synth.make_dataset``), as are codec, keys and
+# sizing, which the modules below import.
+from mmcache import synth as synth
 from mmcache.cache import Cache
 from mmcache.cached import CachedDataset
 from mmcache.dataset import MultimodalDataset, SourceDataset, open_source
@@ -111,65 +108,3 @@ __all__ = [
     "warm",
     "warm_features",
 ]
-
-#: Old top-level name -> the module that holds it now. ``mmcache.<name>`` still works
-#: for one release, with a DeprecationWarning naming the new spelling.
-MOVED: dict[str, str] = {
-    **dict.fromkeys(
-        ["BatchReader", "DiskStore", "MemoryStore", "Store", "TieredStore", "reclaim_orphans"],
-        "mmcache.stores",
-    ),
-    **dict.fromkeys(
-        [
-            "CLIP_MEAN",
-            "CLIP_STD",
-            "IGNORE_INDEX",
-            "IMAGENET_MEAN",
-            "IMAGENET_STD",
-            "Chat",
-            "ChatEncoding",
-            "Stage",
-            "callable_fingerprint",
-        ],
-        "mmcache.transforms",
-    ),
-    **dict.fromkeys(
-        ["FileSource", "Records", "SampleSource", "StampKind", "register_source_format"],
-        "mmcache.sources",
-    ),
-    **dict.fromkeys(
-        ["Policy", "Residents", "get_policy", "policy_names", "register_policy"],
-        "mmcache.policies",
-    ),
-    **dict.fromkeys(
-        ["FeatureBudgetWarning", "FeatureLoader", "FeatureWarmReport", "load_factory"],
-        "mmcache.features",
-    ),
-    **dict.fromkeys(["Reject", "Sample", "collate"], "mmcache.dataset"),
-    **dict.fromkeys(["GcReport", "VerifyReport"], "mmcache.cache"),
-    **dict.fromkeys(["format_size", "parse_duration", "parse_size"], "mmcache.units"),
-    "EpochSampler": "mmcache.sampler",
-}
-
-# Submodules that were imported by ``import mmcache`` and are reached as attributes
-# (``mc.synth.make_dataset``): still reachable, imported on first use, no warning.
-_SUBMODULES = frozenset({"codec", "keys", "sizing", "synth"})
-
-
-def __getattr__(name: str) -> Any:
-    """The old top-level spellings (with a DeprecationWarning) and lazy submodules."""
-    home = MOVED.get(name)
-    if home is not None:
-        warnings.warn(
-            f"mmcache.{name} moved to {home}.{name}; the old name goes in the next release",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(importlib.import_module(home), name)
-    if name in _SUBMODULES:
-        return importlib.import_module(f"mmcache.{name}")
-    raise AttributeError(f"module 'mmcache' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(__all__) | _SUBMODULES)

@@ -32,7 +32,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +53,7 @@ from mmcache.policies import Policy, get_policy
 from mmcache.readthrough import read_through
 from mmcache.registry import FingerprintRegistry
 from mmcache.rootfiles import make_dir
-from mmcache.scope import Cluster, ScopeLike, parse_scope
+from mmcache.scope import ScopeLike, parse_scope
 from mmcache.stats import CacheStats
 from mmcache.stores.base import BatchReader, Store, dir_mode
 from mmcache.stores.claims import Claims
@@ -62,6 +61,7 @@ from mmcache.stores.disk import DiskStore
 from mmcache.stores.disk.formed import FormedDiskStore
 from mmcache.stores.gathering import TieredReader
 from mmcache.stores.memory import MAX_INDEX_CAPACITY, MemoryStore, store_exists
+from mmcache.stores.memory.budgets import shm_claims, sizing_turn
 from mmcache.stores.tiered import Accepted, Tier, TieredStore
 from mmcache.units import parse_duration, parse_size
 
@@ -99,19 +99,6 @@ def check_reads(store: S) -> S:
             rows=codec.checksums_match_rows,
         )
     return store
-
-
-def _old_peer_timeout(cluster: Cluster | None, peer_timeout: float) -> Cluster | None:
-    """``Cache(peer_timeout=...)``, the last release's spelling: warns, and goes into the
-    cluster's configuration (ignored, as it always was, under ``scope="node"``)."""
-    warnings.warn(
-        "Cache(peer_timeout=...) is deprecated and goes in the next release: pass "
-        "scope=Cluster(peer_timeout=...) (from mmcache.cluster import Cluster)",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    probe = Cluster(peer_timeout=peer_timeout)  # checked either way
-    return None if cluster is None else Cluster(probe.peer_timeout, cluster.backend)
 
 
 @dataclass(frozen=True)
@@ -211,8 +198,7 @@ class Cache:
             :class:`~mmcache.DataLoader` over this cache gives each sample one home
             node and sends it ahead to the nodes that read it (see
             :mod:`mmcache.cluster`); without it, as "node". The cache only carries
-            it (``cluster``); ``peer_timeout=`` beside it is the deprecated spelling
-            of ``Cluster(peer_timeout=...)``.
+            it (``cluster``).
         disk_form: how the disk tier stores entries (:mod:`mmcache.codec.compact`):
             ``"raw"`` (default), ``"zstd"`` (lossless) or ``"jpeg:Q"`` (images
             re-encoded as JPEG of quality Q: lossy, several times fewer bytes); hits
@@ -234,14 +220,11 @@ class Cache:
         mode: int = 0o600,
         memory_entries: int | None = None,
         scope: ScopeLike = "node",
-        peer_timeout: float | None = None,
         disk_form: str = "raw",
         _opened_as: OpenedAs = "owner",
     ) -> None:
         #: The cluster's configuration (``scope``), or None: each node caches alone.
         self.cluster = parse_scope(scope)
-        if peer_timeout is not None:
-            self.cluster = _old_peer_timeout(self.cluster, peer_timeout)
         if not isinstance(mode, int) or mode & ~0o666 or (mode & 0o600) != 0o600:
             raise ConfigError(
                 f"mode must be a file permission mask within 0o666 that includes 0o600, "
@@ -269,8 +252,9 @@ class Cache:
         # becomes the budget of later opens.
         self._opened_as: OpenedAs = _opened_as
         self._inspect = _opened_as == "inspect"
-        if memory == "auto":
-            self.memory_budget = sizing.auto_memory_budget()
+        auto = memory == "auto"
+        if auto:
+            self.memory_budget = 0  # sized as the tiers open, in this user's turn (below)
         elif isinstance(memory, (int, str)):
             self.memory_budget = parse_size(memory, name="memory")
         else:
@@ -278,7 +262,19 @@ class Cache:
         self.disk_budget = None if disk is None else parse_size(disk, name="disk")
         self.registry: FingerprintRegistry | None = None
         self._store = TieredStore([])
-        self._open()
+        if not auto:
+            self._open()
+            return
+        # Sized and created in this user's turn: a job started at the same moment
+        # then sees this store's budget (mmcache.sizing).
+        with sizing_turn(memory_group(self.root, self.mode)):
+            claims = shm_claims(self.memory_name)
+            host = sizing.host_memory(
+                shm=claims.directory, shm_promised=claims.promised, shm_own=claims.own
+            )
+            self.memory_budget = sizing.auto_memory_budget(host=host)
+            logger.debug("memory='auto' for %s: %s", self.root, sizing.describe(host))
+            self._open()
 
     # -- opening --------------------------------------------------------------------------
     def _specs(self) -> list[_TierSpec]:
@@ -699,28 +695,6 @@ class Cache:
         if not isinstance(self.disk, DiskStore):
             raise CacheError(f"cache {self.root} has no disk tier to compact")
         return self.disk.compact()
-
-    def use_flight(self, store: Store) -> None:
-        """Deprecated: :func:`mmcache.cluster.flight.open_flight` (through
-        :meth:`open_side_tier`) puts the in-flight tier in the tier list itself."""
-        warnings.warn(
-            "Cache.use_flight is deprecated and goes in the next release: the in-flight tier "
-            "is a side tier, opened by Cache.open_side_tier (cluster.flight.open_flight)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        if self.side_tier("flight") is not store:
-            self._attach_side("flight", store)
-
-    @property
-    def flight(self) -> Store | None:
-        """Deprecated: ``side_tier("flight")``, the cluster's in-flight tier."""
-        warnings.warn(
-            'Cache.flight is deprecated and goes in the next release: use side_tier("flight")',
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.side_tier("flight")
 
     def close(self) -> None:
         """Release every handle (idempotent); shared and persisted data stay."""

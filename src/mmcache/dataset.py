@@ -222,10 +222,6 @@ class MultimodalDataset(FileSource, torch.utils.data.Dataset[dict[str, Any] | No
             manifest, pipeline=pipeline, on_error=on_error, content_stamp=content_stamp
         )
 
-    def stat_stamps(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
-        """The old name of :meth:`~mmcache.sources.files.FileSource.stamps`."""
-        return self.stamps(indices)
-
 
 #: The members a :class:`SourceDataset` forwards when, and only when, its source has them:
 #: every capability's (:mod:`mmcache.sources.capabilities`), so that the face claims a

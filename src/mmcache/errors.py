@@ -162,12 +162,13 @@ class RemoteError(MmcacheError):
         super().__init__(str(self))
 
     def __str__(self) -> str:
-        status = f"HTTP {self.status}" if self.status is not None else "no response"
-        return f"{self.url}: {status}: {self.reason}"
+        return f"{self.url}: {_answered(self.status, self.kind)}: {self.reason}"
 
     @property
     def no_response(self) -> bool:
-        """Whether no answer came at all (what the circuit breaker counts)."""
+        """Whether no whole answer came: the connection failed, or the call's deadline
+        passed (perhaps after the server began to answer: then :attr:`status` is set).
+        What the circuit breaker counts."""
         return self.kind in ("unreachable", "timeout")
 
     def __reduce__(self) -> tuple[object, ...]:
@@ -175,6 +176,15 @@ class RemoteError(MmcacheError):
             _rebuild_remote_error,
             (self.url, self.status, self.permanent, self.reason, self.kind),
         )
+
+
+def _answered(status: int | None, kind: RemoteErrorKind) -> str:
+    """What the server answered, for messages: ``"HTTP 200"``; ``"answered"`` when it
+    answered with other bytes than asked (G24: not "no response") but the status is not
+    known; else ``"no response"``."""
+    if status is not None:
+        return f"HTTP {status}"
+    return "answered" if kind in ("range-ignored", "short-read") else "no response"
 
 
 def _rebuild_remote_error(
@@ -189,7 +199,7 @@ class RemoteSampleError(SampleError, RemoteError):
     URL, status and kind of the failed call), so ``except RemoteError`` catches it too."""
 
     def __init__(self, err: RemoteError, *, sample_id: str) -> None:
-        status = f"HTTP {err.status}" if err.status is not None else "no response"
+        status = _answered(err.status, err.kind)
         self.url = err.url
         self.status = err.status
         self.permanent = err.permanent

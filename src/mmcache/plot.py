@@ -1,6 +1,11 @@
 """``mmcache.plot``: per-epoch throughput and hit rate per tier, as a PNG (headless).
 
 >>> mmcache.plot(loader.stats(), "epochs.png")  # doctest: +SKIP
+
+matplotlib is an optional extra (``pip install 'mmcache[plot]'``): a 60-line figure is not
+worth a required dependency of every training job. It is imported only when a figure is
+drawn, so ``import mmcache`` never needs it; without it :func:`plot` raises a
+:class:`~mmcache.errors.ConfigError` that names the extra, as every other extra does.
 """
 
 from __future__ import annotations
@@ -8,10 +13,25 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+from mmcache.errors import ConfigError
 from mmcache.stats import EpochStats, LoaderStats
 
-__all__ = ["plot"]
+__all__ = ["plot", "require_matplotlib"]
+
+
+def require_matplotlib() -> Any:
+    """matplotlib's ``Figure`` class; ConfigError naming the ``plot`` extra when matplotlib
+    is not installed. Callers that plot at the end of a long run (``mmcache demo``) call it
+    first, so a missing extra is reported before the work rather than after it."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise ConfigError(
+            f"mmcache.plot needs matplotlib ({exc}): pip install 'mmcache[plot]'"
+        ) from exc
+    return Figure
 
 
 def plot(
@@ -23,10 +43,10 @@ def plot(
     """Write a two-panel figure: samples/s per epoch, and hit rate per tier per epoch.
 
     Uses matplotlib's non-interactive Agg backend, so it works without a display
-    and never changes the backend of a user's other figures.
+    and never changes the backend of a user's other figures. ConfigError naming the
+    ``plot`` extra when matplotlib is not installed.
     """
-    from matplotlib.figure import Figure
-
+    Figure = require_matplotlib()
     epochs = list(stats.epochs if isinstance(stats, LoaderStats) else stats)
     xs = [e.epoch for e in epochs]
     fig = Figure(figsize=(9, 3.6), dpi=110)

@@ -11,7 +11,7 @@ permutation is padded by repeating its first elements up to a multiple of
 ``world_size`` (``drop_last=False``; every sample is seen, a few twice), or
 cut down to a multiple (``drop_last=True``; a few are not seen this epoch),
 then rank ``r`` takes positions ``r, r + world, r + 2*world, ...``. This
-``drop_last`` is DistributedSampler's (the loader's ``distributed_drop_last``),
+``drop_last`` is DistributedSampler's (the loader's ``Distributed(drop_last=...)``),
 not the DataLoader's, which drops each rank's last partial batch.
 
 Elastic resume (:meth:`EpochSampler.span_indices`): after ``p`` batches of

@@ -3,7 +3,9 @@
 ``memory="auto"`` takes :data:`~mmcache.units.DEFAULT_MEMORY_FRACTION` (half) of
 the memory this process can really use:
 
-``available = min(MemAvailable, cgroup limit - cgroup usage, free space of /dev/shm)``
+``available = min(MemAvailable, cgroup limit - cgroup usage, room in /dev/shm)``
+
+``room in /dev/shm = free space - promised - headroom``
 
 - ``MemAvailable`` (``/proc/meminfo``) is the kernel's estimate of memory that
   can be taken without swapping; ``MemFree`` would ignore reclaimable page cache.
@@ -12,6 +14,18 @@ the memory this process can really use:
   host's memory; ignoring it gets the training job OOM-killed.
 - The memory tier lives in ``/dev/shm`` (tmpfs), whose size is capped
   separately (Docker's default is 64 MiB).
+- A memory store reserves its pages as it fills, so the free space of
+  ``/dev/shm`` does not show the budgets other jobs' stores were given: three
+  jobs sized at once from the free space alone would each take half of it and
+  together overfill it. ``promised`` is what the live stores of the node may
+  still take (their budgets less what they hold; the caller reads them:
+  :func:`mmcache.stores.memory.budgets.shm_claims`, one job at a time under
+  :func:`~mmcache.stores.memory.budgets.sizing_turn`), and the pages a reopened
+  store holds already count as room for it.
+- ``headroom`` (:data:`DEFAULT_SHM_HEADROOM` of the size of ``/dev/shm``) is left
+  to the loader's own shared memory (batch buffers crop processes read, their
+  queues) and torch's; a loader that finds no room there goes on without them
+  (:mod:`mmcache.loader.shmroom`), but the tier is sized not to force it.
 
 Half, not all: the training process, its workers, pinned batches and the page
 cache of the disk tier need the rest. :func:`host_memory` returns every figure
@@ -41,6 +55,10 @@ __all__ = [
     "host_memory",
 ]
 
+#: Fraction of the size of ``/dev/shm`` that ``memory="auto"`` leaves to the loader's own
+#: shared memory and torch's (8 MiB of a container's 64 MiB).
+DEFAULT_SHM_HEADROOM = 0.125
+
 #: Fraction of the GPU's free memory left untouched by ``memory="auto"`` on a GPU
 #: tier: activations and the allocator's fragmentation need room to grow.
 DEFAULT_GPU_HEADROOM = 0.5
@@ -51,13 +69,20 @@ _NO_LIMIT = 1 << 60
 
 @dataclass(frozen=True)
 class HostMemory:
-    """The figures ``memory="auto"`` used, in bytes (``None``: not found on this host)."""
+    """The figures ``memory="auto"`` used, in bytes (``None``: not found on this host).
+
+    ``shm_promised``: what other live memory stores may still take of ``/dev/shm``;
+    ``shm_headroom``: what is left to the loader's own shared memory.
+    """
 
     mem_available: int | None
     cgroup_limit: int | None
     cgroup_usage: int | None
     shm_free: int | None
     available: int
+    shm_size: int | None = None
+    shm_promised: int = 0
+    shm_headroom: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -140,12 +165,13 @@ def _cgroup_memory(proc: Path, cgroup_root: Path) -> tuple[int | None, int | Non
     return None, None
 
 
-def _shm_free(shm: Path) -> int | None:
+def _shm_space(shm: Path) -> tuple[int | None, int | None]:
+    """(free, size) of the file system at ``shm``, or (None, None)."""
     try:
         st = os.statvfs(shm)
     except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
+        return None, None
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
 
 
 def host_memory(
@@ -153,16 +179,26 @@ def host_memory(
     proc: str | os.PathLike[str] = "/proc",
     cgroup_root: str | os.PathLike[str] = "/sys/fs/cgroup",
     shm: str | os.PathLike[str] = "/dev/shm",
+    shm_promised: int = 0,
+    shm_own: int = 0,
+    shm_headroom: float = DEFAULT_SHM_HEADROOM,
 ) -> HostMemory:
     """Read what the host really has free (thread- and process-safe: reads files only).
 
+    ``shm_promised``: bytes of ``shm`` other live memory stores may still take;
+    ``shm_own``: bytes the store being sized holds there already (both from
+    :func:`mmcache.stores.memory.budgets.shm_claims`); ``shm_headroom``: the
+    fraction of its size left to the loader (see the module docstring).
     The paths are parameters so that tests can point them at fake trees.
     """
     proc_p, cg_p = Path(proc), Path(cgroup_root)
     mem_available = _mem_available(proc_p)
     limit, usage = _cgroup_memory(proc_p, cg_p)
-    shm_free = _shm_free(Path(shm))
-    candidates = [v for v in (mem_available, shm_free) if v is not None]
+    shm_free, shm_size = _shm_space(Path(shm))
+    headroom = int((shm_size or 0) * shm_headroom)
+    candidates = [v for v in (mem_available,) if v is not None]
+    if shm_free is not None:
+        candidates.append(max(shm_free + shm_own - shm_promised - headroom, 0))
     if limit is not None:
         candidates.append(max(limit - (usage or 0), 0))
     if not candidates:
@@ -176,6 +212,9 @@ def host_memory(
         cgroup_usage=usage,
         shm_free=shm_free,
         available=min(candidates),
+        shm_size=shm_size,
+        shm_promised=shm_promised,
+        shm_headroom=headroom,
     )
 
 

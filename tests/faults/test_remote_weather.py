@@ -1,5 +1,5 @@
 """Remote storage in bad weather, on real local servers: moto's S3 server behind a
-:class:`~mmcache.testing.faults.FaultProxy` (refused connections, a black hole, injected
+:class:`support.faults.FaultProxy` (refused connections, a black hole, injected
 503s), a plain HTTP server with and without ``Range``, and the GCS emulator.
 
 Times are compared as ratios with slack (never absolute thresholds): an epoch during an
@@ -28,8 +28,8 @@ from mmcache.sources.remote.prefetch import RemotePrefetch
 from mmcache.sources.remote.retry import RetryPolicy
 from mmcache.sources.wds import WebDatasetSource, write_shards
 from mmcache.synth import make_dataset
-from mmcache.testing.faults import FaultProxy, http_files
-from mmcache.testing.s3 import S3Endpoint, moto_s3
+from support.faults import FaultProxy, http_files
+from support.s3 import S3Endpoint, moto_s3
 
 N, PER_SHARD = 96, 12
 #: Short sleeps so that the first outage epoch is cheap here too (defaults: 0.1 s, x2).
@@ -306,7 +306,7 @@ def test_plain_http_with_range_and_a_server_that_ignores_it(shards, small_pipeli
 def test_gcs_outage_after_a_warm_epoch_does_not_wait_for_gcsfs_retries(
     shards, small_pipeline, tmp_path
 ):
-    gcs = pytest.importorskip("mmcache.testing.gcs")
+    gcs = pytest.importorskip("support.gcs")
     with gcs.gcs_emulator() as endpoint:
         urls = [endpoint.upload(p, f"wds/{p.name}") for p in shards]
         src = WebDatasetSource(

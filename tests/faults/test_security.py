@@ -41,8 +41,8 @@ from mmcache.cache import Cache, _memory_name
 from mmcache.dataset import MultimodalDataset
 from mmcache.errors import CacheError
 from mmcache.loader import DataLoader
-from mmcache.manifest import read_manifest
 from mmcache.pipeline import ImageSpec, Pipeline, TextSpec
+from mmcache.sources.readers import read_manifest
 from mmcache.stores.memory import store_dir
 from mmcache.warm import warm
 

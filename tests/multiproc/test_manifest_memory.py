@@ -23,7 +23,7 @@ psutil = pytest.importorskip("psutil")
 
 from torch.utils.data import DataLoader, Dataset, get_worker_info  # noqa: E402
 
-from mmcache.manifest import Records, read_manifest  # noqa: E402
+from mmcache.sources import Records, read_manifest  # noqa: E402
 
 pytestmark = [
     pytest.mark.skipif(

@@ -27,7 +27,7 @@ from mmcache.sources.parquet import ParquetSource
 from mmcache.sources.remote.files import RemoteFileSource
 from mmcache.sources.wds import WebDatasetSource
 from mmcache.testing.identity_contract import noise_bmp
-from mmcache.testing.s3 import S3Endpoint, moto_s3
+from support.s3 import S3Endpoint, moto_s3
 
 MTIME_NS = 1_600_000_000_000_000_000
 _STRUCT = pa.struct([("bytes", pa.binary()), ("path", pa.string())])

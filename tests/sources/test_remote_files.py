@@ -23,8 +23,8 @@ from mmcache.sources.remote.files import RemoteFileSource
 from mmcache.sources.remote.prefetch import RemotePrefetch
 from mmcache.synth import make_dataset
 from mmcache.testing.hostile import HostileInputContract
-from mmcache.testing.s3 import S3Endpoint, moto_s3
 from mmcache.testing.source_contract import SourceContract
+from support.s3 import S3Endpoint, moto_s3
 
 
 @pytest.fixture(scope="module")

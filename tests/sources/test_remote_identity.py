@@ -26,8 +26,8 @@ from mmcache.sources.remote import RawTier
 from mmcache.sources.remote.files import RemoteFileSource
 from mmcache.sources.remote.fs import byte_identity
 from mmcache.testing.identity_contract import IdentityContract, noise_bmp
-from mmcache.testing.s3 import S3Endpoint, moto_s3
 from mmcache.testing.store_contract import flip_in_files
+from support.s3 import S3Endpoint, moto_s3
 
 N = 6
 COPIES = "copies"  # the second bucket the remote ``cp -a`` copies into

@@ -24,7 +24,7 @@ import torch
 from mmcache.sources.remote import RawTier
 from mmcache.sources.remote.videos import RemoteVideoSource
 from mmcache.testing.identity_contract import IdentityContract, flip_raw_spans
-from mmcache.testing.s3 import S3Endpoint
+from support.s3 import S3Endpoint
 
 av = pytest.importorskip("av")
 pytest.importorskip("jinja2")

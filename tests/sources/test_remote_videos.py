@@ -21,7 +21,7 @@ from mmcache import MultimodalDataset, Pipeline
 from mmcache.errors import SampleError
 from mmcache.sources.remote import RawTier
 from mmcache.sources.remote.videos import RemoteVideoSource
-from mmcache.testing.s3 import S3Endpoint, moto_s3
+from support.s3 import S3Endpoint, moto_s3
 
 pytest.importorskip("av")
 pytest.importorskip("jinja2")

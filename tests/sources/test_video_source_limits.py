@@ -23,7 +23,7 @@ from mmcache import VideoSpec
 from mmcache.errors import SampleError
 from mmcache.sources.remote.videos import RemoteVideoSource
 from mmcache.sources.wds import WebDatasetSource
-from mmcache.testing.s3 import S3Endpoint, moto_s3
+from support.s3 import S3Endpoint, moto_s3
 
 pytest.importorskip("av")
 pytest.importorskip("jinja2")

@@ -19,7 +19,7 @@ from mmcache.sources.remote.blocks import FetchGroups, check_block
 from mmcache.sources.remote.prefetch import RemotePrefetch
 from mmcache.sources.wds import WebDatasetSource, write_shards
 from mmcache.synth import make_dataset
-from mmcache.testing.s3 import DelayProxy, S3Endpoint, moto_s3
+from support.s3 import DelayProxy, S3Endpoint, moto_s3
 
 N, PER_SHARD = 24, 8
 K = N // PER_SHARD

@@ -18,7 +18,7 @@ from mmcache.sources.remote import RawTier
 from mmcache.sources.remote.prefetch import RemotePrefetch
 from mmcache.sources.wds import WebDatasetSource, write_shards
 from mmcache.synth import make_dataset
-from mmcache.testing.gcs import GcsEndpoint, gcs_emulator  # before gcsfs: see its docstring
+from support.gcs import GcsEndpoint, gcs_emulator  # before gcsfs: see its docstring
 
 pytest.importorskip("gcsfs", reason="needs pip install 'mmcache[gcs,gcs-server]'")
 pytest.importorskip("gcp_storage_emulator", reason="needs pip install 'mmcache[gcs-server]'")

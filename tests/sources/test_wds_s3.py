@@ -21,7 +21,7 @@ from mmcache.sources.remote import RawTier, Remote, RemoteError
 from mmcache.sources.remote.prefetch import RemotePrefetch
 from mmcache.sources.wds import WebDatasetSource, write_shards
 from mmcache.synth import make_dataset
-from mmcache.testing.s3 import DelayProxy, S3Endpoint, moto_s3
+from support.s3 import DelayProxy, S3Endpoint, moto_s3
 
 N, PER_SHARD = 24, 8
 
@@ -224,14 +224,18 @@ def test_retries_transient_errors_but_not_permanent_ones():
         remote.call("s3://b/k", denied)
     assert calls["n"] == 1 and info.value.status == 403 and info.value.permanent
 
+    class ConnectTimeoutError(TimeoutError):  # botocore's name for it
+        pass
+
     def down() -> bytes:
         calls["n"] += 1
-        raise TimeoutError("read timed out")
+        raise ConnectTimeoutError("connect timed out")
 
     calls["n"] = 0
     with pytest.raises(RemoteError) as info:
         remote.call("s3://b/k", down)
-    # three calls in a row without an answer open the circuit breaker: no 4th try
+    # three tries in a row that cannot connect open the circuit breaker: no 4th try (a
+    # read timeout of one object is that object's: test_remote_policy.py, H6)
     assert calls["n"] == 3 and not info.value.permanent and info.value.status is None
     assert info.value.kind == "timeout" and remote.unreachable
     with pytest.raises(RemoteError) as info:

@@ -25,7 +25,7 @@ from mmcache.pipeline import Pipeline
 from mmcache.sources.remote import RawTier
 from mmcache.sources.wds import WebDatasetSource
 from mmcache.testing.identity_contract import IdentityContract, flip_raw_spans, noise_bmp
-from mmcache.testing.s3 import S3Endpoint
+from support.s3 import S3Endpoint
 
 N = 8
 MTIME_NS = 1_600_000_000_000_000_000

@@ -252,8 +252,6 @@ def test_an_augment_that_changes_the_batch_size_or_returns_no_tensor_is_a_config
 def test_bad_augment_or_device_arguments_are_config_errors(ds: MultimodalDataset) -> None:
     with pytest.raises(ConfigError, match="callable"):
         DataLoader(ds, cache=None, batch_size=8, augment="flip")  # type: ignore[arg-type]
-    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="augment is None"):
-        DataLoader(ds, cache=None, batch_size=8, device="cpu")  # the old spelling
     with pytest.raises(ConfigError, match="device"):
         DataLoader(ds, cache=None, batch_size=8, augment=Augment(AUG, device="nonsense"))
 

@@ -16,7 +16,7 @@ import pytest
 import mmcache as mc
 from mmcache.dataset import SourceDataset
 from mmcache.errors import ConfigError
-from mmcache.loader import DataLoader
+from mmcache.loader import DataLoader, SFTBatching
 from mmcache.pipeline import Pipeline
 from mmcache.sources.capabilities import (
     FieldLayout,
@@ -44,7 +44,7 @@ def test_group_by_length_on_a_source_without_lengths_names_the_capability(
     assert isinstance(ds, SourceDataset)
     assert not isinstance(ds, HasLengths)
     with pytest.raises(ConfigError, match=r"group_by_length=True.*HasLengths.*lengths"):
-        DataLoader(ds, cache=None, batch_size=2, group_by_length=True)
+        DataLoader(ds, cache=None, batch_size=2, batching=SFTBatching(group_by_length=True))
 
 
 def test_the_face_claims_a_capability_exactly_when_its_source_does(
@@ -63,12 +63,18 @@ def test_the_face_claims_a_capability_exactly_when_its_source_does(
     assert again.ids([0, 1]) == ds.ids([0, 1]) and not hasattr(again, "lengths")
 
 
-def test_remote_prefetch_of_a_local_source_names_revalidating(
+def test_remote_prefetch_of_a_local_source_says_what_to_do_in_user_terms(
     parquet: Path, small_pipeline: Pipeline
 ) -> None:
+    # Item 12 of issue 37: the message listed the capability's member names
+    # ("needs a source with Revalidating (fetch, raw, remote, ...)"); it says what to do.
     ds = mc.open_source(parquet, pipeline=small_pipeline)
-    with pytest.raises(ConfigError, match=r"RemotePrefetch needs a source with Revalidating"):
+    with pytest.raises(ConfigError, match=r"RemotePrefetch cannot drive .*ParquetSource") as info:
         RemotePrefetch(ds)
+    message = str(info.value)
+    assert "leave it out of hooks=" in message and "s3://" in message
+    for internal in ("Revalidating", "remote_span", "remote_version", "fetch,", "raw,"):
+        assert internal not in message, internal
 
 
 class _HalfLayout(SyntheticSFTSource):

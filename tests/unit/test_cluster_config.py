@@ -42,16 +42,6 @@ def test_scope_takes_a_cluster_configuration_and_cluster_means_its_defaults(
         Cache(cache_root, memory="1MiB", scope={"peer_timeout": 5})  # type: ignore[arg-type]
 
 
-def test_peer_timeout_beside_scope_is_deprecated_and_still_works(cache_root: Path) -> None:
-    with (
-        pytest.warns(DeprecationWarning, match=r"scope=Cluster\(peer_timeout=\.\.\.\)"),
-        Cache(cache_root, memory="1MiB", scope="cluster", peer_timeout=7, temporary=True) as c,
-    ):
-        assert c.cluster == Cluster(peer_timeout=7.0)
-    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="peer_timeout"):
-        Cache(cache_root, memory="1MiB", scope="cluster", peer_timeout=0)
-
-
 def test_the_exchange_takes_its_timeout_and_backend_from_the_cluster_configuration(
     tiny_data: Path, cache_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -99,13 +89,7 @@ def test_the_in_flight_tier_sits_in_the_tier_list_as_a_side_tier(cache_root: Pat
         assert cache.put_side("nowhere", guest, raw, cost=1.0, ctime=0.0) is False
 
 
-def test_use_flight_and_flight_are_deprecated_and_still_work(cache_root: Path) -> None:
-    with Cache(cache_root, memory="4MiB", scope="cluster", temporary=True) as cache:
-        flight = open_flight(cache, entries=8)
-        with pytest.warns(DeprecationWarning, match="open_side_tier"):
-            cache.use_flight(flight)
-        with pytest.warns(DeprecationWarning, match="side_tier"):
-            assert cache.flight is flight
+def test_the_in_flight_tier_needs_a_memory_tier(cache_root: Path) -> None:
     with Cache(cache_root, memory=0, temporary=True) as cache, pytest.raises(ConfigError):
         open_flight(cache, entries=8)
 
@@ -120,7 +104,7 @@ def test_caches_options_are_written_once_and_pinned_to_its_signature(cache_root:
     names = [o.name for o in cache_module._OPTIONS]
     params = list(inspect.signature(Cache.__init__).parameters)
     assert params[:2] == ["self", "root"]
-    assert [p for p in params[2:] if p not in ("peer_timeout", "_opened_as")] == names
+    assert [p for p in params[2:] if p != "_opened_as"] == names
     spec = Cluster(peer_timeout=9)
     with Cache(
         cache_root, memory="1MiB", policy="lru", ttl=60, mode=0o600, memory_entries=2048,

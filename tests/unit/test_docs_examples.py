@@ -3,7 +3,7 @@
 Each page is one test: its blocks run in order in one namespace (as a reader follows
 the page), with the working directory and ``HOME`` set to a fresh temporary folder, so
 a page makes its own small data (``mmcache.synth``, ``train_tokenizer``, the local S3
-server of ``mmcache.testing.s3``) and ``~/.cache/mmcache`` lands there. Blocks are found
+server of moto) and ``~/.cache/mmcache`` lands there. Blocks are found
 and run by Sybil:
 
 - ``python`` blocks are executed; ``json`` blocks (a manifest line) must parse;

@@ -10,7 +10,6 @@ uncached run's. The raw-bytes tier has its own (``tests/sources/test_raw_checksu
 from __future__ import annotations
 
 import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from loader_support import FIELDS, epoch_batches, same_batches
 
 from mmcache import codec
 from mmcache.cache import Cache
+from mmcache.cluster.flight import open_flight
 from mmcache.dataset import MultimodalDataset
 from mmcache.loader import DataLoader
 from mmcache.pipeline import Pipeline
@@ -125,20 +125,15 @@ def test_a_flipped_byte_in_the_in_flight_tier_is_never_served(
 ) -> None:
     """``scope="cluster"``'s in-flight tier (a memory store gathered after the memory
     tier, :mod:`mmcache.cluster.flight`) is checked like the memory tier."""
-    flight = MemoryStore(f"tflip-{uuid.uuid4().hex[:12]}", capacity=16 << 20, temporary=True)
-    try:
-        with Cache(cache_root, memory="16MiB", temporary=True) as cache:
-            for i in range(len(ds)):  # every entry in flight, none in memory
-                assert flight.put(ds.key(i), codec.encode(ds.produce(i)))
-            cache.use_flight(flight)
-            raw = flight.get(ds.key(5))
-            assert raw is not None
-            flip_in_files(flight.segment_paths(), raw[-600:-100])
-            loader = DataLoader(ds, cache=cache, batch_size=10, seed=3)
-            same_batches(epoch_batches(loader, 1), reference[1])
-            e = loader.stats().epochs[0]
-            assert e.hits <= 47 and e.misses >= 1  # (without the exchange a batch may miss)
-            assert flight.stats().corrupt == 1
-    finally:
-        flight.unlink()
-        flight.close()
+    with Cache(cache_root, memory="16MiB", temporary=True) as cache:
+        flight = open_flight(cache, entries=len(ds))  # removed with the cache root's tiers
+        for i in range(len(ds)):  # every entry in flight, none in memory
+            assert flight.put(ds.key(i), codec.encode(ds.produce(i)))
+        raw = flight.get(ds.key(5))
+        assert raw is not None
+        flip_in_files(flight.segment_paths(), raw[-600:-100])
+        loader = DataLoader(ds, cache=cache, batch_size=10, seed=3)
+        same_batches(epoch_batches(loader, 1), reference[1])
+        e = loader.stats().epochs[0]
+        assert e.hits <= 47 and e.misses >= 1  # (without the exchange a batch may miss)
+        assert flight.stats().corrupt == 1

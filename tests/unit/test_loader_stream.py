@@ -332,11 +332,18 @@ class _FakeWorkers:
     gate = None
     persistent = False
 
-    def torch_loader(self) -> Any:
+    def __init__(self, *, can_start: bool = True) -> None:
+        self.can_start = can_start
+        self.unavailable = False
+
+    def plans(self) -> Any:
         from mmcache.loader.tasks import PackedPlan
 
+        if not self.can_start:  # (MissWorkers.plans: torch's queues found no room)
+            self.unavailable = True
+            return None
         hit = np.ones(2, dtype=bool).tobytes()
-        return [[PackedPlan(bytes(32), hit, [])], [PackedPlan(bytes(32), hit, [])]]
+        return iter([[PackedPlan(bytes(32), hit, [])], [PackedPlan(bytes(32), hit, [])]])
 
 
 def test_plan_modes_follow_their_documented_transitions() -> None:
@@ -360,6 +367,23 @@ def test_plan_modes_follow_their_documented_transitions() -> None:
     assert planner.calls == [("plan", 0), ("plan", 2), ("plan", 4)]  # then the workers'
     assert [int(p.indices[0]) for p in plans] == [0, 2, 4, 6] and not any(p.guessed for p in plans)
     assert warm.learnt == [0, 2, 4, 6] and stream.cursor == (1, 0)
+    # WORKERS that cannot be started (a full /dev/shm): PRODUCE from there on.
+    planner, warm = _FakePlanner(missing={4}), _FakeWarm(guessed=set())
+    kwargs["planner"] = planner
+    workers = _FakeWorkers(can_start=False)
+    stream = BatchPlanStream(0, 0, workers=workers, warm=warm, **kwargs)  # type: ignore[arg-type]
+    plans = [stream.fetch(0, j) for j in range(4)]
+    assert stream.mode(0) is PlanMode.PRODUCE and workers.unavailable
+    assert planner.calls == [
+        ("plan", 0),
+        ("plan", 2),
+        ("plan", 4),
+        ("produced", 4),
+        ("produced", 6),
+    ]
+    assert [int(p.indices[0]) for p in plans] == [0, 2, 4, 6]
+    again = BatchPlanStream(1, 0, workers=workers, warm=warm, **kwargs)  # type: ignore[arg-type]
+    assert again.mode(1) is PlanMode.PRODUCE
     # GUESS: from learnt keys until a key is unknown; then the base mode (PRODUCE here).
     planner.calls.clear()
     warm = _FakeWarm(guessed={0})

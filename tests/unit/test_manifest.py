@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 
 import mmcache.sources.records as records_module
 from mmcache.errors import ConfigError, ManifestError
-from mmcache.manifest import IMAGE_TOKEN, Records, llava_text, read_manifest
-from mmcache.manifest import RecordReject as Reject
+from mmcache.sources.readers import IMAGE_TOKEN, llava_text, read_manifest
+from mmcache.sources.records import RecordReject as Reject
+from mmcache.sources.records import Records
 
 # -- helpers ------------------------------------------------------------------
 

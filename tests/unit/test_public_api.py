@@ -1,5 +1,5 @@
-"""The public face: the top-level names are pinned, the old ones warn, every error is
-in the one hierarchy, and the extension namespaces list what they hold."""
+"""The public face: the top-level names are pinned, every error is in the one hierarchy,
+and the extension namespaces list what they hold."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import mmcache
 
 # What a training script uses. Changing this list is changing the public API: say so in
-# the changelog, and move a name out only through mmcache.MOVED (one release of warnings).
+# the changelog.
 PUBLIC = [
     "BatchContext",
     "Cache",
@@ -87,29 +87,12 @@ def test_the_top_level_names_are_pinned() -> None:
 
 
 def test_no_two_top_level_names_differ_only_by_case() -> None:
-    # (mmcache.Stage, the protocol, is only an old spelling now: mmcache.transforms.Stage)
+    # (mmcache.stage makes a stage of a function; the protocol is mmcache.transforms.Stage)
     names = list(mmcache.__all__)
     folded: dict[str, str] = {}
     for name in names:
         other = folded.setdefault(name.lower(), name)
         assert other == name, f"{other!r} and {name!r} differ only by case"
-
-
-@pytest.mark.parametrize("name", sorted(mmcache.MOVED))
-def test_an_old_top_level_name_warns_and_names_its_new_home(name: str) -> None:
-    home = mmcache.MOVED[name]
-    with pytest.warns(DeprecationWarning, match=rf"{home}\.{name}"):
-        old = getattr(mmcache, name)
-    assert old is getattr(importlib.import_module(home), name)
-    assert name not in mmcache.__all__
-
-
-def test_from_import_of_an_old_name_still_works() -> None:
-    with pytest.warns(DeprecationWarning, match=r"mmcache\.stores\.DiskStore"):
-        from mmcache import DiskStore
-    from mmcache.stores import DiskStore as new
-
-    assert DiskStore is new
 
 
 def test_submodules_stay_reachable_as_attributes_without_a_warning() -> None:
@@ -141,16 +124,6 @@ def test_what_users_receive_is_importable_where_they_look() -> None:
 
     assert mmcache.SourceDataset.__module__ == "mmcache.dataset"
     assert ClusterExchange and ExchangeStats and TieredReader
-
-
-def test_manifest_reject_is_the_record_reject_under_a_warning() -> None:
-    import mmcache.manifest
-    from mmcache.sources import RecordReject, Reject
-
-    with pytest.warns(DeprecationWarning, match="RecordReject"):
-        old = mmcache.manifest.Reject
-    assert old is RecordReject
-    assert RecordReject is not Reject  # a record's reject and a sample's: two names
 
 
 def _exception_classes() -> list[type[BaseException]]:

@@ -9,6 +9,7 @@ import os
 import pickle
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -300,7 +301,9 @@ def test_polls_wait_while_a_revalidation_is_under_way(tmp_path):
     assert stale.poll() is None
 
 
-def test_a_call_that_waits_out_its_deadline_opens_the_breaker_and_probes_are_short():
+def test_calls_of_two_objects_that_wait_out_their_deadline_open_the_breaker_and_probes_are_short():
+    # One object that waits out its deadline is that object's failure (H6, below); a
+    # second object that does too is a black-holed network: the breaker opens.
     clock = Clock()
     policy = RetryPolicy(attempts=3, call_deadline=20.0, connect_timeout=2.0, breaker_after=3)
     remote = Remote({}, retries=policy, sleep=clock.sleep, clock=clock)
@@ -313,8 +316,76 @@ def test_a_call_that_waits_out_its_deadline_opens_the_breaker_and_probes_are_sho
 
     with pytest.raises(RemoteError) as info:
         remote.attempt("s3://b/k", black_hole)
-    assert info.value.kind == "timeout" and given == [20.0] and remote.unreachable
+    assert info.value.kind == "timeout" and given == [20.0] and not remote.unreachable
+    with pytest.raises(RemoteError) as info:
+        remote.attempt("s3://b/j", black_hole)
+    assert info.value.kind == "timeout" and given == [20.0, 20.0] and remote.unreachable
     remote.new_epoch()
     with pytest.raises(RemoteError):
         remote.attempt("s3://b/k", black_hole)  # the epoch's probe: connect_timeout only
-    assert given == [20.0, 2.0]
+    assert given == [20.0, 20.0, 2.0]
+
+
+def test_one_object_that_times_out_never_opens_the_breaker_for_the_healthy_ones():
+    # H6: one object trickling its bytes (or never answering for it) until every call's
+    # deadline is refused alone, however often it is asked for; the others are served.
+    clock = Clock()
+    policy = RetryPolicy(attempts=3, backoff=0.1, call_deadline=20.0, breaker_after=3)
+    remote = Remote({}, retries=policy, sleep=clock.sleep, clock=clock)
+
+    def slow(left: float | None) -> bytes:
+        clock.now += (left or 0.0) / 3  # three tries fit in the deadline
+        raise TimeoutError("read timed out")
+
+    for _ in range(3):  # asked for again and again, between healthy objects
+        with pytest.raises(RemoteError, match="read timed out") as info:
+            remote.attempt("s3://b/slow", slow)
+        assert info.value.kind == "timeout" and not remote.unreachable
+        assert remote.attempt("s3://b/ok", lambda left: b"ok") == b"ok"
+    for _ in range(3):  # also in a row, with no healthy call between
+        with pytest.raises(RemoteError):
+            remote.attempt("s3://b/slow", slow)
+    assert not remote.unreachable
+    assert remote.attempt("s3://b/ok", lambda left: b"ok") == b"ok"
+    # timeouts on three distinct objects in a row are the store's: it opens
+    for name in ("a", "b", "c"):
+        with pytest.raises(RemoteError):
+            remote.attempt(f"s3://b/{name}", slow)
+    assert remote.unreachable
+
+
+def test_a_timeout_while_connecting_counts_as_the_stores():
+    clock = Clock()
+    policy = RetryPolicy(attempts=3, backoff=0.1, breaker_after=3)
+    remote = Remote({}, retries=policy, sleep=clock.sleep, clock=clock)
+
+    class ConnectTimeoutError(TimeoutError):  # botocore's name for it
+        pass
+
+    def unreachable(left: float | None) -> bytes:
+        raise ConnectTimeoutError("connect timed out")
+
+    with pytest.raises(RemoteError):
+        remote.attempt("s3://b/k", unreachable)  # 3 tries of one object
+    assert remote.unreachable
+
+
+def test_a_store_that_stalls_every_answer_midway_opens_the_breaker():
+    # Timeouts after the server began to answer (HTTP 206, then too few bytes) count as
+    # the object's, like any timeout: a store that stalls them all still opens it.
+    clock = Clock()
+    policy = RetryPolicy(attempts=3, call_deadline=20.0, connect_timeout=2.0, breaker_after=3)
+    remote = Remote({}, retries=policy, sleep=clock.sleep, clock=clock)
+
+    def stalled(url: str) -> Callable[[float | None], bytes]:
+        def op(left: float | None) -> bytes:
+            clock.now += left or 0.0
+            raise RemoteError(url, 206, False, "sent 10 of 643 bytes", kind="timeout")
+
+        return op
+
+    for name in ("a", "b"):
+        with pytest.raises(RemoteError) as info:
+            remote.attempt(f"s3://b/{name}", stalled(f"s3://b/{name}"))
+        assert info.value.status == 206 and "HTTP 206" in str(info.value)
+    assert remote.unreachable

@@ -224,7 +224,7 @@ def test_resume_accepts_the_end_of_an_epoch(ds: MultimodalDataset) -> None:
 
 
 def test_ids_digest_tells_orders_and_id_boundaries_apart(tmp_path: Path) -> None:
-    from mmcache.manifest import read_manifest
+    from mmcache.sources.readers import read_manifest
 
     def digest(ids: list[str]) -> str:
         path = tmp_path / "m.jsonl"

@@ -66,8 +66,10 @@ def test_cgroup_v1_unlimited_sentinel_is_ignored(tmp_path: Path) -> None:
 def test_shm_free_space_bounds_available(tmp_path: Path) -> None:
     proc, cg = _fake_tree(tmp_path, meminfo_kib=1 << 40)
     host = sizing.host_memory(proc=proc, cgroup_root=cg, shm=tmp_path)
-    assert host.shm_free is not None
-    assert host.available == min(host.shm_free, 1 << 50)
+    assert host.shm_free is not None and host.shm_size is not None
+    # memory="auto" leaves a share of /dev/shm to the loader's own buffers (issue 37, H4)
+    assert host.shm_headroom == int(host.shm_size * sizing.DEFAULT_SHM_HEADROOM)
+    assert host.available == min(host.shm_free - host.shm_headroom, 1 << 50)
 
 
 def test_real_host_figures_are_sane() -> None:

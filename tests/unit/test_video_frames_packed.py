@@ -16,6 +16,7 @@ from video_support import run_epochs, write_clip
 
 import mmcache
 from mmcache import ChatSpec, MultimodalDataset, PackSpec, Pipeline, VideoSpec
+from mmcache.loader import SFTBatching
 from mmcache.loader.video_frames import VideoFrameSampler
 from mmcache.transforms import VideoTokens
 
@@ -74,7 +75,8 @@ def _run(
     with mmcache.Cache(root, memory="64MiB", disk="128MiB") as cache:
 
         def make() -> mmcache.DataLoader:
-            return mmcache.DataLoader(ds, cache=cache, batch_size=1, seed=5, pack=pack,
+            return mmcache.DataLoader(ds, cache=cache, batch_size=1, seed=5,
+                                      batching=SFTBatching(pack=pack),
                                       num_workers=workers, hooks=[hook])  # fmt: skip
 
         def record(epoch: int, batch: dict[str, Any]) -> dict[str, Any]:

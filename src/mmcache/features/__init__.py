@@ -106,7 +106,6 @@ __all__ = [
     "FeatureStats",
     "FeatureWarmReport",
     "LoadedEncoder",
-    "WarmReport",
     "encoder_fingerprint",
     "load_factory",
     "preprocess_fingerprint",
@@ -115,9 +114,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: The old name of :class:`FeatureWarmReport` (``mmcache.WarmReport`` is :func:`mmcache.warm`'s).
-WarmReport = FeatureWarmReport
 
 
 class FeatureCache:

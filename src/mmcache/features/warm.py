@@ -1,8 +1,7 @@
 """``warm_features``: precompute and store the features of a whole dataset, resumably, per rank.
 
 The feature counterpart of :func:`mmcache.warm` (which stores decoded samples);
-it reports a :class:`FeatureWarmReport` (``WarmReport`` in
-:mod:`mmcache.features` is the same class, kept under its old name).
+it reports a :class:`FeatureWarmReport`.
 """
 
 from __future__ import annotations

@@ -66,10 +66,11 @@ from mmcache.loader.mixing import (
     check_mixture_state,
     mixture_state,
 )
-from mmcache.loader.options import Augment, Distributed, SFTBatching, legacy_options, renamed
+from mmcache.loader.options import Augment, Distributed, SFTBatching, loader_options
 from mmcache.loader.packing import PackSpec
 from mmcache.loader.progress import check_progress, with_progress
 from mmcache.loader.readahead import Calm, ReadAhead
+from mmcache.loader.shmroom import ShmRoom
 from mmcache.loader.state import STATE_VERSION, check_batching, read_state
 from mmcache.loader.stream import (
     BatchPlanStream,
@@ -81,7 +82,7 @@ from mmcache.loader.stream import (
 from mmcache.loader.tasks import BatchPlan, WorkerPlanner
 from mmcache.loader.warm_epoch import WarmEpochs
 from mmcache.loader.warm_epoch.assembler import AssemblerThread, InOrderBuilder
-from mmcache.loader.warm_epoch.gate import EpochGate
+from mmcache.loader.warm_epoch.gate import epoch_gate
 from mmcache.sampler import EpochSampler
 from mmcache.sources.base import SampleSource
 from mmcache.sources.capabilities import DrawsEpochs
@@ -184,11 +185,6 @@ class DataLoader:
             ``stall_s``, ...), ready for TensorBoard or W&B.
         progress: a tqdm bar per epoch with samples/s and the hit rate of each tier
             (see :mod:`mmcache.loader.progress`).
-
-    The flat options of the last release (``pad_token_id``, ``pad_to_multiple_of``,
-    ``group_by_length``, ``pack``, ``device``, ``rank``, ``world_size``,
-    ``distributed_drop_last``, ``prefetch``) still work for one release, with a
-    ``DeprecationWarning`` naming the new spelling (:mod:`mmcache.loader.options`).
     """
 
     def __init__(
@@ -214,12 +210,9 @@ class DataLoader:
         hooks: Sequence[LoaderHook] = (),
         on_epoch_end: Callable[[dict[str, float]], None] | None = None,
         progress: bool = False,
-        **deprecated: Any,
     ) -> None:
-        if "prefetch" in deprecated:
-            prefetch_factor = renamed(deprecated.pop("prefetch"), "prefetch", "prefetch_factor")
-        batching, augment, distributed = legacy_options(
-            deprecated, batching=batching, augment=augment, distributed=distributed
+        batching, augment, distributed = loader_options(
+            batching=batching, augment=augment, distributed=distributed
         )
         if not isinstance(dataset, SampleSource):
             raise ConfigError(
@@ -295,19 +288,26 @@ class DataLoader:
             weakref.finalize(self, self.exchange.close)
         self._hooks = Hooks([*first, *hooks])
         self._hooks_closing = [h for h in first if isinstance(h, AugmentHook)]
-        persistent = persistent_workers and num_workers > 0
+        # The loader's own pieces in /dev/shm, and whether it still has room for them.
+        self._shm = ShmRoom()
         # Holds back workers' tasks of epochs not begun yet (only persistent workers get
         # such tasks). Opened whenever the loader goes, before torch stops the workers.
-        gate = EpochGate(multiprocessing_context, num_workers) if persistent else None
+        # Without room in /dev/shm for it, the workers are not persistent.
+        gate = None
+        if persistent_workers and num_workers > 0:
+            gate = epoch_gate(multiprocessing_context, num_workers, self._shm)
+        persistent = gate is not None
         if gate is not None:
             weakref.finalize(self, gate.open_all)
         self._planner = WorkerPlanner(dataset, cache, gate)
         if self.exchange is not None:  # produced here for another node: to the in-flight tier
             self._planner.guests = self.exchange.guests
-        self._assembler = BatchAssembler(dataset, cache, self._planner, pin_memory=self.pin_memory)
+        self._assembler = BatchAssembler(
+            dataset, cache, self._planner, pin_memory=self.pin_memory, shm=self._shm
+        )
         for hook in first:  # the crops in crop processes (forked before any thread starts)
             if isinstance(hook, AugmentHook):
-                hook.attach(self._assembler, num_workers, multiprocessing_context, self)
+                hook.attach(self._assembler, num_workers, multiprocessing_context, self, self._shm)
         self._warm = WarmEpochs(
             dataset,
             self._order.order,  # lock-free: the prefetcher process is forked at any time
@@ -316,6 +316,7 @@ class DataLoader:
             num_samples=self.sampler.num_samples(),
             entry_bytes=self._assembler.entry_bytes,
             context=multiprocessing_context,
+            shm=self._shm,
         )
         weakref.finalize(self, self._warm.close)
         self._state = StreamState()  # where the workers' stream is (shared explicitly)
@@ -348,7 +349,12 @@ class DataLoader:
                 "prefetch_factor": prefetch_factor,
             }
             self._workers = MissWorkers(
-                self._planner, sampler, gate=gate, persistent=persistent, kwargs=kwargs
+                self._planner,
+                sampler,
+                gate=gate,
+                persistent=persistent,
+                kwargs=kwargs,
+                shm=self._shm,
             )
         self._stream: BatchPlanStream | None = None  # plans of the batches to come
         self._live: EpochCounter | None = None  # the epoch being iterated

@@ -36,6 +36,7 @@ from mmcache.cache import Cache
 from mmcache.errors import ConfigError, SampleError
 from mmcache.loader.counters import EpochCounter
 from mmcache.loader.gather import BufferPool, gather_hits
+from mmcache.loader.shmroom import ShmRoom
 from mmcache.loader.tasks import BatchPlan, SampleOrigin, WorkerPlanner
 from mmcache.loader.varying import (
     channels_last_fields,
@@ -50,6 +51,9 @@ from mmcache.stores.base import BatchReader, Store
 from mmcache.stores.gathering import TieredReader, reader_names
 
 __all__ = ["BatchAssembler"]
+
+#: What a batch without shared memory costs (ShmRoom's warning).
+_PRIVATE_BATCHES = "batches go in private memory and are cropped in the training process"
 
 _MEMORY, _LOWER, _PRODUCED, _REJECTED = (
     SampleOrigin.MEMORY_HIT,
@@ -79,6 +83,8 @@ class BatchAssembler:
         planner: makes a row again when it cannot be served as planned.
         pin_memory: allocate batch tensors in pinned memory (never recycled:
             an asynchronous host-to-device copy may still read one).
+        shm: the loader's room in ``/dev/shm`` (None: a room of its own), where the
+            :attr:`shared` fields go while it has some.
     """
 
     def __init__(
@@ -88,11 +94,13 @@ class BatchAssembler:
         planner: WorkerPlanner,
         *,
         pin_memory: bool,
+        shm: ShmRoom | None = None,
     ) -> None:
         self._source = source
         self._cache = cache
         self._planner = planner
         self.pin_memory = pin_memory
+        self._shm = shm if shm is not None else ShmRoom()
         #: The tiers that gather whole batches (else every row comes from workers).
         self.reader: BatchReader | None = cache.reader if cache is not None else None
         # The same tiers as Stores (their get, a verified read, and discard), and the
@@ -118,6 +126,7 @@ class BatchAssembler:
         self._counted = threading.local()
         #: Fields whose batch tensors are allocated in shared memory (what crop processes
         #: read without a copy: :mod:`mmcache.loader.croppool`); recycled like the others.
+        #: Private while /dev/shm is full (the crops then run in the training process).
         self.shared: frozenset[str] = frozenset()
 
     @property
@@ -355,7 +364,7 @@ class BatchAssembler:
                 dtype = torch.from_numpy(np.empty(0, dtype=f.dtype)).dtype
                 out[f.name] = torch.empty((n, *f.shape), dtype=dtype, pin_memory=self.pin_memory)
                 if f.name in self.shared:
-                    out[f.name].share_memory_()  # type: ignore[no-untyped-call]
+                    self._shm.share(out[f.name], "batch buffers", _PRIVATE_BATCHES)
             self._pool.add(layout.layout_key, n, out)
             return out
 

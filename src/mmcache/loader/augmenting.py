@@ -1,6 +1,6 @@
 """The loader's ``augment``: a seeded random transform of each batch's images after the cache.
 
-``DataLoader(..., augment=aug, device=None)`` runs ``aug`` on every assembled
+``DataLoader(..., augment=Augment(aug, device=None))`` runs ``aug`` on every assembled
 batch, in the training process, as the first ``after_assemble`` hook (see
 :mod:`mmcache.loader.hooks`): the cache keeps the un-augmented uint8 images,
 and each epoch gets fresh crops. With ``device`` the images are moved there
@@ -33,7 +33,8 @@ with any ``num_workers`` and after ``load_state_dict`` mid-epoch:
               out = aug(images.float() / 255)
           return (out * 255).round().clamp(0, 255).to(torch.uint8)
 
-      loader = DataLoader(ds, cache=cache, batch_size=64, augment=kornia_augment, device="cuda")
+      loader = DataLoader(ds, cache=cache, batch_size=64,
+                          augment=Augment(kornia_augment, device="cuda"))
 
 Images are a uint8 tensor ``[B,3,H,W]``, or for a source with varying image
 shapes a list of ``[3,H_i,W_i]`` tensors (then the batch's ``image_sizes`` is
@@ -70,8 +71,12 @@ from mmcache.errors import ConfigError
 from mmcache.hooks import BatchContext, LoaderHook
 from mmcache.loader.croppool import CropPool, poolable
 from mmcache.loader.gather import BufferPool
+from mmcache.loader.shmroom import ShmRoom
 
 __all__ = ["AugmentHook"]
+
+#: What the loader does without its crop processes (ShmRoom's warning).
+_CROP_HERE = "the crops run in the training process"
 
 
 class AugmentHook(LoaderHook):
@@ -95,23 +100,33 @@ class AugmentHook(LoaderHook):
         self.builtin = isinstance(augment, BUILTINS)
         self._lock = threading.Lock()
         self._crops: CropPool | None = None
+        self._shm = ShmRoom()  # the loader's, once attached
         self._outputs = BufferPool(enabled=True)  # shared-memory output batches, recycled
         self._out_lock = threading.Lock()
         #: input (shape, strides) -> the output's (shape, strides, dtype), learnt here.
         self._forms: dict[tuple[Any, ...], tuple[Any, ...]] = {}
 
-    def attach(self, assembler: Any, num_workers: int, context: Any, owner: object) -> None:
+    def attach(
+        self, assembler: Any, num_workers: int, context: Any, owner: object, shm: ShmRoom
+    ) -> None:
         """Run the crops in ``num_workers`` crop processes when they can be (a CPU
-        :func:`~mmcache.loader.croppool.poolable` augment, workers, no pinned memory):
-        the ``assembler`` (a :class:`~mmcache.loader.assemble.BatchAssembler`) then
-        gathers images into shared memory. The processes stop with :meth:`close` or
-        when ``owner`` (the loader) goes. Called once, before the loader starts threads."""
+        :func:`~mmcache.loader.croppool.poolable` augment, workers, no pinned memory,
+        room in ``/dev/shm``: ``shm``, the loader's): the ``assembler`` (a
+        :class:`~mmcache.loader.assemble.BatchAssembler`) then gathers images into
+        shared memory. The processes stop with :meth:`close`, when ``owner`` (the
+        loader) goes, or when ``/dev/shm`` is full. Called once, before the loader
+        starts threads."""
         on_cpu = self.device is None or self.device.type == "cpu"
-        if not on_cpu or num_workers < 1 or not poolable(self.augment):
+        if not on_cpu or num_workers < 1 or not poolable(self.augment) or shm.full:
             return
         if assembler.pin_memory:
             return  # pinned buffers are not shared memory
-        self._crops = CropPool(self.augment, num_workers, context)
+        self._shm = shm
+        try:
+            self._crops = CropPool(self.augment, num_workers, context)
+        except OSError as exc:  # its queues' semaphores: ENOSPC in a full /dev/shm
+            shm.report("crop processes' queues", exc, _CROP_HERE)
+            return
         assembler.shared = frozenset({"image"})
         weakref.finalize(owner, self._crops.close)
 
@@ -157,13 +172,19 @@ class AugmentHook(LoaderHook):
         form = self._forms.get(probe) if probe is not None else None
         if crops is None or form is None:
             return None
+        if self._shm.full:  # /dev/shm is full: batches are private from now on
+            crops.close()
+            return None
         shape, stride, dtype = form
         tag = repr(form).encode()
         with self._out_lock:
             held = self._outputs.acquire(tag, shape[0])
             if held is None:
                 buf = torch.empty_strided(shape, stride, dtype=dtype)
-                held = {"image": buf.share_memory_()}  # type: ignore[no-untyped-call]
+                if not self._shm.share(buf, "crop output batches", _CROP_HERE):
+                    crops.close()  # no room for outputs: its processes only hold memory
+                    return None
+                held = {"image": buf}
                 self._outputs.add(tag, shape[0], held)
             out = held["image"]
         del held

@@ -30,7 +30,12 @@ The processes are forked (the platform's default context, as torch's
 DataLoader workers, unless the loader was given one) before the loader starts
 any thread, and run torch with one intra-op thread (a forked OpenMP pool
 hangs). A process that dies makes :meth:`CropPool.run` return False and the
-pool close itself: the batch is cropped here (bitwise the same), never lost.
+pool close itself: the batch is cropped here (bitwise the same), never lost. So
+does one that stalls the pool, with one warning naming it: stopped (``SIGSTOP``,
+a suspended job) for :data:`_STOPPED_S` or silent for :data:`_WAIT_S`; it is
+killed, as it could still write rows of a buffer the loader recycles. Each
+process holds a :class:`~mmcache.loader.lifeline.Lifeline`: it ends with the
+training process, even one killed with ``kill -9``.
 
 Thread safety: :meth:`CropPool.run` may be called by the loader's two
 assembling threads at once (each batch takes the whole pool under a lock, the
@@ -42,9 +47,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import logging
 import multiprocessing as mp
 import os
 import threading
+import time
+from collections.abc import Sequence
+from multiprocessing.connection import wait
 from typing import Any
 
 import numpy as np
@@ -61,16 +70,25 @@ from mmcache.augment import (
     augment_into,
     reseed_generators,
 )
+from mmcache.loader.lifeline import Lifeline
 
 __all__ = ["CropPool", "poolable"]
+
+logger = logging.getLogger(__name__)
 
 #: Buffers a crop process keeps mapped (sent once, then named by id): the assembler's
 #: and the output pool's recycled batches.
 _KEEP_MAPPED = 32
 #: The transforms after the crop that see one image at a time.
 _PER_IMAGE = (RandomHorizontalFlip, ColorJitter, RandomGrayscale, Normalize)
-#: Seconds a batch waits for a crop process before the pool is given up.
-_WAIT_S = 60.0
+#: Seconds a batch waits for a running crop process before the pool is given up (a
+#: batch's crops take milliseconds; this only bounds a process that hangs).
+_WAIT_S = 30.0
+#: Seconds a batch waits for a *stopped* crop process (SIGSTOP, ``scontrol suspend``)
+#: before the pool is given up: a stop of a moment (a profiler's) is waited out.
+_STOPPED_S = 1.0
+#: Seconds between two looks at the processes while a batch waits for them.
+_POLL_S = 0.25
 
 
 def poolable(augment: object) -> bool:
@@ -110,10 +128,12 @@ def _rebuild(handle: _Handle, mapped: dict[tuple[int, int, int], Any]) -> torch.
     return t
 
 
-def _serve(augment: Any, tasks: Any, done: Any) -> None:
+def _serve(augment: Any, tasks: Any, done: Any, lifeline: Lifeline) -> None:
     """A crop process: ``(images, out, lo, hi, seed, epoch, indices, forget)`` -> rows
     ``lo..hi`` of ``out``; ``forget``: the ids of buffers the pool no longer sends. The
-    answer on ``done`` (this process's own pipe): empty bytes (cropped) or the error's text."""
+    answer on ``done`` (this process's own pipe): empty bytes (cropped) or the error's text.
+    Ends with the training process (its ``lifeline``): ``tasks.get()`` never sees an EOF."""
+    lifeline.hold()
     torch.set_num_threads(1)
     mapped: dict[tuple[int, int, int], Any] = {}
     generators: list[torch.Generator] = []  # reseeded for each batch (none is kept)
@@ -167,16 +187,23 @@ class CropPool:
         # crop process, and the training process's get takes the queue's lock); each
         # wake-up costs about as much CPU as a message's pickling on this VM.
         self._done: list[Any] = []
-        for _ in range(n):
-            q = ctx.SimpleQueue()
-            answers, answer = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_serve, args=(augment, q, answer), daemon=True)
-            p.start()
-            answer.close()  # the process's end: its exit is then an EOF here
-            self._done.append(answers)
-            self._procs.append(p)
-            self._tasks.append(q)
-            self._sent.append(collections.OrderedDict())
+        try:
+            for _ in range(n):
+                # Each queue takes two semaphores in /dev/shm: OSError (ENOSPC) when it
+                # is full; the processes started so far are stopped, the caller crops.
+                q = ctx.SimpleQueue()
+                answers, answer = ctx.Pipe(duplex=False)
+                lifeline = Lifeline.here()  # in the thread that forks, right before
+                p = ctx.Process(target=_serve, args=(augment, q, answer, lifeline), daemon=True)
+                p.start()
+                answer.close()  # the process's end: its exit is then an EOF here
+                self._done.append(answers)
+                self._procs.append(p)
+                self._tasks.append(q)
+                self._sent.append(collections.OrderedDict())
+        except BaseException:
+            self._shut()
+            raise
 
     @property
     def processes(self) -> int:
@@ -200,14 +227,11 @@ class CropPool:
                 src, dst, forget = self._handles(w, images, out, ids)
                 task = (src, dst, lo, hi, seed, epoch, np.asarray(indices[lo:hi]), forget)
                 self._tasks[w].put(task)
-            ok = True
-            for w in range(k):
-                if not self._wait(w):
-                    ok = False
-                    break
-            if not ok:
-                self._shut()
-            return ok
+            stalled = self._collect(k)
+            if stalled is None:
+                return True
+            self._shut(stalled)
+            return False
 
     def _handles(
         self, w: int, images: torch.Tensor, out: torch.Tensor, ids: tuple[Any, Any]
@@ -231,21 +255,65 @@ class CropPool:
             forget.append(old)
         return handles[0], handles[1], forget
 
-    def _wait(self, w: int) -> bool:
-        """Crop process ``w``'s answer: True when it cropped its rows."""
-        waited, answers = 0.0, self._done[w]
-        while True:
-            try:
-                if answers.poll(0.5):
-                    return bool(answers.recv_bytes() == b"")
-            except (EOFError, OSError):  # the process is gone
-                return False
-            waited += 0.5
-            if waited >= _WAIT_S or not all(p.is_alive() for p in self._procs):
-                return False
+    def _collect(self, k: int) -> list[int] | None:
+        """Wait for the answers of processes ``0..k-1``: None when each cropped its
+        rows, else the processes that stall the pool (empty: one died or failed).
 
-    def _shut(self) -> None:
+        Bounded: a process stopped (``SIGSTOP``, a suspended job, a debugger) for
+        :data:`_STOPPED_S`, or silent for :data:`_WAIT_S`, is given up with one
+        warning naming it; the pool is then closed and the batch cropped here."""
+        pending: dict[Any, int] = {self._done[w]: w for w in range(k)}
+        deadline, stopped_since = time.monotonic() + _WAIT_S, dict[int, float]()
+        while pending:
+            answered = wait(list(pending), _POLL_S)
+            for ready in answered:
+                w = pending.pop(ready)
+                try:
+                    answer = self._done[w].recv_bytes()
+                except (EOFError, OSError):  # the process is gone
+                    return []
+                if answer != b"":
+                    pid, error = self._procs[w].pid, answer.decode(errors="replace")
+                    logger.info("crop process %d failed (%s): cropping here", pid, error)
+                    return []
+            if not pending:
+                return None
+            if answered:
+                continue  # answers are coming: the processes are looked at once none does
+            if not all(p.is_alive() for p in self._procs):
+                return []
+            now = time.monotonic()
+            for w in pending.values():
+                if _stopped(self._procs[w].pid):
+                    stopped_since.setdefault(w, now)
+                else:
+                    stopped_since.pop(w, None)
+            stopped = sorted(w for w, t in stopped_since.items() if now - t >= _STOPPED_S)
+            if stopped or now >= deadline:
+                stalled = stopped or sorted(pending.values())
+                self._warn_stalled(stalled, stopped=bool(stopped))
+                return stalled
+        return None  # pragma: no cover - the loop returns once nothing is pending
+
+    def _warn_stalled(self, stalled: list[int], *, stopped: bool) -> None:
+        pids = ", ".join(str(self._procs[w].pid) for w in stalled)
+        why = (
+            f"stopped (SIGSTOP, a suspended job or a debugger) for {_STOPPED_S:.0f} s"
+            if stopped
+            else f"silent for {_WAIT_S:.0f} s"
+        )
+        logger.warning(
+            "crop process(es) %s %s: the loader stops them and crops in the training process"
+            " from now on (the batches are the same)",
+            pids,
+            why,
+        )
+
+    def _shut(self, stalled: Sequence[int] = ()) -> None:
+        """Stop every process (``stalled`` ones at once: they answer nothing)."""
         self._closed = True
+        for w in stalled:
+            self._procs[w].kill()
         for q, p in zip(self._tasks, self._procs, strict=True):
             if p.is_alive():
                 with contextlib.suppress(OSError):  # its pipe may be gone with it
@@ -263,3 +331,13 @@ class CropPool:
         with self._lock:
             if not self._closed:
                 self._shut()
+
+
+def _stopped(pid: int | None) -> bool:
+    """Whether process ``pid`` is stopped (state ``T``, or ``t``: traced), per /proc."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in (b"T", b"t")

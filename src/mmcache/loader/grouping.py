@@ -16,7 +16,7 @@ same on every rank, in every worker, in the stat prefetcher and after a resume:
    that order: at every step before the short ones all ranks have batches of the
    same megabatch (similar lengths, one modality), so no rank waits for another's
    long batch;
-4. ranks get equal counts as in ``DistributedSampler``: ``distributed_drop_last``
+4. ranks get equal counts as in ``DistributedSampler``: ``Distributed(drop_last=True)``
    drops the last ``total % world`` batches, otherwise the first ones are repeated;
    rank ``r`` takes batches ``r, r + world, ...``.
 

@@ -12,20 +12,13 @@ already was:
   ``DataLoader(distributed=Distributed(rank=0, world_size=8, drop_last=True))``
   (default: torch.distributed's rank and world size, padded parts).
 
-The flat spellings of the last release (``pad_token_id=``, ``pad_to_multiple_of=``,
-``group_by_length=``, ``pack=``, ``device=``, ``rank=``, ``world_size=``,
-``distributed_drop_last=``) still work for one release: :func:`legacy_options`
-turns them into these objects with a ``DeprecationWarning`` naming the new
-spelling.
-
 Immutable, so safe to share between loaders and threads.
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields, replace
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,7 +27,7 @@ from mmcache.errors import ConfigError
 from mmcache.loader.packing import PackSpec
 from mmcache.loader.padding import check_pad_config
 
-__all__ = ["Augment", "Distributed", "SFTBatching", "legacy_options", "renamed"]
+__all__ = ["Augment", "Distributed", "SFTBatching", "loader_options"]
 
 
 @dataclass(frozen=True)
@@ -121,82 +114,24 @@ class Distributed:
             )
 
 
-#: Old flat DataLoader keyword -> (the option object it moved into, its field there).
-_MOVED: dict[str, tuple[type[Any], str]] = {
-    **{f.name: (SFTBatching, f.name) for f in fields(SFTBatching)},
-    "device": (Augment, "device"),
-    "rank": (Distributed, "rank"),
-    "world_size": (Distributed, "world_size"),
-    "distributed_drop_last": (Distributed, "drop_last"),
-}
-
-_ARGUMENT = {SFTBatching: "batching", Augment: "augment", Distributed: "distributed"}
-
-
-def legacy_options(
-    old: Mapping[str, Any],
+def loader_options(
     *,
     batching: SFTBatching | None,
     augment: Augment | Callable[..., Any] | None,
     distributed: Distributed | None,
 ) -> tuple[SFTBatching, Augment | None, Distributed]:
-    """The loader's option objects, with ``old`` (flat keywords of the last release)
-    folded in, each with a ``DeprecationWarning`` naming its new spelling.
-
-    TypeError for a keyword that never existed (as Python's own), ConfigError for an
-    old keyword given beside the object that now holds it, or ``device`` without
-    ``augment``.
+    """The loader's option objects as given, checked, with None as the defaults and a
+    plain callable as ``Augment(fn)`` (on the CPU). ConfigError for a value of another type.
     """
-    unknown = sorted(set(old) - set(_MOVED))
-    if unknown:
-        raise TypeError(f"DataLoader() got an unexpected keyword argument {unknown[0]!r}")
     for arg, value, cls in (
         ("batching", batching, SFTBatching),
         ("distributed", distributed, Distributed),
     ):
         if value is not None and not isinstance(value, cls):
             raise ConfigError(f"{arg} must be a {cls.__name__} or None, got {type(value).__name__}")
-    plain = augment is not None and not isinstance(augment, Augment)
-    # a plain callable is Augment(fn), on the CPU
     spec = augment if augment is None or isinstance(augment, Augment) else Augment(augment)
-    given: dict[type[Any], Any] = {
-        SFTBatching: batching,
-        Augment: spec,
-        Distributed: distributed,
-    }
-    changes: dict[type[Any], dict[str, Any]] = {}
-    for name, value in old.items():
-        cls, field = _MOVED[name]
-        arg = _ARGUMENT[cls]
-        warnings.warn(
-            f"DataLoader({name}=...) is deprecated and goes in the next release: pass "
-            f"{arg}={cls.__name__}({field}=...) (from mmcache.loader import {cls.__name__})",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        if given[cls] is not None and not (cls is Augment and plain):
-            raise ConfigError(f"pass {name}= inside {arg}={cls.__name__}(...), not beside it")
-        changes.setdefault(cls, {})[field] = value
-    if Augment in changes:
-        if spec is None:
-            raise ConfigError(
-                f"device={old['device']!r} is where augment runs, but augment is None: pass "
-                "augment=Augment(fn, device=...) (or move the batches yourself)"
-            )
-        spec = replace(spec, **changes[Augment])
     return (
-        SFTBatching(**changes.get(SFTBatching, {})) if batching is None else batching,
+        SFTBatching() if batching is None else batching,
         spec,
-        Distributed(**changes.get(Distributed, {})) if distributed is None else distributed,
+        Distributed() if distributed is None else distributed,
     )
-
-
-def renamed(value: Any, old: str, new: str) -> Any:
-    """``value``, given under the old keyword ``old`` of a torch name ``new`` (warns)."""
-    warnings.warn(
-        f"DataLoader({old}=...) is deprecated and goes in the next release: pass {new}=... "
-        "(torch's name)",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return value

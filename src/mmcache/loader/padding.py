@@ -14,7 +14,7 @@ takes:
 ``attention_mask`` int64 ``[B, L]``, ``L`` the longest row rounded up to
 ``pad_to_multiple_of``.
 
-:class:`PackHook` (``DataLoader(pack=PackSpec(...))``, one pack per batch): the rows
+:class:`PackHook` (``batching=SFTBatching(pack=PackSpec(...))``, one pack per batch): the rows
 concatenated into ``input_ids``/``labels``/``position_ids`` int64 ``[1, T]``, with
 ``cu_seqlens`` int32 ``[k + 1]`` (sample boundaries, flash-attention's varlen form),
 ``position_ids`` restarting at 0 per sample and each sample's first label set to

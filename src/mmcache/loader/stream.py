@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import multiprocessing
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -38,7 +39,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from mmcache.loader.lifeline import WorkerStart
 from mmcache.loader.readahead import Calm, ReadAhead
+from mmcache.loader.shmroom import ShmRoom
 from mmcache.loader.tasks import BatchPlan, PackedPlan, WorkerPlanner, WorkerTask
 from mmcache.loader.warm_epoch import WarmEpochs
 from mmcache.loader.warm_epoch.gate import EpochGate
@@ -208,6 +211,10 @@ class WorkerTaskSampler:
             group = min(2 * group, state.max_group) if state.warm else 1
 
 
+#: What the loader does without workers (ShmRoom's warning).
+_PRODUCE_HERE = "the training process plans and produces every batch (as num_workers=0)"
+
+
 def _identity(batch: list[PackedPlan]) -> list[PackedPlan]:
     return batch
 
@@ -219,6 +226,11 @@ class MissWorkers:
     ``gate`` (persistent workers only) holds back the tasks of epochs not begun;
     it is opened whenever the workers stop, before torch stops them: a worker
     held at the gate does not read torch's stop signal.
+
+    Each worker first holds a :class:`~mmcache.loader.lifeline.Lifeline` (then runs
+    the user's ``worker_init_fn``): it ends with the training process, even one
+    killed with ``kill -9`` (torch's own check runs only between tasks, and an
+    orphan's exit blocks joining its queue's feeder thread).
     """
 
     def __init__(
@@ -229,12 +241,23 @@ class MissWorkers:
         gate: EpochGate | None,
         persistent: bool,
         kwargs: dict[str, Any],
+        shm: ShmRoom | None = None,
     ) -> None:
         self.gate = gate
         self.persistent = persistent
+        #: The workers could not be started (their queues found no room in /dev/shm):
+        #: the training process produces every batch from then on.
+        self.unavailable = False
+        self._shm = shm if shm is not None else ShmRoom()
         self._planner = planner
         self._sampler = sampler
-        self._kwargs = {**kwargs, "collate_fn": _identity, "persistent_workers": persistent}
+        self._start = WorkerStart(kwargs.get("worker_init_fn"))
+        self._kwargs = {
+            **kwargs,
+            "worker_init_fn": self._start,
+            "collate_fn": _identity,
+            "persistent_workers": persistent,
+        }
         self._inner: torch.utils.data.DataLoader[PackedPlan] | None = None
 
     @property
@@ -242,12 +265,33 @@ class MissWorkers:
         return self._inner is not None
 
     def torch_loader(self) -> torch.utils.data.DataLoader[PackedPlan]:
-        """The torch DataLoader (its ``iter`` starts or wakes the workers)."""
+        """The torch DataLoader (its ``iter``, next, in this thread, starts or wakes the
+        workers: their lifeline is made here)."""
+        self._start.renew()
         if self._inner is None:
             self._inner = torch.utils.data.DataLoader(
                 self._planner, batch_sampler=self._sampler, **self._kwargs
             )
         return self._inner
+
+    def plans(self) -> Iterator[list[PackedPlan]] | None:
+        """Start (or wake) the workers: the iterator of their results; None when they
+        cannot be started, reported once (torch makes each worker's queue of three
+        POSIX semaphores in ``/dev/shm``: ENOSPC when it is full). The workers started
+        before the failure are stopped, and none is started again."""
+        if self.unavailable:
+            return None
+        before = set(multiprocessing.active_children())
+        try:
+            return iter(self.torch_loader())
+        except OSError as exc:
+            self.unavailable = True
+            self._inner = None
+            for process in set(multiprocessing.active_children()) - before:
+                process.kill()  # torch registers its workers only once all started
+                process.join(5.0)
+            self._shm.report("worker queues", exc, _PRODUCE_HERE)
+            return None
 
     def release(self) -> None:
         """Forget the torch DataLoader (non-persistent workers exit with their iterator)."""
@@ -334,7 +378,7 @@ class BatchPlanStream:
         # first epoch then costs no fork and no wait for the workers' first plans.
         self._mode = (
             PlanMode.PRODUCE
-            if workers is None
+            if workers is None or workers.unavailable
             else PlanMode.WORKERS
             if workers.persistent and workers.started
             else PlanMode.LOCAL
@@ -390,6 +434,8 @@ class BatchPlanStream:
                 self._warm.stop_publishing(epoch)
         if plan is None and self._mode is PlanMode.WORKERS:
             plan = self.confirmed(epoch, j)
+            if plan is None:  # the workers could not be started: produced here from now on
+                self._mode = PlanMode.PRODUCE
         if plan is None:
             plan = self._planner.produced(indices)
         if not plan.guessed:
@@ -398,17 +444,22 @@ class BatchPlanStream:
         self.cursor = (epoch, j + 1) if j + 1 < len(batches) else (epoch + 1, 0)
         return plan
 
-    def confirmed(self, epoch: int, j: int) -> BatchPlan:
+    def confirmed(self, epoch: int, j: int) -> BatchPlan | None:
         """The workers' plan of batch ``j`` of ``epoch``: the next one they deliver
-        (:meth:`fetch` asks in order, one call at a time)."""
+        (:meth:`fetch` asks in order, one call at a time); None when the workers
+        cannot be started."""
         if not self._received:
-            self._received.extend(self._next_task())
+            task = self._next_task()
+            if task is None:
+                return None
+            self._received.extend(task)
         return self._received.popleft().unpack(self._order.batches(epoch)[j])
 
-    def _next_task(self) -> list[PackedPlan]:
+    def _next_task(self) -> list[PackedPlan] | None:
         """The next task's plans; (re)starts the workers' stream at the batch to plan
         next when it has not started or has ended (without persistent workers it
-        ends with the epoch; with them, at an epoch to guess)."""
+        ends with the epoch; with them, at an epoch to guess). None when the workers
+        cannot be started (:meth:`MissWorkers.plans`)."""
         if self._plans is not None:
             with contextlib.suppress(StopIteration):
                 return next(self._plans)
@@ -421,7 +472,9 @@ class BatchPlanStream:
         self._first_epoch = self.cursor[0]
         self._base = state.gate = self._gate.value if self._gate is not None else 0
         self._warm.restart_prefetcher()  # closed since: started again with the workers
-        self._plans = iter(self._workers.torch_loader())  # starts or wakes the workers
+        self._plans = self._workers.plans()  # starts or wakes the workers
+        if self._plans is None:
+            return None
         return next(self._plans)
 
     def begin_epoch(self, epoch: int) -> None:

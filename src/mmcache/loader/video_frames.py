@@ -18,7 +18,7 @@ never trained on). ``video_sizes`` and ``video_grid_thw`` get the new ``t'``, an
 ``t`` frames spaces them ``t / t'`` times further on average).
 
 Padded batches keep their width (the freed tail becomes padding, ``attention_mask``
-follows). Packed batches (``DataLoader(pack=PackSpec(...))``) shrink: the packed row
+follows). Packed batches (``batching=SFTBatching(pack=PackSpec(...))``) shrink: the packed row
 holds the kept tokens only, and ``cu_seqlens``, ``position_ids`` (restarting per
 sample) and ``max_seqlen`` count them. The pack plan itself was made from the cached
 lengths, so a pack never outgrows ``max_tokens``; it is fuller than the kept tokens

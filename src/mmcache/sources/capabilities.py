@@ -96,6 +96,10 @@ class Revalidating(Protocol):
     raw: Any
     #: The :class:`~mmcache.sources.remote.fs.Remote` the bytes come through.
     remote: Any
+    #: Whether samples' bytes are fetched ahead into :attr:`raw` (:meth:`remote_span`);
+    #: ``False``: another reader reads them (Parquet rows, through pyarrow), and the
+    #: prefetcher only revalidates the source.
+    fetches_ahead: bool
 
     def revalidate(self) -> list[str]:
         """Check every object's version again; re-key the changed ones; return them."""

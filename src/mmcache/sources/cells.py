@@ -4,7 +4,9 @@ column may have, and one cell's bytes, bounded before they are copied out of Arr
 An image column holds encoded image bytes (``binary``, ``large_binary``,
 ``binary_view``, ``fixed_size_binary``) or the HF ``Image`` feature, a struct
 ``{bytes: binary, path: string}`` whose ``bytes`` may be null when ``path`` names the
-file. Anything else (an int column named by mistake, a list, a string, a struct without
+file (and whose ``bytes`` field may be typed ``null``: pyarrow infers that type for a
+column of structs whose bytes are all null, i.e. every row names a file by path).
+Anything else (an int column named by mistake, a list, a string, a struct without
 ``bytes``) is refused when the source is opened, by :func:`check_image_type`, with the
 file and the column named: before it, ``bytes(value)`` of an int cell allocated that many
 zero bytes (``bytes(4_000_000_000)``), and other types crashed the epoch with a
@@ -56,8 +58,9 @@ def image_type_problem(arrow_type: Any) -> str | None:
         names = [arrow_type.field(i).name for i in range(arrow_type.num_fields)]
         if "bytes" not in names:
             return f"a struct without a 'bytes' field ({arrow_type})"
-        if not _is_bytes_type(pa, arrow_type.field("bytes").type):
-            return f"a struct whose 'bytes' field is {arrow_type.field('bytes').type}"
+        data = arrow_type.field("bytes").type
+        if not (_is_bytes_type(pa, data) or pa.types.is_null(data)):
+            return f"a struct whose 'bytes' field is {data}"
         if "path" in names and not _is_text_type(pa, arrow_type.field("path").type):
             return f"a struct whose 'path' field is {arrow_type.field('path').type}"
         return None

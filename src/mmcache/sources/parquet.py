@@ -18,16 +18,24 @@ the file, so a rewritten file changes the keys of all its rows at the next
 check (the loader re-``stat``-s before a warm epoch serves cached entries), and a
 worker that finds the file changed since it opened it opens it again (and
 refuses a row whose id moved). Remote files (an fsspec URL; ``storage_options``
-passed through) are ``StampKind.FIXED``: their size, mtime and ETag read at open.
+passed through) are ``StampKind.FIXED``: their size, mtime and ETag read at open, and
+checked again at each epoch by :meth:`ParquetSource.revalidate` (which
+:class:`~mmcache.sources.remote.prefetch.RemotePrefetch` calls, batched: one listing per
+folder of files; :mod:`~mmcache.sources.remote.tables`): a file rewritten during a run
+gets a new stamp, so its rows get new keys in every process, and its new version is
+read. Such a source claims the ``Revalidating`` and ``SharesStamps`` capabilities (a
+local one does not: its files are ``stat``-ed at every batch).
 
 Thread/process safety: read-only after construction but for the per-process
-readers (behind a lock) and what :class:`~mmcache.sources.rows.RowSource` keeps;
-pickles as file names and columns (readers are opened again in each process).
+readers (behind a lock), what :class:`~mmcache.sources.rows.RowSource` keeps and the
+revalidated stamps of remote files (replaced whole, one thread revalidates); pickles as
+file names and columns (readers are opened again in each process).
 """
 
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import threading
 from collections import OrderedDict
@@ -36,7 +44,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
-import xxhash
 
 from mmcache import keys
 from mmcache.errors import ConfigError, ManifestError, SampleError
@@ -45,10 +52,16 @@ from mmcache.sources.base import OnError, SampleSource, StampKind
 from mmcache.sources.bytesproc import byte_limit
 from mmcache.sources.cells import check_image_type, image_cell
 from mmcache.sources.rejects import Reject
+from mmcache.sources.remote.fs import Remote, object_stamp
+from mmcache.sources.remote.raw import fetch_bytes
+from mmcache.sources.remote.state import SharedStamps
+from mmcache.sources.remote.tables import GONE, TableFiles, file_stamp
 from mmcache.sources.rows import IdColumn, RowSource, StagedProcessor, check_columns, path_column
 from mmcache.units import parse_size
 
 __all__ = ["ParquetSource"]
+
+logger = logging.getLogger(__name__)
 
 _DEFAULT_COLUMNS: dict[str, str | None] = {"id": None, "image": "image", "text": "text"}
 _GLOB_CHARS = frozenset("*?[")
@@ -79,11 +92,6 @@ def _is_url(path: str) -> bool:
     return "://" in path and not path.startswith("file://")
 
 
-def _int64(value: object) -> int:
-    """A stable signed 64-bit number for a string (an ETag, a URL)."""
-    return int(np.int64(np.uint64(xxhash.xxh3_64_intdigest(str(value).encode())).view(np.int64)))
-
-
 def _expand(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[str]:
     """Local or remote file names from a path, a directory, a glob or a list of them."""
     items = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
@@ -112,13 +120,17 @@ def _expand(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) ->
 
 
 class _Reader:
-    """One open file in one process: the ParquetFile, the stamp it was opened at and
-    the first row of each of its row groups."""
+    """One open file in one process: the ParquetFile, the stamp it was opened at (and a
+    remote file's version: its ETag or generation), and the first row of each of its
+    row groups."""
 
-    def __init__(self, pf: Any, stamp: tuple[int, ...], handle: Any) -> None:
+    def __init__(
+        self, pf: Any, stamp: tuple[int, ...], handle: Any, version: str | None = None
+    ) -> None:
         self.pf = pf
         self.stamp = stamp
         self.handle = handle
+        self.version = version
         counts = [pf.metadata.row_group(g).num_rows for g in range(pf.metadata.num_row_groups)]
         self.starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
 
@@ -155,7 +167,21 @@ class ParquetSource(RowSource):
             rows read in file order or shuffled within a group decode their group
             once; a global shuffle over files larger than this decodes a group for
             most rows of a cold epoch (see README's figures).
+
+    A source of remote files has :attr:`remote` (their store, under mmcache's retry
+    policy), :attr:`raw` (``None``: rows are read through pyarrow, not fetched ahead) and
+    :attr:`shared_stamps`, and :meth:`revalidate` checks its files again: pass it to
+    ``RemotePrefetch`` so that this happens at each epoch. A source of local files has
+    none of the three (it claims neither capability; its files are ``stat``-ed at every
+    batch).
     """
+
+    #: Remote files only (see above): the store, no raw tier, the stamps' shared file.
+    remote: Remote
+    raw: None
+    shared_stamps: SharedStamps
+    #: Rows are read by pyarrow, never fetched ahead: a prefetcher only revalidates.
+    fetches_ahead = False
 
     def __init__(
         self,
@@ -183,17 +209,18 @@ class ParquetSource(RowSource):
         self._group_bytes = 0
         self._lock = threading.Lock()
         rejects: list[Reject] = []
-        files, remote_stamps, counts, id_parts = [], [], [], []
+        files, stamps, versions, counts, id_parts = [], [], [], [], []
         for name in self._resolve(_expand(paths)):
             try:
-                stamp, count, ids = self._read_footer(name)
+                stamp, version, count, ids = self._read_footer(name)
             except ManifestError as err:
                 if on_error == "raise":
                     raise
                 rejects.append(Reject(f"<file {name}>", name, err.reason))
                 continue
             files.append(name)
-            remote_stamps.append(stamp)
+            stamps.append(stamp)
+            versions.append(version)
             counts.append(count)
             id_parts.append(ids)
         if not files:
@@ -204,11 +231,17 @@ class ParquetSource(RowSource):
                 path=os.fspath(paths) if isinstance(paths, str | os.PathLike) else str(paths),
             )
         self.files: list[str] = files
-        self.remote = any(_is_url(f) for f in files)
-        if self.remote and not all(_is_url(f) for f in files):
+        on_urls = any(_is_url(f) for f in files)
+        if on_urls and not all(_is_url(f) for f in files):
             raise ConfigError("a ParquetSource reads local files or URLs, not both at once")
-        self.stamp_kind = StampKind.FIXED if self.remote else StampKind.FILE
-        self._fixed = np.asarray(remote_stamps, dtype=np.int64)  # the stamps at open
+        self.stamp_kind = StampKind.FIXED if on_urls else StampKind.FILE
+        #: Remote files: their stamps and versions, checked again by :meth:`revalidate`.
+        self._tables: TableFiles | None = None
+        if on_urls:
+            self._tables = TableFiles(files, self.storage_options, stamps, versions)
+            self.remote = self._tables.remote
+            self.raw = None
+            self.shared_stamps = self._tables.state
         self._file_start = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
         ids, repeated = self.first_of_each_id(self._id_column(id_parts), on_error, self._name_row)
         super().__init__(pipeline=pipeline, ids=ids, on_error=on_error)
@@ -245,17 +278,16 @@ class ParquetSource(RowSource):
         import pyarrow as pa
 
         try:
+            version = None
             if _is_url(name):
-                handle = _fsspec().open(name, "rb", **self.storage_options).open()
+                opener = _fsspec().open(name, "rb", **self.storage_options)
+                # fsspec's file systems are shared per process and keep listings: never
+                # take the size or ETag of a file rewritten since from them.
+                opener.fs.invalidate_cache(opener.path)
+                handle = opener.open()
                 info = handle.fs.info(handle.path)
-                etag = info.get("ETag") or info.get("etag") or info.get("version_id") or ""
-                mtime = info.get("LastModified") or info.get("mtime") or ""
-                stamp: tuple[int, ...] = (
-                    int(info.get("size") or 0),
-                    _int64(mtime),
-                    _int64(etag),
-                    _int64(name),
-                )
+                stamp: tuple[int, ...] = file_stamp(name, info)
+                version = object_stamp(info)
                 pf = pq.ParquetFile(handle)
             else:
                 handle = None
@@ -265,16 +297,16 @@ class ParquetSource(RowSource):
             raise ManifestError("file not found", path=name) from exc
         except (pa.ArrowException, OSError) as exc:
             raise ManifestError(f"not a readable Parquet file ({exc})", path=name) from exc
-        return _Reader(pf, stamp, handle)
+        return _Reader(pf, stamp, handle, version)
 
-    def _read_footer(self, name: str) -> tuple[tuple[int, ...], int, Any]:
-        """``(stamp, rows, ids or None)`` of one file, closed afterwards (rows are read
-        through readers opened where they are needed: no fd kept per file)."""
+    def _read_footer(self, name: str) -> tuple[tuple[int, ...], str | None, int, Any]:
+        """``(stamp, version, rows, ids or None)`` of one file, closed afterwards (rows are
+        read through readers opened where they are needed: no fd kept per file)."""
         reader = self._open_new(name)
         try:
             self._check_schema(reader.pf, name)
             ids = self._read_ids(reader.pf, name) if self.columns["id"] else None
-            return reader.stamp, int(reader.starts[-1]), ids
+            return reader.stamp, reader.version, int(reader.starts[-1]), ids
         finally:
             reader.close()
 
@@ -330,11 +362,12 @@ class ParquetSource(RowSource):
     def stamps(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
         """Each row's file stamp as ``int64 [n, 4]``: the file's stat fields (one ``stat``
         per distinct file), ``-2`` where it is gone; remote files: size, mtime, ETag and
-        URL hashes read at open."""
+        URL hashes read at open or at the last :meth:`revalidate` (of any process)."""
         idx = self._checked(indices)
         files = np.searchsorted(self._file_start, self.rows(idx), side="right") - 1
-        if self.remote:
-            out: np.ndarray = self._fixed[files]
+        if self._tables is not None:
+            self._refresh()
+            out: np.ndarray = self._tables.stamps[files]
             return out
         stamps = np.full((idx.shape[0], len(keys.STAT_FIELDS)), -2, dtype=np.int64)
         for f in np.unique(files).tolist():
@@ -350,7 +383,7 @@ class ParquetSource(RowSource):
         f, r = self._place(index)
         if int(stamp[0]) == -2:
             return f"parquet:missing:{r}"
-        if self.remote:
+        if self._tables is not None:
             return f"parquet:{keys.fields_stamp(stamp.tolist())}:{r}"
         seen = (f, *stamp.tolist())
         ident = self._idents.get(seen)
@@ -364,7 +397,7 @@ class ParquetSource(RowSource):
     def image_refs(self, indices: npt.NDArray[np.int64]) -> list[str | None]:
         """Files named by path-only image cells (G7), read once per file version from the
         column's ``path`` field (no image bytes)."""
-        if self.remote or not self.columns["image"]:
+        if self._tables is not None or not self.columns["image"]:
             return [None] * int(indices.shape[0])
         out: list[str | None] = []
         for index in indices.tolist():
@@ -393,7 +426,7 @@ class ParquetSource(RowSource):
         if _is_url(name):
             if reader is not None:
                 self._readers.move_to_end(f)
-                return reader  # FIXED: the stamp read at open stands
+                return reader  # FIXED: until revalidated (_forget drops it then)
         else:
             now = self._stat(name)
             if now is None:  # never the rows of a file that is gone from an old mapping
@@ -434,6 +467,13 @@ class ParquetSource(RowSource):
         name = self.files[f]
         where = f"{name} row {r}"
         sid = self._ids.id(index)
+        self._refresh()
+        if self._tables is not None and tuple(self._tables.stamps[f].tolist()) == GONE:
+            raise SampleError(
+                "the file is gone or unreadable (found at this epoch's check)",
+                sample_id=sid,
+                path=where,
+            )
         with self._lock:
             try:
                 reader = self._reader(f)
@@ -478,6 +518,61 @@ class ParquetSource(RowSource):
                 where=where,
             )
         return data, image_file, text, where
+
+    # -- remote files: checked again at each epoch ---------------------------------------
+    def revalidate(self) -> list[str]:
+        """Check each remote file's version again (one listing per folder of files; a HEAD
+        for a changed one) and take the changed files' new stamps, here and, through
+        :attr:`shared_stamps`, in every process: their rows get new keys and are read
+        from the new version (a row whose id moved, or that is gone, is a SampleError).
+        Returns the URLs that changed (local files: none, their ``stat`` is checked at
+        every batch). Raises :class:`~mmcache.errors.RemoteError` when the store cannot
+        be reached."""
+        if self._tables is None:
+            return []
+        changed = self._tables.revalidate()
+        self._forget(changed)
+        return [self.files[f] for f in changed]
+
+    def _refresh(self) -> None:
+        """Take the stamps another process revalidated (one ``stat`` when none did)."""
+        if self._tables is not None:
+            self._forget(self._tables.refresh())
+
+    def _forget(self, changed: list[int]) -> None:
+        """Close this process's readers of the ``changed`` files and drop their row
+        groups: their next row is read from the new version."""
+        if not changed:
+            return
+        with self._lock:
+            for f in changed:
+                reader = self._readers.pop(f, None)
+                if reader is not None:
+                    reader.close()
+            for key in [k for k in self._groups if k[0] in changed]:
+                self._group_bytes -= self._groups.pop(key).nbytes
+        for f in changed:
+            logger.warning("%s changed: its rows are read again", self.files[f])
+
+    def remote_version(self) -> tuple[str, ...]:
+        """The remote files' stamps (what a memory of fetched rows would depend on)."""
+        if self._tables is None:
+            return ()
+        return tuple(keys.fields_stamp(row) for row in self._tables.stamps.tolist())
+
+    def remote_span(self, index: int) -> tuple[str, str, int, int] | None:
+        """``None``: a row's bytes are not one span of its file (they are column chunks
+        of its row group, which pyarrow reads), so nothing is fetched ahead."""
+        return None
+
+    def fetch(
+        self, url: str, stamp: str, start: int, end: int, *, sample_id: str, wait: bool = True
+    ) -> bytes:
+        """Bytes ``[start, end)`` of the remote file ``url``: one ranged GET under the
+        retry policy (there is no raw tier). A ConfigError for a source of local files."""
+        if self._tables is None:
+            raise ConfigError(f"{self!r} reads local files: there is nothing to fetch")
+        return fetch_bytes(self.remote, None, (url, stamp, start, end), sample_id=sample_id)
 
     def __repr__(self) -> str:
         return f"ParquetSource({len(self.files)} files, {len(self)} rows, columns={self.columns})"

@@ -49,8 +49,7 @@ _log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RecordReject:
-    """A manifest record that ``on_error="skip"`` left out at read time, and why
-    (``mmcache.manifest.Reject`` is this class under its old name).
+    """A manifest record that ``on_error="skip"`` left out at read time, and why.
 
     ``line`` is the 1-based line (JSONL) or 1-based record index (LLaVA array);
     ``sample_id`` is ``None`` when the id could not be read.

@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from mmcache.cache import Cache
+from mmcache.loader.shmroom import ShmRoom
 from mmcache.loader.tasks import STAMP_WORDS, BatchPlan
 from mmcache.loader.warm_epoch.board import FileCheckBoard
 from mmcache.loader.warm_epoch.prefetch import StatPrefetcher
@@ -118,6 +119,8 @@ class WarmEpochs:
         num_samples: this rank's samples per epoch (all their keys must be known).
         entry_bytes: the size of one cache entry, once the loader knows it.
         context: the multiprocessing context of the workers.
+        shm: the loader's room in ``/dev/shm``: without room for the prefetcher's
+            lock and semaphore, epochs are not guessed (the workers plan them).
     """
 
     def __init__(
@@ -130,6 +133,7 @@ class WarmEpochs:
         num_samples: int,
         entry_bytes: Callable[[], int | None],
         context: Any = None,
+        shm: ShmRoom | None = None,
     ) -> None:
         self._source = source
         self._cache = cache
@@ -149,13 +153,25 @@ class WarmEpochs:
         self._fixed = num_workers > 0 and cache is not None and source.stamp_kind is StampKind.FIXED
         self._key_lock = threading.Lock()  # key_rows is not thread-safe; verified() is
         if num_workers > 0 and cache is not None and source.stamp_kind is StampKind.FILE:
-            words = STAMP_WORDS if self._n <= _KEYED_MAX else 0
-            self._board = FileCheckBoard(self._n, context, key_stamps=words)
-            self._prefetcher = StatPrefetcher(self._board, source, order, context)
+            self._prefetcher = self._new_prefetcher(order, context, shm or ShmRoom())
+        if self._prefetcher is not None:
             # Started now (a fork: milliseconds, plus a copy of each page the training
             # process writes afterwards): not in the first epoch's time, and before any
             # batch buffer exists (started later, those pages are copied each epoch).
             self._prefetcher.start()
+
+    def _new_prefetcher(self, order: Any, context: Any, shm: ShmRoom) -> StatPrefetcher | None:
+        """The stat prefetcher and its board, or None without room in /dev/shm for them."""
+        if shm.full:
+            return None
+        words = STAMP_WORDS if self._n <= _KEYED_MAX else 0
+        try:
+            self._board = FileCheckBoard(self._n, context, key_stamps=words)
+            return StatPrefetcher(self._board, self._source, order, context)
+        except OSError as exc:  # its lock and semaphore: ENOSPC in a full /dev/shm
+            self._board = None
+            shm.report("stat prefetcher", exc, "no epoch is guessed (the workers plan each)")
+            return None
 
     def should_guess(self, warm: bool, *, beginning: bool = False) -> bool:
         """Whether the next epoch is to be guessed: with a prefetcher, when ``warm`` (the

@@ -29,7 +29,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["EpochGate"]
+from mmcache.loader.shmroom import ShmRoom
+
+__all__ = ["EpochGate", "epoch_gate"]
 
 _PARENT_CHECK_S = 1.0
 #: open_all's step: beyond any gate number handed out before it.
@@ -105,3 +107,15 @@ class EpochGate:
                         wake.acquire()  # posted (under the lock) just after the timeout
                 if os.getppid() != parent:
                     return  # orphaned: torch's worker loop notices and exits next
+
+
+def epoch_gate(context: Any, slots: int, shm: ShmRoom) -> EpochGate | None:
+    """An :class:`EpochGate`, or None when ``/dev/shm`` has no room for its semaphores
+    (reported to ``shm``, the loader's room: its workers are then not persistent)."""
+    if shm.full:
+        return None
+    try:
+        return EpochGate(context, slots)
+    except OSError as exc:  # sem_open: ENOSPC in a full /dev/shm
+        shm.report("epoch gate", exc, "the workers are not persistent")
+        return None

@@ -23,8 +23,8 @@ where allowed): it uses a core only when nothing else wants it. At normal
 priority, waking it at the start of each epoch preempted the training loop
 for a scheduler time slice on a 2-core machine. It is started on the first
 request, never uses torch, ignores SIGINT (the training process decides), and
-exits when asked, when its parent is gone (checked every second), or with the
-parent (a daemon process).
+exits when asked, or with the training process: as a daemon process when it exits,
+and by its :class:`~mmcache.loader.lifeline.Lifeline` when it is killed.
 
 Thread/process safety: :meth:`StatPrefetcher.request` and
 :meth:`StatPrefetcher.close` from the training process (one thread at a time).
@@ -42,11 +42,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from mmcache.loader.lifeline import Lifeline
 from mmcache.loader.warm_epoch.board import FileCheckBoard
 
 __all__ = ["StatPrefetcher"]
-
-_PARENT_CHECK_S = 1.0
 
 
 class _Stamps(Protocol):
@@ -126,7 +125,7 @@ class StatPrefetcher:
             self.starts += 1
             self._process = self._ctx.Process(
                 target=_run,
-                args=(self._board, self._source, self._order, ch, os.getpid()),
+                args=(self._board, self._source, self._order, ch, Lifeline.here()),
                 name="mmcache-stat-prefetcher",
                 daemon=True,
             )
@@ -159,8 +158,9 @@ class StatPrefetcher:
 
 
 def _run(
-    board: FileCheckBoard, source: _Stamps, order: _Batches, ch: _Channel, parent: int
+    board: FileCheckBoard, source: _Stamps, order: _Batches, ch: _Channel, lifeline: Lifeline
 ) -> None:
+    lifeline.hold()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     with contextlib.suppress(OSError):
         os.nice(19)
@@ -168,10 +168,7 @@ def _run(
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     request, lock, posted = ch.request, ch.lock, ch.posted
     while True:
-        if not posted.acquire(timeout=_PARENT_CHECK_S):
-            if os.getppid() != parent:
-                return
-            continue
+        posted.acquire()
         if request[_Slot.STOP]:
             return
         with lock:

@@ -1,7 +1,8 @@
 """Remote objects behind fsspec: :mod:`.fs` access, batched stamps and error classes;
-:mod:`.retry` the retry policy and circuit breaker; :mod:`.raw` the raw-bytes tier on
-local disk; :mod:`.prefetch` fetching a source's misses ahead in the epoch's order (a
-loader hook)."""
+:mod:`.ranged` one ranged GET read no further than asked; :mod:`.retry` the retry policy
+and circuit breaker; :mod:`.raw` the raw-bytes tier on local disk; :mod:`.tables` the
+versions of a table source's remote files; :mod:`.prefetch` revalidating a source and
+fetching its misses ahead in the epoch's order (a loader hook)."""
 
 from mmcache.sources.remote.fs import Remote, RemoteError, is_remote
 from mmcache.sources.remote.raw import RawTier

@@ -77,6 +77,8 @@ class RemoteFileSource(FileSource):
     """
 
     stamp_kind: StampKind
+    #: Objects are fetched ahead into the raw tier (the Revalidating capability).
+    fetches_ahead = True
 
     def __init__(
         self,

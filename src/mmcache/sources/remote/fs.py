@@ -37,13 +37,14 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
 from mmcache.errors import ConfigError, RemoteError, RemoteErrorKind
 from mmcache.sources.identity import CONTENT_PREFIX
 from mmcache.sources.remote.listing import Entry, ListingFile
 from mmcache.sources.remote.options import backend_options, check_options, quiet_retries, redact
+from mmcache.sources.remote.ranged import Answer, ranged_get, sync_timeout
 from mmcache.sources.remote.retry import CircuitBreaker, RetryPolicy
 
 __all__ = [
@@ -81,12 +82,19 @@ def is_remote(location: str | os.PathLike[str]) -> bool:
 # RemoteError lives in mmcache.errors, in the one hierarchy; imported above.
 
 
-def _status(exc: BaseException) -> int | None:
-    """The HTTP status of ``exc`` or of the exception it was translated from, if any."""
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and the exceptions it was raised from or during (four at most)."""
     seen: BaseException | None = exc
     for _ in range(4):
         if seen is None:
-            break
+            return
+        yield seen
+        seen = seen.__cause__ or seen.__context__
+
+
+def _status(exc: BaseException) -> int | None:
+    """The HTTP status of ``exc`` or of the exception it was translated from, if any."""
+    for seen in _chain(exc):
         response = getattr(seen, "response", None)
         if isinstance(response, Mapping):
             code = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
@@ -95,22 +103,21 @@ def _status(exc: BaseException) -> int | None:
         status = getattr(seen, "status", None) or getattr(seen, "code", None)
         if isinstance(status, int) and 100 <= status < 600:
             return status
-        seen = seen.__cause__ or seen.__context__
     return None
 
 
 def _timed_out(exc: BaseException) -> bool:
-    seen: BaseException | None = exc
-    for _ in range(4):
-        if seen is None:
-            return False
-        if (
-            isinstance(seen, (TimeoutError, asyncio.TimeoutError))
-            or "Timeout" in type(seen).__name__
-        ):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
+    return any(
+        isinstance(seen, (TimeoutError, asyncio.TimeoutError)) or "Timeout" in type(seen).__name__
+        for seen in _chain(exc)
+    )
+
+
+def _connecting(exc: BaseException) -> bool:
+    """Whether ``exc`` came while connecting (botocore's ``ConnectTimeoutError``,
+    aiohttp's ``ConnectionTimeoutError``, a refused connection): the store, not one
+    object, did not answer."""
+    return any("Connect" in type(seen).__name__ for seen in _chain(exc))
 
 
 def classify(url: str, exc: BaseException, options: Mapping[str, Any] | None = None) -> RemoteError:
@@ -357,7 +364,12 @@ class Remote:
                 err = classify(url, exc, self.storage_options)
                 if err.no_response:
                     waited = left is not None and self.clock() - began >= 0.9 * left
-                    breaker.unanswered(err, waited_out=waited and err.kind == "timeout")
+                    breaker.unanswered(
+                        err,
+                        url=url,
+                        connect=err.kind == "unreachable" or _connecting(exc),
+                        waited_out=waited and err.kind == "timeout",
+                    )
                 else:
                     breaker.answered()
                 if err.permanent or number == len(sleeps):
@@ -380,41 +392,55 @@ class Remote:
         """``fn()`` under the retry policy (see :meth:`attempt`; ``fn`` has no timeout)."""
         return self.attempt(url, lambda _left: fn())
 
-    @staticmethod
-    def _timeout(fs: Any, left: float | None) -> dict[str, Any]:
-        """fsspec's ``timeout=`` for a sync call of an async file system (it cancels the
-        coroutine when the call's deadline passes); nothing for others."""
-        from fsspec.asyn import AsyncFileSystem
-
-        return {"timeout": left} if left is not None and isinstance(fs, AsyncFileSystem) else {}
-
     def read(self, url: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of the object at ``url`` (one ranged GET, retried).
-        A server that ignores ``Range`` (sends more bytes than asked) is a permanent
-        :class:`RemoteError` of kind ``"range-ignored"``."""
+
+        The answer is read while it streams and never past ``end - start + 1`` bytes
+        (:mod:`~mmcache.sources.remote.ranged`): a server that ignores ``Range`` or sends
+        more than asked is a permanent :class:`RemoteError` of kind ``"range-ignored"``
+        once one byte too many came, never after its whole body was read. A GET that
+        times out after the server answered is kind ``"timeout"`` with that HTTP status
+        (one object's failure for the circuit breaker, as any timeout)."""
         fs, path = self.filesystem(url)
+        want = end - start
 
         def get(left: float | None) -> bytes:
-            data = fs.cat_file(path, start=start, end=end, **self._timeout(fs, left))
-            if len(data) > end - start:
+            answer = Answer()
+            try:
+                data = ranged_get(fs, path, start, end, answer=answer, timeout=left)
+            except Exception as exc:
+                if answer.status is None or not _timed_out(exc):
+                    raise
                 raise RemoteError(
                     url,
-                    None,
+                    answer.status,
+                    False,
+                    f"the server answered HTTP {answer.status} but sent {answer.got} of the "
+                    f"{want} bytes at {start} before the call's deadline "
+                    f"({type(exc).__name__})",
+                    kind="timeout",
+                ) from exc
+            if len(data) > want:
+                declared = f", Content-Length {answer.length}" if answer.length else ""
+                raise RemoteError(
+                    url,
+                    answer.status,
                     True,
-                    f"the server ignored the Range request for bytes {start}-{end - 1} "
-                    f"and sent {len(data)} bytes (the whole object?): serve it from a server "
-                    "that answers ranged GETs (HTTP 206), or copy it locally",
+                    f"the server ignored the Range request for bytes {start}-{end - 1} and "
+                    f"sent more than those {want} bytes{declared} (reading stopped at the "
+                    "first extra byte): serve it from a server that answers ranged GETs "
+                    "(HTTP 206), or copy it locally",
                     kind="range-ignored",
                 )
-            if len(data) < end - start:
+            if len(data) < want:
                 raise RemoteError(
                     url,
-                    None,
+                    answer.status,
                     False,
-                    f"short read: {len(data)} of {end - start} bytes at {start}",
+                    f"short read: {len(data)} of {want} bytes at {start}",
                     kind="short-read",
                 )
-            return bytes(data)
+            return data
 
         return self.attempt(url, get)
 
@@ -429,7 +455,7 @@ class Remote:
 
         def fresh(left: float | None) -> dict[str, Any]:
             fs.invalidate_cache(path)
-            out: dict[str, Any] = fs.info(path, **self._timeout(fs, left))
+            out: dict[str, Any] = fs.info(path, **sync_timeout(fs, left))
             return out
 
         return self.attempt(url, fresh)
@@ -520,7 +546,7 @@ class Remote:
                 ) -> list[dict[str, Any]]:
                     fs.invalidate_cache(path)
                     entries: list[dict[str, Any]] = fs.ls(
-                        path, detail=True, **self._timeout(fs, left)
+                        path, detail=True, **sync_timeout(fs, left)
                     )
                     return entries
 

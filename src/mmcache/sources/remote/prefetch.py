@@ -34,12 +34,20 @@ producing worker. A cold epoch over a store with tens of milliseconds of latency
 bound by decoding, not by round trips or the store's rate of requests. Failed prefetches
 are left to the producing worker, which retries and reports them.
 
-The source must offer ``raw`` (a :class:`~mmcache.sources.remote.raw.RawTier`),
-``remote`` (a :class:`~mmcache.sources.remote.fs.Remote`), ``__len__``,
+The source must offer ``raw`` (a :class:`~mmcache.sources.remote.raw.RawTier`, or
+``None``), ``remote`` (a :class:`~mmcache.sources.remote.fs.Remote`), ``__len__``,
 ``remote_span(index) -> (url, stamp, start, end) | None``, ``fetch(url, stamp, start,
-end, sample_id=...)``, ``sample_id`` and ``revalidate()``. Thread safety: the hook's
-methods are called by the loader's threads; its state is guarded by a condition
-variable and a lock.
+end, sample_id=...)``, ``sample_id`` and ``revalidate()``: a
+:class:`~mmcache.sources.wds.WebDatasetSource`,
+:class:`~mmcache.sources.remote.files.RemoteFileSource` or
+:class:`~mmcache.sources.parquet.ParquetSource` of ``s3://``, ``gs://`` or ``http(s)://``
+URLs. A source whose bytes are not fetched ahead (``fetches_ahead`` is false: a
+ParquetSource, whose rows pyarrow reads) is only revalidated at each epoch; one that is
+needs a raw tier to fetch into. Another source is refused with a
+:class:`~mmcache.errors.ConfigError` saying what to do (a source of local files needs no
+hook: its files are ``stat``-ed at every batch).
+Thread safety: the hook's methods are called by the loader's threads; its state is
+guarded by a condition variable and a lock.
 """
 
 from __future__ import annotations
@@ -54,7 +62,7 @@ import numpy as np
 
 from mmcache.errors import ConfigError, SampleError
 from mmcache.hooks import BatchContext, EpochContext, LoaderHook
-from mmcache.sources.capabilities import GroupedFetching, Revalidating, SharesStamps, require
+from mmcache.sources.capabilities import GroupedFetching, Revalidating, SharesStamps
 from mmcache.sources.remote.fs import RemoteError
 
 __all__ = ["PrefetchSource", "RemotePrefetch"]
@@ -77,14 +85,24 @@ class RemotePrefetch(LoaderHook):
     """See the module docstring.
 
     Args:
-        source: the remote source (it must have a raw tier: ``raw=RawTier(...)``).
+        source: the remote source (with a raw tier, ``raw=RawTier(...)``, when its bytes
+            are fetched ahead).
         threads: concurrent GETs (bounded; 16 hides ~25 ms of latency for ~600 samples/s).
         ahead: batches past the one the training loop last received that may be fetched.
     """
 
     def __init__(self, source: PrefetchSource, *, threads: int = 16, ahead: int = 64) -> None:
-        require(source, Revalidating, why="RemotePrefetch")
-        if source.raw is None:
+        if not isinstance(source, Revalidating):
+            raise ConfigError(
+                f"RemotePrefetch cannot drive {source!r}: it checks remote objects again at "
+                "each epoch and fetches them ahead, for a WebDatasetSource, a "
+                "RemoteFileSource or a ParquetSource (or MultimodalDataset) of s3://, gs:// "
+                "or http(s):// URLs. For local files leave it out of hooks=: they are "
+                "checked at every batch without it (a changed file is read again). A "
+                "RemoteVideoSource is not checked during a run yet: open it again to take "
+                "changed clips"
+            )
+        if source.fetches_ahead and source.raw is None:
             raise ConfigError(
                 "RemotePrefetch needs a source with a raw tier to fetch into (raw=RawTier(...))"
             )
@@ -194,6 +212,8 @@ class RemotePrefetch(LoaderHook):
     def _start_fetching(self, ctx: EpochContext, *, inline: bool = False) -> None:
         """Walk the epoch's batches and fetch ahead (here when ``inline``: already on the
         prefetch thread; else on a new one). Nothing when the store is down or all held."""
+        if not self.source.fetches_ahead:
+            return  # another reader reads its bytes: revalidating was all
         if not self.revalidated or self.source.remote.unreachable:
             return  # the store is down: do not queue a GET per miss
         known = self._known_bits(self._changed)

@@ -12,14 +12,21 @@ out every timeout of every attempt. Now the layers below make one attempt
   its tries and sleeps included (each try is given what is left as its timeout);
 - the retrying (failed tries and sleeps) of all calls of one epoch in this process may
   take ``epoch_deadline`` seconds; once spent, calls get one try each until the next epoch;
-- after ``breaker_after`` calls in a row got no answer at all (a refused or dropped
-  connection, a timeout: not an HTTP error, which is an answer), or one call waited out
-  its whole deadline (a black-holed network), the breaker opens: every call fails at
-  once with a :class:`~mmcache.errors.RemoteError` of kind ``"circuit-open"``, except
-  one probe (a single try, given ``connect_timeout`` seconds) every ``probe_every``
-  seconds and the first call of each epoch; the first probe that is answered closes it. Cached
-  samples keep flowing at cache speed, and misses are rejects (``on_error="skip"``) or
-  one clear error (``"raise"``), never minutes of waiting.
+- tries that get no answer at all (not an HTTP error, which is an answer) are counted
+  in a row, and the breaker opens when they show that the *store* is gone, not one
+  object: ``breaker_after`` tries whose connection failed (refused, dropped, not made
+  in ``connect_timeout``), or timeouts on ``breaker_after`` distinct objects, or two
+  distinct objects each waiting out a call's whole deadline (a black-holed network).
+  A timeout of one object (a server that trickles one object's bytes, or never answers
+  for it) is that object's failure: it is retried and refused alone, and the next
+  healthy object is served (H6: one slow object used to open the breaker, and the
+  healthy objects after it were refused). Any answer resets the count. Once open, every
+  call fails at once with a :class:`~mmcache.errors.RemoteError` of kind
+  ``"circuit-open"``, except one probe (a single try, given ``connect_timeout`` seconds)
+  every ``probe_every`` seconds and the first call of each epoch; the first probe that
+  is answered closes it. Cached samples keep flowing at cache speed, and misses are
+  rejects (``on_error="skip"``) or one clear error (``"raise"``), never minutes of
+  waiting.
 
 Why not tenacity or botocore's own retries: the breaker and the epoch budget are shared
 by every call of a source in a process, whatever the backend (S3, GCS, HTTP), and the
@@ -56,8 +63,8 @@ class RetryPolicy:
             no limit; each try still has the timeouts below).
         epoch_deadline: seconds of retrying (failed tries and sleeps) per epoch and
             process; then one try per call until the next epoch (``None``: no limit).
-        breaker_after: calls in a row without an answer that open the circuit breaker
-            (``None``: no breaker).
+        breaker_after: tries in a row whose connection failed, or distinct objects in
+            a row that timed out, that open the circuit breaker (``None``: no breaker).
         probe_every: while the breaker is open, one call per this many seconds is let
             through as a probe.
         connect_timeout: seconds to open a connection (given to botocore), and all a
@@ -126,7 +133,8 @@ def _check_seconds(name: str, value: object, *, allow_none: bool) -> None:
 
 class CircuitBreaker:
     """The state of one process's calls to one store: consecutive failures without an
-    answer, whether the breaker is open, and the epoch's retry budget.
+    answer (how many, how many of them failed to connect, on which objects), whether the
+    breaker is open, and the epoch's retry budget.
 
     ``clock`` is injected (tests pass a fake one). All methods are thread-safe.
     """
@@ -135,7 +143,10 @@ class CircuitBreaker:
         self.policy = policy
         self.clock = clock
         self._lock = threading.Lock()
-        self._failures = 0  # calls in a row that got no answer
+        self._failures = 0  # tries in a row that got no answer
+        self._connect_failures = 0  # of those, tries whose connection failed
+        self._objects: set[str] = set()  # the objects those tries were for
+        self._waited: set[str] = set()  # the objects whose call waited out its deadline
         self._open_since: float | None = None
         self._next_probe = 0.0
         self._probing = False
@@ -169,8 +180,8 @@ class CircuitBreaker:
                     url,
                     None,
                     False,
-                    f"the store did not answer {self._failures} calls in a row "
-                    f"(for {now - self._open_since:.1f} s; last: "
+                    f"the store did not answer {self._failures} tries in a row, on "
+                    f"{len(self._objects)} objects (for {now - self._open_since:.1f} s; last: "
                     f"{last.reason if last is not None else '?'}); failing at once until a "
                     f"probe answers (every {self.policy.probe_every:g} s and at each epoch)",
                     kind="circuit-open",
@@ -197,20 +208,37 @@ class CircuitBreaker:
     def answered(self) -> None:
         """A call got an answer (a success, or an HTTP error): close the breaker."""
         with self._lock:
-            self._failures = 0
+            self._failures = self._connect_failures = 0
+            self._objects.clear()
+            self._waited.clear()
             self._open_since = None
             self._probing = False
 
-    def unanswered(self, err: RemoteError, *, waited_out: bool = False) -> None:
-        """A try got no answer (``err``): count it; open the breaker at the threshold, or
-        at once when the try ``waited_out`` the call's whole deadline (a black-holed
-        network: each further call would wait as long)."""
+    def unanswered(
+        self, err: RemoteError, *, url: str, connect: bool, waited_out: bool = False
+    ) -> None:
+        """A try for the object ``url`` got no answer (``err``): count it, and open the
+        breaker when the failures in a row show the store is gone (see the module
+        docstring). ``connect``: the connection itself failed (refused, dropped, not
+        made in time); ``waited_out``: the try waited out the call's whole deadline.
+        A failed probe keeps an open breaker open until the next probe is due."""
         with self._lock:
             self.last_error = err
             self._failures += 1
+            self._connect_failures += connect
+            self._objects.add(url)
+            if waited_out:
+                self._waited.add(url)
             self._probing = False
             after = self.policy.breaker_after
-            if after is not None and (self._failures >= after or waited_out):
+            if after is None:
+                return
+            if (
+                self._open_since is not None
+                or self._connect_failures >= after
+                or len(self._objects) >= after
+                or len(self._waited) >= 2
+            ):
                 now = self.clock()
                 if self._open_since is None:
                     self._open_since = now

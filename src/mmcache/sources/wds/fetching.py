@@ -48,6 +48,8 @@ class RemoteShards:
 
         def span(self, index: int) -> tuple[int, int]: ...
 
+    #: Samples' spans are fetched ahead into the raw tier (the Revalidating capability).
+    fetches_ahead = True
     _fetch_groups: FetchGroups | None = None
     _warned_unversioned = False
 

@@ -19,7 +19,7 @@ alive) and answers with the upstream's status, headers and body, unless its curr
 With ``error_rate=p``, each request (in ``"up"``) is answered ``503 SlowDown`` with
 probability ``p`` (a seeded :class:`random.Random`: the same requests fail on each run
 of the same sequence). :attr:`~FaultProxy.requests` records what came in
-(:class:`~mmcache.testing.s3.Request`), :attr:`~FaultProxy.injected` how many answers
+(:class:`support.s3.Request`), :attr:`~FaultProxy.injected` how many answers
 it made up.
 
 :func:`http_files` serves a folder over HTTP on 127.0.0.1 (:mod:`http.server`), with an
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Literal
 
-from mmcache.testing.s3 import Request
+from support.s3 import Request
 
 __all__ = ["FaultProxy", "HttpFiles", "Mode", "http_files"]
 

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from mmcache.testing.s3 import free_port
+from support.s3 import free_port
 
 __all__ = ["GcsEndpoint", "gcs_emulator"]
 
@@ -91,7 +91,7 @@ def gcs_emulator(bucket: str = "data") -> Iterator[GcsEndpoint]:
     url = f"http://127.0.0.1:{port}"
     fs = gcsfs.core.GCSFileSystem(
         endpoint_url=url,
-        token="anon",  # noqa: S106 - anonymous access to the local emulator
+        token="anon",  # anonymous access to the local emulator
         project=PROJECT,
         skip_instance_cache=True,
     )

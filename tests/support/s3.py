@@ -29,7 +29,7 @@ from typing import Any
 
 __all__ = ["DelayProxy", "Request", "S3Endpoint", "free_port", "moto_s3"]
 
-KEY = SECRET = "testing"  # noqa: S105 - moto accepts any credentials
+KEY = SECRET = "testing"  # moto accepts any credentials
 REGION = "us-east-1"
 
 _REQUEST = re.compile(rb"(?:^|(?<=\r\n\r\n))([A-Z]+) (\S+) HTTP/1\.[01]\r\n((?:.+\r\n)*?)\r\n")
