@@ -56,18 +56,16 @@ class Mixture:
 
     The semantics are MosaicML Streaming's (``Stream(repeat=, choose=, proportion=)``):
 
-    ==================  ==========================================================
-    option              samples of the part in each epoch
-    ==================  ==========================================================
-    none                every sample once (``repeat=1``)
-    ``repeat=r``        ``round(r * len(part))``: each sample ``floor(r)`` times,
-                        plus a seeded subset for the fraction
-    ``choose=k``        ``k`` (``repeat=k / len(part)``)
-    ``proportion=p``    ``p * epoch_size`` by largest remainders: the proportions
-                        must sum to 1 and the counts sum to ``epoch_size``
-    ``epoch_size=N``    (no proportions) each part's count above, rescaled by
-                        largest remainders to sum to ``N``
-    ==================  ==========================================================
+    | option | samples of the part in each epoch |
+    |---|---|
+    | none | every sample once (``repeat=1``) |
+    | ``repeat=r`` | ``round(r * len(part))``: each sample ``floor(r)`` times, plus a \
+seeded subset for the fraction |
+    | ``choose=k`` | ``k`` (``repeat=k / len(part)``) |
+    | ``proportion=p`` | ``p * epoch_size`` by largest remainders: the proportions sum \
+to 1 and the counts to ``epoch_size`` |
+    | ``epoch_size=N`` | (no proportions) each part's count above, rescaled by largest \
+remainders to sum to ``N`` |
 
     - At most one of ``repeat`` / ``choose`` / ``proportion`` per part; proportions
       (relative) and repeat/choose (absolute) do not mix in one mixture; a
