@@ -262,3 +262,25 @@ def test_an_admitted_entry_costs_its_miss_times_its_part_reads_per_epoch(
         loader.close()
     assert costs == {"coco": {6.0}, "vqa": {1.5}}
     assert np.isclose(mix.planned_reads(0), 2.0)
+
+
+def test_a_part_walking_through_its_samples_raises_no_low_hit_rate_warning(
+    manifests: tuple[Path, Path],
+    small_pipeline: Pipeline,
+    cache_root: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Epoch 1 of ``choose=2`` of 12 reads two samples epoch 0 did not: misses of the
+    draw, not of the cache, so the warning that blames the cache stays quiet."""
+    a, b = (mc.MultimodalDataset(m, pipeline=small_pipeline) for m in manifests)
+    walk = mc.Mixture(
+        [mc.MixturePart(a, name="a", choose=2), mc.MixturePart(b, name="b", choose=1)]
+    )
+    with mc.Cache(cache_root, memory="32MiB", temporary=True) as cache:
+        loader = DataLoader(walk, cache=cache, batch_size=3, seed=0)
+        with caplog.at_level("WARNING", logger="mmcache"):
+            _epoch(loader, 0)
+            _epoch(loader, 1)
+        loader.close()
+    assert loader.stats().epochs[1].hit_rate == 0.0  # every sample of epoch 1 is new
+    assert "far below" not in caplog.text

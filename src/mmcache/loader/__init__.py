@@ -65,6 +65,7 @@ from mmcache.loader.mixing import (
     PartTally,
     check_mixture_state,
     mixture_state,
+    new_samples_each_epoch,
 )
 from mmcache.loader.options import Augment, Distributed, SFTBatching, loader_options
 from mmcache.loader.packing import PackSpec
@@ -566,7 +567,8 @@ class DataLoader:
         if self.on_epoch_end is not None:
             tiers = list(self.cache.tiers) if self.cache is not None else []
             self.on_epoch_end(epoch_scalars(stats, tiers))
-        if stats.epoch - 1 in seen or stats.epoch in seen:
+        fresh = new_samples_each_epoch(self.dataset)  # a mixture's walk: misses by design
+        if (stats.epoch - 1 in seen or stats.epoch in seen) and not fresh:
             self._hit_rate.check(
                 stats,
                 entry_bytes=self._assembler.entry_bytes(),

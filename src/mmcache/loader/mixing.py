@@ -29,7 +29,14 @@ from mmcache.hooks import BatchContext, LoaderHook
 from mmcache.sources.capabilities import DrawsEpochs
 from mmcache.stats import PartStats
 
-__all__ = ["STATE_KEY", "PartHook", "PartTally", "check_mixture_state", "mixture_state"]
+__all__ = [
+    "STATE_KEY",
+    "PartHook",
+    "PartTally",
+    "check_mixture_state",
+    "mixture_state",
+    "new_samples_each_epoch",
+]
 
 #: The key of a loader state that holds the mixture it was saved with.
 STATE_KEY = "mixture"
@@ -87,6 +94,17 @@ class PartTally:
         return {
             name: PartStats(*(int(v) for v in self.table[k])) for k, name in enumerate(self.names)
         }
+
+
+def new_samples_each_epoch(source: object) -> bool:
+    """Whether an epoch of ``source`` reads samples the epoch before did not: a mixture
+    with a part whose fraction walks through it (``repeat=0.5``, ``choose`` under its
+    size). Its misses are the draw's, not the cache's: the low-hit-rate warning, which
+    expects every sample of an epoch to have been offered the epoch before, stays quiet."""
+    if not isinstance(source, DrawsEpochs):
+        return False
+    draw = source.draw
+    return any(n and c % n for n, c in zip(draw.sizes, draw.counts, strict=True))
 
 
 def mixture_state(source: object) -> list[list[Any]] | None:
