@@ -284,3 +284,34 @@ def test_a_part_walking_through_its_samples_raises_no_low_hit_rate_warning(
         loader.close()
     assert loader.stats().epochs[1].hit_rate == 0.0  # every sample of epoch 1 is new
     assert "far below" not in caplog.text
+
+
+def test_parts_of_any_source_a_loader_takes(
+    manifests: tuple[Path, Path], small_pipeline: Pipeline, tmp_path: Path, cache_root: Path
+) -> None:
+    """Loose files (stat-stamped), a Parquet folder and a saved HF dataset (fixed stamps)
+    in one mixture: cached batches equal the uncached ones over three epochs."""
+    pytest.importorskip("datasets")
+    from mmcache.testing.tabular import write_hf_dataset, write_parquet
+
+    write_parquet(manifests[1], tmp_path / "pq", files=2, row_group_size=4)
+    write_hf_dataset(manifests[1], tmp_path / "hf")
+    loose = mc.MultimodalDataset(manifests[0], pipeline=small_pipeline)
+    parquet = mc.open_source(tmp_path / "pq", pipeline=small_pipeline)
+    hf = mc.open_source(tmp_path / "hf", pipeline=small_pipeline)
+    mix = mc.Mixture(
+        [
+            mc.MixturePart(loose, name="loose", repeat=0.5),
+            mc.MixturePart(parquet, name="parquet", choose=4),
+            mc.MixturePart(hf, name="hf", repeat=2),
+        ]
+    )
+    assert mix.stamp_kind.value == "file"
+    want = [_epoch(DataLoader(mix, cache=None, batch_size=5, seed=1), e) for e in range(3)]
+    with mc.Cache(cache_root, memory="32MiB", temporary=True) as cache:
+        loader = DataLoader(mix, cache=cache, batch_size=5, seed=1, num_workers=2)
+        got = [_epoch(loader, e) for e in range(3)]
+        loader.close()
+    for w, g in zip(want, got, strict=True):
+        _same(w, g)
+    assert collections.Counter(p for p, _ in _pairs(got[2])) == mix.counts
