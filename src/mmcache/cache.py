@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 import numpy as np
 
 from mmcache import codec, sizing
-from mmcache.cacheroot import memory_group, read_config, write_config
+from mmcache.cacheroot import memory_group, read_config, root_id, write_config
 from mmcache.cacheroot import memory_name as _memory_name
 from mmcache.checks import check_int
 from mmcache.codec.compact import parse_disk_form
@@ -60,7 +60,12 @@ from mmcache.stores.claims import Claims
 from mmcache.stores.disk import DiskStore
 from mmcache.stores.disk.formed import FormedDiskStore
 from mmcache.stores.gathering import TieredReader
-from mmcache.stores.memory import MAX_INDEX_CAPACITY, MemoryStore, store_exists
+from mmcache.stores.memory import (
+    MAX_INDEX_CAPACITY,
+    MemoryStore,
+    reclaim_orphans,
+    store_exists,
+)
 from mmcache.stores.memory.budgets import shm_claims, sizing_turn
 from mmcache.stores.tiered import Accepted, Tier, TieredStore
 from mmcache.units import parse_duration, parse_size
@@ -222,6 +227,7 @@ class Cache:
         scope: ScopeLike = "node",
         disk_form: str = "raw",
         _opened_as: OpenedAs = "owner",
+        _root_id: int | None = None,
     ) -> None:
         #: The cluster's configuration (``scope``), or None: each node caches alone.
         self.cluster = parse_scope(scope)
@@ -252,6 +258,10 @@ class Cache:
         # becomes the budget of later opens.
         self._opened_as: OpenedAs = _opened_as
         self._inspect = _opened_as == "inspect"
+        # The root's identity (cacheroot.root_id), read or made once at open; a pickled
+        # copy brings its parent's, so a worker attaches the parent's memory tier even
+        # if the root was removed and made again meanwhile.
+        self._root_id = _root_id
         auto = memory == "auto"
         if auto:
             self.memory_budget = 0  # sized as the tiers open, in this user's turn (below)
@@ -268,6 +278,7 @@ class Cache:
         # Sized and created in this user's turn: a job started at the same moment
         # then sees this store's budget (mmcache.sizing).
         with sizing_turn(memory_group(self.root, self.mode)):
+            self._prepare_root(memory_wanted=True)
             claims = shm_claims(self.memory_name)
             host = sizing.host_memory(
                 shm=claims.directory, shm_promised=claims.promised, shm_own=claims.own
@@ -306,7 +317,10 @@ class Cache:
         logger.warning("%s; continuing without it (fallback='uncached')", msg)
         self.degraded[tier] = str(exc)
 
-    def _open(self) -> None:
+    def _prepare_root(self, *, memory_wanted: bool) -> None:
+        """Make the root's folder and read (or, for an owner configuring a memory tier,
+        make) its identity; idempotent. Runs before ``memory="auto"`` is sized, since the
+        identity names this root's memory tier, whose pages count as its own room."""
         folder_mode = dir_mode(self.mode)
         try:
             if not self.root.is_dir():  # (the user's root may be a link to a folder)
@@ -315,6 +329,12 @@ class Cache:
             if self.disk_budget is not None:
                 self._degrade(DiskStore.name, exc)
                 self.disk_budget = None
+        if self._root_id is None:  # a caller configuring a memory tier gives the root one
+            create = self._opened_as == "owner" and memory_wanted
+            self._root_id = root_id(self.root, mode=self.mode, create=create)
+
+    def _open(self) -> None:
+        self._prepare_root(memory_wanted=self.memory_budget > 0)
         specs = self._specs()
         opened: dict[str, Store] = {}
         # Slowest first: the disk tier decides whether the root is usable (and records
@@ -368,6 +388,14 @@ class Cache:
             temporary=self.temporary,
             index_capacity=self.memory_entries,
         )
+        if self._opened_as == "owner":
+            # The memory tiers of this root's earlier incarnations (removed and made
+            # again at this path, or from before it had an identity) that nobody uses
+            # any more: their names are unknown here, their recorded owner path is not.
+            try:
+                reclaim_orphans(owner=str(self.root), group=group)
+            except (OSError, CacheError) as exc:  # a cleanup: never a reason not to open
+                logger.debug("cannot reclaim older memory tiers of %s: %s", self.root, exc)
         return check_reads(memory)
 
     def _memory_store(self, name: str, **options: Any) -> MemoryStore:
@@ -375,7 +403,14 @@ class Cache:
         (``mode & 0o660``) when the cache is shared with the root's group, else 0600."""
         group = memory_group(self.root, self.mode)
         mode = self.mode & 0o660 if group is not None else 0o600
-        return MemoryStore(name, owner_path=str(self.root), mode=mode, group=group, **options)
+        return MemoryStore(
+            name,
+            owner_path=str(self.root),
+            owner_id=self.root_id,
+            mode=mode,
+            group=group,
+            **options,
+        )
 
     def open_side_tier(self, name: str, *, capacity: int, entries: int) -> MemoryStore:
         """Create (or attach to) the node-shared memory tier ``<memory tier>-<name>`` and
@@ -434,9 +469,16 @@ class Cache:
         return "node" if self.cluster is None else self.cluster
 
     @property
+    def root_id(self) -> int:
+        """The identity of the root (its ``root-id`` file, made when a caller first
+        configured it; 0: none, see :func:`mmcache.cacheroot.root_id`), fixed at open."""
+        return self._root_id or 0
+
+    @property
     def memory_name(self) -> str:
-        """Node-wide name of this root's memory tier (``/dev/shm/mmcache-<name>*``)."""
-        return _memory_name(self.root)
+        """Node-wide name of this root's memory tier (``/dev/shm/mmcache-<name>*``): from
+        the root's path and identity, so a root made again at a path starts empty."""
+        return _memory_name(self.root, self.root_id)
 
     @property
     def absent_tiers(self) -> tuple[str, ...]:
@@ -467,6 +509,7 @@ class Cache:
             "root": self.root,
             **{o.name: getattr(self, o.attr) for o in _OPTIONS},
             "opened_as": "inspect" if self._inspect else "worker",
+            "root_id": self.root_id,
             # a MemoryStore pickles by name: re-attached in the other process
             "side": [(t.name, t.store) for t in self._store.entries if not t.budgeted],
         }
@@ -475,6 +518,7 @@ class Cache:
         options = dict(state)  # keys missing from an older state take __init__'s defaults
         root, side = options.pop("root"), options.pop("side", [])
         options["_opened_as"] = options.pop("opened_as", "worker")
+        options["_root_id"] = options.pop("root_id", None)  # an older state: read the root's
         self.__init__(root, **options)  # type: ignore[misc]
         for name, store in side:
             if self.memory is not None:

@@ -1,11 +1,19 @@
-"""What a cache root records about itself: ``cache.json`` and the name of its memory tier.
+"""What a cache root records about itself: ``cache.json``, its identity, and the name of
+its memory tier.
 
 A root is a folder: its disk tier (``disk/``), its fingerprint registry
-(``fingerprints/``) and ``cache.json``, the budgets, policy and TTL its owner
+(``fingerprints/``), ``cache.json``, the budgets, policy and TTL its owner
 gave, so that the CLI (``stats``, ``verify``, ``gc``, ``warm``) can reopen it
-without being told them again. Its memory tier lives in ``/dev/shm`` under a
-name derived from the root's path. The file is untrusted input like every cache
-file: plain JSON, validated here, never executed.
+without being told them again, and ``root-id``, a random number made with the
+root (:func:`root_id`). Its memory tier lives in ``/dev/shm`` under a name
+derived from the root's path *and* that identity: a root removed (``rm -rf``) and
+made again at the same path is another root, whose memory tier starts empty; the
+old one is never adopted, and is reclaimed once nobody uses it (the memory store
+records the identity it was made for). Rejected: the path alone (the old tier
+served a removed root's entries to the new one: a "cold" run was warm); the
+root folder's inode (reused at once by ``rmdir`` + ``mkdir`` on tmpfs and ext4).
+The files are untrusted input like every cache file: plain JSON or 16 hex digits,
+validated here, never executed.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import json
 import logging
 import math
 import os
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,10 +33,17 @@ from mmcache.codec.compact import parse_disk_form
 from mmcache.dist import NODE_ENV
 from mmcache.errors import CacheError, ConfigError
 from mmcache.policies import policy_names
-from mmcache.rootfiles import replace_file
+from mmcache.rootfiles import ROOT_ID_FILE, create_file, read_root_id, replace_file
 from mmcache.units import parse_duration, parse_size
 
-__all__ = ["CONFIG_FILE", "memory_group", "memory_name", "read_config", "write_config"]
+__all__ = [
+    "CONFIG_FILE",
+    "memory_group",
+    "memory_name",
+    "read_config",
+    "root_id",
+    "write_config",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -35,16 +51,64 @@ logger = logging.getLogger(__name__)
 CONFIG_FILE = "cache.json"
 
 
-def memory_name(root: Path) -> str:
+def root_id(root: Path, *, mode: int, create: bool) -> int:
+    """The identity of the cache root ``root``: the random number in ``root/root-id``,
+    or 0 when it has none.
+
+    ``create``: a root without one gets one now (a new root, or one made before
+    roots had an identity: once, for good), written with ``mode`` so that every
+    member of a shared root reads the same; of processes opening a new root at once
+    exactly one creates it and all read that one (:func:`mmcache.rootfiles.create_file`).
+    0 (the memory tier is then named from the path alone, as before identities)
+    when not ``create`` and there is none, or when it cannot be made or read (a
+    read-only root, a planted link or FIFO, garbage: a warning names the file).
+    Process-safe.
+    """
+    path = root / ROOT_ID_FILE
+    if not root.is_dir():
+        return 0  # no root folder (it could not be made: the tiers say why)
+    for _ in range(2):  # read; else create; else read the one another process made
+        try:
+            found = read_root_id(root)
+        except FileNotFoundError:
+            return 0  # the root folder went meanwhile
+        except (OSError, CacheError) as exc:
+            logger.warning(
+                "cannot read the identity of cache root %s (%s); its memory tier is named "
+                "from its path alone, so a root made again at this path would adopt it",
+                root, exc,
+            )  # fmt: skip
+            return 0
+        if found is not None or not create:
+            return found or 0
+        made = secrets.randbelow((1 << 63) - 1) + 1
+        try:
+            if create_file(path, f"{made:016x}\n".encode(), mode):
+                return made
+        except OSError as exc:
+            logger.debug("cannot record the identity of cache root %s: %s", root, exc)
+            return 0
+    return 0  # pragma: no cover - made and removed between our two reads
+
+
+def memory_name(root: Path, identity: int | None = None) -> str:
     """Name of the memory tier of ``root``: a hash, never the path itself.
 
-    No uid in it: the store's directory says whose it is (``/dev/shm/mmcache-u<uid>/``,
-    or ``mmcache-g<gid>/`` shared by a group, where every member must find one name).
-    With ``$MMCACHE_NODE`` set the node's name is hashed in too, so that several
-    "nodes" on one machine (``scope="cluster"`` tests) never share a memory tier.
+    ``identity``: the root's (:func:`root_id`, 0: none); None reads the one ``root``
+    has now (creating none). It is hashed in, so a root made again at the same path
+    gets another memory tier (see the module docstring); a root without one keeps
+    the name from its path alone. No uid in it: the store's directory says whose it
+    is (``/dev/shm/mmcache-u<uid>/``, or ``mmcache-g<gid>/`` shared by a group, where
+    every member must find one name: each reads the root's one identity). With
+    ``$MMCACHE_NODE`` set the node's name is hashed in too, so that several "nodes"
+    on one machine (``scope="cluster"`` tests) never share a memory tier.
     """
+    if identity is None:
+        identity = root_id(root, mode=0o600, create=False)
+    text = str(root) if not identity else f"{root}\0root={identity:016x}"
     node = os.environ.get(NODE_ENV)
-    text = str(root) if not node else f"{root}\0node={node}"
+    if node:
+        text = f"{text}\0node={node}"
     return xxhash.xxh3_64_hexdigest(text.encode())
 
 

@@ -175,13 +175,17 @@ class Maintained(Protocol):
 
 def reclaim_memory(cache: Maintained, *, all_roots: bool = False) -> tuple[str, ...]:
     """Remove this root's memory tier if it is damaged (a truncated or missing data
-    segment) or unused and temporary, and nobody is attached (``all_roots``: every
-    such store of this user or group); return the files removed. Process-safe
-    (see :func:`~mmcache.stores.memory.reclaim_orphans`)."""
+    segment) or unused and temporary, and the unused memory tiers of the root's
+    earlier incarnations (removed and made again at its path), when nobody is attached
+    (``all_roots``: every such store of this user or group); return the files
+    removed. Process-safe (see :func:`~mmcache.stores.memory.reclaim_orphans`)."""
     from mmcache.stores.memory import reclaim_orphans
 
-    pattern = "*" if all_roots else cache.memory_name
-    return tuple(reclaim_orphans(pattern, group=memory_group(cache.root, cache.mode)))
+    group = memory_group(cache.root, cache.mode)
+    if all_roots:
+        return tuple(reclaim_orphans("*", group=group))
+    mine = reclaim_orphans(cache.memory_name, group=group)
+    return tuple(mine + reclaim_orphans(owner=str(cache.root), group=group))
 
 
 def gc(

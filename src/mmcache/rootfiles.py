@@ -19,6 +19,11 @@ Every writer of the library goes through this module, whose rules are:
   tier's counters and LMDB files) is opened with ``O_NOFOLLOW``, created with
   ``O_EXCL`` (and only then given its mode), and refused unless it is a regular
   file with a single link (:func:`open_file`);
+* a file that is **created once** and never changed (the root's identity,
+  ``root-id``) is written whole under a random temp name, then hard-linked to its
+  name: ``link`` never replaces anything, so of processes racing to create it one
+  wins, and every reader sees the whole file or none (:func:`create_file`); it is
+  read without following a link or blocking on a FIFO (:func:`read_root_id`);
 * a **folder** is made with the exact mode asked, through a descriptor opened
   with ``O_NOFOLLOW``, and keeps the set-group-ID bit of its parent, so that
   in a ``2770`` root every file gets the team's group whatever the creator's
@@ -46,9 +51,25 @@ from collections.abc import Iterator, Sequence
 
 from mmcache.errors import CacheError
 
-__all__ = ["UnsafeFileError", "make_dir", "open_file", "pinned_files", "replace_file"]
+__all__ = [
+    "ROOT_ID_FILE",
+    "UnsafeFileError",
+    "create_file",
+    "make_dir",
+    "open_file",
+    "pinned_files",
+    "read_root_id",
+    "replace_file",
+]
 
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+
+#: The file that records a cache root's identity: a random number made with the root
+#: (:func:`mmcache.cacheroot.root_id`), so that a root removed and made again at the same
+#: path is told from the old one (its memory tier is named after it, never adopted).
+ROOT_ID_FILE = "root-id"
+#: The most bytes of ``root-id`` read (16 hex digits and a newline are written).
+_ROOT_ID_MAX = 64
 
 
 class UnsafeFileError(CacheError):
@@ -56,12 +77,12 @@ class UnsafeFileError(CacheError):
     not opened, so nothing was written through it."""
 
 
-def _refuse(path: str, what: str) -> UnsafeFileError:
+def _refuse(path: str, what: str, *, action: str = "write") -> UnsafeFileError:
     return UnsafeFileError(
         errno.EPERM,
-        f"refusing to write {path}: it is {what}; another user of this root may have"
-        " planted it to redirect this job's writes (remove it, and make the root sticky:"
-        " chmod 3770 ROOT)",
+        f"refusing to {action} {path}: it is {what}; another user of this root may have"
+        f" planted it to redirect this job's {action}s (remove it, and make the root"
+        " sticky: chmod 3770 ROOT)",
     )
 
 
@@ -130,6 +151,43 @@ def replace_file(path: str | os.PathLike[str], data: bytes, mode: int) -> None:
     full file system); nothing is left behind then.
     """
     target = os.fspath(path)
+    tmp = _temp_copy(target, data, mode)
+    try:
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def create_file(path: str | os.PathLike[str], data: bytes, mode: int) -> bool:
+    """Create ``path`` holding ``data`` with ``mode``, unless something is there already:
+    True if this call made it, False if another file (or link) was there first.
+
+    For a file written once and never changed: ``data`` goes whole into a temp file of
+    a random name beside it (created exclusively, never through a link), which is then
+    hard-linked to ``path`` and removed. ``link`` fails when ``path`` exists, a planted
+    link included, and replaces nothing; so of processes racing to create it exactly
+    one wins, and readers see the whole file or none (``O_EXCL`` on ``path`` itself
+    would let a reader see it empty, before its bytes). Raises OSError (a read-only or
+    full file system, one without hard links); nothing is left behind then.
+    """
+    target = os.fspath(path)
+    tmp = _temp_copy(target, data, mode)
+    try:
+        os.link(tmp, target, follow_symlinks=False)
+    except FileExistsError:
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    return True
+
+
+def _temp_copy(target: str, data: bytes, mode: int) -> str:
+    """A new file beside ``target`` holding ``data`` with ``mode``: its path. Its name is
+    random and it is created exclusively, so it is never a file or link planted at a
+    name this process could be expected to use. Nothing is left behind on an error."""
     folder, name = os.path.split(target)
     tmp = os.path.join(folder, f".{name}.{secrets.token_hex(8)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
@@ -141,11 +199,52 @@ def replace_file(path: str | os.PathLike[str], data: bytes, mode: int) -> None:
             os.fchmod(fd, mode)
         finally:
             os.close(fd)
-        os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    return tmp
+
+
+def read_root_id(root: str | os.PathLike[str]) -> int | None:
+    """The identity recorded in ``root``'s :data:`ROOT_ID_FILE`, None when it has none.
+
+    Opened without following a link and without blocking (a FIFO a member of a shared
+    root planted there is refused, never waited on), a regular file only, at most a
+    few bytes read. Raises ``FileNotFoundError`` when ``root`` itself is missing,
+    :class:`UnsafeFileError` for a link or anything but a regular file, ``OSError``
+    when it cannot be read (permissions), and ``CacheError`` when it does not hold an
+    identity (16 hex digits). Thread-safe and process-safe (reads only).
+    """
+    path = os.path.join(os.fspath(root), ROOT_ID_FILE)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW)
+    except FileNotFoundError:
+        if not os.path.isdir(root):
+            raise
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _refuse(path, "a symbolic link", action="read") from exc
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _refuse(path, "not a regular file", action="read")
+        raw = os.read(fd, _ROOT_ID_MAX)
+    finally:
+        os.close(fd)
+    text = raw.decode("ascii", errors="replace").strip()
+    try:
+        value = int(text, 16) if len(text) == 16 else 0
+    except ValueError:
+        value = 0
+    if value <= 0 or value >= 1 << 63:
+        raise CacheError(
+            f"{path} does not hold a cache root identity (16 hex digits), but {raw[:32]!r};"
+            " remove it (the memory tier of the root then starts empty)"
+        )
+    return value
 
 
 def make_dir(path: str | os.PathLike[str], mode: int) -> bool:

@@ -69,16 +69,18 @@ class CacheStats:
 @dataclass(frozen=True)
 class PartStats:
     """One part of a :class:`mmcache.Mixture` in an epoch: its rows served (``samples``:
-    ``hits`` from a cache tier plus ``misses`` produced) and ``rejects`` left out."""
+    ``hits`` from a cache tier, ``misses`` produced, ``waited`` taken from another
+    process that was producing them; see :class:`EpochStats`) and ``rejects`` left out."""
 
     samples: int = 0
     hits: int = 0
     misses: int = 0
     rejects: int = 0
+    waited: int = 0
 
     @property
     def hit_rate(self) -> float:
-        total = self.hits + self.misses
+        total = self.hits + self.misses + self.waited
         return self.hits / total if total else 0.0
 
     def __add__(self, other: PartStats) -> PartStats:
@@ -87,6 +89,7 @@ class PartStats:
             self.hits + other.hits,
             self.misses + other.misses,
             self.rejects + other.rejects,
+            self.waited + other.waited,
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -100,7 +103,13 @@ class EpochStats:
     """One epoch of a :class:`~mmcache.loader.DataLoader`, as seen by the consuming process.
 
     ``hits`` are samples served from a cache tier (``tier_hits`` splits them by
-    tier), ``misses`` samples produced by the pipeline. ``stall_s`` is the time
+    the tier that served them: a hit of an entry promoted from the disk tier into
+    memory just before it was gathered is the disk tier's), ``misses`` samples this
+    job produced with the pipeline, ``waited`` samples another process of the node was
+    producing when this job asked for them (the claim protocol of
+    :mod:`mmcache.stores.claims`): this job waited and took what that process
+    published, so they are neither decodes of this job nor cache hits. Each sample
+    served is one of the three. ``stall_s`` is the time
     the training loop spent waiting inside ``next(loader)``; ``seconds`` the wall
     time from the first request to the last batch. ``late_misses`` counts hits
     planned ahead that were evicted before use and produced in the consumer.
@@ -118,11 +127,14 @@ class EpochStats:
     seconds: float = 0.0
     stall_s: float = 0.0
     tier_hits: dict[str, int] = field(default_factory=dict)
+    waited: int = 0
     parts: dict[str, PartStats] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:
-        total = self.hits + self.misses
+        """hits / (hits + misses + waited): the share of the samples served that the
+        cache held when asked, 0.0 before any."""
+        total = self.hits + self.misses + self.waited
         return self.hits / total if total else 0.0
 
     @property
@@ -152,8 +164,12 @@ class LoaderStats:
         return sum(e.misses for e in self.epochs)
 
     @property
+    def waited(self) -> int:
+        return sum(e.waited for e in self.epochs)
+
+    @property
     def hit_rate(self) -> float:
-        total = self.hits + self.misses
+        total = self.hits + self.misses + self.waited
         return self.hits / total if total else 0.0
 
     @property
@@ -181,6 +197,7 @@ class LoaderStats:
         return {
             "hits": self.hits,
             "misses": self.misses,
+            "waited": self.waited,
             "hit_rate": self.hit_rate,
             "stall_s": self.stall_s,
             "tier_hits": self.tier_hits,

@@ -161,13 +161,28 @@ def _batches(run: DataLoader, epochs: int) -> list[dict[str, Any]]:
     return out
 
 
-def job(data: str, root: str, memory: str, size: str = "64") -> dict[str, Any]:
+def _meet(barrier: str, n: int, timeout: float = 240.0) -> None:
+    """Wait until ``n`` jobs have each made a file in ``barrier``: the jobs' caches are
+    then all open at once, whatever the machine's load did to their start-up times."""
+    Path(barrier, str(os.getpid())).touch()
+    deadline = time.monotonic() + timeout
+    while len(os.listdir(barrier)) < n:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"only {len(os.listdir(barrier))} of {n} jobs met in {timeout} s")
+        time.sleep(0.05)
+
+
+def job(data: str, root: str, memory: str, size: str = "64", meet: str = "") -> dict[str, Any]:
+    """One job; ``meet``, ``"FOLDER:N"``: wait, once its cache is open, for N jobs."""
     ds = dataset(data, int(size))
     want = _batches(loader(ds, None), 2)
     warnings = _Warnings()
     logging.getLogger("mmcache").addHandler(warnings)
     size: int | str = memory if memory == "auto" else int(memory)
     with Cache(root, memory=size, temporary=True, fallback="uncached") as cache:
+        if meet:  # every job sized and opened its tier before any trains or closes
+            barrier, n = meet.rsplit(":", 1)
+            _meet(barrier, int(n))
         run = loader(ds, cache, num_workers=2, persistent_workers=True)
         got = _batches(run, 2)
         budget = cache.memory_budget
@@ -187,7 +202,9 @@ def jobs(
     data: str, scratch: str, n: int, *, memory: str, size: str, samples: int
 ) -> dict[str, Any]:
     dataset(data, samples=samples)  # made once, before the jobs start together
-    job_args = [memory, size]
+    barrier = os.path.join(scratch, "opened")
+    os.makedirs(barrier, exist_ok=True)
+    job_args = [memory, size, f"{barrier}:{n}"]
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, "job", data, os.path.join(scratch, f"root{i}"), *job_args],

@@ -478,13 +478,14 @@ def test_a_killed_process_never_blocks_the_next_start(
     else:
         # a persistent store stays for the next run, until its cache root is gone
         assert left
+        name = _memory_name(root.absolute())  # (named after the root's identity, gone with it)
         for path in root.rglob("*"):
             if path.is_file():
                 path.unlink()
         for path in sorted(root.rglob("*"), reverse=True):
             path.rmdir()
         root.rmdir()
-        removed = reclaim_orphans(f"{_memory_name(root.absolute())}*")
+        removed = reclaim_orphans(f"{name}*")
         assert sorted(removed) == sorted(left)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -318,7 +319,7 @@ def test_a_truncated_data_segment_in_use_is_a_failed_tier(
     from mmcache import cache as cache_mod
     from mmcache.cache import Cache
 
-    monkeypatch.setattr(cache_mod, "_memory_name", lambda root: shm_name)
+    monkeypatch.setattr(cache_mod, "_memory_name", lambda root, identity=None: shm_name)
     first = Cache(tmp_path / "root", memory=CAPACITY, disk=None)
     try:
         first.put(key_of(0), {"x": np.arange(10)})
@@ -418,7 +419,8 @@ def test_gc_of_one_root_leaves_the_orphans_of_other_roots_unless_asked(tmp_path:
     for root in (mine, other):
         with Cache(root, memory="1MiB", disk="1MiB") as cache:
             cache.put(key_of(0), {"x": np.arange(4)})
-    other_files = shm_files(_memory_name(other))
+    other_name = _memory_name(other)  # (named after the root's identity, gone with it)
+    other_files = shm_files(other_name)
     assert other_files
     for path in other.rglob("*"):
         if path.is_file():
@@ -428,13 +430,13 @@ def test_gc_of_one_root_leaves_the_orphans_of_other_roots_unless_asked(tmp_path:
     other.rmdir()  # an orphan now: its owner path is gone
     try:
         assert cli.main(["gc", "--cache", str(mine)]) == 0
-        assert shm_files(_memory_name(other)) == other_files  # not this root's to remove
+        assert shm_files(other_name) == other_files  # not this root's to remove
         assert cli.main(["gc", "--cache", str(mine), "--all"]) == 0
-        assert shm_files(_memory_name(other)) == []
+        assert shm_files(other_name) == []
         assert shm_files(_memory_name(mine))  # its root exists: kept
     finally:
         unlink_store(_memory_name(mine))
-        unlink_store(_memory_name(other))
+        unlink_store(other_name)
 
 
 def test_gc_all_sweeps_the_nodes_orphans_without_a_cache_root(
@@ -453,8 +455,8 @@ def test_gc_all_sweeps_the_nodes_orphans_without_a_cache_root(
     names = {root: _memory_name(root) for root in (live, private, shared)}
     shared_files = glob.glob(f"{store_dir(os.getegid())}/mmcache-{names[shared]}*")
     assert shared_files and shm_files(names[private])
-    private.rmdir()
-    shared.rmdir()  # orphans now: their owner paths are gone
+    shutil.rmtree(private)
+    shutil.rmtree(shared)  # orphans now: their owner paths are gone
     try:
         assert cli.main(["gc", "--all"]) == 0
         assert "orphaned shared-memory segments removed" in capsys.readouterr().out

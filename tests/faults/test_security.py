@@ -344,6 +344,7 @@ def test_hostile_ids_never_become_paths(
     fp = pipe.fingerprint()  # the registry names its files after the (hex) fingerprint only
     assert inside == {
         "cache.json",
+        "root-id",
         "disk",
         "disk/data.mdb",
         "disk/lock.mdb",

@@ -264,3 +264,44 @@ def test_members_of_another_primary_group_share_the_disk_tier(
             assert path.stat().st_gid == TEAM, path
     assert members.job(ATTACKER, team_root, 4, 8, others="0,1,2,3").strip() == "ok"
     assert members.job(VICTIM, team_root, 8, 9, others="4,5,6,7").strip() == "ok"
+
+
+# One member's job on a memory-only root: its memory tier's name, after writing its entries
+# and reading back the other member's (which only the shared memory tier can hold).
+_MEMORY_JOB = """
+import sys
+import numpy as np
+import mmcache
+
+root, first, last = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+others = [int(i) for i in sys.argv[4].split(",")] if len(sys.argv) > 4 else []
+with mmcache.Cache(root, memory="1MiB", disk=None, mode=0o660) as cache:
+    for i in range(first, last):
+        assert cache.put(i.to_bytes(16, "big"), {"x": np.arange(8) + i}), i
+    for i in others:
+        got = cache.get(i.to_bytes(16, "big"))
+        assert got is not None and int(got["x"][0]) == i, i
+    print(cache.memory_name)
+"""
+
+
+def test_members_share_one_memory_tier_named_after_the_roots_identity(
+    members: Members, team_root: Path
+) -> None:
+    """Issue 37, item 12: the memory tier is named after the root's identity
+    (``root-id``); every member must read the one the first made, and find one store."""
+    script = team_root.parent / "memory_job.py"
+    script.write_text(textwrap.dedent(_MEMORY_JOB))
+    script.chmod(0o644)
+    argv = [sys.executable, str(script), str(team_root)]
+    name = members.run(VICTIM, *argv, "0", "4").stdout.strip()
+    try:
+        ident = team_root / "root-id"
+        st = ident.stat()
+        assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (VICTIM, TEAM, 0o660)
+        assert members.run(ATTACKER, *argv, "4", "8", "0,1,2,3").stdout.strip() == name
+    finally:
+        from mmcache.stores.memory import store_dir
+
+        for path in Path(store_dir(TEAM)).glob(f"mmcache-{name}*"):
+            path.unlink()

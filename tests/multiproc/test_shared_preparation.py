@@ -2,13 +2,15 @@
 
 The production claims (:mod:`mmcache.stores.claims`) are record locks on the memory tier's
 lock file; these tests use them from real processes: a holder killed with ``kill -9``
-never leaves a waiter waiting, threads of one process exclude each other, and three
-training jobs started together with the same order decode each sample about once.
+never leaves a waiter waiting, a stopped one (SIGSTOP) is named and not waited for, a
+running one is waited for then named, threads of one process exclude each other, and
+three training jobs started together with the same order decode each sample about once.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import multiprocessing as mp
 import os
 import signal
@@ -22,7 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from mmcache.stores.claims import Claims
+from mmcache.stores.claims import Claims, claim_holders
 
 KEY = b"k" * 16
 
@@ -70,6 +72,40 @@ def test_a_claim_held_by_another_process_is_waited_for_and_dies_with_it(tmp_path
         assert elapsed < 300 / 5  # released by the kernel, not by the waiter's timeout
         claim.release()
     finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_stopped_holder_is_named_and_not_waited_for(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 37, H10: a holder stopped (SIGSTOP, Ctrl-Z) is alive, so the kernel keeps its
+    claim; waiters waited the whole 30 s timeout, with nothing logged."""
+    path = tmp_path / "lock"
+    path.touch()
+    proc = _holder(path)
+    try:
+        assert claim_holders(str(path), Claims.slot(KEY)) == [(proc.pid, "S")]
+        os.kill(proc.pid, signal.SIGSTOP)
+        caplog.set_level(logging.WARNING, logger="mmcache.stores.claims")
+        t0 = time.monotonic()
+        claim = Claims(str(path)).acquire(KEY)  # the default 30 s timeout
+        waited = time.monotonic() - t0
+        assert claim is not None and claim.fd == -1 and claim.waited  # a pass: produce it
+        assert waited < 10, waited  # was the whole 30 s timeout
+        (warning,) = [r.getMessage() for r in caplog.records]
+        assert f"pid {proc.pid}" in warning and KEY.hex() in warning and "stopped" in warning
+        # a running holder is waited for (not cut short), then named with the key
+        os.kill(proc.pid, signal.SIGCONT)
+        caplog.clear()
+        t0 = time.monotonic()
+        claim = Claims(str(path), timeout=1.5, notice=0.2).acquire(KEY)
+        assert claim is not None and claim.fd == -1
+        assert time.monotonic() - t0 >= 1.5
+        (warning,) = [r.getMessage() for r in caplog.records]
+        assert f"pid {proc.pid} (state S)" in warning and KEY.hex() in warning
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
         proc.kill()
         proc.wait()
 

@@ -104,7 +104,7 @@ def test_caches_options_are_written_once_and_pinned_to_its_signature(cache_root:
     names = [o.name for o in cache_module._OPTIONS]
     params = list(inspect.signature(Cache.__init__).parameters)
     assert params[:2] == ["self", "root"]
-    assert [p for p in params[2:] if p != "_opened_as"] == names
+    assert [p for p in params[2:] if not p.startswith("_")] == names
     spec = Cluster(peer_timeout=9)
     with Cache(
         cache_root, memory="1MiB", policy="lru", ttl=60, mode=0o600, memory_entries=2048,

@@ -17,7 +17,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-from mmcache.cacheroot import memory_name
 from mmcache.stores.memory.cleanup import store_owner, unlink_store
 
 CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
@@ -31,15 +30,19 @@ OTHER = Path(os.environ["LEAK_GUARD_OTHER"])
 
 def test_other_jobs_make_stores_meanwhile():
     # a job that stays attached until the outer test stops it
+    # (each job writes its memory tier's name: named after its root's identity, it
+    # cannot be known before the root is made, nor after it is removed)
     holder = subprocess.Popen([sys.executable, "-c", (
         "import sys, time; from mmcache import Cache; "
-        "c = Cache(sys.argv[1], memory='1MiB'); open(sys.argv[2], 'w').close(); "
+        "c = Cache(sys.argv[1], memory='1MiB'); open(sys.argv[1] + '.name', 'w').write("
+        "c.memory_name); open(sys.argv[2], 'w').close(); "
         "time.sleep(600)"), str(OTHER / "live"), str(OTHER / "ready")])
     (OTHER / "holder.pid").write_text(str(holder.pid))
     # a job that finished and whose root is gone (another run's temporary folder)
     subprocess.run([sys.executable, "-c", (
-        "import shutil, sys; from mmcache import Cache; "
-        "Cache(sys.argv[1], memory='1MiB').close(); shutil.rmtree(sys.argv[1])"),
+        "import shutil, sys; from mmcache import Cache; c = Cache(sys.argv[1], memory='1MiB');"
+        " open(sys.argv[1] + '.name', 'w').write(c.memory_name); c.close();"
+        " shutil.rmtree(sys.argv[1])"),
         str(OTHER / "gone")], check=True)
     deadline = time.monotonic() + 120
     while not (OTHER / "ready").exists() and time.monotonic() < deadline:
@@ -47,7 +50,9 @@ def test_other_jobs_make_stores_meanwhile():
     assert (OTHER / "ready").exists()
 
 def test_leaks_its_own_tier(tmp_path):
-    Cache(tmp_path / "mine", memory="1MiB").close()
+    c = Cache(tmp_path / "mine", memory="1MiB")
+    (OTHER / "mine.name").write_text(c.memory_name)
+    c.close()
 """
 
 
@@ -59,11 +64,7 @@ def test_guard_blames_only_stores_under_its_own_temporary_directory(tmp_path: Pa
     other = tmp_path / "other-jobs"
     other.mkdir()
     inner_tmp = tmp_path / "inner-tmp"
-    names = {
-        "live": memory_name((other / "live").absolute()),
-        "gone": memory_name((other / "gone").absolute()),
-        "mine": memory_name((inner_tmp / "test_leaks_its_own_tier0" / "mine").absolute()),
-    }
+    names: dict[str, str] = {}
     env = {**os.environ, "LEAK_GUARD_OTHER": str(other), "MMCACHE_TEST_SHM_STRICT": "1"}
     try:
         proc = subprocess.run(
@@ -71,6 +72,7 @@ def test_guard_blames_only_stores_under_its_own_temporary_directory(tmp_path: Pa
              f"--basetemp={inner_tmp}", "-o", "addopts=", str(suite)],
             cwd=suite, env=env, capture_output=True, text=True, timeout=280, check=False,
         )  # fmt: skip
+        names = {job: (other / f"{job}.name").read_text() for job in ("live", "gone", "mine")}
         out = proc.stdout + proc.stderr
         assert "2 passed" in out, out
         # the run's own leak is reported (so strict mode fails it) and removed

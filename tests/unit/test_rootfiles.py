@@ -8,7 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from mmcache.rootfiles import UnsafeFileError, make_dir, open_file, replace_file
+from mmcache.errors import CacheError
+from mmcache.rootfiles import (
+    ROOT_ID_FILE,
+    UnsafeFileError,
+    create_file,
+    make_dir,
+    open_file,
+    read_root_id,
+    replace_file,
+)
 
 
 @pytest.fixture
@@ -67,3 +76,33 @@ def test_make_dir_keeps_the_parents_setgid_bit_and_refuses_a_link(
     (tmp_path / "link").symlink_to(tmp_path / "a")
     with pytest.raises(UnsafeFileError, match="symbolic link"):
         make_dir(tmp_path / "link", 0o700)
+
+
+def test_create_file_makes_it_once_whole_and_never_through_a_link(
+    tmp_path: Path, victim: Path
+) -> None:
+    path = tmp_path / "root-id"
+    assert create_file(path, b"first\n", 0o640)
+    assert not create_file(path, b"second\n", 0o600)  # there already: left as it is
+    assert path.read_bytes() == b"first\n" and stat.S_IMODE(path.stat().st_mode) == 0o640
+    planted = tmp_path / "planted"
+    planted.symlink_to(victim)
+    assert not create_file(planted, b"x", 0o600)  # a link is "something there": untouched
+    assert victim.read_text() == "precious\n" and planted.is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["planted", "root-id", "victim.txt"]
+
+
+def test_read_root_id_reads_only_a_regular_file_of_16_hex_digits(tmp_path: Path) -> None:
+    path = tmp_path / ROOT_ID_FILE
+    assert read_root_id(tmp_path) is None  # none yet
+    path.write_text(f"{0x1234:016x}\n")
+    assert read_root_id(tmp_path) == 0x1234
+    path.write_text("0" * 16)
+    with pytest.raises(CacheError, match=str(path)):
+        read_root_id(tmp_path)
+    path.unlink()
+    os.mkfifo(path)  # never waited on
+    with pytest.raises(UnsafeFileError, match=f"refusing to read {path}"):
+        read_root_id(tmp_path)
+    with pytest.raises(FileNotFoundError):
+        read_root_id(tmp_path / "gone")

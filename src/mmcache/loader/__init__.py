@@ -603,7 +603,8 @@ class DataLoader:
         else:
             slot, last = len(self._history), None
             self._history.append(EpochStats(epoch=run.epoch))
-        stats = EpochCounter(run.epoch, last, self._part_tally(last))
+        promotions = self.cache.store.promotions if self.cache is not None else None
+        stats = EpochCounter(run.epoch, last, promotions, self._part_tally(last))
         self._live, self._live_slot = stats, slot
         source = self._stream
         workers = self._workers

@@ -1,7 +1,8 @@
 """The loader's epoch statistics: counted as batches are assembled, checked after each epoch.
 
 :class:`EpochCounter` accumulates one epoch's :class:`~mmcache.stats.EpochStats`
-(hits per tier by the tiers' own names, misses, rejects, late misses, time);
+(hits per tier by the tiers' own names, misses, samples waited for, rejects, late
+misses, time);
 :class:`HitRateWatch` warns once when an epoch's hit rate stays far below what
 the cache's budgets should give, with the likeliest reason.
 """
@@ -18,6 +19,8 @@ from mmcache.cache import Cache
 from mmcache.loader.mixing import PartTally
 from mmcache.loader.tasks import SampleOrigin
 from mmcache.stats import EpochStats
+from mmcache.stores.base import Keys
+from mmcache.stores.tiered import Promotions
 from mmcache.units import format_size
 
 __all__ = ["EpochCounter", "HitRateWatch", "epoch_scalars"]
@@ -30,26 +33,37 @@ _PART_KIND: dict[SampleOrigin | None, int] = {
     SampleOrigin.DISK_HIT: PartTally.HIT,
     SampleOrigin.PRODUCED: PartTally.MISS,
     SampleOrigin.REJECTED: PartTally.REJECT,
+    SampleOrigin.WAITED: PartTally.WAITED,
 }
 
 
 class EpochCounter:
     """Accumulates one epoch's :class:`EpochStats` in the training process. Thread-safe.
 
+    ``promotions``: the cache's (:class:`~mmcache.stores.tiered.Promotions`): a hit of
+    an entry this process promoted into the memory tier during this epoch, ahead of its
+    gather, counts for the tier it was promoted from, the one whose read served it.
     ``parts``: a mixture's per-part tally (None: one source), fed with the indices the
     assembler passes with each batch's rows.
     """
 
     def __init__(
-        self, epoch: int, previous: EpochStats | None, parts: PartTally | None = None
+        self,
+        epoch: int,
+        previous: EpochStats | None,
+        promotions: Promotions | None = None,
+        parts: PartTally | None = None,
     ) -> None:
         p = previous if previous is not None else EpochStats(epoch=epoch)
         self.epoch = epoch
         self.samples, self.batches = p.samples, p.batches
         self.hits, self.misses, self.rejects = p.hits, p.misses, p.rejects
+        self.waited = p.waited
         self.late = p.late_misses
         self.seconds, self.stall_s = p.seconds, p.stall_s
         self.tier_hits = dict(p.tier_hits)
+        self._promotions = promotions
+        self._since = promotions.mark() if promotions is not None else 0
         self._t_begin: float | None = None
         self._seconds_before = p.seconds
         self._parts = parts
@@ -75,10 +89,22 @@ class EpochCounter:
         self,
         origins: list[SampleOrigin | None],
         tiers: list[str],
+        keys: Keys | None = None,
         indices: np.ndarray | None = None,
     ) -> None:
-        """One batch: each row's origin, and for a hit the name of the tier it came from
-        (``indices``: the rows' samples, for the counts per part)."""
+        """One batch: each row's origin, for a hit the name of the tier it came from,
+        the rows' ``keys`` (a row promoted ahead is counted for the tier it was
+        promoted from: see the class docstring) and ``indices`` (the rows' samples, for
+        the counts per part)."""
+        promotions = self._promotions
+        # (a Promotions is false while empty: the warm path pays nothing)
+        promoted = (
+            promotions.take(keys, since=self._since) if promotions and keys is not None else {}
+        )
+        if promoted:
+            tiers = list(tiers)
+            for i, tier in promoted.items():
+                tiers[i] = tier
         with self._lock:
             if self._parts is not None and indices is not None:
                 kinds = np.array([_PART_KIND.get(o, -1) for o in origins], dtype=np.int64)
@@ -89,6 +115,9 @@ class EpochCounter:
                     self.rejects += k
                 elif origin is SampleOrigin.PRODUCED:
                     self.misses += k
+                    self.samples += k
+                elif origin is SampleOrigin.WAITED:
+                    self.waited += k
                     self.samples += k
                 elif origin is not None:
                     self.hits += k
@@ -118,6 +147,7 @@ class EpochCounter:
                 seconds=self.seconds,
                 stall_s=self.stall_s,
                 tier_hits=dict(self.tier_hits),
+                waited=self.waited,
                 parts={} if self._parts is None else self._parts.snapshot(),
             )
 
@@ -132,9 +162,10 @@ def epoch_scalars(stats: EpochStats, tiers: list[str]) -> dict[str, float]:
         "hit_rate": stats.hit_rate,
         "stall_s": stats.stall_s,
         "misses": float(stats.misses),
+        "waited": float(stats.waited),
         "rejects": float(stats.rejects),
     }
-    total = max(stats.hits + stats.misses, 1)
+    total = max(stats.hits + stats.misses + stats.waited, 1)
     for tier in dict.fromkeys([*tiers, *stats.tier_hits]):
         scalars[f"hit_rate/{tier}"] = stats.tier_hits.get(tier, 0) / total
     return scalars

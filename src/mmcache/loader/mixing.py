@@ -56,11 +56,13 @@ class PartHook(LoaderHook):
 
 
 class PartTally:
-    """Samples, hits, misses and rejects of one epoch per part (an ``int64 [parts, 4]``
-    table), from each counted batch's rows."""
+    """Samples, hits, misses, rejects and waits of one epoch per part (an ``int64
+    [parts, 5]`` table, the columns of :class:`~mmcache.stats.PartStats`), from each
+    counted batch's rows."""
 
-    #: What a row is (:meth:`add`): served from a tier, produced, left out.
-    HIT, MISS, REJECT = 0, 1, 2
+    #: What a row is (:meth:`add`): served from a tier, produced, left out, taken from
+    #: another process that was producing it.
+    HIT, MISS, REJECT, WAITED = 0, 1, 2, 3
 
     def __init__(
         self,
@@ -70,23 +72,25 @@ class PartTally:
     ) -> None:
         self.names = tuple(names)
         self._part_of = part_of
-        self.table = np.zeros((len(self.names), 4), dtype=np.int64)
+        self.table = np.zeros((len(self.names), 5), dtype=np.int64)
         for k, name in enumerate(self.names):
             p = (previous or {}).get(name)
             if p is not None:
-                self.table[k] = (p.samples, p.hits, p.misses, p.rejects)
+                self.table[k] = (p.samples, p.hits, p.misses, p.rejects, p.waited)
 
     def add(self, indices: np.ndarray, kinds: np.ndarray) -> None:
         """Count a batch: each row's sample and what it is (:attr:`HIT`, :attr:`MISS`,
-        :attr:`REJECT`; any other value: not counted)."""
+        :attr:`REJECT`, :attr:`WAITED`; any other value: not counted)."""
         parts = self._part_of(np.asarray(indices))
         kinds = np.asarray(kinds)
-        table = self.table  # columns: samples, hits, misses, rejects
+        table = self.table  # columns: samples, hits, misses, rejects, waited
+        served = (kinds == self.HIT) | (kinds == self.MISS) | (kinds == self.WAITED)
         for column, flags in (
+            (0, served),
             (1, kinds == self.HIT),
             (2, kinds == self.MISS),
-            (0, (kinds == self.HIT) | (kinds == self.MISS)),
             (3, kinds == self.REJECT),
+            (4, kinds == self.WAITED),
         ):
             np.add.at(table[:, column], parts[flags], 1)
 

@@ -5,7 +5,9 @@ assembled ahead), so it shows what the loop sees. Its postfix is the epoch's liv
 counters (:class:`~mmcache.stats.EpochStats`, the figures ``loader.stats()``
 gives): samples per second since the epoch began and, for each tier of the cache,
 the share of the epoch's samples that tier served (``memory 100%``), plus ``miss``
-for the samples produced by the pipeline. The counters are read at most twice a
+for the samples this job produced with the pipeline and, when there are any,
+``waited`` for those another job on the node was producing (see
+:class:`~mmcache.stats.EpochStats`). The counters are read at most twice a
 second, so a fast warm epoch does not pay for the bar.
 
 Runs in the training process only; one bar per iteration of the loader (not
@@ -37,13 +39,16 @@ def check_progress(progress: object) -> bool:
 
 
 def epoch_postfix(stats: EpochStats, tiers: list[str]) -> str:
-    """``"1,234 samples/s, memory 98%, disk 2%, miss 0%"``: the bar's postfix."""
+    """``"1,234 samples/s, memory 98%, disk 2%, miss 0%"``: the bar's postfix (then
+    ``waited 5%`` when some samples were another job's to produce)."""
     parts = [f"{stats.samples_per_s:,.0f} samples/s"]
-    seen = stats.hits + stats.misses
+    seen = stats.hits + stats.misses + stats.waited
     if seen:
         for tier in tiers:
             parts.append(f"{tier} {100 * stats.tier_hits.get(tier, 0) / seen:.0f}%")
         parts.append(f"miss {100 * stats.misses / seen:.0f}%")
+        if stats.waited:
+            parts.append(f"waited {100 * stats.waited / seen:.0f}%")
     return ", ".join(parts)
 
 

@@ -62,13 +62,16 @@ class SampleOrigin(Enum):
     ``MEMORY_HIT``: the cache's first tier (gathered in the training process).
     ``DISK_HIT``: a lower tier, through ``cache.lookup`` (which promotes it).
     ``PRODUCED``: made by the source (a miss). ``REJECTED``: the source could
-    not make it (``on_error="skip"``); not in the batch.
+    not make it (``on_error="skip"``); not in the batch. ``WAITED``: another process
+    of the node was producing it (its claim, :mod:`mmcache.stores.claims`); this one
+    waited and took what it published: neither made here nor cached when asked.
     """
 
     MEMORY_HIT = "memory_hit"
     DISK_HIT = "disk_hit"
     PRODUCED = "produced"
     REJECTED = "rejected"
+    WAITED = "waited"
 
 
 @dataclass
@@ -240,6 +243,8 @@ class WorkerPlanner(torch.utils.data.Dataset[PackedPlan]):
             if claim is not None and self._published(key, waited=claim.waited):
                 found = self._cached(index, key)  # what the other producer published
                 if found is not None:
+                    if claim.waited:  # made by the process this one waited for
+                        found.origin = SampleOrigin.WAITED
                     return found
             return self._produce(index, key)
         finally:

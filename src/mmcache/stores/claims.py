@@ -14,6 +14,18 @@ tier's lock file, at an offset hashed from the key:
   descriptors as it dies, and the kernel drops its locks with them: a waiter never waits
   for a process that is gone. A live producer that is stuck is bounded by the waiter's
   ``timeout``, after which the waiter produces the sample itself.
+* **A stopped producer is not waited for.** A job stopped while it produces (Ctrl-Z,
+  ``kill -STOP``, ``scontrol suspend``) keeps its claim, alive but making no progress.
+  After ``notice`` seconds of waiting, the waiter looks the holder up once (OFD locks do
+  not name their owner: ``F_OFD_GETLK`` says pid -1, so the ``/proc/<pid>/fdinfo`` of
+  the processes that have the lock file open is read, a cost paid once per long wait): a
+  stopped one (state ``T``/``t``) gets one warning naming its pid and the key, and the
+  waiter produces the sample at once. A running one is waited for up to ``timeout``
+  (30 s: a slow decode, a long clip, is worth waiting for rather than doing twice), then
+  one warning names it and the key, and the waiter produces the sample itself.
+  Rejected: a shorter timeout for every holder (a slow but healthy decode would be done
+  twice on a loaded node); recording each holder's pid beside its lock (a write per
+  claim, on the hot path, for a lookup needed only when a wait lasts).
 * **Per descriptor, not per process.** Classic POSIX record locks (``lockf``) belong to
   the process, so two threads of one process would both "hold" a key; OFD locks belong
   to the open file description, and each claim opens its own. A claim is released with
@@ -43,6 +55,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import struct
 import time
@@ -53,8 +66,12 @@ import xxhash
 
 __all__ = ["CLAIM_SLOTS", "Claim", "Claims"]
 
+logger = logging.getLogger(__name__)
+
 #: Slots (bytes of the lock file) that keys hash to.
 CLAIM_SLOTS = 1 << 20
+#: Process states (``/proc/<pid>/stat``) of a process that makes no progress until resumed.
+_STOPPED = ("T", "t")
 #: ``struct flock`` for x86-64/aarch64 Linux: l_type, l_whence, l_start, l_len, l_pid (+pad).
 _FLOCK = "hhqqi4x"
 _HELD = (errno.EAGAIN, errno.EACCES)
@@ -100,14 +117,18 @@ class Claims:
 
     ``path``: an existing file every process of the cache can open read-write (the memory
     tier's lock file). ``timeout``: the longest a waiter waits for another process's claim
-    before it produces the key itself. Picklable (a path and two numbers): workers get it
-    with the cache.
+    before it produces the key itself. ``notice``: after this long a waiter looks the
+    holder up, and does not wait for a stopped one (see the module docstring). Picklable
+    (a path and three numbers): workers get it with the cache.
     """
 
-    def __init__(self, path: str, *, timeout: float = 30.0, poll: float = 0.002) -> None:
+    def __init__(
+        self, path: str, *, timeout: float = 30.0, poll: float = 0.002, notice: float = 1.0
+    ) -> None:
         self.path = path
         self.timeout = timeout
         self.poll = poll
+        self.notice = notice
 
     def __repr__(self) -> str:
         return f"Claims({self.path!r}, timeout={self.timeout})"
@@ -124,7 +145,9 @@ class Claims:
         first), a pass with ``fd == -1`` when the wait timed out (produce anyway, unclaimed)
         or, with ``wait=False``, at once when another holder has it (do other work first,
         then come back), or None when claims cannot be used here (the file is gone or
-        cannot be locked): the caller then simply produces, as without claims.
+        cannot be locked): the caller then simply produces, as without claims. A pass
+        given early (the holder is stopped) or at ``timeout`` is logged, once, as a
+        warning naming the holder's pid and the key.
         """
         slot = self.slot(key)
         try:
@@ -133,7 +156,9 @@ class Claims:
             return None
         request = _flock(fcntl.F_WRLCK, slot)
         waited = False
-        deadline = time.monotonic() + (self.timeout if wait else 0.0)
+        start = time.monotonic()
+        deadline = start + (self.timeout if wait else 0.0)
+        looked = not wait  # the holder is looked up once, after ``notice``
         pause = self.poll
         try:
             while True:
@@ -145,7 +170,27 @@ class Claims:
                         os.close(fd)
                         return None
                 waited = True
-                if time.monotonic() >= deadline:
+                now = time.monotonic()
+                if not looked and now - start >= min(self.notice, self.timeout):
+                    looked = True
+                    stopped = [
+                        p for p, state in claim_holders(self.path, slot) if state in _STOPPED
+                    ]
+                    if stopped:
+                        logger.warning(
+                            "key %s: pid %s, which claimed it to produce it, is stopped "
+                            "(SIGSTOP, Ctrl-Z, a suspended job): producing it here instead "
+                            "of waiting (resume or end that process)",
+                            key.hex(), ", ".join(map(str, stopped)),
+                        )  # fmt: skip
+                        os.close(fd)
+                        return Claim(-1, slot, waited)
+                if now >= deadline:
+                    if wait:
+                        logger.warning(
+                            "key %s: waited %.1f s for %s to produce it; producing it here",
+                            key.hex(), now - start, _holders_text(claim_holders(self.path, slot)),
+                        )  # fmt: skip
                     os.close(fd)
                     return Claim(-1, slot, waited)
                 # Poll, not F_OFD_SETLKW: a blocking wait cannot be given a deadline.
@@ -155,3 +200,59 @@ class Claims:
         except BaseException:
             os.close(fd)
             raise
+
+
+def claim_holders(path: str, slot: int) -> list[tuple[int, str]]:
+    """The processes holding the claim on byte ``slot`` of ``path``, each with its state
+    letter (``R``, ``S``, ``D``, ``T``... of ``/proc/<pid>/stat``).
+
+    OFD locks do not name their owner (``F_OFD_GETLK`` answers pid -1), so this reads
+    ``/proc``: each descriptor, of each process this one may inspect, that opens
+    ``path``, and the lock lines of its ``fdinfo``. Some thousands of ``stat`` calls on
+    a busy node: for a wait that has already lasted, never on the hot path. The holder
+    of another user (a shared root) may be invisible from here: then the list is empty.
+    Linux only (as claims are); process-safe, reads only.
+    """
+    try:
+        st = os.stat(path)
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return []
+    held = f" {slot} {slot}"  # a lock line ends with its first and last byte
+    found: list[tuple[int, str]] = []
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue  # gone, or not ours to inspect
+        for fd in fds:
+            try:
+                target = os.stat(f"/proc/{pid}/fd/{fd}")
+                if (target.st_dev, target.st_ino) != (st.st_dev, st.st_ino):
+                    continue
+                with open(f"/proc/{pid}/fdinfo/{fd}") as info:
+                    lines = info.read().splitlines()
+            except OSError:
+                continue
+            if any(ln.startswith("lock:") and "OFDLCK" in ln and ln.endswith(held) for ln in lines):
+                found.append((pid, _state(pid)))
+                break
+    return found
+
+
+def _state(pid: int) -> str:
+    """The state letter of ``pid``, ``?`` when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            line = f.read()
+    except OSError:
+        return "?"
+    rest = line[line.rfind(b")") + 2 :]  # (the command name may hold spaces and parentheses)
+    return rest[:1].decode(errors="replace") or "?"
+
+
+def _holders_text(holders: list[tuple[int, str]]) -> str:
+    """``"pid 123 (state R)"``, or what is known when no holder is visible from here."""
+    if not holders:
+        return "the process that claimed it (not visible from here: another user's?)"
+    return ", ".join(f"pid {pid} (state {state})" for pid, state in holders)

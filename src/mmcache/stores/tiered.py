@@ -27,25 +27,38 @@ which tier serves a key (what ``Cache.contains`` asks). Rejected: the union as
 the Store face (no budget holds, see above); the first tier as the record (it
 is the smallest, and a put it refuses is still cached below).
 
+Which tier served a read. A promotion copies an entry into the faster tiers so
+that the *next* read finds it there; the loader promotes the entries of the
+batches ahead of the one it gathers (so its gathers find them in memory), and its
+gather then reads them from memory: the read that brought them was the lower
+tier's. :class:`Promotions` remembers, per key, the tier each promotion came from
+until the read that serves it, so that the loader counts that hit for the tier
+that really served it (a disk tier's epoch counted as memory hits after the memory
+tier was lost). Rejected: a mark per entry in the memory tier (a column of its
+shared table, written under its lock and read by every gather) for what only the
+process that promoted needs to know.
+
 Thread/process safety: as safe as the tiers (each locks itself); the
 TieredStore's own counters (hits, misses, puts of its Store face) are per
-object, and approximate when threads share it. Pickling is the tiers' business:
-a ``Cache`` rebuilds its TieredStore in each process instead.
+object, and approximate when threads share it; its :class:`Promotions` are this
+process's, thread-safe. Pickling is the tiers' business: a ``Cache`` rebuilds its
+TieredStore in each process instead.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Generic, Literal, TypeVar
 
 from mmcache.errors import CorruptEntryError
 from mmcache.stats import TierStats
-from mmcache.stores.base import EntryInfo, Store, check_key
+from mmcache.stores.base import EntryInfo, Keys, Store, check_key
 
-__all__ = ["Accepted", "Hit", "ReadCheck", "Row", "Tier", "TieredStore"]
+__all__ = ["Accepted", "Hit", "Promotions", "ReadCheck", "Row", "Tier", "TieredStore"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +66,9 @@ T = TypeVar("T")
 
 #: One entry of a batched write: ``(key, value, cost, ctime)``.
 Row = tuple[bytes, bytes, float, float]
+#: Promotions remembered at most (the oldest are forgotten first): more than the loader
+#: has in flight (its read-ahead promotes 8 batches ahead), 16 B a key (~2 MiB in all).
+PROMOTIONS_KEPT = 1 << 14
 
 
 @dataclass(frozen=True)
@@ -111,6 +127,57 @@ class Hit(Generic[T]):
     tier: Store
 
 
+class Promotions:
+    """The entries this process promoted into a faster tier, each with the name of the
+    tier it came from, until the read that serves it (see the module docstring).
+
+    :meth:`note` records a promotion, :meth:`take` asks for (and forgets) those of the
+    keys a batch served that were promoted after a :meth:`mark` (the start of the
+    reader's epoch). A promotion can land after the read it was meant for (the
+    loader's read-ahead lagging behind its gathers: that read was the lower tier's
+    anyway); counted from a mark, it is not taken for the next epoch's read, which
+    memory really serves. At most ``kept`` are remembered, the oldest forgotten first.
+    Thread-safe: promotions come from the planner and its read-ahead threads, takes
+    from the assembling threads.
+    """
+
+    def __init__(self, kept: int = PROMOTIONS_KEPT) -> None:
+        self._kept = kept
+        self._from: dict[bytes, tuple[str, int]] = {}  # insertion order: the oldest first
+        self._seq = 0  # promotions noted so far
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._from)
+
+    def mark(self) -> int:
+        """A point in the promotions: :meth:`take` only counts those noted after it."""
+        return self._seq
+
+    def note(self, key: bytes, tier: str) -> None:
+        """``key`` was promoted from the tier called ``tier``."""
+        with self._lock:
+            self._seq += 1
+            self._from.pop(key, None)  # a second promotion is the newest
+            self._from[key] = (tier, self._seq)
+            if len(self._from) > self._kept:
+                del self._from[next(iter(self._from))]
+
+    def take(self, keys: Keys, *, since: int = 0) -> dict[int, str]:
+        """For the positions of ``keys`` (16-byte keys, or rows of a ``uint8 [n, 16]``
+        array) promoted after the mark ``since`` and not read since, the tier each came
+        from; forgets every promotion of ``keys``."""
+        if not self._from:  # the common case (a warm memory tier): no lock, no copies
+            return {}
+        with self._lock:
+            found = {}
+            for i, key in enumerate(keys):
+                got = self._from.pop(key if isinstance(key, bytes) else key.tobytes(), None)
+                if got is not None and got[1] > since:
+                    found[i] = got[0]
+            return found
+
+
 class TieredStore(Store):
     """Tiers fastest first; read-through with promotion, write to all, deferred writes.
 
@@ -134,6 +201,8 @@ class TieredStore(Store):
     def __init__(self, tiers: Sequence[Store | Tier]) -> None:
         self._set([t if isinstance(t, Tier) else Tier(t) for t in tiers])
         self._hits = self._misses = self._puts = self._admitted = 0
+        #: The entries this process promoted, until their next read (:class:`Promotions`).
+        self.promotions = Promotions()
 
     def _set(self, tiers: list[Tier]) -> None:
         # Replaced whole (never mutated), so a walk in another thread keeps a consistent list.
@@ -237,8 +306,8 @@ class TieredStore(Store):
             if accepted is None:
                 t.store.discard(key, why="expired")
                 continue
-            if i and t.budgeted:
-                _promote(tiers[:i], key, raw, accepted.cost, accepted.ctime)
+            if i and t.budgeted and _promote(tiers[:i], key, raw, accepted.cost, accepted.ctime):
+                self.promotions.note(key, t.name)
             self._hits += 1
             return Hit(accepted.value, t.store)
         self._misses += 1
@@ -260,8 +329,8 @@ class TieredStore(Store):
                 continue
             if i and t.budgeted:
                 info = t.store.info(key)
-                if info is not None:
-                    _promote(tiers[:i], key, raw, info.cost, info.ctime)
+                if info is not None and _promote(tiers[:i], key, raw, info.cost, info.ctime):
+                    self.promotions.note(key, t.name)
             self._hits += 1
             return raw
         self._misses += 1
@@ -406,15 +475,18 @@ class TieredStore(Store):
         return f"TieredStore([{', '.join(t.name for t in self._tiers)}])"
 
 
-def _promote(faster: Sequence[Tier], key: bytes, raw: bytes, cost: float, ctime: float) -> None:
-    """Offer a hit to the tiers above the one that served it (their policies decide)."""
+def _promote(faster: Sequence[Tier], key: bytes, raw: bytes, cost: float, ctime: float) -> bool:
+    """Offer a hit to the tiers above the one that served it (their policies decide);
+    return whether one of them admitted it."""
+    admitted = False
     for t in faster:
         if not t.promote_into:
             continue
         try:
-            t.store.put(key, raw, cost=cost, ctime=ctime)
+            admitted = t.store.put(key, raw, cost=cost, ctime=ctime) or admitted
         except OSError as exc:  # a failed promotion costs a hit later, nothing more
             logger.warning("promotion to %s tier failed: %s", t.store.name, exc)
+    return admitted
 
 
 def _put_rows(store: Store, rows: Sequence[Row], admitted: list[bool]) -> None:

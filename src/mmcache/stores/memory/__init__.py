@@ -60,6 +60,7 @@ from mmcache.stores.memory.layout import (
     OWNER_PATH_MAX,
     Count,
     EntryState,
+    Owner,
     StoreState,
     data_paths,
     default_index_capacity,
@@ -109,6 +110,10 @@ class MemoryStore(Store):
         temporary: remove the files when the last attached process closes.
         owner_path: the cache root this store belongs to; :func:`reclaim_orphans`
             removes unused stores whose owner path no longer exists.
+        owner_id: the identity of that root (its ``root-id``, see
+            :func:`mmcache.cacheroot.root_id`; 0: none): an unused store whose owner
+            path now holds a root of another identity (removed and made again) is
+            removed too.
         clock: source of ``atime`` (must be comparable across processes).
         index_capacity: the entries the index holds, fixed (a warning says when it
             is full while bytes are free). Default: it starts at capacity / 4 KiB
@@ -151,6 +156,7 @@ class MemoryStore(Store):
         create: bool = True,
         temporary: bool = False,
         owner_path: str | None = None,
+        owner_id: int = 0,
         clock: Callable[[], float] = time.monotonic,
         index_capacity: int | None = None,
         mode: int = 0o600,
@@ -164,6 +170,7 @@ class MemoryStore(Store):
         owner = None if owner_path is None else os.path.abspath(os.fspath(owner_path))
         if owner is not None and len(owner.encode()) > OWNER_PATH_MAX:
             raise ConfigError(f"owner_path is longer than {OWNER_PATH_MAX} bytes: {owner[:80]}...")
+        check_int("owner_id", owner_id, minimum=0, maximum=(1 << 63) - 1)
         self._policy = get_policy(policy)
         self._config: dict[str, Any] = {
             "name": name,
@@ -172,6 +179,7 @@ class MemoryStore(Store):
             "create": bool(create),
             "temporary": bool(temporary),
             "owner_path": owner,
+            "owner_id": owner_id,
             "clock": clock,
             "index_capacity": index_capacity,
             "mode": mode,
@@ -186,7 +194,7 @@ class MemoryStore(Store):
             max_entries=index_capacity or default_max_entries(capacity),
             create=bool(create),
             temporary=bool(temporary),
-            owner=owner,
+            owner=None if owner is None else Owner(owner, owner_id),
         )
 
     # ------------------------------------------------------------------ lifetime
@@ -520,6 +528,12 @@ class MemoryStore(Store):
         """The cache root recorded at creation, if any."""
         self._session.ensure_process()
         return self._session.meta.owner_path()
+
+    @property
+    def owner_id(self) -> int:
+        """The identity of that root recorded at creation (0: none)."""
+        self._session.ensure_process()
+        return self._session.meta.owner_id()
 
     def stats(self) -> TierStats:
         """Counters summed over every process of the node that used the store. Process-safe."""

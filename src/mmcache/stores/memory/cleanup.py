@@ -16,6 +16,7 @@ import logging
 import os
 
 from mmcache.errors import CacheError
+from mmcache.rootfiles import read_root_id
 from mmcache.stores.memory import shm
 from mmcache.stores.memory.access import Access, UntrustedFileError
 from mmcache.stores.memory.index import index_paths, index_problem
@@ -26,6 +27,7 @@ from mmcache.stores.memory.layout import (
     H_INDEX_GEN,
     H_MAGIC,
     H_META_SIZE,
+    H_OWNER_ID,
     H_OWNER_LEN,
     H_PID_NAMESPACE,
     H_STATE,
@@ -91,6 +93,31 @@ def _existing_directory(access: Access) -> str | None:
         return None
 
 
+def _owner_gone(owner: str, owner_id: int) -> str | None:
+    """Why the cache root ``owner`` (of identity ``owner_id``) no longer wants its store,
+    or None: the path is gone, or holds a root of another identity now (removed and made
+    again: a new root, whose memory tier has another name), or a root that got an
+    identity since the store was made without one (made before roots had one: that root
+    now names its memory tier after it). A root whose identity cannot be read
+    (permissions: another member's private file) keeps its store."""
+    if not os.path.exists(owner):
+        return f"owner path {owner} no longer exists"
+    try:
+        now = read_root_id(owner) or 0
+    except FileNotFoundError:
+        return f"owner path {owner} no longer exists"
+    except (OSError, CacheError):
+        return None  # not ours to judge
+    if now == owner_id:
+        return None
+    if not owner_id:
+        return f"made before cache root {owner} had an identity (it is {now:016x} now)"
+    return (
+        f"owner path {owner} holds another cache root now (identity {now:016x}, the "
+        f"store's {owner_id:016x}): the root was removed and made again"
+    )
+
+
 def _orphan_reason(directory: str, name: str, access: Access) -> str | None:
     """Why the store ``name`` should go, or None to keep it. Caller holds its lock (EX)."""
     try:
@@ -133,8 +160,8 @@ def _orphan_reason(directory: str, name: str, access: Access) -> str | None:
                 pass  # a damaged store: every later open would fail on it
             elif temporary:
                 reason = "temporary and no live process attached"
-            elif owner is not None and not os.path.exists(owner):
-                reason = f"owner path {owner} no longer exists"
+            elif owner is not None:
+                reason = _owner_gone(owner, int(h[H_OWNER_ID]))
         if reason is not None:
             h[H_STATE] = StoreState.UNLINKED
         del h, arrays
@@ -176,17 +203,22 @@ def store_owner(name: str, *, group: int | None = None) -> str | None:
     return raw.decode(errors="replace") or None
 
 
-def reclaim_orphans(pattern: str = "*", *, group: int | None = None) -> list[str]:
+def reclaim_orphans(
+    pattern: str = "*", *, group: int | None = None, owner: str | None = None
+) -> list[str]:
     """Remove memory stores of this user (or of ``group``) that nobody will use again;
     return the paths removed.
 
     A store goes when no live process is attached to it and it is temporary,
-    or its ``owner_path`` (the cache root) no longer exists, or one of its data
+    or its ``owner_path`` (the cache root) no longer exists or holds another root
+    now (another identity: removed and made again), or one of its data
     segments is missing or truncated, or it was left half-initialised by a
     creator that died; also leftover files of a store without a lock file.
     Stores whose lock is held right now are skipped, and so are files another
     user could control. ``pattern`` is a glob on store names (``Cache.gc``
-    passes its own store's name). Process-safe.
+    passes its own store's name); ``owner``: only the stores whose recorded owner
+    path is that one (the stores of one cache root, whatever their names: those of
+    its earlier incarnations). Process-safe.
     """
     removed: list[str] = []
     access = _scan_access(group)
@@ -194,6 +226,8 @@ def reclaim_orphans(pattern: str = "*", *, group: int | None = None) -> list[str
     if directory is None:
         return removed  # no directory: no store
     for name, paths in sorted(_store_names(directory, pattern).items()):
+        if owner is not None and store_owner(name, group=group) != owner:
+            continue  # another root's (read without the lock: judged again under it)
         if not os.path.exists(lock_path(directory, name)):
             for path in paths:
                 remove_file(path, removed)

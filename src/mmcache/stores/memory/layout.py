@@ -83,6 +83,7 @@ __all__ = [
     "EntryState",
     "Layout",
     "Meta",
+    "Owner",
     "StoreState",
     "data_path",
     "data_paths",
@@ -213,7 +214,8 @@ ROW_OVERFLOW = MAX_PROCS + 1  # shared (racy) row when the process table is full
     H_ROWS_RESERVED,  # entry rows [0, n) have their pages allocated in every column
     H_INDEX_GEN,  # the index generation in use (index.py); H_ENTRIES is its size
     H_MAX_ENTRIES,  # the most entries the index may grow to
-) = range(27)
+    H_OWNER_ID,  # the identity of the owner root (Owner.root_id); 0: none (older stores too)
+) = range(28)
 HEADER_WORDS = 64
 FLAG_TEMPORARY = 1
 
@@ -270,6 +272,18 @@ def store_exists(name: str, *, group: int | None = None) -> bool:
 
 
 @dataclass(frozen=True)
+class Owner:
+    """The cache root a store belongs to, recorded in its header at creation: ``path``
+    and ``root_id``, the identity the root had then (its ``root-id`` file, see
+    :mod:`mmcache.cacheroot`; 0: none). A store whose root is gone, or whose path now
+    holds a root of another identity (removed and made again), is an orphan
+    (``cleanup.py``). Header words written before identities existed read 0."""
+
+    path: str
+    root_id: int = 0
+
+
+@dataclass(frozen=True)
 class Layout:
     """Where each array of the meta segment lives. A pure function of its two sizes."""
 
@@ -308,7 +322,7 @@ def initialise_meta(
     max_entries: int,
     slot_sizes: np.ndarray[Any, Any],
     temporary: bool,
-    owner: str | None,
+    owner: Owner | None,
     created_at: int,
     pid_namespace: int,
 ) -> None:
@@ -337,9 +351,10 @@ def initialise_meta(
     h[H_CREATED_AT] = created_at
     h[H_PID_NAMESPACE] = pid_namespace
     if owner is not None:
-        raw = owner.encode()
+        raw = owner.path.encode()
         arrays["owner"][: len(raw)] = np.frombuffer(raw, np.uint8)
         h[H_OWNER_LEN] = len(raw)
+        h[H_OWNER_ID] = owner.root_id
     classes = arrays["classes"]
     min_payload = np.concatenate(([1], slot_sizes[:-1] + 1))
     classes[:, C_SLOTS] = np.minimum(max_entries, capacity // min_payload)
@@ -380,6 +395,10 @@ class Meta:
         """The cache root recorded at creation, if any (``errors`` as in ``bytes.decode``)."""
         n = int(self.header[H_OWNER_LEN])
         return self.owner[:n].tobytes().decode(errors=errors) if n else None
+
+    def owner_id(self) -> int:
+        """The identity of the cache root recorded at creation (0: none)."""
+        return int(self.header[H_OWNER_ID])
 
     def close(self) -> None:
         """Drop every view, then unmap (views first, so the mmap can close)."""

@@ -73,6 +73,7 @@ from mmcache.stores.memory.layout import (
     Count,
     Layout,
     Meta,
+    Owner,
     StoreState,
     data_paths,
     initialise_meta,
@@ -174,7 +175,7 @@ class Session:
         max_entries: int,
         create: bool,
         temporary: bool,
-        owner: str | None,
+        owner: Owner | None,
     ) -> None:
         """Open (or create) the store and register this process. Process-safe.
 
@@ -219,7 +220,7 @@ class Session:
             atexit.register(_close_at_exit, weakref.ref(self))
 
     def _open_locked(
-        self, capacity: int, entries: int, create: bool, temporary: bool, owner: str | None
+        self, capacity: int, entries: int, create: bool, temporary: bool, owner: Owner | None
     ) -> None:
         # ``entries``: the most entries asked for (``max_entries``).
         """Map the meta segment, creating or repairing it. Caller holds the lock exclusively."""
@@ -263,11 +264,11 @@ class Session:
                 same = self.capacity == capacity and self.max_entries == entries
                 if damaged is not None and (self.procs.any_attached() or not create):
                     # Advice that works from here: gc skips a store in use.
-                    owner = self.meta.owner_path(errors="replace")
+                    root = self.meta.owner_path(errors="replace")
                     if self.procs.any_attached():
                         fix = "processes still attached to it; it is re-created once they exit"
-                    elif owner is not None:
-                        fix = f"remove it with mmcache gc --cache {owner}"
+                    elif root is not None:
+                        fix = f"remove it with mmcache gc --cache {root}"
                     else:
                         fix = f"remove it with mmcache.stores.memory.reclaim_orphans({self.name!r})"
                     self.unmap()
@@ -312,7 +313,7 @@ class Session:
         self._initialise_locked(capacity, entries, temporary, owner)
 
     def _initialise_locked(
-        self, capacity: int, max_entries: int, temporary: bool, owner: str | None
+        self, capacity: int, max_entries: int, temporary: bool, owner: Owner | None
     ) -> None:
         """Create a fresh, empty store. Caller holds the lock exclusively."""
         removed: list[str] = []
