@@ -39,6 +39,7 @@ from mmcache.plot import plot
 from mmcache.sources.chat import TextReport
 from mmcache.sources.coco import CocoSource
 from mmcache.sources.hfdataset import HFDatasetSource
+from mmcache.sources.mixture import Mixture, MixturePart
 from mmcache.sources.parquet import ParquetSource
 from mmcache.sources.readers import read_manifest
 from mmcache.sources.remote import RawTier
@@ -75,6 +76,8 @@ __all__ = [
     "LoaderHook",
     "LoaderStats",
     "ManifestError",
+    "Mixture",
+    "MixturePart",
     "MmcacheError",
     "MultimodalDataset",
     "PackSpec",

@@ -28,18 +28,39 @@ world size, so every rank has the same number of samples.
 >>> b = EpochSampler(10, seed=3, rank=1, world_size=2).indices(1)
 >>> sorted(a.tolist() + b.tolist()) == list(range(10))
 True
+
+A source whose epochs are drawn from its samples (:class:`mmcache.Mixture`: parts
+repeated, chosen or proportioned) gives the sampler an :class:`EpochDraw`: the order of
+epoch ``e`` is then ``draw.indices(seed, e)`` (its samples, repeats included, ``size`` of
+them) permuted as above; ranks, spans and resumption work on positions of that order
+exactly as they do on ``range(size)``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from mmcache.errors import ConfigError
 
-__all__ = ["EpochSampler"]
+__all__ = ["EpochDraw", "EpochSampler"]
+
+
+class EpochDraw(Protocol):
+    """The samples of each epoch of a drawn source (a mixture), before the shuffle."""
+
+    @property
+    def size(self) -> int:
+        """Samples per epoch (the sampler's ``size``)."""
+        ...
+
+    def indices(self, seed: int, epoch: int) -> npt.NDArray[np.int64]:
+        """The samples of ``epoch`` (``int64 [size]``, repeats included): a pure function
+        of ``(seed, epoch)``; must not be written to."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -52,10 +73,16 @@ class EpochSampler:
     rank: int = 0
     world_size: int = 1
     drop_last: bool = False
+    #: The samples of each epoch when they are drawn (a mixture); None: ``range(size)``.
+    draw: EpochDraw | None = None
 
     def __post_init__(self) -> None:
         if self.size < 0:
             raise ConfigError(f"dataset size must be >= 0, got {self.size}")
+        if self.draw is not None and self.draw.size != self.size:
+            raise ConfigError(
+                f"the epoch draw gives {self.draw.size} samples per epoch, not size={self.size}"
+            )
         if self.world_size < 1:
             raise ConfigError(f"world_size must be >= 1, got {self.world_size}")
         if not 0 <= self.rank < self.world_size:
@@ -63,12 +90,14 @@ class EpochSampler:
 
     def permutation(self, epoch: int) -> npt.NDArray[np.int64]:
         """The whole-dataset order of ``epoch`` (before splitting between ranks)."""
+        drawn = None if self.draw is None else self.draw.indices(self.seed, epoch)
         if not self.shuffle:
-            return np.arange(self.size, dtype=np.int64)
+            return np.arange(self.size, dtype=np.int64) if drawn is None else drawn.copy()
         # SeedSequence mixes (seed, epoch) properly: seed+epoch would make
         # run (seed=1, epoch=0) replay run (seed=0, epoch=1).
         rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, epoch])))
-        return rng.permutation(self.size).astype(np.int64)
+        order = rng.permutation(self.size).astype(np.int64)
+        return order if drawn is None else drawn[order]
 
     def num_samples(self) -> int:
         """Samples per rank per epoch."""

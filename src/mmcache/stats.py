@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["CacheStats", "EpochStats", "LoaderStats", "TierStats"]
+__all__ = ["CacheStats", "EpochStats", "LoaderStats", "PartStats", "TierStats"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,38 @@ class CacheStats:
 
 
 @dataclass(frozen=True)
+class PartStats:
+    """One part of a :class:`mmcache.Mixture` in an epoch: its rows served (``samples``:
+    ``hits`` from a cache tier, ``misses`` produced, ``waited`` taken from another
+    process that was producing them; see :class:`EpochStats`) and ``rejects`` left out."""
+
+    samples: int = 0
+    hits: int = 0
+    misses: int = 0
+    rejects: int = 0
+    waited: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses + self.waited
+        return self.hits / total if total else 0.0
+
+    def __add__(self, other: PartStats) -> PartStats:
+        return PartStats(
+            self.samples + other.samples,
+            self.hits + other.hits,
+            self.misses + other.misses,
+            self.rejects + other.rejects,
+            self.waited + other.waited,
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["hit_rate"] = self.hit_rate
+        return out
+
+
+@dataclass(frozen=True)
 class EpochStats:
     """One epoch of a :class:`~mmcache.loader.DataLoader`, as seen by the consuming process.
 
@@ -81,6 +113,8 @@ class EpochStats:
     the training loop spent waiting inside ``next(loader)``; ``seconds`` the wall
     time from the first request to the last batch. ``late_misses`` counts hits
     planned ahead that were evicted before use and produced in the consumer.
+    ``parts``: the same per part of a :class:`mmcache.Mixture`, by name (empty for one
+    source).
     """
 
     epoch: int
@@ -94,6 +128,7 @@ class EpochStats:
     stall_s: float = 0.0
     tier_hits: dict[str, int] = field(default_factory=dict)
     waited: int = 0
+    parts: dict[str, PartStats] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:
@@ -110,6 +145,7 @@ class EpochStats:
         out = asdict(self)
         out["hit_rate"] = self.hit_rate
         out["samples_per_s"] = self.samples_per_s
+        out["parts"] = {name: p.as_dict() for name, p in self.parts.items()}
         return out
 
 
@@ -148,6 +184,15 @@ class LoaderStats:
                 out[tier] = out.get(tier, 0) + n
         return out
 
+    @property
+    def parts(self) -> dict[str, PartStats]:
+        """Per part of a mixture, summed over the epochs (empty for one source)."""
+        out: dict[str, PartStats] = {}
+        for e in self.epochs:
+            for name, p in e.parts.items():
+                out[name] = out.get(name, PartStats()) + p
+        return out
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "hits": self.hits,
@@ -157,4 +202,5 @@ class LoaderStats:
             "stall_s": self.stall_s,
             "tier_hits": self.tier_hits,
             "epochs": [e.as_dict() for e in self.epochs],
+            "parts": {name: p.as_dict() for name, p in self.parts.items()},
         }

@@ -21,6 +21,7 @@ from mmcache.cache import Cache
 from mmcache.checks import check_int
 from mmcache.dist import rank_and_world
 from mmcache.readthrough import ReadThroughSource, describe, read_through
+from mmcache.sources.capabilities import index_count
 
 __all__ = ["WarmReport", "warm"]
 
@@ -92,7 +93,7 @@ def warm(
     rank, world_size = rank_and_world(rank, world_size)
     t0 = time.perf_counter()
     cache.register(dataset.fingerprint(), describe(dataset))
-    shard = list(range(rank, len(dataset), world_size))
+    shard = list(range(rank, index_count(dataset), world_size))
     todo = [i for i in shard if not cache.contains(dataset.key(i))]
     present = len(shard) - len(todo)
     counts = {"admitted": 0, "refused": 0, "rejected": 0, "present": 0}

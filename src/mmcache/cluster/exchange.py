@@ -62,6 +62,7 @@ from mmcache.cluster.wire import Message, Wire, pack, unpack
 from mmcache.errors import ConfigError
 from mmcache.hooks import BatchContext, EpochContext, LoaderHook
 from mmcache.sources.base import SampleSource
+from mmcache.sources.capabilities import index_count
 
 __all__ = ["ClusterExchange", "ExchangeStats"]
 
@@ -145,7 +146,7 @@ class ClusterExchange(LoaderHook):
         # Gathered on a gloo group: CPU objects, whatever the training backend is.
         meta = group if backend == "gloo" else torch.distributed.new_group(backend="gloo")
         self.topology = Topology.gather(cache.memory_budget, group=meta)
-        self.home = home_nodes(len(dataset), self.topology.budgets, seed)
+        self.home = home_nodes(index_count(dataset), self.topology.budgets, seed)
         #: Samples homed on another node: produced here, they go to the in-flight tier.
         self.guests: npt.NDArray[np.bool_] = self.home != self.topology.node
         mine = self.topology.ranks_of(self.topology.node)

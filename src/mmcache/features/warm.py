@@ -17,6 +17,7 @@ import torch
 from mmcache.checks import check_int
 from mmcache.dist import rank_and_world, shard_bounds
 from mmcache.errors import ConfigError, SampleError
+from mmcache.sources.capabilities import index_count
 
 if TYPE_CHECKING:
     from mmcache.dataset import MultimodalDataset
@@ -118,7 +119,7 @@ def warm_features(
 
     t0 = time.perf_counter()
     enc0 = feats.stats().encoder_seconds
-    start, stop = shard_bounds(len(dataset), rank, world_size)
+    start, stop = shard_bounds(index_count(dataset), rank, world_size)
     todo: list[int] = []
     todo_keys: dict[int, bytes] = {}
     for i in range(start, stop):

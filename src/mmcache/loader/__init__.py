@@ -59,6 +59,14 @@ from mmcache.loader.augmenting import AugmentHook
 from mmcache.loader.batching import plan_batching
 from mmcache.loader.counters import EpochCounter, HitRateWatch, epoch_scalars
 from mmcache.loader.hooks import BatchContext, EpochContext, Hooks, LoaderHook
+from mmcache.loader.mixing import (
+    STATE_KEY,
+    PartHook,
+    PartTally,
+    check_mixture_state,
+    mixture_state,
+    new_samples_each_epoch,
+)
 from mmcache.loader.options import Augment, Distributed, SFTBatching, loader_options
 from mmcache.loader.packing import PackSpec
 from mmcache.loader.progress import check_progress, with_progress
@@ -78,6 +86,7 @@ from mmcache.loader.warm_epoch.assembler import AssemblerThread, InOrderBuilder
 from mmcache.loader.warm_epoch.gate import epoch_gate
 from mmcache.sampler import EpochSampler
 from mmcache.sources.base import SampleSource
+from mmcache.sources.capabilities import DrawsEpochs
 from mmcache.stats import EpochStats, LoaderStats
 from mmcache.writeback import flush_all
 
@@ -230,6 +239,8 @@ class DataLoader:
             rank=rank,
             world_size=world_size,
             drop_last=distributed.drop_last,
+            # A mixture: each epoch's samples are drawn (repeats included), then shuffled.
+            draw=dataset.draw if isinstance(dataset, DrawsEpochs) else None,
         )
         plan = plan_batching(
             dataset, self.sampler, batch_size=batch_size, drop_last=drop_last, options=batching
@@ -260,6 +271,8 @@ class DataLoader:
         # batch's shape), augment (on the padded batch), the cluster exchange (which
         # only counts batches), then the user's ``hooks`` in their order.
         first: list[Any] = [] if plan.hook is None else [plan.hook]
+        if isinstance(dataset, DrawsEpochs):  # each row's part, kept by padding and packing
+            first.insert(0, PartHook(dataset))
         if augment is not None:
             first.append(AugmentHook(augment.fn, augment.device))
         #: The cluster exchange (``Cache(scope=Cluster(...))`` under torch.distributed), or None.
@@ -350,6 +363,7 @@ class DataLoader:
         self._chosen = False  # set_epoch called since the last iteration began
         self._resumed = False  # the position came from load_state_dict
         self._ids: str | None = None  # the dataset's ids digest (state_dict)
+        self._mixture = mixture_state(dataset)  # a mixture's parts (state_dict), or None
         # One record per pass over an epoch, in the order they ran (stats()); a pass
         # that left early and is continued (a later `for`, or a resume of the same
         # epoch) goes on in its own record, a new pass from the start gets a new one.
@@ -439,6 +453,7 @@ class DataLoader:
             "consumed": consumed,
             "stop": stop,
             "span": None if span is None else list(span),
+            **({} if self._mixture is None else {STATE_KEY: self._mixture}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -462,6 +477,7 @@ class DataLoader:
                 f"a loader state is a dict (from state_dict()), got {type(state).__name__}"
             )
         check_batching(state, self._batching, self.sampler.world_size)
+        check_mixture_state(state, self._mixture)
         order = self._order.order
         resume = read_state(
             state,
@@ -551,12 +567,20 @@ class DataLoader:
         if self.on_epoch_end is not None:
             tiers = list(self.cache.tiers) if self.cache is not None else []
             self.on_epoch_end(epoch_scalars(stats, tiers))
-        if stats.epoch - 1 in seen or stats.epoch in seen:
+        fresh = new_samples_each_epoch(self.dataset)  # a mixture's walk: misses by design
+        if (stats.epoch - 1 in seen or stats.epoch in seen) and not fresh:
             self._hit_rate.check(
                 stats,
                 entry_bytes=self._assembler.entry_bytes(),
                 samples=self.sampler.num_samples() * self.sampler.world_size,
             )
+
+    def _part_tally(self, last: EpochStats | None) -> PartTally | None:
+        """A mixture's per-part counts of the pass that begins (going on from ``last``)."""
+        source = self.dataset
+        if not isinstance(source, DrawsEpochs):
+            return None
+        return PartTally(source.part_names, source.part_of, None if last is None else last.parts)
 
     # -- consuming (training process) ------------------------------------------------------
     def _iterate(self, run: _EpochRun) -> Generator[dict[str, Any], None, None]:
@@ -580,7 +604,7 @@ class DataLoader:
             slot, last = len(self._history), None
             self._history.append(EpochStats(epoch=run.epoch))
         promotions = self.cache.store.promotions if self.cache is not None else None
-        stats = EpochCounter(run.epoch, last, promotions)
+        stats = EpochCounter(run.epoch, last, promotions, self._part_tally(last))
         self._live, self._live_slot = stats, slot
         source = self._stream
         workers = self._workers

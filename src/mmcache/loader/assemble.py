@@ -183,7 +183,7 @@ class BatchAssembler:
         served = plan.served
         if served is None or len(self._names) == 1:
             reader.count_reads(hits=n - len(own))  # gathered with count=False
-            counter.count_hits(reader.name, n)
+            counter.count_hits(reader.name, n, plan.indices)
             return True
         if isinstance(reader, TieredReader):
             uncounted = np.ones(n, dtype=bool)
@@ -193,6 +193,7 @@ class BatchAssembler:
             [_MEMORY if i == 0 else _LOWER for i in served.tolist()],
             [self._names[i] for i in served.tolist()],
             plan.keys,
+            indices=plan.indices,
         )
         return bool(served.any())
 
@@ -237,7 +238,7 @@ class BatchAssembler:
                         self._layout = self._find_layout(plan, rows, hit_rows)
         layout = self._layout
         if layout is None:  # every sample of the batch was rejected
-            counter.count(origins, tiers, plan.keys)
+            counter.count(origins, tiers, plan.keys, indices=plan.indices)
             return None
         out = self._allocate(layout, n)
         found = np.zeros(n, dtype=bool)
@@ -268,7 +269,7 @@ class BatchAssembler:
         for r, sample in samples.items():
             self._check_shapes(layout, sample, int(plan.indices[r]))
         self._fill(layout, out, samples)
-        counter.count(origins, tiers, plan.keys)
+        counter.count(origins, tiers, plan.keys, indices=plan.indices)
         keep = [r for r in range(n) if origins[r] is not _REJECTED]
         if not keep:
             return None

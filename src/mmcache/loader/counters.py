@@ -13,7 +13,10 @@ import collections
 import logging
 import threading
 
+import numpy as np
+
 from mmcache.cache import Cache
+from mmcache.loader.mixing import PartTally
 from mmcache.loader.tasks import SampleOrigin
 from mmcache.stats import EpochStats
 from mmcache.stores.base import Keys
@@ -24,6 +27,15 @@ __all__ = ["EpochCounter", "HitRateWatch", "epoch_scalars"]
 
 logger = logging.getLogger(__name__)
 
+#: A row's origin as the per-part tally counts it (absent: not counted).
+_PART_KIND: dict[SampleOrigin | None, int] = {
+    SampleOrigin.MEMORY_HIT: PartTally.HIT,
+    SampleOrigin.DISK_HIT: PartTally.HIT,
+    SampleOrigin.PRODUCED: PartTally.MISS,
+    SampleOrigin.REJECTED: PartTally.REJECT,
+    SampleOrigin.WAITED: PartTally.WAITED,
+}
+
 
 class EpochCounter:
     """Accumulates one epoch's :class:`EpochStats` in the training process. Thread-safe.
@@ -31,10 +43,16 @@ class EpochCounter:
     ``promotions``: the cache's (:class:`~mmcache.stores.tiered.Promotions`): a hit of
     an entry this process promoted into the memory tier during this epoch, ahead of its
     gather, counts for the tier it was promoted from, the one whose read served it.
+    ``parts``: a mixture's per-part tally (None: one source), fed with the indices the
+    assembler passes with each batch's rows.
     """
 
     def __init__(
-        self, epoch: int, previous: EpochStats | None, promotions: Promotions | None = None
+        self,
+        epoch: int,
+        previous: EpochStats | None,
+        promotions: Promotions | None = None,
+        parts: PartTally | None = None,
     ) -> None:
         p = previous if previous is not None else EpochStats(epoch=epoch)
         self.epoch = epoch
@@ -48,6 +66,7 @@ class EpochCounter:
         self._since = promotions.mark() if promotions is not None else 0
         self._t_begin: float | None = None
         self._seconds_before = p.seconds
+        self._parts = parts
         # count() and late_miss() run on both assembling threads.
         self._lock = threading.Lock()
 
@@ -67,11 +86,16 @@ class EpochCounter:
             self.late += 1
 
     def count(
-        self, origins: list[SampleOrigin | None], tiers: list[str], keys: Keys | None = None
+        self,
+        origins: list[SampleOrigin | None],
+        tiers: list[str],
+        keys: Keys | None = None,
+        indices: np.ndarray | None = None,
     ) -> None:
         """One batch: each row's origin, for a hit the name of the tier it came from,
-        and the rows' ``keys`` (a row promoted ahead is counted for the tier it was
-        promoted from: see the class docstring)."""
+        the rows' ``keys`` (a row promoted ahead is counted for the tier it was
+        promoted from: see the class docstring) and ``indices`` (the rows' samples, for
+        the counts per part)."""
         promotions = self._promotions
         # (a Promotions is false while empty: the warm path pays nothing)
         promoted = (
@@ -82,6 +106,9 @@ class EpochCounter:
             for i, tier in promoted.items():
                 tiers[i] = tier
         with self._lock:
+            if self._parts is not None and indices is not None:
+                kinds = np.array([_PART_KIND.get(o, -1) for o in origins], dtype=np.int64)
+                self._parts.add(indices, kinds)
             self.batches += 1
             for (origin, tier), k in collections.Counter(zip(origins, tiers, strict=True)).items():
                 if origin is SampleOrigin.REJECTED:
@@ -97,9 +124,11 @@ class EpochCounter:
                     self.samples += k
                     self.tier_hits[tier] = self.tier_hits.get(tier, 0) + k
 
-    def count_hits(self, tier: str, n: int) -> None:
+    def count_hits(self, tier: str, n: int, indices: np.ndarray | None = None) -> None:
         """A batch of ``n`` hits in ``tier``: ``count`` of as many hits, cheaper."""
         with self._lock:
+            if self._parts is not None and indices is not None:
+                self._parts.add(indices, np.zeros(n, np.int64))
             self.batches += 1
             self.hits += n
             self.samples += n
@@ -119,6 +148,7 @@ class EpochCounter:
                 stall_s=self.stall_s,
                 tier_hits=dict(self.tier_hits),
                 waited=self.waited,
+                parts={} if self._parts is None else self._parts.snapshot(),
             )
 
 

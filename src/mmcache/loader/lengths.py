@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from mmcache.errors import ConfigError
-from mmcache.sources.capabilities import HasLengths, require
+from mmcache.sources.capabilities import HasLengths, index_count, require
 
 __all__ = ["HasLengths", "sample_has_image", "sample_lengths"]
 
@@ -37,7 +37,7 @@ def sample_lengths(source: object, *, why: str) -> np.ndarray:
     (saying ``why`` they are needed) when the source has none or they are malformed."""
     require(source, HasLengths, why=f"{why} (tokens per sample, from a chat-template source)")
     assert isinstance(source, HasLengths)  # for mypy: require raised otherwise
-    n = len(source)  # type: ignore[arg-type]
+    n = index_count(source)
     lengths = np.asarray(source.lengths())
     if lengths.shape != (n,) or not np.issubdtype(lengths.dtype, np.integer):
         raise ConfigError(
@@ -54,7 +54,7 @@ def sample_lengths(source: object, *, why: str) -> np.ndarray:
 def sample_has_image(source: object) -> np.ndarray:
     """``source.modalities()`` as ``bool [len(source)]``; all False for a source that is
     not :class:`HasLengths`."""
-    n = len(source)  # type: ignore[arg-type]
+    n = index_count(source)
     if not isinstance(source, HasLengths):
         return np.zeros(n, dtype=bool)
     flags = np.asarray(source.modalities())

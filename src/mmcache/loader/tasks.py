@@ -36,6 +36,7 @@ from mmcache.cluster.flight import FLIGHT
 from mmcache.errors import SampleError
 from mmcache.keys import STAT_FIELDS
 from mmcache.sources.base import SampleSource, StampKind
+from mmcache.sources.capabilities import DrawsEpochs
 from mmcache.stores.base import BatchReader
 from mmcache.stores.claims import Claims
 from mmcache.stores.gathering import TieredReader
@@ -314,6 +315,9 @@ class WorkerPlanner(torch.utils.data.Dataset[PackedPlan]):
         except SampleError as err:
             return TaskResult(index, SampleOrigin.REJECTED, error=err)
         cost = time.thread_time() - t0
+        if isinstance(self.source, DrawsEpochs):
+            # A mixture knows its future: an entry read r times per epoch saves r misses.
+            cost *= self.source.planned_reads(index)
         if cache is not None:
             # Write-behind: the first tier now, the others from a background thread.
             now = cache.clock()

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CAPABILITIES",
+    "DrawsEpochs",
     "FieldLayout",
     "GroupedFetching",
     "HasLengths",
@@ -45,6 +46,7 @@ __all__ = [
     "Layout",
     "Revalidating",
     "SharesStamps",
+    "index_count",
     "layout_of",
     "members_of",
     "require",
@@ -149,6 +151,43 @@ class HasRejects(Protocol):
     def rejects(self) -> list[Reject]: ...
 
 
+@runtime_checkable
+class DrawsEpochs(Protocol):
+    """A source whose epochs are drawn from its samples: a :class:`mmcache.Mixture`.
+
+    ``len()`` is the samples of one epoch, while its indices range over
+    :attr:`unique_samples` (the parts' samples, concatenated): the epoch sampler shuffles
+    ``draw.indices(seed, epoch)`` (repeats included) instead of ``range(len)``. The
+    loader names each row's part (:meth:`part_of`, :attr:`part_names`), counts per part,
+    and weighs an admitted entry's miss cost by :meth:`planned_reads`.
+    """
+
+    @property
+    def unique_samples(self) -> int:
+        """How many distinct samples (the range of the indices)."""
+        ...
+
+    @property
+    def draw(self) -> Any:
+        """What the sampler asks (``indices(seed, epoch)``, ``size``; see
+        :class:`mmcache.sampler.EpochDraw`)."""
+        ...
+
+    @property
+    def part_names(self) -> tuple[str, ...]:
+        """The parts' names, in order."""
+        ...
+
+    def part_of(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The part number of each of ``indices`` (``int64``)."""
+        ...
+
+    def planned_reads(self, index: int) -> float:
+        """How often sample ``index`` is read per epoch on average (its part's count
+        over its size): what keeping it cached saves, per unit of its miss cost."""
+        ...
+
+
 #: Every capability, by name (the contract suite and the messages name them so).
 CAPABILITIES: tuple[type, ...] = (
     HasLengths,
@@ -157,7 +196,17 @@ CAPABILITIES: tuple[type, ...] = (
     GroupedFetching,
     SharesStamps,
     HasRejects,
+    DrawsEpochs,
 )
+
+
+def index_count(source: object) -> int:
+    """How many distinct sample indices ``source`` has: ``len(source)``, or its
+    :attr:`DrawsEpochs.unique_samples` (a mixture's ``len`` is one epoch's samples).
+    What per-sample arrays (learnt keys, lengths, homes) are sized by."""
+    if isinstance(source, DrawsEpochs):
+        return int(source.unique_samples)
+    return len(source)  # type: ignore[arg-type]
 
 
 def members_of(capability: type) -> list[str]:

@@ -22,6 +22,7 @@ column NUL-separated, since no path can hold a NUL; :meth:`Records.image_paths`)
 from __future__ import annotations
 
 import array
+import copy
 import itertools
 import json
 import logging
@@ -112,6 +113,7 @@ class Records:
         rejects: list[RecordReject],
         chats: tuple[_U8, _I64] | None = None,
         videos: tuple[_U8, _I64] | None = None,
+        video_dir: str | None = None,
     ) -> None:
         self.source = source
         self.format = format
@@ -119,6 +121,9 @@ class Records:
         # Absolute folder of the manifest, fixed when it was read, so a worker
         # with another working directory resolves relative image paths the same way.
         self._base_dir = base_dir
+        # Where relative video references resolve (LLaVA's --video_folder): base_dir
+        # unless a reader of a recipe's file names another (see with_video_dir).
+        self._video_dir = base_dir if video_dir is None else video_dir
         self._id_buf, self._id_off = ids
         # The ids as every source holds them (sources/ids.py): id, ids and their digest.
         self._id_col = IdColumn(len(lines), self._id_buf, self._id_off)
@@ -275,7 +280,8 @@ class Records:
     def videos(self, i: int) -> list[dict[str, Any]]:
         """Return row ``i``'s video parts in placeholder order: ``{"video": reference, ...}``
         with the part's own options (``fps``, ``nframes``, ``video_start``...), the
-        reference resolved as :meth:`image_path` resolves an image's; ``[]`` for none."""
+        reference resolved as :meth:`image_path` resolves an image's (against the video
+        folder when one was given, :meth:`with_video_dir`); ``[]`` for none."""
         i = self._row(i)
         if self._videos is None:
             return []
@@ -284,7 +290,7 @@ class Records:
         for part in parts:
             ref = part["video"]
             if not _URL_RE.match(ref):
-                part["video"] = os.path.normpath(os.path.join(self._base_dir, ref))
+                part["video"] = os.path.normpath(os.path.join(self._video_dir, ref))
         return parts
 
     def video_json(self, i: int) -> str:
@@ -340,7 +346,17 @@ class Records:
             rejects=[*self.rejects, *rejects],
             chats=built[3] if self._chats is not None else None,
             videos=built[-1] if self._videos is not None else None,
+            video_dir=self._video_dir,
         )
+
+    def with_video_dir(self, folder: str | os.PathLike[str]) -> Records:
+        """The same records with relative video references resolved against ``folder``
+        (LLaVA-NeXT's ``--video_folder`` beside its ``--image_folder``); the buffers are
+        shared, not copied."""
+        out = copy.copy(self)
+        out._video_dir = os.path.abspath(os.fspath(folder))
+        out._index = None
+        return out
 
     def line(self, i: int) -> int:
         """Return where row ``i`` came from: its 1-based line (JSONL) or record index (LLaVA)."""
@@ -412,6 +428,8 @@ class Records:
             hasher.update(np.ascontiguousarray(buf).data)
             hasher.update(np.ascontiguousarray(off, dtype="<i8").data)
         hasher.update(self._base_dir.encode("utf-8", "surrogateescape"))
+        if self._video_dir != self._base_dir:
+            hasher.update(self._video_dir.encode("utf-8", "surrogateescape"))
         return hasher.hexdigest()
 
     def ids_array(self) -> npt.NDArray[np.object_]:

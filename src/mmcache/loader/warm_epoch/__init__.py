@@ -51,6 +51,7 @@ from mmcache.loader.tasks import STAMP_WORDS, BatchPlan
 from mmcache.loader.warm_epoch.board import FileCheckBoard
 from mmcache.loader.warm_epoch.prefetch import StatPrefetcher
 from mmcache.sources.base import SampleSource, StampKind
+from mmcache.sources.capabilities import index_count
 from mmcache.stores.base import BatchReader
 from mmcache.stores.gathering import TieredReader
 
@@ -136,7 +137,7 @@ class WarmEpochs:
     ) -> None:
         self._source = source
         self._cache = cache
-        self._n = len(source)
+        self._n = index_count(source)  # (a mixture: its distinct samples, not one epoch)
         self._num_samples = num_samples
         self._entry_bytes = entry_bytes
         self.learnt = LearntKeys(self._n)  # keys the plans brought (guesses)
