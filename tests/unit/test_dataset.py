@@ -129,11 +129,13 @@ def test_public_names() -> None:
         "Cache",
         "CachedDataset",
         "DataLoader",
-        "collate",
         "normalize",
         "train_tokenizer",
     ):
         assert hasattr(mmcache, name), name
+    # torch's collate for MultimodalDataset lives in its module (no top-level alias since
+    # the deprecation layer went: issue 38)
+    assert not hasattr(mmcache, "collate") and callable(collate)
 
 
 def test_batched_keys_equal_single_keys_and_see_changes(
