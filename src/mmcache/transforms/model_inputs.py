@@ -224,7 +224,7 @@ class PixelValues:
     fields, as the processor gives none (an empty ``pixel_values`` fails in the
     model's vision tower). In another layout a ``model_only`` hook refuses a batch
     with clips (ConfigError) rather than drop them: the model would train the video's
-    tokens as text. Put it after a :class:`~mmcache.loader.VideoFrameSampler` in
+    tokens as text. Put it after a :class:`~mmcache.loader.video_frames.VideoFrameSampler` in
     ``hooks``. Immutable.
     """
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -55,6 +55,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FRAME_FACTOR",
+    "FRAME_LIST_KEYS",
     "MAX_SOURCE_PIXELS",
     "PART_KEYS",
     "VideoSpec",
@@ -68,6 +69,10 @@ FRAME_FACTOR = 2
 #: The per-video options a record's video part may carry (Qwen's message-part keys).
 PART_KEYS = ("fps", "nframes", "min_frames", "max_frames", "min_pixels", "max_pixels",
              "total_pixels", "video_start", "video_end")  # fmt: skip
+#: What a video part given as a list of frame images may carry besides PART_KEYS:
+#: qwen-vl-utils' ``sample_fps`` (the list's frame rate, default 2.0) and ``raw_fps``
+#: (the rate its timestamps are counted at, default ``sample_fps``).
+FRAME_LIST_KEYS = ("sample_fps", "raw_fps")
 # qwen-vl-utils' constants (vision_process.py).
 _MAX_RATIO = 200
 _VIDEO_MIN_TOKENS = 128
@@ -402,10 +407,14 @@ class VideoTokens:
     Qwen2.5-VL (the default): ``prefix``, then ``pad_token``'s id repeated ``t /
     temporal_patch_size * h / factor * w / factor`` times, then ``suffix``
     (``<|vision_start|><|video_pad|>...<|vision_end|>``, what its processor makes of
-    ``<|vision_start|><|video_pad|><|vision_end|>``). ``per_frame=True`` (LLaVA-Video):
-    each of the ``t`` frames becomes an image run of the chat spec's own image token,
-    count, prefix and suffix, frame after frame. Runs are never trained on and never cut
-    by truncation. Immutable, picklable.
+    ``<|vision_start|><|video_pad|><|vision_end|>``). ``timestamps=True`` (Qwen3-VL,
+    Qwen3.5): inside ``prefix`` ... ``suffix``, each temporal step (``temporal_patch_size``
+    frames) is the text ``<{seconds:.1f} seconds>`` (the mean of its frames' times,
+    frame index / the clip's average frame rate, as ``Qwen3VLProcessor`` computes them),
+    then ``prefix``, its ``h / factor * w / factor`` pad tokens, ``suffix``.
+    ``per_frame=True`` (LLaVA-Video): each of the ``t`` frames becomes an image run of
+    the chat spec's own image token, count, prefix and suffix, frame after frame. Runs
+    are never trained on and never cut by truncation. Immutable, picklable.
     """
 
     placeholder: str = "<video>"
@@ -415,6 +424,7 @@ class VideoTokens:
     per_frame: bool = False
     factor: int = 28
     temporal_patch_size: int = 2
+    timestamps: bool = False
 
     def __post_init__(self) -> None:
         for name in ("placeholder", "pad_token", "prefix", "suffix"):
@@ -424,6 +434,19 @@ class VideoTokens:
             raise ConfigError("VideoTokens.placeholder must be a non-empty str")
         check_int("VideoTokens.factor", self.factor, minimum=1)
         check_int("VideoTokens.temporal_patch_size", self.temporal_patch_size, minimum=1)
+        if not isinstance(self.timestamps, bool) or (self.timestamps and self.per_frame):
+            raise ConfigError(
+                "VideoTokens.timestamps must be a bool, and not with per_frame=True "
+                "(Qwen3-VL's timestamped steps are one video's runs)"
+            )
+
+    def step_times(self, times: Sequence[float]) -> list[float]:
+        """Each temporal step's time in seconds: the mean of its first and last frame's
+        ``times`` (the last frame repeated to fill the last step), as
+        ``Qwen3VLProcessor._calculate_timestamps`` does."""
+        tps = self.temporal_patch_size
+        padded = list(times) + [times[-1]] * (-len(times) % tps) if times else []
+        return [(padded[i] + padded[i + tps - 1]) / 2 for i in range(0, len(padded), tps)]
 
     def count(self, t: int, h: int, w: int) -> int:
         """The pad tokens of a clip of ``t`` frames of ``h x w`` (Qwen's rule)."""
@@ -431,8 +454,12 @@ class VideoTokens:
         return (t // self.temporal_patch_size) * (h // f) * (w // f)
 
     def fingerprint_fields(self) -> dict[str, Any]:
-        """Every field (what a chat spec's fingerprint holds of it)."""
-        return asdict(self)
+        """Every field (what a chat spec's fingerprint holds of it); ``timestamps`` only
+        when set (the specs made before it keep their keys)."""
+        fields = asdict(self)
+        if not self.timestamps:
+            del fields["timestamps"]
+        return fields
 
 
 def qwen_video_patches(

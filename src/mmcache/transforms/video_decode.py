@@ -54,10 +54,12 @@ __all__ = [
     "Clip",
     "VideoInfo",
     "decode_frames",
+    "frame_times",
     "load_clip",
     "probe",
     "probe_source",
     "video_fields",
+    "video_plan",
     "video_shape",
 ]
 
@@ -100,12 +102,15 @@ class VideoInfo:
 @dataclass(frozen=True)
 class Clip:
     """One processed clip: ``frames`` uint8 ``[T, 3, h, w]``, the ``indices`` kept,
-    ``sample_fps`` (the kept frames' rate) and the ``spec`` that chose them."""
+    ``sample_fps`` (the kept frames' rate), the ``spec`` that chose them and ``times``:
+    each kept frame's time in seconds, its index / the clip's average frame rate (what
+    Qwen3-VL's timestamps are made of)."""
 
     frames: npt.NDArray[np.uint8]
     indices: list[int]
     sample_fps: float
     spec: VideoSpec
+    times: tuple[float, ...] = ()
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -278,7 +283,7 @@ def load_clip(
     except (ValueError, av.error.FFmpegError, OSError, EOFError) as exc:
         raise SampleError(f"cannot decode the video: {exc}", sample_id=sample_id,
                           path=where) from exc  # fmt: skip
-    return Clip(frames, indices, fps, spec)
+    return Clip(frames, indices, fps, spec, frame_times(indices, info.fps))
 
 
 def video_fields(spec: VideoSpec, clips: list[Clip]) -> dict[str, npt.NDArray[Any]]:
@@ -303,14 +308,27 @@ def video_fields(spec: VideoSpec, clips: list[Clip]) -> dict[str, npt.NDArray[An
     }
 
 
+def frame_times(indices: list[int], fps: float) -> tuple[float, ...]:
+    """Each kept frame's time in seconds: its index / the clip's average frame rate
+    (Qwen's ``VideoMetadata.timestamps``)."""
+    return tuple(i / fps for i in indices)
+
+
 def video_shape(spec: VideoSpec, path: str, *, sample_id: str) -> tuple[int, int, int]:
     """The ``(t, h, w)`` :func:`load_clip` makes of the video at ``path``, from a demux pass
     only (no frame decoded): what a sample's length is planned from. SampleError as
     :func:`load_clip` raises it."""
+    return video_plan(spec, path, sample_id=sample_id)[0]
+
+
+def video_plan(
+    spec: VideoSpec, path: str, *, sample_id: str
+) -> tuple[tuple[int, int, int], tuple[float, ...]]:
+    """:func:`video_shape` and the kept frames' times (:func:`frame_times`)."""
     av = _av()
     try:
         info = probe_source(path)
     except (ValueError, av.error.FFmpegError, OSError, EOFError) as exc:
         raise SampleError(f"cannot read the video: {exc}", sample_id=sample_id, path=path) from exc
     indices, (h, w) = _plan(spec, info, sample_id=sample_id, path=path)
-    return len(indices), h, w
+    return (len(indices), h, w), frame_times(indices, info.fps)
