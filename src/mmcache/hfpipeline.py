@@ -96,7 +96,15 @@ def _parts(processor: Any) -> tuple[Any, Any, str]:
     return tokenizer, images, template
 
 
-def _qwen(processor: Any, tokenizer: Any, images: Any, template: str, max_length: int) -> Pipeline:
+def _qwen(
+    processor: Any,
+    tokenizer: Any,
+    images: Any,
+    template: str,
+    max_length: int,
+    *,
+    exif_transpose: bool,
+) -> Pipeline:
     """Qwen2-VL's smart resize and grid rule (see the module docstring)."""
     factor = int(images.patch_size) * int(images.merge_size)
     size = getattr(images, "size", None) or {}
@@ -113,6 +121,7 @@ def _qwen(processor: Any, tokenizer: Any, images: Any, template: str, max_length
         min_pixels=bound("min_pixels", "shortest_edge"),
         max_pixels=bound("max_pixels", "longest_edge"),
         factor=factor,
+        exif_transpose=exif_transpose,
         processor=images,
     )
     video, tokens = _qwen_video(processor)
@@ -187,10 +196,16 @@ def _qwen_video(processor: Any) -> tuple[VideoSpec | None, VideoTokens | None]:
 
 
 def _llava_next(
-    processor: Any, tokenizer: Any, images: Any, template: str, max_length: int
+    processor: Any,
+    tokenizer: Any,
+    images: Any,
+    template: str,
+    max_length: int,
+    *,
+    exif_transpose: bool,
 ) -> Pipeline:
     """LLaVA-NeXT's crops and its token count from the original size (the module docstring)."""
-    stage = LlavaNextImageStage(images)
+    stage = LlavaNextImageStage(images, exif_transpose=exif_transpose)
     spec = ChatSpec(
         tokenizer,
         template,
@@ -202,7 +217,11 @@ def _llava_next(
 
 
 def hf_processor(
-    processor: Any, max_length: int = 2048, *, template: str | None = None
+    processor: Any,
+    max_length: int = 2048,
+    *,
+    template: str | None = None,
+    exif_transpose: bool = True,
 ) -> Pipeline:
     """The :class:`~mmcache.Pipeline` equivalent to ``processor`` (see the module docstring).
 
@@ -211,6 +230,10 @@ def hf_processor(
             ``Qwen2_5_VLProcessor`` or ``Qwen3VLProcessor`` (Qwen3-VL, Qwen3.5).
         max_length: the most tokens a sample keeps, image tokens included.
         template: a chat template to use instead of the processor's.
+        exif_transpose: give the processor each image upright by its EXIF orientation
+            (True: as transformers' ``load_image``, which ``apply_chat_template`` and
+            the pipelines open files with, gives it) or as stored (False: as
+            qwen-vl-utils' ``fetch_image`` and a plain ``Image.open`` give it).
 
     Raises:
         ConfigError: another processor class (LLaVA-OneVision's included), a missing
@@ -228,15 +251,17 @@ def hf_processor(
     tokenizer, images, own = _parts(processor)
     template = template or own
     if name in _QWEN:
-        return _qwen(processor, tokenizer, images, template, max_length)
+        return _qwen(processor, tokenizer, images, template, max_length,
+                     exif_transpose=exif_transpose)  # fmt: skip
     if name == "LlavaNextProcessor":
-        return _llava_next(processor, tokenizer, images, template, max_length)
+        return _llava_next(processor, tokenizer, images, template, max_length,
+                           exif_transpose=exif_transpose)  # fmt: skip
     if name != "LlavaProcessor":
         raise ConfigError(
             f"hf_processor knows LlavaProcessor, LlavaNextProcessor, {', '.join(_QWEN)}, "
             f"got {name}: build the Pipeline from hf_image_processor and ChatSpec"
         )
-    stage = hf_image_processor(images)
+    stage = hf_image_processor(images, exif_transpose=exif_transpose)
     fixed = stage.output_size(1, 1) == stage.output_size(999, 333)
     hw = stage.output_size(1, 1)
     if not fixed or hw is None:

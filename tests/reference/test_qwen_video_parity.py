@@ -292,3 +292,38 @@ def test_qwen3_vl_patch_16_and_timestamped_video_tokens_equal_the_processors(
         theirs = model(**dict(want), labels=labels).loss
     assert torch.isfinite(ours)
     assert torch.allclose(ours, theirs, atol=1e-5), (float(ours), float(theirs))
+
+
+def test_frame_list_frames_equal_qwen_vl_utils_with_torchvision(tmp_path: Path) -> None:
+    """A video given as frame images: mmcache's clip equals qwen-vl-utils' ``fetch_video``
+    of the list (each frame through ``fetch_image``: RGB, image smart_resize, Pillow's
+    bicubic; the last repeated to an even count; the clip's smart_resize and
+    torchvision's bicubic antialias), computed here with torchvision itself."""
+    from video_support import smart_resize
+
+    from mmcache.transforms.frame_lists import load_frame_list
+
+    rng = np.random.default_rng(3)
+    paths = []
+    for k in range(5):
+        path = tmp_path / f"{k}.png"
+        Image.fromarray(rng.integers(0, 256, (61, 97, 3), dtype=np.uint8)).save(path)
+        paths.append(str(path))
+    spec = mc.VideoSpec()
+    clip = load_frame_list(spec, {"video": paths}, sample_id="f")
+    images = []
+    for p in paths:
+        with Image.open(p) as im:
+            rgb = im.convert("RGB")
+        h, w = smart_resize(rgb.height, rgb.width, 28, 4 * 28 * 28, 16384 * 28 * 28)
+        images.append(torch.from_numpy(np.asarray(rgb.resize((w, h))).transpose(2, 0, 1).copy()))
+    images.append(images[-1])
+    video = torch.stack(images)
+    n, _, height, width = video.shape
+    low = 128 * 28 * 28
+    high = max(min(768 * 28 * 28, 128000 * 28 * 28 * 0.9 / n * 2), int(low * 1.05))
+    size = smart_resize(height, width, 28, low, high)
+    want = tvf.resize(video, list(size), interpolation=tvf.InterpolationMode.BICUBIC,
+                      antialias=True)  # fmt: skip
+    assert tuple(want.shape) == clip.frames.shape
+    assert torch.equal(torch.from_numpy(clip.frames), want)

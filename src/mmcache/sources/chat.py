@@ -46,7 +46,7 @@ from mmcache.transforms.chat import Chat, ChatSpec, FullyMaskedError
 from mmcache.transforms.frame_lists import frame_list_plan
 from mmcache.transforms.hf_llava_next import LlavaNextImageStage
 from mmcache.transforms.image import DEFAULT_MAX_BYTES, image_header
-from mmcache.transforms.pixels import DECODE_ERRORS, orientation
+from mmcache.transforms.pixels import DECODE_ERRORS, applies_orientation, orientation
 from mmcache.transforms.smart_resize import output_hw
 from mmcache.transforms.video import VideoSpec
 from mmcache.transforms.video_decode import video_plan
@@ -209,7 +209,7 @@ def _image_hw(stage: object, path: str, sample_id: str) -> tuple[int, int]:
         max_bytes=max_bytes if isinstance(max_bytes, int) else None,
         max_pixels=None,
     ) as im:
-        turn = orientation(im)
+        turn = orientation(im) if applies_orientation(stage) else 1
         width, height = im.size
     hw = _chat_hw(stage, width, height, turn)
     if hw is None:
@@ -223,7 +223,7 @@ def _chat_hw(stage: object, width: int, height: int, turn: int) -> tuple[int, in
     """The ``(h, w)`` a chat counts an image's tokens from: the processed size
     (:func:`~mmcache.transforms.smart_resize.output_hw`), or for LLaVA-NeXT's
     any-resolution stage the original upright size (its count is a function of it)."""
-    if isinstance(stage, LlavaNextImageStage):
+    if isinstance(stage, LlavaNextImageStage):  # (turn is 1 for an as-stored stage)
         return (width, height) if turn >= 5 else (height, width)
     return output_hw(stage, width, height, turn)
 
