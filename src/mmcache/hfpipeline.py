@@ -168,7 +168,7 @@ def _qwen_video(processor: Any) -> tuple[VideoSpec | None, VideoTokens | None]:
     merge = int(videos.merge_size)
     temporal = int(videos.temporal_patch_size)
     fps = getattr(videos, "fps", None)
-    bounds: dict[str, int] = {}
+    bounds: dict[str, int | None] = {"min_pixels": None, "max_pixels": None}
     if type(videos).__name__ in _PER_FRAME_BOUNDS:
         size = getattr(videos, "size", None) or {}
         for key, name in (("shortest_edge", "min_pixels"), ("longest_edge", "max_pixels")):
@@ -182,7 +182,8 @@ def _qwen_video(processor: Any) -> tuple[VideoSpec | None, VideoTokens | None]:
         patch_size=patch,
         merge_size=merge,
         temporal_patch_size=temporal,
-        **bounds,
+        min_pixels=bounds["min_pixels"],
+        max_pixels=bounds["max_pixels"],
     )
     tokens = VideoTokens(
         pad_token=processor.video_token,

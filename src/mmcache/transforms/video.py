@@ -40,7 +40,7 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -145,12 +145,17 @@ class VideoSpec:
             (8192 x 4352, the largest frame H.264, H.265 and AV1 allow); ``None``: no
             limit. Like ``ImageSpec.max_pixels`` it decides which samples fail, never
             what a sample contains, so it is not in the fingerprint.
+        decoder: ``"auto"``: torchcodec where it loads, else PyAV;
+            ``"torchcodec"`` or ``"pyav"``: that one (see
+            :mod:`~mmcache.transforms.video_decode`). The frames are the same (within
+            a level), so it is not in the fingerprint.
 
     A record's video part may override the first nine per video (:meth:`for_part`).
     Combinations that refuse every clip (``max_pixels`` below ``min_pixels``, ``nframes``
     or ``max_frames`` that round to no frame, ``max_pixels`` under one 28 x 28 patch) are
     a ConfigError here, not a refusal of each clip after its decode. The fingerprint
-    covers every field but ``max_source_pixels``. Immutable, picklable, thread-safe.
+    covers every field but ``max_source_pixels`` and ``decoder``. Immutable, picklable,
+    thread-safe.
 
     >>> spec = VideoSpec()
     >>> spec.frame_indices(total_frames=60, video_fps=30.0)
@@ -176,8 +181,13 @@ class VideoSpec:
     merge_size: int = 2
     temporal_patch_size: int = 2
     max_source_pixels: int | None = MAX_SOURCE_PIXELS
+    decoder: Literal["auto", "torchcodec", "pyav"] = "auto"
 
     def __post_init__(self) -> None:
+        if self.decoder not in ("auto", "torchcodec", "pyav"):
+            raise ConfigError(
+                f"VideoSpec.decoder must be 'auto', 'torchcodec' or 'pyav', got {self.decoder!r}"
+            )
         for name in ("min_frames", "patch_size", "merge_size", "temporal_patch_size"):
             check_int(f"VideoSpec.{name}", getattr(self, name), minimum=1)
         # Kept counts are rounded to a multiple of FRAME_FACTOR: 1 frame rounds to none,
@@ -374,10 +384,11 @@ class VideoSpec:
     # -- fingerprint ---------------------------------------------------------------------
 
     def fingerprint(self) -> str:
-        """xxh3-128 hex digest of every field but ``max_source_pixels``, and
-        :data:`VIDEO_FORMAT_VERSION`."""
+        """xxh3-128 hex digest of every field but ``max_source_pixels`` and ``decoder``,
+        and :data:`VIDEO_FORMAT_VERSION`."""
         fields = asdict(self)
         del fields["max_source_pixels"]  # which clips fail, never what one holds
+        del fields["decoder"]  # the same frames (within a level) from either
         payload = {"version": VIDEO_FORMAT_VERSION, "resize": "bicubic-aa-f32", **fields}
         blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))
         return xxhash.xxh3_128_hexdigest(blob.encode())
