@@ -327,3 +327,39 @@ def test_frame_list_frames_equal_qwen_vl_utils_with_torchvision(tmp_path: Path) 
                       antialias=True)  # fmt: skip
     assert tuple(want.shape) == clip.frames.shape
     assert torch.equal(torch.from_numpy(clip.frames), want)
+
+
+def test_a_trainer_trains_qwen25_vl_on_image_and_video_batches(tmp_path: Path) -> None:
+    """The video recipe's trainer (docs/recipes/video.md): ``hf_processor(processor)``,
+    ``PixelValues.from_processor(processor, model_only=True)`` and a
+    ``transformers.Trainer`` whose ``get_train_dataloader`` returns the mmcache loader; 3
+    steps over image, video and mixed batches, each step's inputs the model's (the
+    videos' ``pixel_values_videos`` among them)."""
+    need("accelerate")
+    processor = qwen25_processor()
+    records = write_data(tmp_path)
+    ds = mc.MultimodalDataset(
+        mmcache_manifest(tmp_path, records), pipeline=mc.hf_processor(processor, 4096)
+    )
+    hook = PixelValues.from_processor(processor, model_only=True)
+    loader = mc.DataLoader(ds, cache=None, batch_size=2, seed=3, hooks=[hook])
+    seen: list[set[str]] = []
+
+    class MmcacheTrainer(transformers.Trainer):  # type: ignore[misc]
+        def get_train_dataloader(self) -> Any:
+            return loader
+
+        def compute_loss(self, model: Any, inputs: dict[str, Any], *a: Any, **kw: Any) -> Any:
+            seen.append(set(inputs))
+            return super().compute_loss(model, inputs, *a, **kw)
+
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=2,
+        learning_rate=1e-3, report_to=[], use_cpu=True, logging_steps=1,
+        save_strategy="no", dataloader_num_workers=0,
+    )  # fmt: skip
+    try:
+        MmcacheTrainer(model=tiny_qwen25_vl(processor), args=args).train()
+    finally:
+        loader.close()
+    assert len(seen) == 3 and any("pixel_values_videos" in keys for keys in seen)
