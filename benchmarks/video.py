@@ -21,6 +21,7 @@ JPEG per frame; the tier's ``nbytes()``), against the float32 frames of (a).
 
     .venv/bin/python benchmarks/video.py                # 8 clips
     .venv/bin/python benchmarks/video.py --clips 16 --epochs 3 --data /tmp/clips
+    .venv/bin/python benchmarks/video.py --decoders     # decode speed: PyAV, torchcodec
 """
 
 from __future__ import annotations
@@ -155,13 +156,59 @@ def cached_bytes(ds: MultimodalDataset, root: Path) -> tuple[float, float, float
     return out[0], out[1], out[2]
 
 
+def decoder_speed(args: argparse.Namespace) -> None:
+    """One decode of every clip (``load_clip``: demux, the kept frames decoded and resized)
+    with each decoder that loads, in one process, alternating: clips/s and kept
+    frames/s, the best of three rounds, and the largest difference of their frames."""
+    from dataclasses import replace
+
+    from mmcache.transforms.video_torchcodec import torchcodec_loads, unavailable_reason
+
+    with tempfile.TemporaryDirectory() as tmp:
+        data = args.data or Path(tmp)
+        data.mkdir(parents=True, exist_ok=True)
+        manifest = data / "train.json"
+        if not manifest.exists() or len(json.loads(manifest.read_text())) != args.clips:
+            manifest = make_data(data, args.clips)
+        clips = [data / r["video"] for r in json.loads(manifest.read_text())]
+        decoders = ["pyav"] + (["torchcodec"] if torchcodec_loads() else [])
+        if len(decoders) == 1:
+            print(f"torchcodec does not load here ({unavailable_reason()}): PyAV only")
+        best: dict[str, float] = {}
+        frames: dict[str, list[np.ndarray]] = {}
+        for _ in range(3):
+            for name in decoders:
+                spec = replace(SPEC, decoder=name)
+                t0 = time.perf_counter()
+                got = [load_clip(spec, c, sample_id=c.name).frames for c in clips]
+                best[name] = min(best.get(name, float("inf")), time.perf_counter() - t0)
+                frames[name] = got
+        kept = sum(f.shape[0] for f in frames["pyav"])
+        for name in decoders:
+            rate = f"{len(clips) / best[name]:.2f} clips/s, {kept / best[name]:.1f} kept frames/s"
+            print(f"{name:>10}: {rate} ({best[name]:.2f}s for {len(clips)})")
+        if "torchcodec" in frames:
+            diff = max(
+                int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max())
+                for a, b in zip(frames["pyav"], frames["torchcodec"], strict=True)
+            )
+            print(f"largest frame difference, torchcodec vs PyAV: {diff} levels")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clips", type=int, default=8)
     parser.add_argument("--epochs", type=int, default=3, help="epochs of (a) and warm (c)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--data", type=Path, help="keep (and reuse) the clips in this folder")
+    parser.add_argument(
+        "--decoders", action="store_true",
+        help="only time one decode of every clip with each decoder (PyAV, torchcodec)",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.decoders:
+        decoder_speed(args)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         data = args.data or root

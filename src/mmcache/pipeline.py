@@ -37,6 +37,7 @@ import xxhash
 
 from mmcache.errors import ConfigError, SampleError
 from mmcache.transforms.chat import Chat, ChatSpec
+from mmcache.transforms.frame_lists import load_frame_list
 from mmcache.transforms.hf_llava_next import Crops, LlavaNextImageStage
 from mmcache.transforms.image import ALPHA_BACKGROUND, ImageSpec, Interpolation, load_image
 from mmcache.transforms.normalize import (
@@ -308,7 +309,8 @@ class Pipeline:
         arrays, sizes, crops = self._chat_images(image_paths, sample_id)
         clips = self._videos(videos, sample_id)
         shapes = tuple(clip.shape for clip in clips)
-        enc = chat.encode(Chat(tuple(messages), sizes, shapes), sample_id=sample_id)
+        times = tuple(clip.times for clip in clips)
+        enc = chat.encode(Chat(tuple(messages), sizes, shapes, times), sample_id=sample_id)
         out: dict[str, npt.NDArray[Any]] = {"input_ids": enc.input_ids, "labels": enc.labels}
         if self.video is not None:
             out.update(video_fields(self.video, clips[: enc.n_videos]))
@@ -370,8 +372,10 @@ class Pipeline:
 
     def _videos(self, videos: Sequence[Mapping[str, Any]], sample_id: str) -> list[Clip]:
         """Each video part decoded to its spec's frames (one decode per clip): ``video``
-        a path or the clip's bytes; optional ``name`` (what errors call it) and
-        ``max_bytes`` (a larger clip is refused before it is opened)."""
+        a path, the clip's bytes or a list of frame images
+        (:func:`~mmcache.transforms.frame_lists.load_frame_list`); optional ``name``
+        (what errors call it) and ``max_bytes`` (a larger clip is refused before it is
+        opened)."""
         if videos and self.video is None:
             raise SampleError(
                 "record has videos, but the pipeline has no VideoSpec (Pipeline(video=...))",
@@ -379,6 +383,10 @@ class Pipeline:
             )
         clips = []
         for part in videos:
+            if isinstance(part["video"], list):  # frame images (qwen-vl-utils' list form)
+                clips.append(load_frame_list(cast(VideoSpec, self.video), part,
+                                             sample_id=sample_id))  # fmt: skip
+                continue
             # A part of a shard member or an object carries the clip's bytes, the name
             # errors give it and the size limit it was read under.
             name = part.get("name", part["video"])

@@ -244,3 +244,35 @@ def test_grayscale_and_v2_compose() -> None:
 def test_unsplittable_is_a_config_error_naming_the_transform(transform, named: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ConfigError, match=named):
         from_torchvision(transform())
+
+
+def test_eval_transform_equals_preprocess_val_on_files_as_open_clip_loads_them(
+    tmp_path: object,
+) -> None:
+    """The R1 newcomer's cases (issue 42), from files as open_clip's datasets open them
+    (``Image.open(path)``, no EXIF transpose): an upscaled portrait photo (171 x 232:
+    9 levels off before, the crop box resampled alone) and a photo stored sideways with
+    EXIF orientation 6 (58 levels: it was turned upright). Now the cached pixels are
+    torchvision's to the bit; what differs is the float rounding of the normalisation."""
+    from pathlib import Path
+
+    from mmcache.transforms.image import load_image
+
+    folder = Path(str(tmp_path))
+    preprocess = open_clip_transform.image_transform(224, is_train=False)
+    stage, augment = from_torchvision(preprocess)
+    assert stage.exif_transpose is False
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    files = []
+    for k, (size, tags) in enumerate([((171, 232), None), ((320, 200), exif), ((150, 460), None)]):
+        path = folder / f"{k}.jpg"
+        photo(*size).save(path, "JPEG", quality=92, **({"exif": tags.tobytes()} if tags else {}))
+        files.append(path)
+    for path in files:
+        cached = torch.from_numpy(load_image(stage, path, sample_id="p"))
+        ours = augment(cached.permute(2, 0, 1).unsqueeze(0), sample_generators(0, 0, [0]))[0]
+        with Image.open(path) as im:
+            ref = preprocess(im)
+        level = (ours - ref).abs() * torch.tensor(preprocess.transforms[-1].std).view(3, 1, 1)
+        assert level.max().item() * 255 <= 0.01, (path.name, level.max().item() * 255)

@@ -122,7 +122,10 @@ def _interpolation(t: object, allowed: set[str]) -> str:
 class _Split:
     """The walk over the flattened transforms: prefix -> stage, the rest -> augments."""
 
-    def __init__(self, resize: int | None, channels_last: bool, draft: bool) -> None:
+    def __init__(
+        self, resize: int | None, channels_last: bool, draft: bool, exif_transpose: bool
+    ) -> None:
+        self.exif_transpose = exif_transpose
         self.resize_override = resize
         self.channels_last = channels_last
         self.draft = draft
@@ -209,7 +212,11 @@ class _Split:
         raise self.refuse(i, t, "no mmcache.augment equivalent")
 
     def stage(self, i_crop: RandomResizedCrop | None) -> ImageSpec:
-        common: dict[str, Any] = {"draft": self.draft, "channels_last": self.channels_last}
+        common: dict[str, Any] = {
+            "draft": self.draft,
+            "channels_last": self.channels_last,
+            "exif_transpose": self.exif_transpose,
+        }
         if self.resize is None:
             if i_crop is None:
                 raise ConfigError(
@@ -244,6 +251,7 @@ def from_torchvision(
     resize: int | None = None,
     draft: bool = False,
     channels_last: bool = True,
+    exif_transpose: bool = False,
 ) -> tuple[ImageSpec, Compose]:
     """``(image_stage, augment)`` equivalent to a torchvision (v1 or v2) ``Compose``.
 
@@ -257,6 +265,10 @@ def from_torchvision(
         draft: allow reduced-size JPEG decoding in the cached stage (faster cold
             epochs, slightly sharper than Pillow's resize; off by default to match).
         channels_last: cache interleaved pixels (the CPU crop reads them natively).
+        exif_transpose: turn images upright by their EXIF orientation. Off by default,
+            as torchvision's ``ImageFolder`` / ``default_loader`` and open_clip's
+            datasets open them (``Image.open(path).convert("RGB")``): a phone photo
+            stored sideways reaches the model sideways there, and here.
 
     Returns:
         the :class:`~mmcache.ImageSpec` to put in the ``Pipeline`` and the
@@ -267,7 +279,7 @@ def from_torchvision(
 
     >>> stage, augment = from_torchvision([])  # doctest: +SKIP
     """
-    split = _Split(resize, channels_last, draft)
+    split = _Split(resize, channels_last, draft, exif_transpose)
     for i, t in enumerate(_flatten(transform)):
         split.take(i, t)
     crop = next((a for a in split.augments if isinstance(a, RandomResizedCrop)), None)

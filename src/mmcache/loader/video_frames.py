@@ -105,6 +105,14 @@ class VideoFrameSampler(LoaderHook):
         video = getattr(chat, "video", None)
         if video is None:
             raise ConfigError("VideoFrameSampler.for_chat needs a ChatSpec(video=VideoTokens())")
+        if video.timestamps:
+            # Each step's "<t seconds>" text is tokens of the cached sample: dropping a
+            # step's frames would leave its timestamp, or need a tokenizer here.
+            raise ConfigError(
+                "VideoFrameSampler cannot sample Qwen3-VL's timestamped video tokens "
+                "(VideoTokens(timestamps=True)): choose the frames before the cache "
+                "(VideoSpec's fps / nframes)"
+            )
         common = {"pad_token_id": pad_token_id, "mode": mode, "factor": video.factor,
                   "temporal_patch_size": video.temporal_patch_size}  # fmt: skip
         if not video.per_frame:

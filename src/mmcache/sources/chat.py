@@ -43,12 +43,13 @@ from mmcache.rootfiles import make_dir, read_regular, replace_file
 from mmcache.sources import identity
 from mmcache.sources.records import RecordReject, Records
 from mmcache.transforms.chat import Chat, ChatSpec, FullyMaskedError
+from mmcache.transforms.frame_lists import frame_list_plan
 from mmcache.transforms.hf_llava_next import LlavaNextImageStage
 from mmcache.transforms.image import DEFAULT_MAX_BYTES, image_header
-from mmcache.transforms.pixels import DECODE_ERRORS, orientation
+from mmcache.transforms.pixels import DECODE_ERRORS, applies_orientation, orientation
 from mmcache.transforms.smart_resize import output_hw
 from mmcache.transforms.video import VideoSpec
-from mmcache.transforms.video_decode import video_shape
+from mmcache.transforms.video_decode import video_plan
 
 __all__ = [
     "ChatLengths",
@@ -211,7 +212,7 @@ def _image_hw(stage: object, path: str, sample_id: str) -> tuple[int, int]:
         max_bytes=max_bytes if isinstance(max_bytes, int) else None,
         max_pixels=None,
     ) as im:
-        turn = orientation(im)
+        turn = orientation(im) if applies_orientation(stage) else 1
         width, height = im.size
     hw = _chat_hw(stage, width, height, turn)
     if hw is None:
@@ -225,7 +226,7 @@ def _chat_hw(stage: object, width: int, height: int, turn: int) -> tuple[int, in
     """The ``(h, w)`` a chat counts an image's tokens from: the processed size
     (:func:`~mmcache.transforms.smart_resize.output_hw`), or for LLaVA-NeXT's
     any-resolution stage the original upright size (its count is a function of it)."""
-    if isinstance(stage, LlavaNextImageStage):
+    if isinstance(stage, LlavaNextImageStage):  # (turn is 1 for an as-stored stage)
         return (width, height) if turn >= 5 else (height, width)
     return output_hw(stage, width, height, turn)
 
@@ -243,7 +244,7 @@ def _measure(
 ) -> None:
     """Fill ``columns`` (lengths, has_image, trainable, status) for ``rows``; a video's
     tokens are counted from its demux pass alone
-    (:func:`~mmcache.transforms.video_decode.video_shape`)."""
+    (:func:`~mmcache.transforms.video_decode.video_plan`)."""
     for i in rows:
         sample_id = records.id(i)
         messages = records.chat(i)
@@ -269,18 +270,26 @@ def _measure(
                         f"cannot read the image header: {exc}", sample_id=sample_id, path=path
                     ) from exc
             clips: list[tuple[int, int, int]] = []
+            times: list[tuple[float, ...]] = []
             for part in records.videos(i):
                 if video is None:
                     raise SampleError(
                         "record has videos, but the pipeline has no VideoSpec",
                         sample_id=sample_id,
                     )
-                spec = video.for_sample(part, sample_id=sample_id, path=part["video"])
-                status = _UNREADABLE
-                clips.append(video_shape(spec, part["video"], sample_id=sample_id))
+                if isinstance(part["video"], list):  # frame images: their headers
+                    status = _UNREADABLE
+                    shape, clip_times = frame_list_plan(video, part, sample_id=sample_id)
+                else:
+                    spec = video.for_sample(part, sample_id=sample_id, path=part["video"])
+                    status = _UNREADABLE
+                    shape, clip_times = video_plan(spec, part["video"], sample_id=sample_id)
+                clips.append(shape)
+                times.append(clip_times)
                 status = _REFUSED
             enc = chat.encode(
-                Chat(tuple(messages), tuple(sizes), tuple(clips)), sample_id=sample_id
+                Chat(tuple(messages), tuple(sizes), tuple(clips), tuple(times)),
+                sample_id=sample_id,
             )
         except SampleError as err:
             if isinstance(err, FullyMaskedError):

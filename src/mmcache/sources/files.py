@@ -180,7 +180,10 @@ class FileSource(BaseSource):
 
     def _media(self, i: int) -> list[str]:
         """Every file chat sample ``i`` is made of: its images, then its videos."""
-        videos = [part["video"] for part in self.records.videos(i)]
+        videos: list[str] = []
+        for part in self.records.videos(i):
+            ref = part["video"]
+            videos.extend(ref if isinstance(ref, list) else [ref])  # a frame list: each
         return [*self.records.image_paths(i), *videos]
 
     def _chat_text(self, i: int) -> str:

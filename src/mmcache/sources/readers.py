@@ -38,7 +38,7 @@ from typing import Any, BinaryIO, Literal
 from mmcache.errors import ConfigError, ManifestError
 from mmcache.rootfiles import open_regular
 from mmcache.sources.records import Records, RecordsBuilder
-from mmcache.transforms.video import PART_KEYS
+from mmcache.transforms.video import FRAME_LIST_KEYS, PART_KEYS
 
 __all__ = [
     "IMAGE_TOKEN",
@@ -304,23 +304,54 @@ def _images_of(rec: Mapping[str, Any]) -> tuple[list[str] | None, str | None]:
     return list(items), None
 
 
+def _reference(value: object, where: str, noun: str = "path") -> tuple[str | None, str | None]:
+    """A file reference (a path or URL; Qwen's ``file://`` prefix dropped: a local
+    path, not an fsspec URL) or ``(None, reason)``."""
+    if not isinstance(value, str) or not value:
+        return None, f"{where} must be a non-empty {noun}, got {_describe(value)}"
+    if "\x00" in value:
+        return None, _NUL_REASON.format(key=where)
+    return value.removeprefix("file://"), None
+
+
+def _frame_list(value: list[Any], where: str) -> tuple[list[str] | None, str | None]:
+    """A video given as a list of frame images (qwen-vl-utils, LLaVA-Video's frame
+    folders, InternVL, LlamaFactory), or ``(None, reason)``."""
+    if not value:
+        return None, f"{where} is an empty list of frames"
+    frames: list[str] = []
+    for k, item in enumerate(value):
+        ref, reason = _reference(item, f"{where}[{k}]")
+        if ref is None:
+            return None, reason
+        frames.append(ref)
+    return frames, None
+
+
 def _video_part(part: Mapping[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
     """A ``{"type": "video", "video": ref, "fps"...}`` part as the record's video part
-    (the reference and the options of :data:`~mmcache.transforms.video.PART_KEYS`), or
-    ``(None, reason)``."""
+    (the reference, or a list of frame images, and the options of
+    :data:`~mmcache.transforms.video.PART_KEYS`; a frame list also takes qwen-vl-utils'
+    ``sample_fps`` and ``raw_fps``), or ``(None, reason)``."""
     ref = part.get("video")
+    video: str | list[str] | None
     if isinstance(ref, list):
-        return None, "a video given as a list of frame images is not supported"
-    if not isinstance(ref, str) or not ref or "\x00" in ref:
-        return None, f"a video part's 'video' must be a non-empty path, got {_describe(ref)}"
-    # Qwen's parts name local files "file:///abs/path"; that is a path, not an fsspec URL.
-    out: dict[str, Any] = {"video": ref.removeprefix("file://")}
-    for key in PART_KEYS:
+        video, reason = _frame_list(ref, "a video part's 'video'")
+        keys: tuple[str, ...] = (*PART_KEYS, *FRAME_LIST_KEYS)
+    else:
+        video, reason = _reference(ref, "a video part's 'video'")
+        keys = PART_KEYS
+    if video is None:
+        return None, reason
+    out: dict[str, Any] = {"video": video}
+    for key in keys:
         value = part.get(key)
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             return None, f"a video part's {key!r} must be a number >= 0, got {_describe(value)}"
+        if key in FRAME_LIST_KEYS and value <= 0:
+            return None, f"a video part's {key!r} must be a number > 0, got {_describe(value)}"
         out[key] = value
     if "fps" in out and "nframes" in out:
         return None, "a video part takes 'fps' or 'nframes', not both"
@@ -328,28 +359,61 @@ def _video_part(part: Mapping[str, Any]) -> tuple[dict[str, Any] | None, str | N
 
 
 def _videos_of(rec: Mapping[str, Any]) -> tuple[list[dict[str, Any]] | None, str | None]:
-    """The videos of a LLaVA-style record (``video``: a path or an array of paths), as
-    video parts, or ``(None, reason)``."""
+    """The videos of a LLaVA-style record (``video``: a path, or an array of videos,
+    each a path or an array of frame images), as video parts, or ``(None, reason)``."""
     value = rec.get("video")
     if value is None:
         return [], None
     items = value if isinstance(value, list) else [value]
     out: list[dict[str, Any]] = []
     for k, item in enumerate(items):
-        where = "video" if not isinstance(value, list) else f"video[{k}]"
-        if not isinstance(item, str) or not item:
-            return None, f"{where!r} must be a non-empty string, got {_describe(item)}"
-        if "\x00" in item:
-            return None, _NUL_REASON.format(key=where)
+        where = "'video'" if not isinstance(value, list) else f"'video[{k}]'"
+        if isinstance(item, list):
+            frames, reason = _frame_list(item, where)
+            if frames is None:
+                return None, reason
+            out.append({"video": frames})
+            continue
+        ref, reason = _reference(item, where, "string")
+        if ref is None:
+            return None, reason
         out.append({"video": item})
     return out, None
 
 
-def _content_text(content: object, videos: list[dict[str, Any]]) -> str | None:
+#: The per-image options of Qwen's image parts that mmcache does not apply per image
+#: (refused, so that no image is silently sized otherwise than the record says).
+_IMAGE_PART_OPTIONS = ("min_pixels", "max_pixels", "resized_height", "resized_width")
+
+
+def _image_part(part: Mapping[str, Any], images: list[str | None]) -> None:
+    """An image part: its inline reference (Qwen's ``{"type": "image", "image": path}``)
+    appended to ``images``, or ``None`` for a bare ``{"type": "image"}`` (its image is
+    in the record's ``images``). ValueError with the reason for a bad one."""
+    options = [k for k in _IMAGE_PART_OPTIONS if part.get(k) is not None]
+    if options:
+        raise ValueError(
+            f"an image part's {options} are not applied per image: size images with the "
+            "pipeline's image stage (SmartResize / hf_processor's min_pixels, max_pixels)"
+        )
+    if "image" not in part or part["image"] is None:
+        images.append(None)
+        return
+    ref, reason = _reference(part["image"], "an image part's 'image'")
+    if ref is None:
+        raise ValueError(reason)
+    images.append(ref)
+
+
+def _content_text(
+    content: object, videos: list[dict[str, Any]], images: list[str | None]
+) -> str | None:
     """A message's content as text: a string, or a list of ``{"type": "text", "text"}``,
-    ``{"type": "image"}`` and ``{"type": "video", "video": ...}`` parts (an image part
-    becomes :data:`IMAGE_TOKEN`, a video part :data:`VIDEO_TOKEN`, its part appended to
-    ``videos``). A bad video part raises ValueError with the reason."""
+    ``{"type": "image"}`` (optionally with its ``"image"`` path, Qwen's inline form)
+    and ``{"type": "video", "video": ...}`` parts (an image part becomes
+    :data:`IMAGE_TOKEN`, its reference or ``None`` appended to ``images``; a video part
+    :data:`VIDEO_TOKEN`, its part appended to ``videos``). A bad image or video part
+    raises ValueError with the reason."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -361,7 +425,8 @@ def _content_text(content: object, videos: list[dict[str, Any]]) -> str | None:
         kind = part.get("type")
         if kind == "text" and isinstance(part.get("text"), str):
             parts.append(part["text"])
-        elif kind == "image":
+        elif kind == "image" or (kind is None and "image" in part):
+            _image_part(part, images)
             parts.append(IMAGE_TOKEN)
         elif kind == "video" or (kind is None and "video" in part):
             video, reason = _video_part(part)
@@ -375,10 +440,11 @@ def _content_text(content: object, videos: list[dict[str, Any]]) -> str | None:
 
 
 def _messages_turns(
-    messages: object, videos: list[dict[str, Any]]
+    messages: object, videos: list[dict[str, Any]], images: list[str | None]
 ) -> tuple[list[dict[str, str]] | None, str | None]:
     """``messages`` (``role``/``content``) as LLaVA turns (``from``/``value``), or a reason;
-    the video parts found are appended to ``videos``."""
+    the video parts found are appended to ``videos``, the image parts' references (or
+    ``None``) to ``images``."""
     if not isinstance(messages, list):
         return None, f"'messages' must be an array, got {_describe(messages)}"
     if not messages:
@@ -391,7 +457,7 @@ def _messages_turns(
         if role is None:
             return None, f"messages[{k}]: {reason}"
         try:
-            text = _content_text(message.get("content", _MISSING), videos)
+            text = _content_text(message.get("content", _MISSING), videos, images)
         except ValueError as exc:
             return None, f"messages[{k}]: {exc}"
         if text is None:
@@ -431,10 +497,25 @@ def _chat_record(rec: object, index: int, builder: RecordsBuilder) -> None:
         return
     if "conversations" not in rec and "messages" in rec:
         parts: list[dict[str, Any]] = []
-        turns, problem = _messages_turns(rec["messages"], parts)
+        inline: list[str | None] = []
+        turns, problem = _messages_turns(rec["messages"], parts, inline)
         if parts and videos:
             turns, problem = None, "videos given both as 'video' and as message parts"
         videos = videos or parts
+        named = [ref for ref in inline if ref is not None]
+        if turns is not None and named:
+            # Qwen's inline form: each image part names its image, in placeholder order.
+            if len(named) != len(inline):
+                turns, problem = (
+                    None,
+                    (
+                        f"{len(named)} of {len(inline)} image parts name their image ('image'): "
+                        "name every image in its part, or none (then in 'images')"
+                    ),
+                )
+            elif images:
+                turns, problem = None, "images given both as 'images' and as message parts"
+            images = named
     else:
         conversations = rec.get("conversations", _MISSING)
         problem = _conversation_problem(conversations)

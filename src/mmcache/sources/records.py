@@ -280,8 +280,9 @@ class Records:
     def videos(self, i: int) -> list[dict[str, Any]]:
         """Return row ``i``'s video parts in placeholder order: ``{"video": reference, ...}``
         with the part's own options (``fps``, ``nframes``, ``video_start``...), the
-        reference resolved as :meth:`image_path` resolves an image's (against the video
-        folder when one was given, :meth:`with_video_dir`); ``[]`` for none."""
+        reference (or each of a frame list's) resolved as :meth:`image_path` resolves an
+        image's (against the video folder when one was given, :meth:`with_video_dir`);
+        ``[]`` for none."""
         i = self._row(i)
         if self._videos is None:
             return []
@@ -289,9 +290,17 @@ class Records:
         parts: list[dict[str, Any]] = json.loads(raw) if raw else []
         for part in parts:
             ref = part["video"]
-            if not _URL_RE.match(ref):
-                part["video"] = os.path.normpath(os.path.join(self._video_dir, ref))
+            if isinstance(ref, list):  # a video given as its frame images
+                part["video"] = [self._resolved(r, self._video_dir) for r in ref]
+            else:
+                part["video"] = self._resolved(ref, self._video_dir)
         return parts
+
+    @staticmethod
+    def _resolved(ref: str, base: str) -> str:
+        """A reference as :meth:`image_path` resolves it against ``base`` (a URL is kept as
+        is)."""
+        return ref if _URL_RE.match(ref) else os.path.normpath(os.path.join(base, ref))
 
     def video_json(self, i: int) -> str:
         """Return row ``i``'s video parts as the canonical JSON they are stored as (``""``

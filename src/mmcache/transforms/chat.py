@@ -111,6 +111,9 @@ class Chat:
     image_sizes: tuple[tuple[int, int], ...] = ()
     #: ``(t, h, w)`` of each processed video, in the order of the video placeholders.
     video_sizes: tuple[tuple[int, int, int], ...] = ()
+    #: Each video's kept frames' times in seconds (what ``VideoTokens(timestamps=True)``
+    #: writes; may be left empty otherwise).
+    video_times: tuple[tuple[float, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -663,6 +666,7 @@ class ChatSpec:
             emit(self._wrap[1])
 
         images, videos = iter(chat.image_sizes), iter(chat.video_sizes)
+        times = iter(chat.video_times)
         for i, piece in enumerate(pieces):
             if piece:
                 enc = self.tokenizer.encode(piece, add_special_tokens=False)
@@ -679,7 +683,8 @@ class ChatSpec:
             if found[i] == self.image_token:
                 image_run(*next(images))
             else:
-                self._video_block(next(videos), emit, image_run, blocks, position)
+                clip_times = next(times, None)
+                self._video_block(next(videos), emit, image_run, blocks, position, times=clip_times)
             base += len(found[i])
         if not ids:
             empty = np.zeros(0, dtype=np.int64)
@@ -718,9 +723,12 @@ class ChatSpec:
         image_run: Callable[[int, int], None],
         blocks: list[tuple[int, int]],
         position: Callable[[], int],
+        *,
+        times: tuple[float, ...] | None,
     ) -> None:
         """Emit one video's tokens (see :class:`~mmcache.transforms.video.VideoTokens`)
-        and record its block."""
+        and record its block. SampleError when timestamped tokens have no frame times
+        for each frame."""
         video = self.video
         assert video is not None
         t, h, w = (int(v) for v in size)
@@ -728,6 +736,23 @@ class ChatSpec:
         if video.per_frame:
             for _ in range(t):
                 image_run(h, w)
+        elif video.timestamps:
+            if times is None or len(times) != t:
+                raise SampleError(
+                    f"VideoTokens(timestamps=True) needs each of the video's {t} frames' "
+                    f"times, got {0 if times is None else len(times)}",
+                    sample_id="<chat>",
+                )
+            per_step = video.count(video.temporal_patch_size, h, w)
+            pads = np.full(per_step, self.video_token_id, dtype=np.int32)
+            emit(self._video_wrap[0])
+            for seconds in video.step_times(times):
+                stamp = self.tokenizer.encode(f"<{seconds:.1f} seconds>", add_special_tokens=False)
+                emit(np.asarray(stamp.ids, dtype=np.int32))
+                emit(self._video_wrap[0])
+                emit(pads)
+                emit(self._video_wrap[1])
+            emit(self._video_wrap[1])
         else:
             emit(self._video_wrap[0])
             emit(np.full(video.count(t, h, w), self.video_token_id, dtype=np.int32))

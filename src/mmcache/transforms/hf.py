@@ -22,7 +22,8 @@ Migration from the ``__getitem__`` pattern::
     ...
     pixel_values = mmcache.normalize(batch["image"].cuda(), stage.mean, stage.std)
 
-The stage receives the image upright and in RGB (transparent pixels composited on
+The stage receives the image upright (as transformers' ``load_image`` opens a file;
+``exif_transpose=False``: as stored) and in RGB (transparent pixels composited on
 white, as the processors' own ``convert_rgb`` does). Supported: processors whose
 output is one ``[3, H, W]`` image per input (CLIP, SigLIP, BLIP, ViT, ConvNeXt...);
 one that returns patches or a list of crops is refused when the stage is built.
@@ -124,14 +125,19 @@ class HFImageStage:
 
     kind: ClassVar[StageKind] = "image"
 
-    def __init__(self, processor: Any) -> None:
+    def __init__(self, processor: Any, *, exif_transpose: bool = True) -> None:
+        if not isinstance(exif_transpose, bool):
+            raise ConfigError(f"exif_transpose must be a bool, got {exif_transpose!r}")
         if not callable(processor) or not callable(getattr(processor, "to_dict", None)):
             raise ConfigError(
                 f"hf_image_processor needs a transformers image processor (such as "
                 f"CLIPImageProcessor), got {type(processor).__name__}"
             )
         self.processor = processor
-        self._fingerprint = processor_fingerprint("hf_image_processor", HF_STAGE_VERSION, processor)
+        self.exif_transpose = exif_transpose
+        # As stored is named only when chosen: the stages made before keep their keys.
+        name = "hf_image_processor" if exif_transpose else "hf_image_processor/as-stored"
+        self._fingerprint = processor_fingerprint(name, HF_STAGE_VERSION, processor)
         self.mean, self.std = processor_mean_std(processor)
         # Refuse now, not in a worker at the first sample, a processor whose output is
         # not one uint8-valued image (patches, crops, a float resample).
@@ -208,7 +214,7 @@ class HFImageStage:
     def __call__(self, im: Image.Image, /) -> npt.NDArray[np.uint8]:
         """A decoded image (stored frame) -> the processor's resized and cropped uint8
         ``[3, H, W]``, before rescale and normalise."""
-        return self._run(upright_rgb(im))
+        return self._run(upright_rgb(im, transpose=self.exif_transpose))
 
 
 def processor_identity(processor: Any) -> dict[str, Any]:
@@ -276,7 +282,7 @@ def _hw(size: Any) -> tuple[int, int] | None:
     return (h, w) if h is not None and w is not None else None
 
 
-def hf_image_processor(processor: Any) -> HFImageStage:
+def hf_image_processor(processor: Any, *, exif_transpose: bool = True) -> HFImageStage:
     """A ``transformers`` image processor as a cached image stage (see the module docstring).
 
     Args:
@@ -284,6 +290,8 @@ def hf_image_processor(processor: Any) -> HFImageStage:
             ...), a multimodal processor with an ``image_processor`` (``CLIPProcessor``,
             a LLaVA processor), or the path of a local folder or
             ``preprocessor_config.json`` (loaded offline with ``AutoImageProcessor``).
+        exif_transpose: give the processor each image upright (True: as transformers'
+            ``load_image`` opens a file) or as stored (False).
 
     Raises ConfigError for what is not an image processor, one whose output cannot
     be cached as one uint8 image, or a path when ``transformers`` is not installed
@@ -294,7 +302,7 @@ def hf_image_processor(processor: Any) -> HFImageStage:
     inner = getattr(processor, "image_processor", None)
     if inner is not None:
         processor = inner
-    return HFImageStage(processor)
+    return HFImageStage(processor, exif_transpose=exif_transpose)
 
 
 if TYPE_CHECKING:  # mypy checks that HFImageStage conforms to the protocol

@@ -81,15 +81,22 @@ class LlavaNextImageStage:
     kind: ClassVar[StageKind] = "image"
     fixed_shape: ClassVar[bool] = False
 
-    def __init__(self, processor: Any) -> None:
+    def __init__(self, processor: Any, *, exif_transpose: bool = True) -> None:
+        if not isinstance(exif_transpose, bool):
+            raise ConfigError(f"exif_transpose must be a bool, got {exif_transpose!r}")
         if not callable(processor) or not hasattr(processor, "image_grid_pinpoints"):
             raise ConfigError(
                 "LlavaNextImageStage needs a LlavaNextImageProcessor (one with "
                 f"image_grid_pinpoints), got {type(processor).__name__}"
             )
         self.processor = processor
+        #: Upright (transformers' ``load_image``) or as stored; named in the
+        #: fingerprint only when as stored (the stages made before keep their keys).
+        self.exif_transpose = exif_transpose
         self._fingerprint = processor_fingerprint(
-            "hf_llava_next", LLAVA_NEXT_STAGE_VERSION, processor
+            "hf_llava_next" if exif_transpose else "hf_llava_next/as-stored",
+            LLAVA_NEXT_STAGE_VERSION,
+            processor,
         )
         self.mean, self.std = processor_mean_std(processor)
         # Refuse now, not in a worker at the first sample, a processor whose crops are
@@ -138,7 +145,7 @@ class LlavaNextImageStage:
     def __call__(self, im: Image.Image, /) -> Crops:
         """A decoded image (stored frame) -> its :class:`Crops`: the processor's uint8
         crops and the upright original ``(height, width)``. Raises SampleError."""
-        src = upright_rgb(im)
+        src = upright_rgb(im, transpose=self.exif_transpose)
         return Crops(self._run(src), (src.height, src.width))
 
 

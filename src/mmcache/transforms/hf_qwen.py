@@ -66,7 +66,7 @@ class QwenImageStage(SmartResize):
         """A decoded image -> the processor's resized uint8 ``[3, h, w]``. SampleError
         for an aspect ratio over 200 or output the processor did not make as the size
         rule says."""
-        src = upright_rgb(im)
+        src = upright_rgb(im, transpose=self.exif_transpose)
         try:
             h, w = self.output_size(src.height, src.width)
         except ValueError as exc:

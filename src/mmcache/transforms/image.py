@@ -195,6 +195,11 @@ class ImageSpec:
             resizing (LLaVA's ``expand2square``), so nothing is cropped away.
         fill: the padding colour, RGB 0..255; default :data:`PAD_FILL` (the CLIP mean as
             uint8, as LLaVA pads). Only with ``pad_to_square=True``.
+        exif_transpose: turn each image upright by its EXIF orientation (True, as
+            ``ImageOps.exif_transpose`` and transformers' ``load_image`` do), or keep it
+            as stored (False: what ``PIL.Image.open(path).convert("RGB")`` gives, as
+            torchvision's and open_clip's loaders and qwen-vl-utils feed a phone photo
+            stored sideways). :func:`mmcache.from_torchvision` sets False.
         channels_last: cache the pixels as ``[H, W, 3]`` (interleaved, as decoded): the
             loader then gives ``[B, 3, H, W]`` tensors in torch's ``channels_last``
             memory format (same values, other strides). CPU resampling (the random
@@ -202,9 +207,18 @@ class ImageSpec:
             natively, where a ``[3, H, W]`` image costs an interleaving copy per crop
             (about half of a 224 px crop's time on the CPU, measured).
 
-    ``crop``, ``max_size``, ``pad_to_square``, ``fill`` and ``channels_last`` enter the
-    fingerprint only
-    when they differ from their defaults, so the keys of existing caches are unchanged.
+    ``crop``, ``max_size``, ``pad_to_square``, ``fill``, ``exif_transpose`` and
+    ``channels_last`` enter the fingerprint only when they differ from their defaults,
+    so the keys of existing caches are unchanged.
+
+    A centre crop is cut from the whole resized image: exactly torchvision's
+    ``Resize`` + ``CenterCrop`` on a PIL image. Only after a reduced (draft) decode is
+    the crop's box alone resampled from the smaller image (the DCT scaling differs
+    from a full decode anyway). Entries cached by mmcache before this rule (the box
+    alone resampled, which Pillow rounds through another two-pass order: a few pixels
+    along sharp edges up to about 20 levels off, most within one) keep their keys, as
+    the pinned fingerprints require: a cache made before it serves them until they are
+    made again (a new cache root makes them so).
     Raises ConfigError on invalid values. Immutable, picklable, thread-safe.
 
     >>> ImageSpec(size=336).resize
@@ -226,6 +240,7 @@ class ImageSpec:
     pad_to_square: bool = False
     fill: tuple[int, int, int] | None = None
     channels_last: bool = False
+    exif_transpose: bool = True
 
     def __post_init__(self) -> None:
         check_int("ImageSpec.size", self.size, minimum=1)
@@ -270,6 +285,10 @@ class ImageSpec:
             raise ConfigError(f"ImageSpec.pad_to_square must be a bool, got {self.pad_to_square!r}")
         if not isinstance(self.channels_last, bool):
             raise ConfigError(f"ImageSpec.channels_last must be a bool, got {self.channels_last!r}")
+        if not isinstance(self.exif_transpose, bool):
+            raise ConfigError(
+                f"ImageSpec.exif_transpose must be a bool, got {self.exif_transpose!r}"
+            )
         if self.fill is not None and not self.pad_to_square:
             raise ConfigError(
                 f"ImageSpec.fill ({self.fill!r}) is the colour of pad_to_square: "
@@ -315,6 +334,8 @@ class ImageSpec:
             fields["fill"] = list(cast(tuple[int, int, int], self.fill))
         if self.channels_last:
             fields["layout"] = "hwc"
+        if not self.exif_transpose:
+            fields["exif"] = "as-stored"
         return fields
 
     def fingerprint(self) -> str:
@@ -363,17 +384,38 @@ class ImageSpec:
                 # Pad in the upright RGB frame (the fill is an RGB colour, and LLaVA pads
                 # the upright image); a reduced decode is then just a smaller image.
                 fill = cast(tuple[int, int, int], self.fill)
-                src = expand_to_square(upright_rgb(im), fill)
+                src = expand_to_square(upright_rgb(im, transpose=self.exif_transpose), fill)
                 turn, width, height = 1, src.width, src.height
                 reduced = None
             else:
-                turn = orientation(im)
+                turn = orientation(im) if self.exif_transpose else 1
                 width, height = im.size if reduced is None else reduced.size
                 src = to_rgb_or_l(im)
         except (ValueError, OSError) as exc:
             raise SampleError(
                 f"cannot convert image mode {im.mode} to RGB: {exc}", sample_id=sample_id, path=path
             ) from exc
+        if self.crop == "center" and reduced is None:
+            out = self._exact_center_crop(src, turn)
+        else:
+            out = self._box_resize(src, turn, width, height, reduced)
+        if out.mode != "RGB":
+            out = out.convert("RGB")
+        if self.channels_last:
+            return np.array(out)  # a writable copy (Pillow's buffer view is read-only)
+        hwc = np.asarray(out)
+        return np.ascontiguousarray(hwc.transpose(2, 0, 1))
+
+    def _box_resize(
+        self,
+        src: Image.Image,
+        turn: int,
+        width: int,
+        height: int,
+        reduced: ReducedDecode | None,
+    ) -> Image.Image:
+        """The output resampled from its box of the stored frame (only the output's
+        pixels computed), then turned upright."""
         if self.crop == "center":
             box = crop_box(width, height, turn, self.size, self.resize_to)
             stored_out = (self.size, self.size)
@@ -390,12 +432,23 @@ class ImageSpec:
         out = src.resize(stored_out, _RESAMPLE[self.interpolation], box=box)
         if turn != 1:
             out = out.transpose(ORIENTATION_TRANSPOSE[turn])
-        if out.mode != "RGB":
-            out = out.convert("RGB")
-        if self.channels_last:
-            return np.array(out)  # a writable copy (Pillow's buffer view is read-only)
-        hwc = np.asarray(out)
-        return np.ascontiguousarray(hwc.transpose(2, 0, 1))
+        return out
+
+    def _exact_center_crop(self, src: Image.Image, turn: int) -> Image.Image:
+        """torchvision's ``Resize(resize)`` + ``CenterCrop(size)`` of the upright image,
+        pixel for pixel: the whole image resampled, then cut. Why not the crop box alone
+        (:func:`~mmcache.transforms.pixels.crop_box`, the ``draft=True`` path): Pillow
+        resamples in two passes with an 8-bit intermediate and picks their order from
+        the sizes, so a box resize of the crop rounds and clips differently from the
+        whole resize where both axes change (up to ~20 levels at sharp edges,
+        measured); the whole image costs ``resize / size`` times more output pixels."""
+        if turn != 1:
+            src = src.transpose(ORIENTATION_TRANSPOSE[turn])
+        nw, nh = resized_size(src.width, src.height, self.resize_to, None)
+        full = src.resize((nw, nh), _RESAMPLE[self.interpolation])
+        left = round((nw - self.size) / 2.0)
+        top = round((nh - self.size) / 2.0)
+        return full.crop((left, top, left + self.size, top + self.size))
 
 
 # ----------------------------------------------------------------------------------------------

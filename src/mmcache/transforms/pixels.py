@@ -25,6 +25,7 @@ __all__ = [
     "DECODE_ERRORS",
     "ORIENTATION_TRANSPOSE",
     "PAD_FILL",
+    "applies_orientation",
     "checked_fill",
     "crop_box",
     "expand_to_square",
@@ -178,16 +179,25 @@ def to_rgb_or_l(im: Image.Image) -> Image.Image:
     return im.convert("RGB")
 
 
-def upright_rgb(im: Image.Image) -> Image.Image:
+def upright_rgb(im: Image.Image, *, transpose: bool = True) -> Image.Image:
     """``im`` (as decoded: stored frame, any mode) upright (EXIF orientation applied)
-    and in RGB (:func:`to_rgb_or_l` rules): what user and HF image stages receive."""
-    turn = orientation(im)
+    and in RGB (:func:`to_rgb_or_l` rules): what user and HF image stages receive.
+    ``transpose=False``: as stored (the EXIF orientation ignored, as a loader without
+    ``ImageOps.exif_transpose`` gives it)."""
+    turn = orientation(im) if transpose else 1
     out = to_rgb_or_l(im)
     if out.mode != "RGB":
         out = out.convert("RGB")
     if turn != 1:
         out = out.transpose(ORIENTATION_TRANSPOSE[turn])
     return out
+
+
+def applies_orientation(stage: object) -> bool:
+    """Whether an image stage turns images upright by their EXIF orientation: its
+    declared ``exif_transpose`` (the built-in stages'), True for one that declares
+    nothing (a user stage receives the upright image)."""
+    return getattr(stage, "exif_transpose", True) is not False
 
 
 def expand_to_square(im: Image.Image, fill: tuple[int, ...]) -> Image.Image:

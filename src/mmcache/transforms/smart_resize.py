@@ -33,7 +33,7 @@ from PIL import Image
 from mmcache.checks import check_int
 from mmcache.errors import ConfigError, SampleError
 from mmcache.transforms.image import _RESAMPLE, ImageSpec, Interpolation
-from mmcache.transforms.pixels import resized_size, upright_rgb
+from mmcache.transforms.pixels import applies_orientation, resized_size, upright_rgb
 from mmcache.transforms.stage import StageKind
 
 __all__ = ["SizeRule", "SmartResize", "output_hw", "smart_resize"]
@@ -84,6 +84,11 @@ class SmartResize:
             ``56 * 56`` and ``28 * 28 * 1280``).
         factor: both output sides are multiples of it (28 = patch 14 x merge 2).
         interpolation: Pillow's resampling filter (Qwen2-VL resizes bicubic).
+        exif_transpose: turn images upright by their EXIF orientation (True: as
+            transformers' ``load_image`` gives them to the processor) or keep them as
+            stored (False: as qwen-vl-utils' ``fetch_image`` opens them; a sideways
+            phone photo's grid is then the stored ``(h, w)``). In the fingerprint only
+            when False.
 
     Output uint8 ``[3, h, w]``, C-contiguous, varied shapes (``fixed_shape`` is False).
     A SampleError for an image whose aspect ratio exceeds 200. Immutable, picklable.
@@ -99,8 +104,13 @@ class SmartResize:
     max_pixels: int = 28 * 28 * 1280
     factor: int = 28
     interpolation: Interpolation = "bicubic"
+    exif_transpose: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.exif_transpose, bool):
+            raise ConfigError(
+                f"SmartResize.exif_transpose must be a bool, got {self.exif_transpose!r}"
+            )
         check_int("SmartResize.factor", self.factor, minimum=2)
         check_int("SmartResize.min_pixels", self.min_pixels, minimum=1)
         check_int("SmartResize.max_pixels", self.max_pixels, minimum=1)
@@ -148,7 +158,7 @@ class SmartResize:
             "max_pixels": self.max_pixels,
             "factor": self.factor,
             "interpolation": self.interpolation,
-            "frame": "upright-rgb",
+            "frame": "upright-rgb" if self.exif_transpose else "stored-rgb",
         }
 
     def fingerprint(self) -> str:
@@ -158,7 +168,7 @@ class SmartResize:
 
     def __call__(self, im: Image.Image, /) -> npt.NDArray[np.uint8]:
         """A decoded image (stored frame) -> uint8 ``[3, h, w]``. Raises SampleError."""
-        src = upright_rgb(im)
+        src = upright_rgb(im, transpose=self.exif_transpose)
         try:
             h, w = self.output_size(src.height, src.width)
         except ValueError as exc:
@@ -169,10 +179,10 @@ class SmartResize:
 
 def output_hw(stage: object, width: int, height: int, turn: int = 1) -> tuple[int, int] | None:
     """The ``(h, w)`` ``stage`` makes of an image stored as ``width x height`` with EXIF
-    orientation ``turn``; ``None`` for a stage whose geometry is not known here (a user
-    stage, an HF processor whose size rule is not read: only decoding tells). Pure: no
-    pixel is read."""
-    if turn >= 5:  # upright, the sides are swapped
+    orientation ``turn`` (ignored by a stage that keeps images as stored); ``None`` for
+    a stage whose geometry is not known here (a user stage, an HF processor whose size
+    rule is not read: only decoding tells). Pure: no pixel is read."""
+    if turn >= 5 and applies_orientation(stage):  # upright, the sides are swapped
         width, height = height, width
     if isinstance(stage, SmartResize):
         try:

@@ -38,9 +38,9 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -55,6 +55,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FRAME_FACTOR",
+    "FRAME_LIST_KEYS",
     "MAX_SOURCE_PIXELS",
     "PART_KEYS",
     "VideoSpec",
@@ -68,6 +69,10 @@ FRAME_FACTOR = 2
 #: The per-video options a record's video part may carry (Qwen's message-part keys).
 PART_KEYS = ("fps", "nframes", "min_frames", "max_frames", "min_pixels", "max_pixels",
              "total_pixels", "video_start", "video_end")  # fmt: skip
+#: What a video part given as a list of frame images may carry besides PART_KEYS:
+#: qwen-vl-utils' ``sample_fps`` (the list's frame rate, default 2.0) and ``raw_fps``
+#: (the rate its timestamps are counted at, default ``sample_fps``).
+FRAME_LIST_KEYS = ("sample_fps", "raw_fps")
 # qwen-vl-utils' constants (vision_process.py).
 _MAX_RATIO = 200
 _VIDEO_MIN_TOKENS = 128
@@ -140,12 +145,17 @@ class VideoSpec:
             (8192 x 4352, the largest frame H.264, H.265 and AV1 allow); ``None``: no
             limit. Like ``ImageSpec.max_pixels`` it decides which samples fail, never
             what a sample contains, so it is not in the fingerprint.
+        decoder: ``"auto"``: torchcodec where it loads, else PyAV;
+            ``"torchcodec"`` or ``"pyav"``: that one (see
+            :mod:`~mmcache.transforms.video_decode`). The frames are the same (within
+            a level), so it is not in the fingerprint.
 
     A record's video part may override the first nine per video (:meth:`for_part`).
     Combinations that refuse every clip (``max_pixels`` below ``min_pixels``, ``nframes``
     or ``max_frames`` that round to no frame, ``max_pixels`` under one 28 x 28 patch) are
     a ConfigError here, not a refusal of each clip after its decode. The fingerprint
-    covers every field but ``max_source_pixels``. Immutable, picklable, thread-safe.
+    covers every field but ``max_source_pixels`` and ``decoder``. Immutable, picklable,
+    thread-safe.
 
     >>> spec = VideoSpec()
     >>> spec.frame_indices(total_frames=60, video_fps=30.0)
@@ -171,8 +181,13 @@ class VideoSpec:
     merge_size: int = 2
     temporal_patch_size: int = 2
     max_source_pixels: int | None = MAX_SOURCE_PIXELS
+    decoder: Literal["auto", "torchcodec", "pyav"] = "auto"
 
     def __post_init__(self) -> None:
+        if self.decoder not in ("auto", "torchcodec", "pyav"):
+            raise ConfigError(
+                f"VideoSpec.decoder must be 'auto', 'torchcodec' or 'pyav', got {self.decoder!r}"
+            )
         for name in ("min_frames", "patch_size", "merge_size", "temporal_patch_size"):
             check_int(f"VideoSpec.{name}", getattr(self, name), minimum=1)
         # Kept counts are rounded to a multiple of FRAME_FACTOR: 1 frame rounds to none,
@@ -369,10 +384,11 @@ class VideoSpec:
     # -- fingerprint ---------------------------------------------------------------------
 
     def fingerprint(self) -> str:
-        """xxh3-128 hex digest of every field but ``max_source_pixels``, and
-        :data:`VIDEO_FORMAT_VERSION`."""
+        """xxh3-128 hex digest of every field but ``max_source_pixels`` and ``decoder``,
+        and :data:`VIDEO_FORMAT_VERSION`."""
         fields = asdict(self)
         del fields["max_source_pixels"]  # which clips fail, never what one holds
+        del fields["decoder"]  # the same frames (within a level) from either
         payload = {"version": VIDEO_FORMAT_VERSION, "resize": "bicubic-aa-f32", **fields}
         blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))
         return xxhash.xxh3_128_hexdigest(blob.encode())
@@ -402,10 +418,14 @@ class VideoTokens:
     Qwen2.5-VL (the default): ``prefix``, then ``pad_token``'s id repeated ``t /
     temporal_patch_size * h / factor * w / factor`` times, then ``suffix``
     (``<|vision_start|><|video_pad|>...<|vision_end|>``, what its processor makes of
-    ``<|vision_start|><|video_pad|><|vision_end|>``). ``per_frame=True`` (LLaVA-Video):
-    each of the ``t`` frames becomes an image run of the chat spec's own image token,
-    count, prefix and suffix, frame after frame. Runs are never trained on and never cut
-    by truncation. Immutable, picklable.
+    ``<|vision_start|><|video_pad|><|vision_end|>``). ``timestamps=True`` (Qwen3-VL,
+    Qwen3.5): inside ``prefix`` ... ``suffix``, each temporal step (``temporal_patch_size``
+    frames) is the text ``<{seconds:.1f} seconds>`` (the mean of its frames' times,
+    frame index / the clip's average frame rate, as ``Qwen3VLProcessor`` computes them),
+    then ``prefix``, its ``h / factor * w / factor`` pad tokens, ``suffix``.
+    ``per_frame=True`` (LLaVA-Video): each of the ``t`` frames becomes an image run of
+    the chat spec's own image token, count, prefix and suffix, frame after frame. Runs
+    are never trained on and never cut by truncation. Immutable, picklable.
     """
 
     placeholder: str = "<video>"
@@ -415,6 +435,7 @@ class VideoTokens:
     per_frame: bool = False
     factor: int = 28
     temporal_patch_size: int = 2
+    timestamps: bool = False
 
     def __post_init__(self) -> None:
         for name in ("placeholder", "pad_token", "prefix", "suffix"):
@@ -424,6 +445,19 @@ class VideoTokens:
             raise ConfigError("VideoTokens.placeholder must be a non-empty str")
         check_int("VideoTokens.factor", self.factor, minimum=1)
         check_int("VideoTokens.temporal_patch_size", self.temporal_patch_size, minimum=1)
+        if not isinstance(self.timestamps, bool) or (self.timestamps and self.per_frame):
+            raise ConfigError(
+                "VideoTokens.timestamps must be a bool, and not with per_frame=True "
+                "(Qwen3-VL's timestamped steps are one video's runs)"
+            )
+
+    def step_times(self, times: Sequence[float]) -> list[float]:
+        """Each temporal step's time in seconds: the mean of its first and last frame's
+        ``times`` (the last frame repeated to fill the last step), as
+        ``Qwen3VLProcessor._calculate_timestamps`` does."""
+        tps = self.temporal_patch_size
+        padded = list(times) + [times[-1]] * (-len(times) % tps) if times else []
+        return [(padded[i] + padded[i + tps - 1]) / 2 for i in range(0, len(padded), tps)]
 
     def count(self, t: int, h: int, w: int) -> int:
         """The pad tokens of a clip of ``t`` frames of ``h x w`` (Qwen's rule)."""
@@ -431,8 +465,12 @@ class VideoTokens:
         return (t // self.temporal_patch_size) * (h // f) * (w // f)
 
     def fingerprint_fields(self) -> dict[str, Any]:
-        """Every field (what a chat spec's fingerprint holds of it)."""
-        return asdict(self)
+        """Every field (what a chat spec's fingerprint holds of it); ``timestamps`` only
+        when set (the specs made before it keep their keys)."""
+        fields = asdict(self)
+        if not self.timestamps:
+            del fields["timestamps"]
+        return fields
 
 
 def qwen_video_patches(

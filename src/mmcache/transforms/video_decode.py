@@ -1,11 +1,18 @@
 """Decoding the kept frames of a clip once, seeking to them: :func:`probe` and
-:func:`load_video` (PyAV).
+:func:`load_clip` (torchcodec where it loads, else PyAV).
 
-Why PyAV and not torchcodec: torchcodec's wheels on PyPI are built against CUDA (its
-image library needs ``libnvrtc``) and do not load on a CPU-only install; PyAV's wheels
-bundle FFmpeg and run everywhere. Both read the same FFmpeg decoders, so the frames are
-the same pixels; the frame count and rate are those a demux pass finds (what
-torchcodec's exact mode and decord count), the rate the stream's average rate.
+The decoder is :attr:`VideoSpec.decoder <mmcache.transforms.video.VideoSpec.decoder>`:
+``"auto"`` (the default) decodes with torchcodec where it loads
+(:mod:`mmcache.transforms.video_torchcodec`: transformers' video processors,
+qwen-vl-utils, HF ``datasets`` and LitData default to it) and with PyAV otherwise.
+torchcodec's PyPI wheels link CUDA's libraries (``libc10_cuda``, ``libnvrtc``) and
+need FFmpeg's shared libraries installed: beside a CPU-only torch they do not load
+(checked with torchcodec 0.17.0 and torch 2.13.0+cpu), where PyAV's wheels bundle
+FFmpeg and run everywhere. Both run the same FFmpeg decoders, so the frames are the
+same pixels (equal to the bit on the tests' clips; stated: within one level); the plan
+(which frames, what size) comes from PyAV's demux pass in both cases: the frame count
+and rate are those a demux pass finds (what torchcodec's exact mode and decord count),
+the rate the stream's average rate.
 
 - :func:`probe` demuxes the video stream without decoding: every packet's presentation
   time and keyframe flag. Frame ``i`` is the ``i``-th presentation time in order, so an
@@ -44,6 +51,7 @@ import numpy as np
 import numpy.typing as npt
 
 from mmcache.errors import ConfigError, SampleError
+from mmcache.transforms.video_torchcodec import decode_frames_torchcodec, torchcodec_loads
 from mmcache.units import format_size
 
 if TYPE_CHECKING:
@@ -54,10 +62,12 @@ __all__ = [
     "Clip",
     "VideoInfo",
     "decode_frames",
+    "frame_times",
     "load_clip",
     "probe",
     "probe_source",
     "video_fields",
+    "video_plan",
     "video_shape",
 ]
 
@@ -100,12 +110,15 @@ class VideoInfo:
 @dataclass(frozen=True)
 class Clip:
     """One processed clip: ``frames`` uint8 ``[T, 3, h, w]``, the ``indices`` kept,
-    ``sample_fps`` (the kept frames' rate) and the ``spec`` that chose them."""
+    ``sample_fps`` (the kept frames' rate), the ``spec`` that chose them and ``times``:
+    each kept frame's time in seconds, its index / the clip's average frame rate (what
+    Qwen3-VL's timestamps are made of)."""
 
     frames: npt.NDArray[np.uint8]
     indices: list[int]
     sample_fps: float
     spec: VideoSpec
+    times: tuple[float, ...] = ()
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -267,18 +280,40 @@ def load_clip(
             f"video of {size} bytes is over max_bytes={max_bytes}", sample_id=sample_id, path=where
         )
     av = _av()
+    torchcodec = _uses_torchcodec(spec)
     try:
         with _open(source) as container:
             info = probe(container)
             indices, hw = _plan(spec, info, sample_id=sample_id, path=where)
             fps = spec.sample_fps(info.total_frames, info.fps)
-            frames = decode_frames(container, info, indices, hw)
-    except SampleError:
-        raise  # from _plan: it names the figures already
-    except (ValueError, av.error.FFmpegError, OSError, EOFError) as exc:
-        raise SampleError(f"cannot decode the video: {exc}", sample_id=sample_id,
+            if not torchcodec:
+                frames = decode_frames(container, info, indices, hw)
+        if torchcodec:
+            frames = decode_frames_torchcodec(
+                source,
+                indices,
+                hw,
+                pts=info.pts,
+                keyframes=info.keyframes,
+                stored=(info.height, info.width),
+            )
+    except (SampleError, ConfigError):
+        raise  # from _plan (it names the figures already), or torchcodec not loading
+    except (ValueError, RuntimeError, IndexError, av.error.FFmpegError, OSError,
+            EOFError) as exc:  # fmt: skip
+        which = " (torchcodec)" if torchcodec else ""
+        raise SampleError(f"cannot decode the video{which}: {exc}", sample_id=sample_id,
                           path=where) from exc  # fmt: skip
-    return Clip(frames, indices, fps, spec)
+    return Clip(frames, indices, fps, spec, frame_times(indices, info.fps))
+
+
+def _uses_torchcodec(spec: VideoSpec) -> bool:
+    """Whether ``spec`` decodes with torchcodec: ``"torchcodec"`` always (ConfigError
+    at the decode where it does not load), ``"auto"`` where it loads
+    (:func:`~mmcache.transforms.video_torchcodec.torchcodec_loads`), ``"pyav"`` never."""
+    if spec.decoder == "pyav":
+        return False
+    return spec.decoder == "torchcodec" or torchcodec_loads()
 
 
 def video_fields(spec: VideoSpec, clips: list[Clip]) -> dict[str, npt.NDArray[Any]]:
@@ -303,14 +338,27 @@ def video_fields(spec: VideoSpec, clips: list[Clip]) -> dict[str, npt.NDArray[An
     }
 
 
+def frame_times(indices: list[int], fps: float) -> tuple[float, ...]:
+    """Each kept frame's time in seconds: its index / the clip's average frame rate
+    (Qwen's ``VideoMetadata.timestamps``)."""
+    return tuple(i / fps for i in indices)
+
+
 def video_shape(spec: VideoSpec, path: str, *, sample_id: str) -> tuple[int, int, int]:
     """The ``(t, h, w)`` :func:`load_clip` makes of the video at ``path``, from a demux pass
     only (no frame decoded): what a sample's length is planned from. SampleError as
     :func:`load_clip` raises it."""
+    return video_plan(spec, path, sample_id=sample_id)[0]
+
+
+def video_plan(
+    spec: VideoSpec, path: str, *, sample_id: str
+) -> tuple[tuple[int, int, int], tuple[float, ...]]:
+    """:func:`video_shape` and the kept frames' times (:func:`frame_times`)."""
     av = _av()
     try:
         info = probe_source(path)
     except (ValueError, av.error.FFmpegError, OSError, EOFError) as exc:
         raise SampleError(f"cannot read the video: {exc}", sample_id=sample_id, path=path) from exc
     indices, (h, w) = _plan(spec, info, sample_id=sample_id, path=path)
-    return len(indices), h, w
+    return (len(indices), h, w), frame_times(indices, info.fps)
