@@ -59,7 +59,7 @@ import stat
 import tempfile
 from collections.abc import Iterator, Sequence
 
-from mmcache.errors import CacheError
+from mmcache.errors import CacheError, MmcacheError
 
 __all__ = [
     "ROOT_ID_FILE",
@@ -90,10 +90,11 @@ class UnsafeFileError(CacheError):
     not opened, so nothing was written through it."""
 
 
-class NotRegularFileError(OSError):
+class NotRegularFileError(MmcacheError, OSError):
     """A file to read is a FIFO, a device or a socket: it was not read (a FIFO would block
     the reader until some writer comes, a device like ``/dev/zero`` never ends).
-    ``strerror`` says what it is; ``filename`` is the path."""
+    ``strerror`` says what it is; ``filename`` is the path. An ``OSError`` too, so that
+    callers handling unreadable files handle it."""
 
 
 #: What a file that is not a regular one is, by its ``st_mode`` (for the messages).

@@ -62,10 +62,11 @@ def test_lengths_never_block_and_a_bomb_is_the_samples_error(tmp_path: Path, kin
 
 def _loader_kw(mode: str) -> dict[str, Any]:
     from mmcache import PackSpec
+    from mmcache.loader import SFTBatching
 
     if mode == "group_by_length":
-        return {"batch_size": 2, "group_by_length": True}
-    return {"batch_size": 1, "pack": PackSpec(max_tokens=512)}
+        return {"batch_size": 2, "batching": SFTBatching(group_by_length=True)}
+    return {"batch_size": 1, "batching": SFTBatching(pack=PackSpec(max_tokens=512))}
 
 
 @pytest.mark.parametrize("mode", ["group_by_length", "pack"])
