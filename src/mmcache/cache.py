@@ -55,6 +55,7 @@ from mmcache.readthrough import read_through
 from mmcache.registry import FingerprintRegistry
 from mmcache.rootfiles import make_dir
 from mmcache.scope import Cluster, ScopeLike, parse_scope
+from mmcache.shared.tier import SharedLike, SharedTier, as_shared
 from mmcache.stats import CacheStats
 from mmcache.stores.base import BatchReader, Store, dir_mode
 from mmcache.stores.claims import Claims
@@ -143,6 +144,7 @@ _OPTIONS = (
     _Option("memory_entries", "memory_entries"),
     _Option("scope", "scope"),
     _Option("disk_form", "disk_form", recorded=True, as_recorded=str),
+    _Option("shared", "shared"),
 )
 
 
@@ -156,6 +158,7 @@ class _TierSpec:
     open: Callable[[], Store | None]
     verify: bool  # check the checksum of what it serves
     deferred: bool  # the write-behind writes it from a background thread
+    node: bool = True  # the node's own tier (False: the shared tier below the disk tier)
 
 
 class Cache:
@@ -218,6 +221,12 @@ class Cache:
             re-encoded as JPEG of quality Q: lossy, several times fewer bytes); hits
             are gathered in the training process (compact ones decoded on threads),
             each in its own folder (``disk/``, ``disk-zstd/``...): forms never mix.
+        shared: a shared tier below the disk tier (:class:`~mmcache.shared.SharedTier`,
+            or its location: a folder on a shared file system, an fsspec URL such as
+            ``"s3://bucket/prefix"``): a miss of memory and disk is looked up there
+            before it is produced, a hit checked and kept in the node's tiers, and
+            what this node produces is published there (written behind, in packs).
+            Not recorded in ``cache.json``: each run says which share it reads.
     """
 
     def __init__(
@@ -236,6 +245,7 @@ class Cache:
         scope: ScopeLike = "node",
         peer_timeout: float | None = None,
         disk_form: str = "raw",
+        shared: SharedLike | None = None,
         _opened_as: OpenedAs = "owner",
     ) -> None:
         #: The cluster's configuration (``scope``), or None: each node caches alone.
@@ -260,6 +270,8 @@ class Cache:
             check_int("memory_entries", memory_entries, minimum=1, maximum=MAX_INDEX_CAPACITY)
         self.memory_entries = memory_entries
         self.disk_form = parse_disk_form(disk_form)
+        #: The shared tier's configuration (``shared=``), or None.
+        self.shared: SharedTier | None = as_shared(shared)
         #: Tiers that could not be opened (fallback="uncached"), with the reason.
         self.degraded: dict[str, str] = {}
         # "owner": a caller creating or configuring the cache; its budgets are recorded
@@ -295,6 +307,15 @@ class Cache:
                 deferred=False,
             ),
             _TierSpec(DiskStore.name, self.disk_budget is not None, self._open_disk, True, True),
+            # Below the node's tiers; every hit checked; published by the write-behind.
+            _TierSpec(
+                SharedTier.name,
+                self.shared is not None,
+                self._open_shared,
+                verify=True,
+                deferred=True,
+                node=False,
+            ),
         ]
 
     def _degrade(self, tier: str, exc: BaseException) -> None:
@@ -334,7 +355,11 @@ class Cache:
             if store is not None:
                 opened[spec.name] = store
         self._store = TieredStore(
-            [Tier(opened[s.name], s.verify, s.deferred) for s in specs if s.name in opened]
+            [
+                Tier(opened[s.name], s.verify, s.deferred, node=s.node)
+                for s in specs
+                if s.name in opened
+            ]
         )
 
     def _open_disk(self) -> Store:
@@ -359,6 +384,12 @@ class Cache:
             root / f"disk-{form.tag}", form=form, capacity=capacity, policy=policy, mode=self.mode
         )
         return check_reads(formed)
+
+    def _open_shared(self) -> Store | None:
+        # The cache's own handle (closing the cache closes it, not the caller's object).
+        # Opening lists nothing yet (the first read does), so it cannot fail for a share
+        # that cannot be reached: that is one warning, later, and local production.
+        return None if self._inspect or self.shared is None else self.shared.handle()
 
     def _open_memory(self) -> Store | None:
         group = memory_group(self.root, self.mode)
@@ -492,8 +523,9 @@ class Cache:
 
     @property
     def tiers(self) -> dict[str, Store]:
-        """The open budgeted tiers by name, fastest first (side tiers: :meth:`side_tier`)."""
-        return {t.name: t.store for t in self._store.entries if t.budgeted}
+        """The open budgeted tiers of the node by name, fastest first (side tiers:
+        :meth:`side_tier`; the shared tier: ``store.tier("shared")``)."""
+        return {t.name: t.store for t in self._store.entries if t.budgeted and t.node}
 
     @property
     def memory(self) -> Store | None:
@@ -631,6 +663,11 @@ class Cache:
             raise RuntimeError("read_through returned no sample")
         return sample
 
+    def fetch_ahead(self, keys: np.ndarray) -> None:
+        """Read ``keys`` (``uint8 [n, 16]``, a batch's misses) ahead in the tiers that read
+        in batches (the shared tier: grouped by pack), for the lookups that follow."""
+        self._store.fetch_ahead(keys)
+
     def delete(self, key: KeyLike) -> bool:
         k = _to_key(key)
         removed = False
@@ -647,6 +684,9 @@ class Cache:
             else {}
         )
         tiers = {name: tier.stats() for name, tier in self.tiers.items()}
+        shared = self._store.tier(SharedTier.name)
+        if shared is not None:  # this process's reads of the share, and what it holds
+            tiers[SharedTier.name] = shared.stats()
         return CacheStats(tiers, fps, degraded=dict(self.degraded))
 
     def verify(self, *, repair: bool = False) -> VerifyReport:

@@ -43,7 +43,7 @@ from typing import Generic, Literal, TypeVar
 
 from mmcache.errors import CorruptEntryError
 from mmcache.stats import TierStats
-from mmcache.stores.base import EntryInfo, Store, check_key
+from mmcache.stores.base import EntryInfo, Keys, Store, check_key
 
 __all__ = ["Accepted", "Hit", "ReadCheck", "Row", "Tier", "TieredStore"]
 
@@ -71,6 +71,11 @@ class Tier:
     it serves is not promoted into the tiers above it (its entries are there for a
     while, on purpose outside their budget and policy). ``label``: its name in the
     list when it is not its store's ``name`` (a second memory store).
+
+    ``node=False``: a tier that is not the node's own (the shared tier below the disk
+    tier, :mod:`mmcache.shared`): read, written and promoted from like any other, but
+    never the store of record (it has no budget of the node's) and left alone by the
+    node's maintenance (``Cache.tiers``: gc, verify).
     """
 
     store: Store
@@ -79,6 +84,7 @@ class Tier:
     promote_into: bool = True
     budgeted: bool = True
     label: str | None = None
+    node: bool = True
 
     @property
     def name(self) -> str:
@@ -142,7 +148,7 @@ class TieredStore(Store):
         self._front = tuple(t.store for t in self._written if not t.deferred)
         self._deferred = tuple(t for t in self._written if t.deferred)
         self._by_name = {t.name: t.store for t in tiers}
-        self._record = next((t.store for t in reversed(tiers) if t.budgeted), None)
+        self._record = next((t.store for t in reversed(tiers) if t.budgeted and t.node), None)
         if len(self._by_name) != len(tiers):
             raise ValueError(f"tier names must differ, got {[t.name for t in tiers]}")
 
@@ -185,7 +191,7 @@ class TieredStore(Store):
 
     @property
     def record(self) -> Store | None:
-        """The store of record (the last budgeted tier), or None without one."""
+        """The store of record (the last budgeted tier of the node), or None without one."""
         return self._record
 
     @property
@@ -322,6 +328,21 @@ class TieredStore(Store):
             except OSError as exc:
                 logger.warning("put to %s tier failed: %s", store.name, exc)
         return admitted
+
+    def fetch_ahead(self, keys: Keys) -> None:
+        """Ask every tier to read ``keys`` ahead (:meth:`Store.fetch_ahead`: the shared tier
+        reads a batch's misses grouped by pack before they are looked up one by one)."""
+        for t in self._tiers:
+            t.store.fetch_ahead(keys)
+
+    def commit(self) -> None:
+        """Make what every tier holds of this handle's writes visible to others
+        (:meth:`Store.commit`: the shared tier's open pack); a tier that fails is logged."""
+        for t in self._tiers:
+            try:
+                t.store.commit()
+            except OSError as exc:
+                logger.warning("commit of the %s tier failed: %s", t.name, exc)
 
     def delete(self, key: bytes) -> bool:
         """Remove ``key`` from every tier; return whether the store of record held it."""

@@ -19,6 +19,9 @@ A cache is allowed to lose a few pending writes: the entries are simply
 produced again next time. Nothing half-written is ever visible: each entry is
 committed whole or not at all by the tiers.
 
+A flush ends with :meth:`TieredStore.commit`: what was written becomes visible to
+other processes and nodes (the shared tier's open pack is committed).
+
 Process lifetime: the queue is flushed when the process exits normally (a
 ``multiprocessing`` finalizer, which runs before a DataLoader worker's
 ``os._exit``, unlike ``atexit``) and when :func:`flush_all` is called; a killed
@@ -159,6 +162,9 @@ class WriteBehind:
             )
             return
         self._thread.join(timeout)
+        # What was written is published too (the shared tier's open pack is committed):
+        # a flush is the end of an epoch, of a worker or of a warm-up.
+        self.store.commit()
 
 
 # One writer per owner (a Cache) per process; the owner is kept to tell a new object
