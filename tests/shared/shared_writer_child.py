@@ -1,10 +1,13 @@
 """A writer of a share in its own process (``python shared_writer_child.py SHARE SPOOL
 FIRST COUNT [REPEAT]``): publishes entries ``FIRST..FIRST+COUNT`` (see :func:`entry`) in
 packs of 16 KiB, prints ``ready`` once the first pack is committed, and repeats the
-whole run ``REPEAT`` times (0: forever; the tests kill it)."""
+whole run ``REPEAT`` times (0: forever; the tests kill it). ``SHARE_OPTIONS`` in the
+environment: the share's ``storage_options`` as JSON (an S3 server's)."""
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 
 import numpy as np
@@ -27,7 +30,10 @@ def entry(i: int) -> bytes:
 def main() -> None:
     share, spool, first, count = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     repeat = int(sys.argv[5]) if len(sys.argv) > 5 else 1
-    tier = SharedTier(share, pack_bytes=16 << 10, linger=0, spool_dir=spool)
+    options = json.loads(os.environ.get("SHARE_OPTIONS", "{}"))
+    tier = SharedTier(
+        share, storage_options=options, pack_bytes=16 << 10, linger=0, spool_dir=spool
+    )
     told = False
     run = 0
     while repeat == 0 or run < repeat:

@@ -3,6 +3,7 @@ publishing leaves the share readable and correct, and two writers at once never 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from shared_writer_child import entry, key
@@ -19,18 +21,30 @@ from mmcache.shared import SharedTier
 CHILD = Path(__file__).with_name("shared_writer_child.py")
 
 
-def spawn(share: Path, spool: Path, first: int, count: int, repeat: int) -> subprocess.Popen[str]:
+def spawn(
+    share: Path | str,
+    spool: Path,
+    first: int,
+    count: int,
+    repeat: int,
+    *,
+    options: dict[str, Any] | None = None,
+) -> subprocess.Popen[str]:
+    """A writer process (``shared_writer_child.py``) of entries ``first..first+count``."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env["SHARE_OPTIONS"] = json.dumps(options or {})
     args = [sys.executable, str(CHILD), str(share), str(spool), str(first), str(count), str(repeat)]
     return subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=env)
 
 
-def check(share: Path) -> set[int]:
+def check(share: Path | str, options: dict[str, Any] | None = None) -> set[int]:
     """Every entry a fresh reader finds is whole and the one its writer wrote; returns them."""
-    reader = SharedTier(share, publish=False)
+    reader = SharedTier(share, storage_options=options, publish=False)
     try:
         found = set()
-        for k in reader.keys():  # noqa: SIM118 - a Store is not iterable
+        keys = list(reader.keys())
+        reader.fetch_ahead(keys)
+        for k in keys:
             i = int.from_bytes(k, "big")
             assert reader.get(k) == entry(i), i
             found.add(i)
