@@ -33,6 +33,7 @@ from mmcache.cliargs import (
     size_of,
 )
 from mmcache.cliinspect import add_inspect_parser
+from mmcache.clishared import add_shared_options, on_share
 
 __all__ = ["build_parser", "main"]
 
@@ -304,6 +305,8 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     from mmcache.sources.chat import read_text_reports
     from mmcache.units import format_size
 
+    if on_share(args, "stats", _print_json):  # --shared URL: the share's counts
+        return 0
     cache = _open(args)
     try:
         stats = cache.stats()
@@ -392,6 +395,8 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     from mmcache.maintenance import sweep_orphans
     from mmcache.units import format_size
 
+    if on_share(args, "gc", _print_json):  # --shared URL: its old packs
+        return 0
     if args.cache is None:
         root_only = ("older_than", "max_size", "unused_for", "compact")
         used = [f"--{n.replace('_', '-')}" for n in root_only if getattr(args, n)]
@@ -642,7 +647,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("stats", help="per-tier items, bytes, budget, hits, misses, ...")
-    p.add_argument("--cache", required=True)
+    p.add_argument("--cache", help="cache root (or --shared URL)")
+    add_shared_options(p, "instead of --cache: count its packs, entries and bytes")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_stats)
 
@@ -684,6 +690,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--compact",
         action="store_true",
         help="then give the disk tier's free pages back (only while no other process uses it)",
+    )
+    add_shared_options(
+        p, "instead of --cache: remove its packs older than --older-than, and packs never committed"
     )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_gc)

@@ -4,6 +4,7 @@ writers killed or side by side, and a server that stops answering costing one wa
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import time
@@ -122,3 +123,21 @@ def test_a_server_that_stops_answering_costs_one_warning(s3, url, data, tmp_path
     same_batches(served, alone)
     warned = [r.getMessage() for r in caplog.records if "shared tier" in r.getMessage()]
     assert len(warned) == 1, warned
+
+
+def test_stats_and_gc_of_an_s3_share(s3, url, tmp_path, capsys):
+    from test_shared_cli import DAY, run
+
+    options = json.dumps(s3.storage_options())
+    old = tier(s3, url, tmp_path, linger=0)
+    for i in range(4):
+        old.put(key(i), entry(i), ctime=time.time() - 40 * DAY)
+    old.close()
+    new = tier(s3, url, tmp_path, linger=0)
+    new.put(key(9), entry(9), ctime=time.time())
+    new.close()
+    shared = ("--shared", url, "--shared-options", options)
+    assert run(capsys, "stats", *shared)["entries"] == 5
+    report = run(capsys, "gc", *shared, "--older-than", "30d")
+    assert (report["packs"], report["entries"]) == (1, 4)
+    assert len(objects(s3, url, "packs")) == len(objects(s3, url, "index")) == 1
