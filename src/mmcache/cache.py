@@ -389,7 +389,7 @@ class Cache:
         # The cache's own handle (closing the cache closes it, not the caller's object).
         # Opening lists nothing yet (the first read does), so it cannot fail for a share
         # that cannot be reached: that is one warning, later, and local production.
-        return None if self._inspect or self.shared is None else self.shared.handle()
+        return None if self.shared is None else self.shared.handle()
 
     def _open_memory(self) -> Store | None:
         group = memory_group(self.root, self.mode)

@@ -33,7 +33,7 @@ from mmcache.cliargs import (
     size_of,
 )
 from mmcache.cliinspect import add_inspect_parser
-from mmcache.clishared import add_shared_options, on_share
+from mmcache.clishared import add_shared_options, add_warm_options, on_share, shared_tier
 
 __all__ = ["build_parser", "main"]
 
@@ -195,7 +195,13 @@ def _cmd_warm(args: argparse.Namespace) -> int:
             )
             report: Any = warm_features(ds, feats, progress=not args.json)
         else:
-            report = warm(ds, cache, workers=args.workers, progress=not args.json)
+            report = warm(
+                ds,
+                cache,
+                workers=args.workers,
+                progress=not args.json,
+                executor="ray" if args.ray else "local",
+            )
     finally:
         cache.close()
     if args.json:
@@ -256,10 +262,12 @@ def _open_for_warm(args: argparse.Namespace) -> Any:
     from mmcache.cacheroot import CONFIG_FILE
 
     root = Path(os.path.expanduser(args.cache))
+    shared = shared_tier(args)  # --shared URL: publish there too (or only, with --ray)
     if not (root / CONFIG_FILE).is_file():
         disk = WARM_DISK if args.disk is None else args.disk
-        return mc.Cache(root, memory=0, disk=disk, policy=args.policy or "value")
+        return mc.Cache(root, memory=0, disk=disk, policy=args.policy or "value", shared=shared)
     overrides: dict[str, Any] = {} if args.policy is None else {"policy": args.policy}
+    overrides["shared"] = shared
     if args.disk is not None:
         overrides["disk"] = args.disk
     cache = mc.Cache.open_existing(root, memory=0, **overrides)
@@ -622,6 +630,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--policy", help="eviction policy (default: the root's recorded one; value for a new root)"
     )
     p.add_argument("--on-error", choices=["raise", "skip"], default="skip")
+    add_warm_options(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_warm)
 

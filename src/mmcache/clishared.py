@@ -1,5 +1,6 @@
 """The CLI's options for a shared tier: ``--shared URL`` (and ``--shared-options JSON``) on
-``stats``, ``gc`` and ``warm``, and what ``stats --shared`` and ``gc --shared`` print.
+``stats``, ``gc`` and ``warm`` (with ``--ray``), and what ``stats --shared`` and
+``gc --shared`` print.
 
 A thin layer over :mod:`mmcache.shared.maintenance`, kept apart from ``cli.py``.
 """
@@ -14,7 +15,15 @@ from typing import Any
 
 from mmcache.errors import ConfigError
 
-__all__ = ["add_shared_options", "on_share", "shared_gc", "shared_options", "shared_stats"]
+__all__ = [
+    "add_shared_options",
+    "add_warm_options",
+    "on_share",
+    "shared_gc",
+    "shared_options",
+    "shared_stats",
+    "shared_tier",
+]
 
 
 def add_shared_options(p: argparse.ArgumentParser, what: str) -> None:
@@ -29,6 +38,29 @@ def add_shared_options(p: argparse.ArgumentParser, what: str) -> None:
         metavar="JSON",
         help="fsspec storage_options of the shared tier, e.g. '{\"anon\": false}'",
     )
+
+
+def add_warm_options(p: argparse.ArgumentParser) -> None:
+    """``warm``'s ``--shared URL``, ``--shared-options`` and ``--ray``."""
+    add_shared_options(p, "publish what is produced there too")
+    p.add_argument(
+        "--ray",
+        action="store_true",
+        help="produce on Ray tasks (pip install 'mmcache[ray]'; the cluster ray.init() finds) "
+        "into the --shared tier, instead of --workers processes here",
+    )
+
+
+def shared_tier(args: argparse.Namespace) -> Any:
+    """The :class:`~mmcache.shared.SharedTier` of ``--shared`` (None without it); a
+    ConfigError for ``--ray`` without one."""
+    if getattr(args, "shared", None) is None:
+        if getattr(args, "ray", False):
+            raise ConfigError("--ray fills a shared tier: pass --shared URL")
+        return None
+    from mmcache.shared import SharedTier
+
+    return SharedTier(args.shared, storage_options=shared_options(args))
 
 
 def shared_options(args: argparse.Namespace) -> dict[str, Any]:
