@@ -38,8 +38,8 @@ from mmcache.features import FeatureCache, FeatureStats, warm_features
 from mmcache.hfpipeline import hf_processor
 from mmcache.loader import BatchContext, DataLoader, EpochContext, LoaderHook, PackSpec
 from mmcache.pipeline import ImageSpec, Pipeline, TextSpec, normalize, train_tokenizer
-from mmcache.shared import SharedTier
 from mmcache.plot import plot
+from mmcache.shared import SharedTier
 from mmcache.sources.chat import TextReport
 from mmcache.sources.coco import CocoSource
 from mmcache.sources.hfdataset import HFDatasetSource

@@ -57,13 +57,14 @@ from mmcache.rootfiles import make_dir
 from mmcache.scope import Cluster, ScopeLike, parse_scope
 from mmcache.shared.tier import SharedLike, SharedTier, as_shared
 from mmcache.stats import CacheStats
+from mmcache.stores import writebehind
 from mmcache.stores.base import BatchReader, Store, dir_mode
 from mmcache.stores.claims import Claims
 from mmcache.stores.disk import DiskStore
 from mmcache.stores.disk.formed import FormedDiskStore
 from mmcache.stores.gathering import TieredReader
 from mmcache.stores.memory import MAX_INDEX_CAPACITY, MemoryStore, store_exists
-from mmcache.stores.tiered import Accepted, Tier, TieredStore
+from mmcache.stores.tiered import Accepted, Row, Tier, TieredStore
 from mmcache.units import parse_duration, parse_size
 
 if TYPE_CHECKING:
@@ -588,8 +589,16 @@ class Cache:
 
     def lookup(self, key: KeyLike) -> tuple[Sample | None, str | None]:
         """Like :meth:`get`, also naming the tier that served it (``"memory"``, ``"disk"``)."""
-        hit = self._store.lookup(_to_key(key), self._accept)
+        hit = self._store.lookup(_to_key(key), self._accept, later=self._promote_later)
         return (None, None) if hit is None else (hit.value, hit.tier.name)
+
+    def _promote_later(self, stores: tuple[Store, ...], row: Row) -> None:
+        """Promote a hit into deferred tiers (a shared hit into the disk tier) from this
+        process's write-behind (:meth:`~mmcache.stores.writebehind.WriteBehind.promote`)."""
+        writer = writebehind.writer_for(
+            self, lambda: writebehind.WriteBehind(self._store, tag=self.tag)
+        )
+        writer.promote(stores, row)
 
     def contains(self, key: KeyLike) -> bool:
         """Whether any tier holds ``key`` (no hit/miss counted, TTL not checked)."""
@@ -662,6 +671,12 @@ class Cache:
         if sample is None:  # pragma: no cover - on_error="raise" never returns a reject
             raise RuntimeError("read_through returned no sample")
         return sample
+
+    def commit(self) -> None:
+        """Write what waits in this process (promotions of shared hits into the disk
+        tier) and publish what it produced (the shared tier's open pack): the end of an
+        epoch (the loader calls it), of a warm-up, of a job."""
+        self._store.commit()
 
     def fetch_ahead(self, keys: np.ndarray) -> None:
         """Read ``keys`` (``uint8 [n, 16]``, a batch's misses) ahead in the tiers that read

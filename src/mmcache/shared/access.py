@@ -46,7 +46,7 @@ _GAP = 256 << 10
 #: The longest span one GET reads.
 _SPAN = 16 << 20
 #: GETs of one batch in flight at once (per process).
-_THREADS = 8
+_THREADS = 16
 
 
 def share_url(location: str | os.PathLike[str]) -> str:

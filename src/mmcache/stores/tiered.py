@@ -45,7 +45,7 @@ from mmcache.errors import CorruptEntryError
 from mmcache.stats import TierStats
 from mmcache.stores.base import EntryInfo, Keys, Store, check_key
 
-__all__ = ["Accepted", "Hit", "ReadCheck", "Row", "Tier", "TieredStore"]
+__all__ = ["Accepted", "Hit", "Later", "ReadCheck", "Row", "Tier", "TieredStore"]
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +107,10 @@ class Accepted(Generic[T]):
 #: ``check(raw, verify)``: accept the bytes a tier served (:class:`Accepted`), return
 #: None for an expired entry, or raise :class:`~mmcache.errors.CorruptEntryError`.
 ReadCheck = Callable[[bytes, bool], "Accepted[T] | None"]
+
+#: ``later(stores, row)``: promote ``row`` into ``stores`` (deferred tiers) later, from a
+#: background thread (the write-behind's :meth:`~mmcache.stores.writebehind.WriteBehind.promote`).
+Later = Callable[[tuple[Store, ...], Row], None]
 
 
 @dataclass(slots=True)
@@ -220,9 +224,16 @@ class TieredStore(Store):
         return None
 
     # -- reads ------------------------------------------------------------------------------
-    def lookup(self, key: bytes, check: ReadCheck[T]) -> Hit[T] | None:
+    def lookup(
+        self, key: bytes, check: ReadCheck[T], *, later: Later | None = None
+    ) -> Hit[T] | None:
         """The first tier's entry for ``key`` that ``check`` accepts, promoted into every
         faster tier (whose policy may refuse it), or None.
+
+        ``later``: where promotions into *deferred* faster tiers go (the disk tier, for a
+        hit of the shared tier below it: a commit, so an ``fsync``, per entry, most of
+        what a shared hit costs), written from the write-behind's thread in groups;
+        without it they are written here, at once.
 
         ``check(raw, verify)`` sees the bytes with the tier's ``verify`` flag; an
         entry it rejects is discarded from that tier (counted there as ``expired``
@@ -244,7 +255,13 @@ class TieredStore(Store):
                 t.store.discard(key, why="expired")
                 continue
             if i and t.budgeted:
-                _promote(tiers[:i], key, raw, accepted.cost, accepted.ctime)
+                faster = tiers[:i]
+                if later is not None:
+                    deferred = tuple(f.store for f in faster if f.deferred and f.promote_into)
+                    if deferred:
+                        later(deferred, (key, raw, accepted.cost, accepted.ctime))
+                    faster = tuple(f for f in faster if not f.deferred)
+                _promote(faster, key, raw, accepted.cost, accepted.ctime)
             self._hits += 1
             return Hit(accepted.value, t.store)
         self._misses += 1
@@ -316,6 +333,14 @@ class TieredStore(Store):
             _put_rows(t.store, rows, admitted)
         self._puts += len(rows)
         self._admitted += sum(admitted)
+        return admitted
+
+    def put_into(self, stores: Sequence[Store], rows: Sequence[Row]) -> list[bool]:
+        """Offer ``rows`` to ``stores`` only (tiers of this list: the promotions the
+        write-behind writes); return, per row, whether any of them admitted it."""
+        admitted = [False] * len(rows)
+        for store in stores:
+            _put_rows(store, rows, admitted)
         return admitted
 
     def put_front(self, key: bytes, value: bytes, *, cost: float, ctime: float) -> bool:
