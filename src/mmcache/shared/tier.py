@@ -416,11 +416,34 @@ class SharedTier(Store):
             out.extend(pack.rows)
         return out
 
+    def _pending_sizes(self) -> dict[bytes, int]:
+        """This process's unpublished entries and their sizes (the newest of each key)."""
+        out: dict[bytes, int] = {}
+        if self._writer is not None:
+            for pack in self._writer.pending():
+                out.update((k, row[1]) for k, row in pack.rows.items())
+        return out
+
+    def _counted(self) -> tuple[int, int]:
+        """Entries and bytes held: the merged index's, this process's own replacing any
+        listed copy of their keys (no walk of the index in Python)."""
+        self._here()
+        self._ensure()
+        pending = self._pending_sizes()
+        keys = list(pending)
+        rows = self._rows(keys) if keys else np.zeros(0, np.int64)
+        with self._lock:
+            count, size = self._index.count(), self._index.nbytes()
+            listed = rows[rows >= 0]
+            count -= len(listed)
+            size -= int(self._index.rows.size[listed].sum(dtype=np.uint64))
+        return count + len(pending), size + sum(pending.values())
+
     def __len__(self) -> int:
-        return sum(1 for _ in self.keys())
+        return self._counted()[0]
 
     def nbytes(self) -> int:
-        return sum(info.size for k in self.keys() if (info := self.info(k)) is not None)
+        return self._counted()[1]
 
     def capacity(self) -> int:
         """No budget of its own (``bounded = False``): the largest size there is."""
@@ -509,12 +532,19 @@ class SharedTier(Store):
         """Hide the entries created before ``before`` from this handle; how many."""
         self._here()
         self._ensure()
-        hidden = 0
-        for key in list(self.keys()):
-            info = self.info(key)
-            if info is not None and info.ctime < before:
-                hidden += self._hide(key, "expired")
-        return hidden
+        old = []
+        if self._writer is not None:
+            for pack in self._writer.pending():
+                old += [k for k, row in pack.rows.items() if row[3] < before]
+        for key in old:
+            self._hide(key, "expired")
+        with self._lock:
+            rows = self._index.rows
+            stale = np.flatnonzero(~rows.hidden & (rows.ctime < before))
+            stale_keys = {rows.key(int(r)) for r in stale}
+            rows.hidden[stale] = True
+            self._expired += len(stale_keys - set(old))
+        return len(set(old) | stale_keys)
 
     def close(self) -> None:
         """Commit this process's open pack and release the threads (idempotent)."""
