@@ -29,6 +29,7 @@ Nothing here is a pass/fail time.
 
     .venv/bin/python benchmarks/shared.py             # 1,000 samples, ~3 min on 2 cores
     .venv/bin/python benchmarks/shared.py --quick     # 200 samples
+    .venv/bin/python benchmarks/shared.py --large --n 400   # 1,000-2,000 px sources
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ class Bench:
     def __init__(self, tmp: Path, args: argparse.Namespace) -> None:
         self.tmp = tmp
         self.args = args
-        self.manifest = mc.synth.make_dataset(tmp / "data", args.n, seed=0)
+        self.manifest = mc.synth.make_dataset(tmp / "data", args.n, seed=0, large=args.large)
         tok = mc.train_tokenizer(mc.synth.synth_captions(2000), vocab_size=2048)
         self.pipe = mc.Pipeline(
             image=mc.ImageSpec(size=224, resize=256), text=mc.TextSpec(tok, max_length=32)
@@ -227,6 +228,9 @@ def main() -> None:
     ap.add_argument("--latency", type=float, default=0.025)
     ap.add_argument("--s3-pack", default="2MiB")
     ap.add_argument("--rounds", type=int, default=2, help="every row this many times, in turns")
+    ap.add_argument(
+        "--large", action="store_true", help="1,000-2,000 px sources (costlier decodes)"
+    )
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = ap.parse_args()
@@ -260,13 +264,14 @@ def main() -> None:
         "machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPUs",
         "n": args.n,
+        "large": args.large,
         "batch": args.batch,
         "workers": args.workers,
         "rounds": args.rounds,
         "rows": rows,
-        "share": {
-            "folder": stats.as_dict(),
-            "s3": s3_stats.as_dict(),
+        "share": {  # (without their URLs: temporary folders of this machine)
+            "folder": {k: v for k, v in stats.as_dict().items() if k != "url"},
+            "s3": {k: v for k, v in s3_stats.as_dict().items() if k != "url"},
             "bytes_per_sample": stats.bytes / args.n,
             "raw_bytes_per_sample": raw / args.n,
             "share_over_raw": stats.bytes / raw,
@@ -291,7 +296,8 @@ def main() -> None:
         f"({share['share_over_raw']:.2f}x); folder: {stats.packs} packs; S3: {s3_stats.packs}"
     )
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "shared.json").write_text(json.dumps(out, indent=2))
+    name = "shared-large.json" if args.large else "shared.json"
+    (args.out / name).write_text(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":
