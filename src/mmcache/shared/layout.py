@@ -51,16 +51,20 @@ from mmcache.keys import KEY_SIZE
 __all__ = [
     "INDEX_DIR",
     "MAX_ENTRY",
+    "MAX_INDEX_BYTES",
     "MAX_INDEX_ENTRIES",
     "MAX_PACK",
     "PACK_DIR",
+    "ROW_BYTES",
     "IndexArrays",
     "decode_index",
     "encode_index",
+    "index_bytes",
     "index_name",
     "new_pack_name",
     "pack_name",
     "pack_of",
+    "pack_time",
 ]
 
 INDEX_DIR = "index"
