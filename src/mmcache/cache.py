@@ -676,6 +676,7 @@ class Cache:
         """Write what waits in this process (promotions of shared hits into the disk
         tier) and publish what it produced (the shared tier's open pack): the end of an
         epoch (the loader calls it), of a warm-up, of a job."""
+        writebehind.flush_for(self)  # its queue (promotions too), then every tier
         self._store.commit()
 
     def fetch_ahead(self, keys: np.ndarray) -> None:
@@ -778,7 +779,9 @@ class Cache:
         return self.side_tier("flight")
 
     def close(self) -> None:
-        """Release every handle (idempotent); shared and persisted data stay."""
+        """Release every handle (idempotent); shared and persisted data stay. What this
+        process's write-behind still holds for this cache is written first."""
+        writebehind.flush_for(self)
         self._store.close()
 
     def __enter__(self) -> Cache:

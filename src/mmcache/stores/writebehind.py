@@ -50,6 +50,7 @@ __all__ = [
     "MAX_PENDING",
     "WriteBehind",
     "flush_all",
+    "flush_for",
     "writer_for",
     "writer_if_any",
 ]
@@ -235,6 +236,17 @@ def writer_if_any(owner: object) -> WriteBehind | None:
     if held is None or held[0] is not owner or held[1]._pid != os.getpid():
         return None
     return held[1]
+
+
+def flush_for(owner: object) -> None:
+    """Flush this process's writer for ``owner``, if it made one (a later write makes a
+    new one): what ``Cache.commit`` and ``Cache.close`` run first."""
+    with _LOCK:
+        held = _WRITERS.get(id(owner))
+        if held is None or held[0] is not owner or held[1]._pid != os.getpid():
+            return
+        del _WRITERS[id(owner)]
+    held[1].flush()
 
 
 def flush_all() -> None:
