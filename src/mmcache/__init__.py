@@ -36,6 +36,7 @@ from mmcache.hfpipeline import hf_processor
 from mmcache.loader import BatchContext, DataLoader, EpochContext, LoaderHook, PackSpec
 from mmcache.pipeline import ImageSpec, Pipeline, TextSpec, normalize, train_tokenizer
 from mmcache.plot import plot
+from mmcache.shared import SharedTier
 from mmcache.sources.chat import TextReport
 from mmcache.sources.coco import CocoSource
 from mmcache.sources.hfdataset import HFDatasetSource
@@ -88,6 +89,7 @@ __all__ = [
     "RemoteFileSource",
     "RemotePrefetch",
     "SampleError",
+    "SharedTier",
     "SmartResize",
     "SourceDataset",
     "TextReport",

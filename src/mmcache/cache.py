@@ -60,7 +60,9 @@ from mmcache.readthrough import read_through
 from mmcache.registry import FingerprintRegistry
 from mmcache.rootfiles import make_dir
 from mmcache.scope import ScopeLike, parse_scope
+from mmcache.shared.tier import SharedLike, SharedTier, as_shared
 from mmcache.stats import CacheStats
+from mmcache.stores import writebehind
 from mmcache.stores.base import BatchReader, Store, dir_mode
 from mmcache.stores.claims import Claims
 from mmcache.stores.disk import DiskStore
@@ -73,7 +75,7 @@ from mmcache.stores.memory import (
     store_exists,
 )
 from mmcache.stores.memory.budgets import shm_claims, sizing_turn
-from mmcache.stores.tiered import Accepted, Tier, TieredStore
+from mmcache.stores.tiered import Accepted, Row, Tier, TieredStore
 from mmcache.units import parse_duration, parse_size
 
 if TYPE_CHECKING:
@@ -141,6 +143,7 @@ _OPTIONS = (
     _Option("memory_entries", "memory_entries"),
     _Option("scope", "scope"),
     _Option("disk_form", "disk_form", recorded=True, as_recorded=str),
+    _Option("shared", "shared"),
 )
 
 
@@ -154,6 +157,7 @@ class _TierSpec:
     open: Callable[[], Store | None]
     verify: bool  # check the checksum of what it serves
     deferred: bool  # the write-behind writes it from a background thread
+    node: bool = True  # the node's own tier (False: the shared tier below the disk tier)
 
 
 class Cache:
@@ -215,6 +219,12 @@ class Cache:
             re-encoded as JPEG of quality Q: lossy, several times fewer bytes); hits
             are gathered in the training process (compact ones decoded on threads),
             each in its own folder (``disk/``, ``disk-zstd/``...): forms never mix.
+        shared: a shared tier below the disk tier (:class:`~mmcache.shared.SharedTier`,
+            or its location: a folder on a shared file system, an fsspec URL such as
+            ``"s3://bucket/prefix"``): a miss of memory and disk is looked up there
+            before it is produced, a hit checked and kept in the node's tiers, and
+            what this node produces is published there (written behind, in packs).
+            Not recorded in ``cache.json``: each run says which share it reads.
     """
 
     def __init__(
@@ -232,6 +242,7 @@ class Cache:
         memory_entries: int | None = None,
         scope: ScopeLike = "node",
         disk_form: str = "raw",
+        shared: SharedLike | None = None,
         _opened_as: OpenedAs = "owner",
         _root_id: int | None = None,
     ) -> None:
@@ -255,6 +266,8 @@ class Cache:
             check_int("memory_entries", memory_entries, minimum=1, maximum=MAX_INDEX_CAPACITY)
         self.memory_entries = memory_entries
         self.disk_form = parse_disk_form(disk_form)
+        #: The shared tier's configuration (``shared=``), or None.
+        self.shared: SharedTier | None = as_shared(shared)
         #: Tiers that could not be opened (fallback="uncached"), with the reason.
         self.degraded: dict[str, str] = {}
         # "owner": a caller creating or configuring the cache; its budgets are recorded
@@ -308,6 +321,15 @@ class Cache:
                 deferred=False,
             ),
             _TierSpec(DiskStore.name, self.disk_budget is not None, self._open_disk, True, True),
+            # Below the node's tiers; every hit checked; published by the write-behind.
+            _TierSpec(
+                SharedTier.name,
+                self.shared is not None,
+                self._open_shared,
+                verify=True,
+                deferred=True,
+                node=False,
+            ),
         ]
 
     def _degrade(self, tier: str, exc: BaseException) -> None:
@@ -356,7 +378,11 @@ class Cache:
             if store is not None:
                 opened[spec.name] = store
         self._store = TieredStore(
-            [Tier(opened[s.name], s.verify, s.deferred) for s in specs if s.name in opened]
+            [
+                Tier(opened[s.name], s.verify, s.deferred, node=s.node)
+                for s in specs
+                if s.name in opened
+            ]
         )
         if self._opened_as == "owner" and self.disk_budget is None and self.memory_budget > 0:
             # A memory-only root records its options too (the disk tier's opening does it
@@ -385,6 +411,12 @@ class Cache:
             root / f"disk-{form.tag}", form=form, capacity=capacity, policy=policy, mode=self.mode
         )
         return check_reads(formed)
+
+    def _open_shared(self) -> Store | None:
+        # The cache's own handle (closing the cache closes it, not the caller's object).
+        # Opening lists nothing yet (the first read does), so it cannot fail for a share
+        # that cannot be reached: that is one warning, later, and local production.
+        return None if self.shared is None else self.shared.handle()
 
     def _open_memory(self) -> Store | None:
         group = memory_group(self.root, self.mode)
@@ -542,8 +574,9 @@ class Cache:
 
     @property
     def tiers(self) -> dict[str, Store]:
-        """The open budgeted tiers by name, fastest first (side tiers: :meth:`side_tier`)."""
-        return {t.name: t.store for t in self._store.entries if t.budgeted}
+        """The open budgeted tiers of the node by name, fastest first (side tiers:
+        :meth:`side_tier`; the shared tier: ``store.tier("shared")``)."""
+        return {t.name: t.store for t in self._store.entries if t.budgeted and t.node}
 
     @property
     def memory(self) -> Store | None:
@@ -606,8 +639,16 @@ class Cache:
 
     def lookup(self, key: KeyLike) -> tuple[Sample | None, str | None]:
         """Like :meth:`get`, also naming the tier that served it (``"memory"``, ``"disk"``)."""
-        hit = self._store.lookup(_to_key(key), self._accept)
+        hit = self._store.lookup(_to_key(key), self._accept, later=self._promote_later)
         return (None, None) if hit is None else (hit.value, hit.tier.name)
+
+    def _promote_later(self, stores: tuple[Store, ...], row: Row) -> None:
+        """Promote a hit into deferred tiers (a shared hit into the disk tier) from this
+        process's write-behind (:meth:`~mmcache.stores.writebehind.WriteBehind.promote`)."""
+        writer = writebehind.writer_for(
+            self, lambda: writebehind.WriteBehind(self._store, tag=self.tag)
+        )
+        writer.promote(stores, row)
 
     def contains(self, key: KeyLike) -> bool:
         """Whether any tier holds ``key`` (no hit/miss counted, TTL not checked)."""
@@ -681,6 +722,18 @@ class Cache:
             raise RuntimeError("read_through returned no sample")
         return sample
 
+    def commit(self) -> None:
+        """Write what waits in this process (promotions of shared hits into the disk
+        tier) and publish what it produced (the shared tier's open pack): the end of an
+        epoch (the loader calls it), of a warm-up, of a job."""
+        writebehind.flush_for(self)  # its queue (promotions too), then every tier
+        self._store.commit()
+
+    def fetch_ahead(self, keys: np.ndarray) -> None:
+        """Read ``keys`` (``uint8 [n, 16]``, a batch's misses) ahead in the tiers that read
+        in batches (the shared tier: grouped by pack), for the lookups that follow."""
+        self._store.fetch_ahead(keys)
+
     def delete(self, key: KeyLike) -> bool:
         k = _to_key(key)
         removed = False
@@ -697,6 +750,9 @@ class Cache:
             else {}
         )
         tiers = {name: tier.stats() for name, tier in self.tiers.items()}
+        shared = self._store.tier(SharedTier.name)
+        if shared is not None:  # this process's reads of the share, and what it holds
+            tiers[SharedTier.name] = shared.stats()
         return CacheStats(tiers, fps, degraded=dict(self.degraded))
 
     def verify(self, *, repair: bool = False) -> VerifyReport:
@@ -751,7 +807,9 @@ class Cache:
         return self.disk.compact()
 
     def close(self) -> None:
-        """Release every handle (idempotent); shared and persisted data stay."""
+        """Release every handle (idempotent); shared and persisted data stay. What this
+        process's write-behind still holds for this cache is written first."""
+        writebehind.flush_for(self)
         self._store.close()
 
     def __enter__(self) -> Cache:

@@ -36,6 +36,7 @@ from mmcache.cliargs import (
     size_of,
 )
 from mmcache.cliinspect import add_inspect_parser, first_sample
+from mmcache.clishared import add_shared_options, add_warm_options, on_share, shared_tier
 
 __all__ = ["build_parser", "main"]
 
@@ -197,7 +198,13 @@ def _cmd_warm(args: argparse.Namespace) -> int:
             )
             report: Any = warm_features(ds, feats, progress=not args.json)
         else:
-            report = warm(ds, cache, workers=args.workers, progress=not args.json)
+            report = warm(
+                ds,
+                cache,
+                workers=args.workers,
+                progress=not args.json,
+                executor="ray" if args.ray else "local",
+            )
     finally:
         cache.close()
     if args.json:
@@ -258,10 +265,12 @@ def _open_for_warm(args: argparse.Namespace) -> Any:
     from mmcache.cacheroot import CONFIG_FILE
 
     root = Path(os.path.expanduser(args.cache))
+    shared = shared_tier(args)  # --shared URL: publish there too (or only, with --ray)
     if not (root / CONFIG_FILE).is_file():
         disk = WARM_DISK if args.disk is None else args.disk
-        return mc.Cache(root, memory=0, disk=disk, policy=args.policy or "value")
+        return mc.Cache(root, memory=0, disk=disk, policy=args.policy or "value", shared=shared)
     overrides: dict[str, Any] = {} if args.policy is None else {"policy": args.policy}
+    overrides["shared"] = shared
     if args.disk is not None:
         overrides["disk"] = args.disk
     cache = mc.Cache.open_existing(root, memory=0, **overrides)
@@ -307,6 +316,8 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     from mmcache.sources.chat import read_text_reports
     from mmcache.units import format_size
 
+    if on_share(args, "stats", _print_json):  # --shared URL: the share's counts
+        return 0
     cache = _open(args)
     try:
         stats = cache.stats()
@@ -395,6 +406,8 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     from mmcache.maintenance import sweep_orphans
     from mmcache.units import format_size
 
+    if on_share(args, "gc", _print_json):  # --shared URL: its old packs
+        return 0
     if args.cache is None:
         root_only = ("older_than", "max_size", "unused_for", "compact")
         used = [f"--{n.replace('_', '-')}" for n in root_only if getattr(args, n)]
@@ -612,6 +625,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--policy", help="eviction policy (default: the root's recorded one; value for a new root)"
     )
     p.add_argument("--on-error", choices=["raise", "skip"], default="skip")
+    add_warm_options(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_warm)
 
@@ -637,7 +651,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("stats", help="per-tier items, bytes, budget, hits, misses, ...")
-    p.add_argument("--cache", required=True)
+    p.add_argument("--cache", help="cache root (or --shared URL)")
+    add_shared_options(p, "instead of --cache: count its packs, entries and bytes")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_stats)
 
@@ -679,6 +694,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--compact",
         action="store_true",
         help="then give the disk tier's free pages back (only while no other process uses it)",
+    )
+    add_shared_options(
+        p, "instead of --cache: remove its packs older than --older-than, and packs never committed"
     )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_gc)

@@ -5,7 +5,9 @@ moment resumes where it stopped without recomputing stored entries. Under
 ``torchrun`` every rank takes a disjoint strided part of the dataset
 (``rank::world_size``). Misses are produced by DataLoader worker processes,
 which admit them to the cache themselves and send back only a status, so no
-sample crosses a process boundary.
+sample crosses a process boundary. ``executor="ray"`` produces them on Ray tasks
+instead, anywhere in a Ray cluster, into the cache's shared tier
+(:mod:`mmcache.warmray`).
 """
 
 from __future__ import annotations
@@ -13,17 +15,22 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from mmcache.cache import Cache
 from mmcache.checks import check_int
 from mmcache.dist import rank_and_world
+from mmcache.errors import ConfigError
 from mmcache.readthrough import ReadThroughSource, describe, read_through
 from mmcache.sources.capabilities import index_count
 
-__all__ = ["WarmReport", "warm"]
+__all__ = ["Executor", "WarmReport", "warm"]
+
+#: Where :func:`warm` produces: ``"local"`` (this process and its ``workers``) or
+#: ``"ray"`` (Ray tasks, into the cache's shared tier).
+Executor = Literal["local", "ray"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,9 +94,17 @@ def warm(
     world_size: int | None = None,
     progress: bool = True,
     multiprocessing_context: Any = None,
+    executor: Executor = "local",
 ) -> WarmReport:
-    """Produce and store every sample of this rank's shard that the cache lacks."""
+    """Produce and store every sample of this rank's shard that the cache lacks.
+
+    ``executor="ray"``: produced on Ray tasks (``workers`` is then unused), each
+    publishing into the cache's shared tier, which the cache must have
+    (``Cache(root, shared=...)``; see :mod:`mmcache.warmray`).
+    """
     check_int("workers", workers, minimum=0)  # 0: produce in this process
+    if executor not in ("local", "ray"):
+        raise ConfigError(f"executor must be 'local' or 'ray', got {executor!r}")
     rank, world_size = rank_and_world(rank, world_size)
     t0 = time.perf_counter()
     cache.register(dataset.fingerprint(), describe(dataset))
@@ -97,7 +112,14 @@ def warm(
     todo = [i for i in shard if not cache.contains(dataset.key(i))]
     present = len(shard) - len(todo)
     counts = {"admitted": 0, "refused": 0, "rejected": 0, "present": 0}
-    if todo:
+    if todo and executor == "ray":
+        from tqdm import tqdm
+
+        from mmcache.warmray import warm_with_ray
+
+        with tqdm(total=len(shard), initial=present, disable=not progress, unit="sample") as bar:
+            counts = warm_with_ray(dataset, cache, todo, progress=bar.update)
+    elif todo:
         from tqdm import tqdm
 
         loader = torch.utils.data.DataLoader(

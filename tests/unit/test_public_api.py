@@ -46,6 +46,7 @@ PUBLIC = [
     "RemoteFileSource",
     "RemotePrefetch",
     "SampleError",
+    "SharedTier",
     "SmartResize",
     "SourceDataset",
     "TextReport",
@@ -80,8 +81,9 @@ def test_the_top_level_names_are_pinned() -> None:
     assert mmcache.__all__ == PUBLIC
     # About 40 (torch.utils.data has 32, LitData 31): 45 for images and text, VideoSpec for
     # video, hf_processor and open_source as the entry points, Mixture and MixturePart for
-    # the mixtures every VLM recipe trains on; grow it only with a reason.
-    assert len(PUBLIC) <= 50
+    # the mixtures every VLM recipe trains on, SharedTier for the shared floor of the tier
+    # list; grow it only with a reason (issue 38 asks for 40: not reached yet).
+    assert len(PUBLIC) <= 51
     for name in PUBLIC:
         assert getattr(mmcache, name) is not None
 

@@ -654,6 +654,8 @@ class DataLoader:
                 yield batch
                 t0 = time.perf_counter()
             flush_all()  # this process's pending puts (num_workers=0, late misses)
+            if self.cache is not None:
+                self.cache.commit()  # and promotions into the disk tier, the shared tier's pack
             stats.end(time.perf_counter())
             self._history[slot] = stats.snapshot()
             self._live = None

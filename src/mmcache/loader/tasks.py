@@ -361,6 +361,10 @@ class WorkerPlanner(torch.utils.data.Dataset[PackedPlan]):
         if not produce and not planned.all():
             return None
         missing = np.flatnonzero(~planned).tolist()
+        if missing and self.cache is not None:
+            # A tier far away (the shared tier) reads the batch's misses at once, grouped
+            # by pack, before they are looked up one by one below.
+            self.cache.fetch_ahead(keys[missing])
         # First the misses nobody else is producing, then (waiting) the ones another
         # process is: jobs that share an order then split a batch's decodes between them.
         # A deferred row has been looked up once (``looked``): one miss counted, not two.

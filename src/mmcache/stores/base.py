@@ -97,6 +97,11 @@ class Store(ABC):
     #: entries straight into caller arrays, in the reading process). The loader gathers
     #: cached batches from every tier that says so (``Cache.reader``: memory, then disk).
     supports_gather: bool = False
+    #: Whether the store keeps a byte budget of its own with a policy (``capacity``,
+    #: eviction, refusal: the contract's budget tests). False for a store outside any
+    #: node's budget (the shared tier, :mod:`mmcache.shared`: what a share holds is its
+    #: owner's business); its ``capacity()`` is then the largest size there is.
+    bounded: bool = True
 
     @abstractmethod
     def get(self, key: bytes) -> bytes | None:
@@ -120,6 +125,18 @@ class Store(ABC):
         Replacing an existing key is allowed. An entry larger than ``capacity()``
         is refused (returns False, counted as ``refused``, logged once with sizes).
         """
+
+    def fetch_ahead(self, keys: Keys) -> None:
+        """Read ``keys`` ahead, for the ``get`` of each that follows soon. A tier far
+        away (the shared tier) reads them in batches and keeps them for those gets;
+        the default does nothing (a local tier reads one entry as fast as many)."""
+        del keys
+
+    def commit(self) -> None:
+        """Make what this handle wrote visible to every other handle now. A tier that
+        publishes in larger units (the shared tier's packs) commits its open unit; the
+        default does nothing (every put is visible once it returns)."""
+        return None
 
     @abstractmethod
     def delete(self, key: bytes) -> bool:

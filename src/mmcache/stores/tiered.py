@@ -58,7 +58,7 @@ from mmcache.errors import CorruptEntryError
 from mmcache.stats import TierStats
 from mmcache.stores.base import EntryInfo, Keys, Store, check_key
 
-__all__ = ["Accepted", "Hit", "Promotions", "ReadCheck", "Row", "Tier", "TieredStore"]
+__all__ = ["Accepted", "Hit", "Later", "Promotions", "ReadCheck", "Row", "Tier", "TieredStore"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +87,11 @@ class Tier:
     it serves is not promoted into the tiers above it (its entries are there for a
     while, on purpose outside their budget and policy). ``label``: its name in the
     list when it is not its store's ``name`` (a second memory store).
+
+    ``node=False``: a tier that is not the node's own (the shared tier below the disk
+    tier, :mod:`mmcache.shared`): read, written and promoted from like any other, but
+    never the store of record (it has no budget of the node's) and left alone by the
+    node's maintenance (``Cache.tiers``: gc, verify).
     """
 
     store: Store
@@ -95,6 +100,7 @@ class Tier:
     promote_into: bool = True
     budgeted: bool = True
     label: str | None = None
+    node: bool = True
 
     @property
     def name(self) -> str:
@@ -117,6 +123,10 @@ class Accepted(Generic[T]):
 #: ``check(raw, verify)``: accept the bytes a tier served (:class:`Accepted`), return
 #: None for an expired entry, or raise :class:`~mmcache.errors.CorruptEntryError`.
 ReadCheck = Callable[[bytes, bool], "Accepted[T] | None"]
+
+#: ``later(stores, row)``: promote ``row`` into ``stores`` (deferred tiers) later, from a
+#: background thread (the write-behind's :meth:`~mmcache.stores.writebehind.WriteBehind.promote`).
+Later = Callable[[tuple[Store, ...], Row], None]
 
 
 @dataclass(slots=True)
@@ -211,7 +221,7 @@ class TieredStore(Store):
         self._front = tuple(t.store for t in self._written if not t.deferred)
         self._deferred = tuple(t for t in self._written if t.deferred)
         self._by_name = {t.name: t.store for t in tiers}
-        self._record = next((t.store for t in reversed(tiers) if t.budgeted), None)
+        self._record = next((t.store for t in reversed(tiers) if t.budgeted and t.node), None)
         if len(self._by_name) != len(tiers):
             raise ValueError(f"tier names must differ, got {[t.name for t in tiers]}")
 
@@ -254,7 +264,7 @@ class TieredStore(Store):
 
     @property
     def record(self) -> Store | None:
-        """The store of record (the last budgeted tier), or None without one."""
+        """The store of record (the last budgeted tier of the node), or None without one."""
         return self._record
 
     @property
@@ -283,9 +293,16 @@ class TieredStore(Store):
         return None
 
     # -- reads ------------------------------------------------------------------------------
-    def lookup(self, key: bytes, check: ReadCheck[T]) -> Hit[T] | None:
+    def lookup(
+        self, key: bytes, check: ReadCheck[T], *, later: Later | None = None
+    ) -> Hit[T] | None:
         """The first tier's entry for ``key`` that ``check`` accepts, promoted into every
         faster tier (whose policy may refuse it), or None.
+
+        ``later``: where promotions into *deferred* faster tiers go (the disk tier, for a
+        hit of the shared tier below it: a commit, so an ``fsync``, per entry, most of
+        what a shared hit costs), written from the write-behind's thread in groups;
+        without it they are written here, at once.
 
         ``check(raw, verify)`` sees the bytes with the tier's ``verify`` flag; an
         entry it rejects is discarded from that tier (counted there as ``expired``
@@ -306,8 +323,15 @@ class TieredStore(Store):
             if accepted is None:
                 t.store.discard(key, why="expired")
                 continue
-            if i and t.budgeted and _promote(tiers[:i], key, raw, accepted.cost, accepted.ctime):
-                self.promotions.note(key, t.name)
+            if i and t.budgeted:
+                faster = tiers[:i]
+                if later is not None:
+                    deferred = tuple(f.store for f in faster if f.deferred and f.promote_into)
+                    if deferred:
+                        later(deferred, (key, raw, accepted.cost, accepted.ctime))
+                    faster = tuple(f for f in faster if not f.deferred)
+                if _promote(faster, key, raw, accepted.cost, accepted.ctime):
+                    self.promotions.note(key, t.name)
             self._hits += 1
             return Hit(accepted.value, t.store)
         self._misses += 1
@@ -381,6 +405,14 @@ class TieredStore(Store):
         self._admitted += sum(admitted)
         return admitted
 
+    def put_into(self, stores: Sequence[Store], rows: Sequence[Row]) -> list[bool]:
+        """Offer ``rows`` to ``stores`` only (tiers of this list: the promotions the
+        write-behind writes); return, per row, whether any of them admitted it."""
+        admitted = [False] * len(rows)
+        for store in stores:
+            _put_rows(store, rows, admitted)
+        return admitted
+
     def put_front(self, key: bytes, value: bytes, *, cost: float, ctime: float) -> bool:
         """Offer one entry to the front tiers only (the write-behind's first half);
         return whether any of them admitted it."""
@@ -391,6 +423,21 @@ class TieredStore(Store):
             except OSError as exc:
                 logger.warning("put to %s tier failed: %s", store.name, exc)
         return admitted
+
+    def fetch_ahead(self, keys: Keys) -> None:
+        """Ask every tier to read ``keys`` ahead (:meth:`Store.fetch_ahead`: the shared tier
+        reads a batch's misses grouped by pack before they are looked up one by one)."""
+        for t in self._tiers:
+            t.store.fetch_ahead(keys)
+
+    def commit(self) -> None:
+        """Make what every tier holds of this handle's writes visible to others
+        (:meth:`Store.commit`: the shared tier's open pack); a tier that fails is logged."""
+        for t in self._tiers:
+            try:
+                t.store.commit()
+            except OSError as exc:
+                logger.warning("commit of the %s tier failed: %s", t.name, exc)
 
     def delete(self, key: bytes) -> bool:
         """Remove ``key`` from every tier; return whether the store of record held it."""

@@ -10,6 +10,10 @@ per sample. It is the tiered store's own write split in two
 (:meth:`TieredStore.put_front`, then :meth:`TieredStore.put_many` with
 ``skip_front``), not a second copy of the tier walk.
 
+Promotions ride along: a hit of the shared tier, below the disk tier, is promoted into
+the disk tier by this thread, in the same groups (:meth:`WriteBehind.promote`), not by a
+commit per hit in the reading process.
+
 Reads see this process's pending writes (:meth:`WriteBehind.pending`): a worker
 asked for a sample it produced a moment ago, whose deferred commit has not
 happened yet (a loaded machine, the next epoch starting at once), serves it from
@@ -18,6 +22,9 @@ the queue instead of producing it again.
 A cache is allowed to lose a few pending writes: the entries are simply
 produced again next time. Nothing half-written is ever visible: each entry is
 committed whole or not at all by the tiers.
+
+A flush ends with :meth:`TieredStore.commit`: what was written becomes visible to
+other processes and nodes (the shared tier's open pack is committed).
 
 Process lifetime: the queue is flushed when the process exits normally (a
 ``multiprocessing`` finalizer, which runs before a DataLoader worker's
@@ -35,6 +42,7 @@ from collections.abc import Callable
 from multiprocessing import util
 
 from mmcache.codec import read_header
+from mmcache.stores.base import Store
 from mmcache.stores.tiered import Row, TieredStore
 
 __all__ = [
@@ -42,6 +50,7 @@ __all__ = [
     "MAX_PENDING",
     "WriteBehind",
     "flush_all",
+    "flush_for",
     "writer_for",
     "writer_if_any",
 ]
@@ -57,6 +66,10 @@ GROUP_BYTES = 1 << 20
 #: ``tag(fingerprint, keys)``: told the fingerprint of what is submitted (Cache.tag).
 TagFn = Callable[[str, list[bytes]], None]
 
+#: A queued write: a row and where it goes (None: every deferred tier, a produced
+#: entry; else the tiers a hit is promoted into, :meth:`WriteBehind.promote`).
+Item = tuple[Row, tuple[Store, ...] | None]
+
 
 class WriteBehind:
     """A background writer for one :class:`TieredStore` in one process. Thread-safe.
@@ -70,7 +83,7 @@ class WriteBehind:
     ) -> None:
         self.store = store
         self._tag = tag
-        self._queue: queue.Queue[Row | None] = queue.Queue(max_pending)
+        self._queue: queue.Queue[Item | None] = queue.Queue(max_pending)
         # Entries queued and not yet committed, by key (the rows the queue holds: no copy).
         self._pending: dict[bytes, Row] = {}
         self._pending_lock = threading.Lock()
@@ -101,11 +114,25 @@ class WriteBehind:
         with self._pending_lock:
             self._pending[key] = row
         try:
-            self._queue.put_nowait(row)
+            self._queue.put_nowait((row, None))
         except queue.Full:
             self._done([row])
             store.put_many([row], skip_front=True)
         return admitted
+
+    def promote(self, stores: tuple[Store, ...], row: Row) -> None:
+        """Promote a hit into ``stores`` (deferred tiers above the tier that served it: the
+        disk tier, for a shared hit) from the background thread, grouped like the
+        writes (one commit per group, not one per hit); the faster tiers have it
+        already. A full queue or a flushed writer writes it here. (The ``later`` of
+        :meth:`TieredStore.lookup`.)"""
+        if self._closed:
+            self.store.put_into(stores, [row])
+            return
+        try:
+            self._queue.put_nowait((row, stores))
+        except queue.Full:
+            self.store.put_into(stores, [row])
 
     def pending(self, key: bytes) -> bytes | None:
         """The encoded entry of ``key`` if it is queued here and not yet committed, else None."""
@@ -125,7 +152,7 @@ class WriteBehind:
             if item is None:
                 return
             group = [item]
-            size = len(item[1])
+            size = len(item[0][1])
             stop = False
             while size < GROUP_BYTES:
                 try:
@@ -136,15 +163,28 @@ class WriteBehind:
                     stop = True
                     break
                 group.append(nxt)
-                size += len(nxt[1])
-            try:
-                self.store.put_many(group, skip_front=True)
-            except Exception:  # a cache write must never kill the worker
-                logger.exception("write-behind: %d cache puts failed", len(group))
-            finally:
-                self._done(group)
+                size += len(nxt[0][1])
+            self._write(group)
             if stop:
                 return
+
+    def _write(self, group: list[Item]) -> None:
+        """Write one group: the produced rows to every deferred tier, the promotions to
+        their tiers."""
+        produced = [row for row, where in group if where is None]
+        promoted: dict[tuple[Store, ...], list[Row]] = {}
+        for row, where in group:
+            if where is not None:
+                promoted.setdefault(where, []).append(row)
+        try:
+            if produced:
+                self.store.put_many(produced, skip_front=True)
+            for stores, rows in promoted.items():
+                self.store.put_into(stores, rows)
+        except Exception:  # a cache write must never kill the worker
+            logger.exception("write-behind: %d cache puts failed", len(group))
+        finally:
+            self._done(produced)
 
     def flush(self, timeout: float | None = 30.0) -> None:
         """Write everything queued and stop the thread (later submits write directly)."""
@@ -159,6 +199,9 @@ class WriteBehind:
             )
             return
         self._thread.join(timeout)
+        # What was written is published too (the shared tier's open pack is committed):
+        # a flush is the end of an epoch, of a worker or of a warm-up.
+        self.store.commit()
 
 
 # One writer per owner (a Cache) per process; the owner is kept to tell a new object
@@ -193,6 +236,17 @@ def writer_if_any(owner: object) -> WriteBehind | None:
     if held is None or held[0] is not owner or held[1]._pid != os.getpid():
         return None
     return held[1]
+
+
+def flush_for(owner: object) -> None:
+    """Flush this process's writer for ``owner``, if it made one (a later write makes a
+    new one): what ``Cache.commit`` and ``Cache.close`` run first."""
+    with _LOCK:
+        held = _WRITERS.get(id(owner))
+        if held is None or held[0] is not owner or held[1]._pid != os.getpid():
+            return
+        del _WRITERS[id(owner)]
+    held[1].flush()
 
 
 def flush_all() -> None:

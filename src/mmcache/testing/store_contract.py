@@ -19,6 +19,9 @@ Every store the suite makes is closed after its test. The tests are small
 Pair it with :func:`mmcache.testing.store_machine.make_store_machine`, which
 checks the same rules on random operation sequences.
 
+A store without a byte budget of its own (``Store.bounded = False``: the shared
+tier) skips the tests of the budget and its policies, and nothing else.
+
 Rules checked beyond the method docstrings of the ABC: ``get`` returns
 ``bytes`` that stay valid whatever happens next; a refused ``put`` never leaves
 an older value of the same key readable (a new value for a key means the old one
@@ -91,6 +94,14 @@ class StoreContract:
     def _store(self, capacity: int = 1000, policy: str = "lru") -> Store:
         store = self.make_store(capacity, policy)
         self._made.append(store)
+        return store
+
+    def _bounded(self, capacity: int = 1000, policy: str = "lru") -> Store:
+        """A store for a test of the budget and its policy; skipped for a store that
+        declares it has none (``Store.bounded = False``: the shared tier)."""
+        store = self._store(capacity, policy)
+        if not store.bounded:
+            pytest.skip(f"{type(store).__name__} keeps no byte budget of its own (bounded=False)")
         return store
 
     @staticmethod
@@ -212,12 +223,12 @@ class StoreContract:
             store.put(key(i), _value(i, size))
         assert store.nbytes() == sum(sizes)
         assert self._held(store) == sum(sizes)
-        assert store.capacity() == 10_000
+        assert store.capacity() == (10_000 if store.bounded else 2**63 - 1)
 
     # ------------------------------------------------------------------ budget and policies
 
     def test_budget_holds_with_eviction(self) -> None:
-        store = self._store(capacity=1000, policy="lru")
+        store = self._bounded(capacity=1000, policy="lru")
         for i in range(120):
             assert store.put(key(i % 40), _value(i, (i * 37) % 400))
             assert store.nbytes() <= 1000
@@ -225,7 +236,7 @@ class StoreContract:
         assert store.stats().evictions > 0
 
     def test_budget_holds_with_refusal(self) -> None:
-        store = self._store(capacity=1000, policy="keep")
+        store = self._bounded(capacity=1000, policy="keep")
         results = [store.put(key(i), _value(i, (i * 37) % 400)) for i in range(60)]
         assert store.nbytes() <= 1000
         assert store.nbytes() == self._held(store)
@@ -234,7 +245,7 @@ class StoreContract:
         assert store.stats().evictions == 0
 
     def test_oversize_refused_and_counted(self) -> None:
-        store = self._store(capacity=100)
+        store = self._bounded(capacity=100)
         assert store.put(key(1), _value(1, 101)) is False
         assert not store.contains(key(1))
         assert store.nbytes() == 0
@@ -243,14 +254,14 @@ class StoreContract:
         assert store.put(key(2), _value(2, 100)) is True  # exactly the budget fits
 
     def test_refused_put_never_serves_older_value(self) -> None:
-        store = self._store(capacity=100)
+        store = self._bounded(capacity=100)
         store.put(key(1), _value(1, 50))
         assert store.put(key(1), _value(2, 500)) is False
         assert store.get(key(1)) is None
         assert store.nbytes() == 0
 
     def test_keep_refuses_when_full(self) -> None:
-        store = self._store(capacity=300, policy="keep")
+        store = self._bounded(capacity=300, policy="keep")
         for i in range(3):
             assert store.put(key(i), _value(i, 100))
         assert store.put(key(3), _value(3, 100)) is False
@@ -258,7 +269,7 @@ class StoreContract:
         assert store.get(key(3)) is None
 
     def test_lru_evicts_least_recently_read(self) -> None:
-        store = self._store(capacity=400, policy="lru")
+        store = self._bounded(capacity=400, policy="lru")
         for i in range(4):
             store.put(key(i), _value(i, 100))
             time.sleep(_TICK)
@@ -280,7 +291,7 @@ class StoreContract:
         assert store.stats().expired == 2
 
     def test_stats_count_events(self) -> None:
-        store = self._store(capacity=300, policy="lru")
+        store = self._bounded(capacity=300, policy="lru")
         for i in range(4):  # the 4th put evicts one entry
             store.put(key(i), _value(i, 100))
         store.put(key(9), _value(9, 301))  # refused
