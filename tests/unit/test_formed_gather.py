@@ -134,14 +134,21 @@ def _stored(root: Path, form: str, key: bytes) -> bytes:
 
 
 def _flip_in_file(path: Path, needle: bytes) -> None:
+    """Flip a byte in every copy of ``needle`` in ``path``: LMDB may keep a stale copy of a
+    rewritten page in its free pages beside the live one, and either may hold the entry."""
     data = path.read_bytes()
+    found = []
     at = data.find(needle)
-    assert at >= 0 and data.find(needle, at + 1) < 0
+    while at >= 0:
+        found.append(at)
+        at = data.find(needle, at + 1)
+    assert found, "the entry's bytes are not in the file"
     with open(path, "r+b") as f:
-        f.seek(at + len(needle) // 2)
-        byte = f.read(1)
-        f.seek(at + len(needle) // 2)
-        f.write(bytes([byte[0] ^ 0x5A]))
+        for at in found:
+            f.seek(at + len(needle) // 2)
+            byte = f.read(1)
+            f.seek(at + len(needle) // 2)
+            f.write(bytes([byte[0] ^ 0x5A]))
 
 
 def _rows_by_id(batches: list[dict[str, Any]]) -> dict[int, dict[str, torch.Tensor]]:
