@@ -401,7 +401,7 @@ def test_fast_json_loads_is_json_loads(raw: bytes) -> None:
     def outcome(fn: Callable[[bytes], Any]) -> Any:
         try:
             return ("ok", fn(raw))
-        except ValueError:  # JSONDecodeError and UnicodeDecodeError, as _dims catches
+        except ValueError:  # JSONDecodeError and UnicodeDecodeError, as _all_dims catches
             return ("error",)
 
     assert outcome(index_mod._loads) == outcome(json.loads)

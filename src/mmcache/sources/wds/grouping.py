@@ -100,8 +100,9 @@ def group(names: Sequence[str], exts: Exts) -> Grouped:
     ``exts`` lower case."""
     role_of = roles(exts)
     groups = _Groups()
-    if len(set(names)) == len(names) and "\n" not in "".join(names):
-        _plain(names, role_of, groups)
+    joined = "".join(names)
+    if len(set(names)) == len(names) and "\n" not in joined:
+        _plain(names, role_of, groups, flat="/" not in joined)
         repeated: dict[str, str] = {}
     else:
         repeated = _any(names, role_of, groups)
@@ -131,10 +132,17 @@ def group(names: Sequence[str], exts: Exts) -> Grouped:
     )
 
 
-def _plain(names: Sequence[str], role_of: dict[str, tuple[int, int, int]], groups: _Groups) -> None:
-    """The groups of names that are all different and hold no newline: split_name
-    without its regex, nothing to remember of the names seen, and :meth:`_Groups.add`
-    written out (the path of every usual shard: it runs for every member)."""
+def _plain(
+    names: Sequence[str],
+    role_of: dict[str, tuple[int, int, int]],
+    groups: _Groups,
+    *,
+    flat: bool,
+) -> None:
+    """The groups of names that are all different and hold no newline (``flat``: and no
+    slash): split_name without its regex, nothing to remember of the names seen, and
+    :meth:`_Groups.add` written out (the path of every usual shard: it runs for every
+    member)."""
     get = role_of.get
     index, best, ranks, numbers, first = (
         groups.index,
@@ -144,10 +152,15 @@ def _plain(names: Sequence[str], role_of: dict[str, tuple[int, int, int]], group
         groups.first_role,
     )
     for i, name in enumerate(names):
-        slash = name.rfind("/") + 1
-        dot = name.find(".", slash)
-        if dot <= slash:
-            continue  # no dot, or the last component starts with one
+        if flat:  # no folders: the first dot splits
+            dot = name.find(".")
+            if dot <= 0:
+                continue  # no dot, or the name starts with one
+        else:
+            slash = name.rfind("/") + 1
+            dot = name.find(".", slash)
+            if dot <= slash:
+                continue  # no dot, or the last component starts with one
         ext = name[dot + 1 :]
         found = get(ext)  # the listed extensions are lower case: most names' are too
         if found is None:

@@ -93,18 +93,29 @@ def _loads(data: bytes) -> object:
     return obj
 
 
-def _dims(data: bytes) -> tuple[int, int] | None:
-    """``(width, height)`` of an img2dataset ``.json`` member, if it has both as ints."""
-    try:
-        obj = _loads(data)
-    except (ValueError, UnicodeDecodeError, RecursionError):  # deep nesting: not dims
-        return None
-    if not isinstance(obj, dict):
-        return None
-    w, h = obj.get("width"), obj.get("height")
-    if isinstance(w, int) and isinstance(h, int) and type(w) is not bool:
-        return (w, h) if w in _INT64 and h in _INT64 else None  # kept as int64
-    return None
+def _all_dims(data: dict[int, bytes]) -> dict[int, tuple[int, int]]:
+    """``(width, height)`` of each img2dataset ``.json`` member (its bytes by member
+    number) that has both as ints, kept as int64: a member that is not JSON, too deep
+    to parse, or whose numbers do not fit leaves its sample's size unknown. One loop,
+    no call per member (it runs for a member in three at a first open)."""
+    out: dict[int, tuple[int, int]] = {}
+    loads, span = _loads, _INT64
+    for i, raw in data.items():
+        try:
+            obj = loads(raw)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            continue
+        if type(obj) is dict:  # json gives a dict, never a subclass
+            w, h = obj.get("width"), obj.get("height")
+            if (
+                isinstance(w, int)
+                and isinstance(h, int)
+                and type(w) is not bool
+                and w in span  # kept as int64
+                and h in span
+            ):
+                out[i] = (w, h)
+    return out
 
 
 def scan(
@@ -120,14 +131,14 @@ def scan(
     suffixes = tuple("." + e.lower() for e in json_exts)
     walked = quick_walk(fileobj, size=size, suffixes=suffixes, limit=_MAX_JSON)
     if walked is not None:  # a clean shard: its headers read at C speed
-        found = {i: wh for i, data in walked.data.items() if (wh := _dims(data)) is not None}
+        dims = _all_dims(walked.data)
         return ShardIndex(
-            location, stamp, size, walked.names, walked.offsets, walked.sizes, found, False
+            location, stamp, size, walked.names, walked.offsets, walked.sizes, dims, False
         )
     names: list[str] = []
     offsets: list[int] = []
     sizes: list[int] = []
-    dims: dict[int, tuple[int, int]] = {}
+    small: dict[int, bytes] = {}
     fileobj.seek(0)
     walk = TarWalk(fileobj, size=size, limit=_MAX_JSON)
     for member in walk:
@@ -135,12 +146,12 @@ def scan(
         offsets.append(member.offset_data)
         sizes.append(member.size)
         if member.name.lower().endswith(suffixes) and member.size <= _MAX_JSON:
-            wh = _dims(walk.read(member))
-            if wh is not None:
-                dims[len(names) - 1] = wh
+            small[len(names) - 1] = walk.read(member)
     if walk.truncation is not None:
         logger.warning("shard %s is truncated: %s", location, walk.truncation)
-    return ShardIndex(location, stamp, size, names, offsets, sizes, dims, walk.truncated)
+    return ShardIndex(
+        location, stamp, size, names, offsets, sizes, _all_dims(small), walk.truncated
+    )
 
 
 def index_path(index_dir: str, location: str, stamp: str, exts: Exts) -> str:
