@@ -326,6 +326,26 @@ def run_phase(args: argparse.Namespace) -> None:
 
 
 # -- the driver ---------------------------------------------------------------------------
+def source_commit() -> tuple[str, str]:
+    """Where the mmcache the phases import lives (``PYTHONPATH`` decides), and the commit
+    of the git checkout holding it (``+changes`` when its sources differ; ``?``: none)."""
+    found = subprocess.run(
+        [sys.executable, "-c", "import mmcache, os; print(os.path.dirname(mmcache.__file__))"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    git = {"cwd": found or HERE, "capture_output": True, "text": True}
+    try:
+        head = ["git", "rev-parse", "--short", "HEAD"]
+        commit = subprocess.run(head, check=False, **git).stdout.strip()
+        status = ["git", "status", "--porcelain", "--", "."]
+        dirty = subprocess.run(status, check=False, **git).stdout
+    except OSError:
+        return found, "?"
+    return found, (commit + ("+changes" if dirty.strip() else "")) if commit else "?"
+
+
 def machine() -> dict[str, Any]:
     cpu = platform.processor()
     try:
@@ -542,7 +562,8 @@ def main() -> None:
     notes = slopes(runs)
     m = info["machine"]
     head = (
-        f"commit {m['commit']}, {m['cpu']} ({m['cores']} cores), load average "
+        f"mmcache at commit {m['commit']} ({m['mmcache']}), {m['cpu']} ({m['cores']} cores), "
+        "load average "
         f"{m['load_average'][0]:.1f} at start, {info['load_average_end'][0]:.1f} at end; "
         f"stat latency injected: {args.stat_latency_ms} ms"
     )
