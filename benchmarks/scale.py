@@ -335,15 +335,19 @@ def source_commit() -> tuple[str, str]:
         text=True,
         check=False,
     ).stdout.strip()
-    git = {"cwd": found or HERE, "capture_output": True, "text": True}
+    where = found or str(HERE)
+
+    def git(*args: str) -> str:
+        done = subprocess.run(
+            ["git", *args], cwd=where, capture_output=True, text=True, check=False
+        )
+        return done.stdout.strip()
+
     try:
-        head = ["git", "rev-parse", "--short", "HEAD"]
-        commit = subprocess.run(head, check=False, **git).stdout.strip()
-        status = ["git", "status", "--porcelain", "--", "."]
-        dirty = subprocess.run(status, check=False, **git).stdout
+        commit, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "--", ".")
     except OSError:
         return found, "?"
-    return found, (commit + ("+changes" if dirty.strip() else "")) if commit else "?"
+    return found, (commit + ("+changes" if dirty else "")) if commit else "?"
 
 
 def machine() -> dict[str, Any]:
