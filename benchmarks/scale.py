@@ -359,25 +359,10 @@ def machine() -> dict[str, Any]:
             )
     except OSError:
         pass
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            check=False,
-            cwd=HERE,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "src"],
-            check=False,
-            cwd=HERE,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-    except OSError:
-        commit, dirty = "?", ""
+    where, commit = source_commit()
     return {
-        "commit": commit + ("+changes" if dirty else ""),
+        "commit": commit,
+        "mmcache": where,
         "cpu": cpu,
         "cores": os.cpu_count(),
         "python": platform.python_version(),
@@ -479,6 +464,10 @@ RUN_ROWS: list[tuple[str, Any]] = [
     ("  one wrapped stat measured (ms)", lambda r: f"{1e3 * r['first']['stat_latency_s']:.2f}"),
     ("main USS / PSS / shared after warm (MB)", _main_mem),
     ("main USS after warm (B/sample)", per_of("first.memory_warm.main.uss")),
+    (
+        "main heap (Anonymous) after warm (MB)",
+        lambda r: mb(dig(r, "first.memory_warm.main.anonymous")),
+    ),
     ("worker USS / PSS, max (MB)", lambda r: f"{mb(_worker(r, 'uss'))} / {mb(_worker(r, 'pss'))}"),
     ("worker USS (B/sample)", lambda r: per(_worker(r, "uss"), r["n"])),
     ("prefetcher USS (MB)", lambda r: mb(dig(r, "first.memory_warm.prefetcher.uss"))),
@@ -562,23 +551,19 @@ def main() -> None:
                 }
             runs[f"{source} {n:,}"] = r
     info["load_average_end"] = os.getloadavg()
-    text = table(runs)
-    notes = slopes(runs)
-    m = info["machine"]
-    head = (
-        f"mmcache at commit {m['commit']} ({m['mmcache']}), {m['cpu']} ({m['cores']} cores), "
-        "load average "
-        f"{m['load_average'][0]:.1f} at start, {info['load_average_end'][0]:.1f} at end; "
-        f"stat latency injected: {args.stat_latency_ms} ms"
-    )
-    report = (
-        head + "\n\n" + text + ("\n\n" + "\n".join(f"- {s}" for s in notes) if notes else "") + "\n"
-    )
-    print(report)
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(exist_ok=True)  # the figures first: nothing below can lose them
     (RESULTS / f"{args.tag}.json").write_text(
         json.dumps({**info, "runs": runs}, indent=1, default=str)
     )
+    m = info["machine"]
+    head = (
+        f"mmcache at commit {m['commit']} ({m['mmcache']}), {m['cpu']} ({m['cores']} cores), "
+        f"load average {m['load_average'][0]:.1f} at start, {info['load_average_end'][0]:.1f}"
+        f" at end; stat latency injected: {args.stat_latency_ms} ms"
+    )
+    notes = slopes(runs)
+    report = head + "\n\n" + table(runs) + "".join(f"\n- {s}" for s in notes) + "\n"
+    print(report)
     (RESULTS / f"{args.tag}.md").write_text(report)
 
 
