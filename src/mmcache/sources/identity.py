@@ -148,14 +148,19 @@ _TABLE = (
     " path BLOB NOT NULL, size INT, mtime INT, ctime INT, ino INT, lo INT, hi INT,"
     " t REAL NOT NULL, ph INT) WITHOUT ROWID"
 )  # t: when the digest's bytes began to be read (seconds since the epoch); ph: _path_hash
-_PATH_INDEX = "CREATE INDEX IF NOT EXISTS digest_ph ON digest (ph)"
+#: By path hash and ctime: a file's rows of other versions are found without visiting its
+#: rows of this one (a shard's ten thousand spans).
+_PATH_INDEX = "CREATE INDEX IF NOT EXISTS digest_ph_ctime ON digest (ph, ctime)"
 #: Where the last ``gc`` stopped checking rows (key ``prune_after``: an evidence key).
 _META = "CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v BLOB) WITHOUT ROWID"
 _COLUMNS = "ev, d, path, size, mtime, ctime, ino, lo, hi, t, ph"
-#: A path's other rows: those of an earlier version of the file (other stat fields).
+#: A path's rows of other versions of the file: another ctime (every write, ``utime``,
+#: rename and ``chmod`` sets it, never back), earlier or later, each a range of the index.
+#: A row of the same ctime but other fields (a same-tick rewrite on a coarse clock) is
+#: left to ``gc``'s check: its evidence cannot match either.
 _OLDER = (
-    "DELETE FROM digest WHERE ph = ? AND path = ?"
-    " AND NOT (size = ? AND mtime = ? AND ctime = ? AND ino = ?)"
+    "DELETE FROM digest WHERE ph = ? AND ctime < ? AND path = ?",
+    "DELETE FROM digest WHERE ph = ? AND ctime > ? AND path = ?",
 )
 #: SQLite's primary result codes of a damaged file: "database disk image is malformed" and
 #: "file is not a database" (``sqlite3.SQLITE_CORRUPT``/``SQLITE_NOTADB`` from Python 3.11).
@@ -356,11 +361,12 @@ class Ledger:
                 versions[where] = now
                 lo_hi = span if span is not None else (None, None)
                 rows.append((ev, d, where, *now, *lo_hi, when, _path_hash(where)))
-            older = [(_path_hash(p), p, *now) for p, now in versions.items()]
+            older = [(_path_hash(p), now[2], p) for p, now in versions.items()]
 
             def insert(conn: sqlite3.Connection) -> None:
-                with conn:  # the rows of the files' earlier versions go: lazy pruning
-                    conn.executemany(_OLDER, older)
+                with conn:  # the rows of the files' other versions go: lazy pruning
+                    for sql in _OLDER:
+                        conn.executemany(sql, older)
                     conn.executemany(
                         f"INSERT OR REPLACE INTO digest ({_COLUMNS})"  # noqa: S608 - no data
                         " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
