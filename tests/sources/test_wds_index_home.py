@@ -16,6 +16,7 @@ from mmcache.dataset import MultimodalDataset
 from mmcache.pipeline import Pipeline
 from mmcache.sources.wds import WebDatasetSource, write_shards
 from mmcache.sources.wds.home import INDEX_FOLDER, index_home
+from mmcache.sources.wds.tablefile import SUFFIX
 from mmcache.synth import make_dataset
 
 
@@ -39,7 +40,7 @@ def test_default_index_is_kept_beside_the_shards_in_a_private_folder(
     sniffed = MultimodalDataset(str(tmp_path / "shards" / "*.tar"), pipeline=small_pipeline)
     assert len(src) == len(sniffed) == 9
     folder = shards[0].parent / f".mmcache-index-u{os.geteuid()}"
-    assert len(list(folder.glob("*.json"))) == 3
+    assert len(list(folder.glob("*" + SUFFIX))) == 3
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700
     assert _files(tmp_path / "xdg") == [] and _files(tmp_path / "home") == []
 
@@ -70,13 +71,13 @@ def test_gc_removes_the_indexes_of_shards_gone_or_changed(
     Cache(root, memory=0, disk="1MiB").close()
     idx = root / INDEX_FOLDER
     WebDatasetSource(shards, pipeline=small_pipeline, index_dir=idx)
-    kept = {p.name for p in idx.glob("*.json")}
+    kept = {p.name for p in idx.glob("*" + SUFFIX)}
     assert len(kept) == 3
     (idx / ".tmp-dead.json").write_text("{")  # a crashed writer's leftover...
     os.utime(idx / ".tmp-dead.json", (0, 0))  # ...from long ago
     shards[0].unlink()
     st = shards[1].stat()
-    written = max(p.stat().st_mtime_ns for p in idx.glob("*.json"))
+    written = max(p.stat().st_mtime_ns for p in idx.glob("*" + SUFFIX))
     for _ in range(1000):  # rewritten, its mtime restored (file times have coarse ticks)
         shards[1].write_bytes(shards[1].read_bytes())
         os.utime(shards[1], ns=(st.st_atime_ns, st.st_mtime_ns))

@@ -20,7 +20,7 @@ from mmcache.errors import ManifestError, SampleError
 from mmcache.loader import DataLoader
 from mmcache.pipeline import Pipeline
 from mmcache.sources.base import OnError
-from mmcache.sources.wds import WebDatasetSource, sniff, write_shards
+from mmcache.sources.wds import WebDatasetSource, sniff, tablefile, write_shards
 from mmcache.sources.wds.index import index_path
 from mmcache.synth import make_dataset, make_image
 from mmcache.testing.hostile import tar_member
@@ -147,7 +147,7 @@ def test_index_is_kept_by_stamp_and_reads_no_image_data(
     _, paths = shards
     idx = tmp_path / "idx"
     src = WebDatasetSource(paths, pipeline=small_pipeline, index_dir=idx)
-    assert len(list(idx.glob("*.json"))) == 3
+    assert len(list(idx.glob("*" + tablefile.SUFFIX))) == 3
     # json width/height without decoding any image
     sizes = src.image_sizes(range(12))
     assert sizes.shape == (12, 2) and (sizes > 0).all()
@@ -163,11 +163,13 @@ def test_index_is_kept_by_stamp_and_reads_no_image_data(
     # a damaged index file is rebuilt, not trusted
     monkeypatch.undo()
     st = os.stat(paths[0])
-    bad = index_path(str(idx), str(paths[0]), keys.stat_stamp(st))
+    exts = (src.image_exts, src.text_exts, src.json_exts)
+    bad = index_path(str(idx), str(paths[0]), keys.stat_stamp(st), exts)
     Path(bad).write_text(json.dumps({"format": "mmcache.wds-index", "version": 1}))
     rebuilt = WebDatasetSource(paths, pipeline=small_pipeline, index_dir=idx)
     np.testing.assert_array_equal(rebuilt.key_rows(range(12)), src.key_rows(range(12)))
-    assert json.loads(Path(bad).read_text())["members"]
+    kept = tablefile.read(bad, location=str(paths[0]), stamp=keys.stat_stamp(st), exts=exts)
+    assert kept is not None and len(kept) == 5  # written again, whole
 
 
 def test_a_sample_reads_only_its_own_bytes(

@@ -2,8 +2,10 @@
 
 The ledger (:mod:`mmcache.sources.identity`) remembers the digest of every file a job
 keyed, under the file's local evidence. Rows of files deleted or rewritten since can never
-match again: ``gc`` (with ``--cache`` or ``--all`` alone) removes them, then the oldest beyond
-the bound; another user's ledger is never used nor pruned.
+match again: ``gc`` (with ``--cache`` or ``--all`` alone) removes them, checking a bounded
+number of rows each time (issue 41: never a ``stat`` of every row, never a bound on the rows
+of files that did not change), and a rewritten file's old rows go when its new digest is
+learned; another user's ledger is never used nor pruned.
 """
 
 from __future__ import annotations
@@ -11,11 +13,13 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from mmcache import Cache
+from mmcache import Cache, keys
 from mmcache.cli import main
 from mmcache.errors import CacheError
 from mmcache.sources import identity
@@ -71,20 +75,130 @@ def test_prune_removes_rows_of_files_gone_or_changed_and_keeps_the_rest(
     assert after[1:] == before[2:]
 
 
-def test_prune_keeps_the_ledger_bounded_dropping_the_oldest(
+def _scaled_down(monkeypatch: pytest.MonkeyPatch, *, bound: int, budget: int) -> None:
+    """The numbers of a ledger of 10^8 rows, scaled down to a test's: a bound on the rows
+    (the 10^6 that gc kept before issue 41, where the code still has one) and the rows
+    one gc may check."""
+    defaults = identity.prune_ledger.__kwdefaults__ or {}
+    if "max_rows" in defaults:
+        monkeypatch.setitem(defaults, "max_rows", bound)
+    monkeypatch.setattr(identity, "PRUNE_BUDGET", budget, raising=False)
+
+
+def _counting_stats(monkeypatch: pytest.MonkeyPatch, under: Path) -> list[str]:
+    """The paths under ``under`` that ``os.stat`` is asked about from now on."""
+    seen: list[str] = []
+    real = os.stat
+
+    def counting(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        if os.fsdecode(path).startswith(str(under)):
+            seen.append(os.fsdecode(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", counting)
+    return seen
+
+
+def test_gc_keeps_every_row_of_files_that_did_not_change(
+    ledger_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dropping the row of an unchanged file costs a re-read of it at the next key (10^8
+    photos: ~10 TB): a gc keeps them all, however many."""
+    files = _files(tmp_path / "data", 8)
+    _learn(files)
+    _scaled_down(monkeypatch, bound=3, budget=100)
+    report = identity.prune_ledger()
+    assert (report.gone, report.changed, report.rows) == (0, 0, 8)
+    book = identity.ledger_file()
+    assert book is not None and _rows(book) == 8
+
+
+def test_gc_stats_at_most_its_budget_and_goes_on_where_it_stopped(
+    ledger_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    files = _files(tmp_path / "data", 10)
+    _learn(files)
+    for p in files[:3]:
+        p.unlink()
+    _scaled_down(monkeypatch, bound=3, budget=4)
+    stats = _counting_stats(monkeypatch, tmp_path / "data")
+    reports = []
+    for _ in range(3):  # 10 rows, 4 a gc: every row checked in three (the third wraps)
+        stats.clear()
+        reports.append(identity.prune_ledger())
+        assert len(stats) <= 4, stats
+    assert [r.checked for r in reports] == [4, 4, 4]
+    assert sum(r.gone for r in reports) == 3 and reports[-1].rows == 7
+    assert all(r.changed == 0 for r in reports)
+
+
+def test_the_spans_of_one_file_cost_gc_one_stat(
+    ledger_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shard's samples are one row each (a span of its bytes): gc stats the shard once."""
+    (shard,) = _files(tmp_path / "data", 1)
+    data = shard.read_bytes()
+    fields = list(keys.stat_fields(shard.stat()))
+    spans = [(i * 10, i * 10 + 10) for i in range(50)]
+    identity.span_identities(str(shard), fields, spans, lambda a, b: data[a:b])
+    stats = _counting_stats(monkeypatch, tmp_path / "data")
+    report = identity.prune_ledger()
+    assert stats == [str(shard)]
+    assert (report.checked, report.rows, report.gone, report.changed) == (50, 50, 0, 0)
+
+
+def test_a_rewritten_files_rows_go_when_its_new_digest_is_learned(
     ledger_dir: Path, tmp_path: Path
 ) -> None:
-    files = _files(tmp_path / "data", 5)
-    for p in files:  # learned one by one: each row its own time
-        _learn([p])
+    """Lazy pruning: the rows of a file's earlier versions never wait for a gc."""
+    (one,) = _files(tmp_path / "data", 1)
+    first = _learn([one])
+    one.write_bytes(b"other bytes, another size")
+    assert _learn([one]) != first
+    book = identity.ledger_file()
+    assert book is not None and _rows(book) == 1
+    conn = sqlite3.connect(book)
+    (size,) = conn.execute("SELECT size FROM digest").fetchone()
+    conn.close()
+    assert size == one.stat().st_size
+
+
+def test_a_ledger_of_schema_2_keeps_its_rows(
+    ledger_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The schema before issue 41's: its rows stay (each would cost a re-read)."""
+    (one,) = _files(tmp_path / "data", 1)
+    want = identity.content_digest(one.read_bytes())
     book = identity.ledger_file()
     assert book is not None
-    report = identity.prune_ledger(max_rows=2)
-    assert (report.gone, report.changed, report.over, report.rows) == (0, 0, 3, 2)
+    ledger_dir.mkdir(mode=0o700, exist_ok=True)
+    fields = list(keys.stat_fields(one.stat()))
     conn = sqlite3.connect(book)
-    left = sorted(os.fsdecode(r[0]) for r in conn.execute("SELECT path FROM digest"))
+    conn.execute(
+        "CREATE TABLE digest (ev BLOB PRIMARY KEY, d BLOB NOT NULL, path BLOB NOT NULL,"
+        " size INT, mtime INT, ctime INT, ino INT, lo INT, hi INT, t REAL NOT NULL)"
+        " WITHOUT ROWID"
+    )
+    conn.execute(
+        "INSERT INTO digest VALUES (?, ?, ?, ?, ?, ?, ?, NULL, NULL, ?)",
+        (
+            identity.evidence(str(one), fields),
+            bytes.fromhex(want[len(identity.CONTENT_PREFIX) :]),
+            os.fsencode(str(one)),
+            *fields,
+            time.time() + 3600,  # long after its stamp: it vouches
+        ),
+    )
+    conn.execute("PRAGMA user_version = 2")
+    conn.commit()
     conn.close()
-    assert left == sorted(str(p) for p in files[3:])  # the two learned last
+
+    def no_read(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("read again: the row was dropped")
+
+    monkeypatch.setattr(identity, "_digest_file", no_read)
+    assert identity.file_identity(one) == want
+    assert identity.prune_ledger().rows == 1
 
 
 def test_a_ledger_of_the_old_schema_is_emptied_not_trusted(

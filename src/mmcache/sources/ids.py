@@ -31,7 +31,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-__all__ = ["IdColumn", "duplicate_message"]
+__all__ = ["IdColumn", "duplicate_message", "hash_ids"]
 
 
 def duplicate_message(first: str) -> str:
@@ -92,6 +92,16 @@ class IdColumn:
     def __len__(self) -> int:
         return self.n
 
+    @property
+    def buffer(self) -> npt.NDArray[np.uint8] | None:
+        """The ids' UTF-8 bytes, one after the other (None: the ids are positions)."""
+        return self._buf
+
+    @property
+    def offsets(self) -> npt.NDArray[np.int64] | None:
+        """Where each id starts in :attr:`buffer` (``n + 1`` of them; None: positions)."""
+        return self._off
+
     def id(self, i: int) -> str:
         """The id of sample ``i`` (not range-checked: the source checks its indices)."""
         if self._buf is None or self._off is None:
@@ -127,15 +137,29 @@ class IdColumn:
 
     def duplicates(self) -> list[tuple[int, int]]:
         """``(first, later)`` for every sample whose id an earlier one has (in order), with
-        the first sample of that id; empty when every id is unique (positions always are)."""
-        if self._buf is None or self._off is None:
+        the first sample of that id; empty when every id is unique (positions always are).
+
+        Found without a Python object per sample: every id hashed at once
+        (:func:`hash_ids`), the hashes sorted, and only the ids of equal hashes
+        compared as strings (a collision of two other ids is no duplicate)."""
+        if self._buf is None or self._off is None or self.n < 2:
             return []
-        seen: dict[str, int] = {}
+        hashes = hash_ids(self._buf, self._off)
+        order = np.argsort(hashes, kind="stable")  # equal hashes: in sample order
+        ordered = hashes[order]
+        same = ordered[1:] == ordered[:-1]
+        if not same.any():
+            return []
         out = []
-        for i, sid in enumerate(self.ids(np.arange(self.n, dtype=np.int64))):
-            first = seen.setdefault(sid, i)
-            if first != i:
-                out.append((first, i))
+        starts = np.flatnonzero(np.diff(np.concatenate(([False], same, [False])).astype(np.int8)))
+        for a, b in zip(starts[0::2].tolist(), starts[1::2].tolist(), strict=True):
+            members = order[a : b + 1]  # one run of equal hashes, in sample order
+            seen: dict[str, int] = {}
+            for i, sid in zip(members.tolist(), self.ids(members), strict=True):
+                first = seen.setdefault(sid, i)
+                if first != i:
+                    out.append((first, i))
+        out.sort(key=lambda pair: pair[1])
         return out
 
     def duplicate_pair(self) -> tuple[int, int] | None:
@@ -158,3 +182,35 @@ class IdColumn:
         np.cumsum(lengths, out=off[1:])
         gather = np.repeat(starts - off[:-1], lengths) + np.arange(int(off[-1]), dtype=np.int64)
         return IdColumn(int(keep.shape[0]), self._buf[gather], off)
+
+
+#: Ids hashed in groups of at most this many bytes (the hashing's scratch is 8 B a byte).
+_HASH_CHUNK = 1 << 22
+_HASH_MUL = np.uint64(0x100000001B3)
+_HASH_LEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def hash_ids(buf: npt.NDArray[np.uint8], off: npt.NDArray[np.int64]) -> npt.NDArray[np.uint64]:
+    """A 64-bit hash of each id (``buf[off[i]:off[i + 1]]``), computed for all at once:
+    the sum of ``(byte + 1) * M ** position`` over its bytes (wrapping, uint64), mixed
+    with its length. Equal ids hash equal; other ids rarely do (callers compare those)."""
+    n = off.shape[0] - 1
+    out = np.zeros(n, dtype=np.uint64)
+    lengths = np.diff(off)
+    if n == 0 or not lengths.any():
+        return out
+    powers = np.cumprod(np.full(int(lengths.max()), _HASH_MUL, dtype=np.uint64))
+    i = 0
+    while i < n:  # ids in groups, so the scratch stays small
+        j = int(np.searchsorted(off, off[i] + _HASH_CHUNK, side="right")) - 1
+        j = min(max(j, i + 1), n)
+        lens = lengths[i:j]
+        start, stop = int(off[i]), int(off[j])
+        if stop > start:
+            place = np.arange(stop - start, dtype=np.int64) - np.repeat(off[i:j] - start, lens)
+            terms = (buf[start:stop].astype(np.uint64) + np.uint64(1)) * powers[place]
+            full = lens > 0  # reduceat over the ids that have bytes (an empty one hashes 0)
+            out[i:j][full] = np.add.reduceat(terms, off[i:j][full] - start)
+        i = j
+    out ^= lengths.astype(np.uint64) * _HASH_LEN
+    return out

@@ -19,8 +19,9 @@ was the default before, and a user deleting the cache root left it behind):
 :func:`sweep_indexes` is the ``gc`` half: an index of a local shard that is gone
 or changed since (its ctime is after the index was written: a rewrite can
 restore the mtime, never the ctime) is removed, and so are leftover temporary
-files. Safe while other processes read or write indexes (each write is a rename
-of a complete file; a reader that loses a file rebuilds it).
+files and the JSON indexes of earlier versions (never read again). Safe while
+other processes read or write indexes (each write is a rename of a complete
+file; a reader that loses a file rebuilds it).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import stat
 import time
 
 from mmcache.sources.remote.fs import is_remote
+from mmcache.sources.wds.tablefile import SUFFIX, location_of
 
 __all__ = ["INDEX_FOLDER", "index_home", "state_home", "sweep_indexes"]
 
@@ -110,10 +112,12 @@ def sweep_indexes(index_dir: str, *, now: float | None = None) -> list[str]:
         try:
             if name.startswith(".tmp-"):
                 drop = t - os.lstat(path).st_mtime > _STALE_TMP_S
-            elif name.endswith(".json"):
+            elif name.endswith(SUFFIX):
+                location = location_of(path)
+                drop = location is None or _superseded(path, location)
+            elif name.endswith(".json"):  # a JSON index of version 1: replaced by a table
                 with open(path, encoding="utf-8") as fh:
-                    location = json.load(fh).get("location")
-                drop = not isinstance(location, str) or _superseded(path, location)
+                    drop = json.load(fh).get("format") == "mmcache.wds-index"
             else:
                 continue
         except FileNotFoundError:

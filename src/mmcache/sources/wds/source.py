@@ -65,14 +65,8 @@ from mmcache.sources.remote.raw import RawTier
 from mmcache.sources.remote.state import SharedStamps, private_dir
 from mmcache.sources.wds.fetching import RemoteShards
 from mmcache.sources.wds.home import index_home, state_home
-from mmcache.sources.wds.index import ShardIndex, load_or_build
-from mmcache.sources.wds.table import (
-    Problem,
-    SampleColumns,
-    SampleTable,
-    expand_shards,
-    split_name,
-)
+from mmcache.sources.wds.index import load_or_build
+from mmcache.sources.wds.table import Problem, SampleColumns, ShardTable, assemble, expand_shards
 from mmcache.sources.wds.tarwalk import DamagedShard
 from mmcache.sources.wds.video import VIDEO_EXTS, is_video_member, produce_video
 
@@ -226,7 +220,7 @@ class WebDatasetSource(RemoteShards, BaseSource, torch.utils.data.Dataset[dict[s
             out[s] = (st.st_size, keys.stat_stamp(st))
         return out
 
-    def _index(self, s: int, size: int, stamp: str) -> ShardIndex:
+    def _index(self, s: int, size: int, stamp: str) -> ShardTable:
         loc = self.locations[s]
 
         def opener() -> IO[bytes]:
@@ -242,7 +236,7 @@ class WebDatasetSource(RemoteShards, BaseSource, torch.utils.data.Dataset[dict[s
             size=size,
             opener=opener,
             index_dir=self._index_dir_of(loc),
-            json_exts=self.json_exts,
+            exts=(self.image_exts, self.text_exts, self.json_exts),
         )
 
     def _index_dir_of(self, location: str) -> str | None:
@@ -251,37 +245,42 @@ class WebDatasetSource(RemoteShards, BaseSource, torch.utils.data.Dataset[dict[s
         return index_home(location, raw_path=None if self.raw is None else self.raw.path)
 
     def _open_all(self) -> None:
-        table = SampleTable(
-            image_exts=self.image_exts, text_exts=self.text_exts, json_exts=self.json_exts
-        )
+        """Index every shard (its table from its member index file, or scanned), then
+        take their samples as one table: the problems (shards that cannot be read, keys
+        repeated within a shard, keys found again in a later shard) in shard order."""
         stats = self._shard_stats()
+        tables: list[tuple[int, ShardTable]] = []
+        problems: dict[int, list[Problem]] = {}
         for s, loc in enumerate(self.locations):
             stat = stats[s]
             try:
                 if isinstance(stat, Exception):
                     raise stat
                 size, stamp = stat
-                index = self._index(s, size, stamp)
+                table = self._index(s, size, stamp)
             except (OSError, RemoteError, EOFError) as exc:
-                self._problem(Problem(None, loc, None, f"cannot read the shard: {exc}"))
+                problems[s] = [Problem(None, loc, None, f"cannot read the shard: {exc}")]
                 continue
             except DamagedShard as exc:  # a hostile or corrupt header: never trusted
-                self._problem(Problem(None, loc, exc.member, str(exc)))
+                problems[s] = [Problem(None, loc, exc.member, str(exc))]
                 continue
             except tarfile.TarError as exc:  # not a tar at all
-                self._problem(Problem(None, loc, None, f"not a tar file: {exc}"))
+                problems[s] = [Problem(None, loc, None, f"not a tar file: {exc}")]
                 continue
             self.shard_stamps[s] = stamp
             self._sizes[s] = size
-            if index.truncated:
-                logger.warning(
-                    "shard %s is truncated: %d whole members kept", loc, len(index.names)
-                )
-            if not index.names and not index.truncated:
+            if table.truncated:
+                logger.warning("shard %s is truncated: %d whole members kept", loc, table.members)
+            if not table.members and not table.truncated:
                 logger.warning("shard %s holds no members (an empty or all-zero tar)", loc)
-            for problem in table.add_shard(s, index):
+            problems[s] = table.problems()
+            tables.append((s, table))
+        self.columns, again = assemble(tables)
+        for problem in again:  # a key of an earlier shard: after that shard's own
+            problems[self.locations.index(problem.shard)].append(problem)
+        for s in range(len(self.locations)):
+            for problem in problems.get(s, []):
                 self._problem(problem)
-        self.columns = table.finish()
 
     def _problem(self, problem: Problem) -> None:
         member = f", member {problem.member}" if problem.member else ""
@@ -578,35 +577,21 @@ class WebDatasetSource(RemoteShards, BaseSource, torch.utils.data.Dataset[dict[s
             raise RemoteError(getattr(failure, "filename", None) or "?", None, True, str(failure))
         return changed
 
-    @staticmethod
-    def _ext_number(member: tuple[str, int, int] | None, exts: tuple[str, ...]) -> int:
-        split = split_name(member[0]) if member is not None else None
-        return exts.index(split[1]) if split is not None and split[1] in exts else -1
-
-    def _apply(self, s: int, index: ShardIndex) -> None:
-        """Take version ``index`` of shard ``s``: its samples' rows from it (a key gone from
+    def _apply(self, s: int, table: ShardTable) -> None:
+        """Take version ``table`` of shard ``s``: its samples' rows from it (a key gone from
         the shard keeps no member: producing it raises)."""
-        groups, _ = SampleTable.group(index, self.image_exts, self.text_exts, self.json_exts)
+        row_of = {table.key(j): j for j in range(len(table))}
         rows = self.columns.rows.copy()
         for i in np.flatnonzero(rows[:, C.SHARD] == s).tolist():
-            members = groups.get(self.columns.id(i), {})
-            img, txt = members.get("image"), members.get("text")
-            rows[i, C.IMG_OFF : C.TXT_LEN + 1] = [
-                img[1] if img else -1,
-                img[2] if img else -1,
-                txt[1] if txt else -1,
-                txt[2] if txt else -1,
-            ]
-            rows[i, C.EXT] = self._ext_number(img, self.image_exts)
-            rows[i, C.TXT_EXT] = self._ext_number(txt, self.text_exts)
-            js = members.get("json")
-            rows[i, C.WIDTH], rows[i, C.HEIGHT] = (
-                index.dims.get(js[0], (-1, -1)) if js else (-1, -1)
-            )
+            j = row_of.get(self.columns.id(i))
+            if j is None:
+                rows[i, C.IMG_OFF :] = [-1, -1, -1, -1, -1, -1, -1, -1]
+            else:
+                rows[i, C.IMG_OFF :] = table.rows[j, : C.TXT_EXT]
         # The shard's new stamp changes its samples' stamp rows: the chassis keys them again.
         self.columns = SampleColumns(rows, self.columns.id_buf, self.columns.id_off)
-        self.shard_stamps[s] = index.stamp
-        self._sizes[s] = index.size
+        self.shard_stamps[s] = table.stamp
+        self._sizes[s] = table.size
         self._shard_ints = None
         self._fetch_groups = None
         fd = self._fds.pop(s, None) if self._fd_pid == os.getpid() else None
@@ -614,7 +599,7 @@ class WebDatasetSource(RemoteShards, BaseSource, torch.utils.data.Dataset[dict[s
             with contextlib.suppress(OSError):
                 os.close(fd)
         logger.warning(
-            "shard %s changed (now %s): its samples are read again", index.location, index.stamp
+            "shard %s changed (now %s): its samples are read again", table.location, table.stamp
         )
 
     def _write_state(self) -> None:

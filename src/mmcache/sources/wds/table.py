@@ -2,38 +2,51 @@
 by key, as WebDataset groups them, in a columnar table.
 
 :func:`expand_shards` turns a path, a glob, a brace pattern (``shards/{00000..00099}.tar``,
-through ``braceexpand``) or a list of them into shard locations. :class:`SampleTable`
-holds one row per sample key (``dir/000123`` of ``dir/000123.jpg``, ``.txt``, ``.json``:
-the part of the name before the first dot of its last component, as WebDataset's
-``base_plus_ext``): which shard, the image member's offset, size and extension, the text
-member's offset and size, and the ``width``/``height`` of its ``.json`` member, as numpy
-columns (a source holding it pickles cheaply; no per-sample Python objects).
+through ``braceexpand``) or a list of them into shard locations. :class:`ShardTable`
+holds one shard's samples, one row per key (``dir/000123`` of ``dir/000123.jpg``,
+``.txt``, ``.json``: the part of the name before the first dot of its last component, as
+WebDataset's ``base_plus_ext``): the image member's offset, size and extension, the
+text member's offset and size, and the ``width``/``height`` of its ``.json`` member, as
+numpy columns; what the member index file keeps (:mod:`~mmcache.sources.wds.tablefile`).
+:func:`assemble` puts the shards' tables together into :class:`SampleColumns`, the
+source's table (no per-sample Python objects: a source holding it pickles cheaply).
 
-Duplicate keys (the same key in two shards, or a member repeated in one shard) and
-unreadable shards are found here: :meth:`SampleTable.add_shard` returns them as
-problems; the source raises or skips them.
+Duplicate keys (the same key in two shards, or a member repeated in one shard) are found
+here, as problems: the source raises or skips them.
 
-Not thread-safe while being built; read-only after :meth:`SampleTable.finish`.
+Read-only once made; a :class:`ShardTable` is made by one thread.
 """
 
 from __future__ import annotations
 
 import glob
 import os
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from mmcache.errors import ConfigError
 from mmcache.sources.ids import IdColumn, duplicate_message
 from mmcache.sources.remote.fs import is_remote
-from mmcache.sources.wds.index import ShardIndex
+from mmcache.sources.wds import grouping
+from mmcache.sources.wds.grouping import Exts, split_name
 
-__all__ = ["Problem", "SampleTable", "expand_shards", "split_name"]
+if TYPE_CHECKING:
+    from mmcache.sources.wds.index import ShardIndex
 
-_NAME_RE = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")
+__all__ = [
+    "Exts",
+    "Problem",
+    "SampleColumns",
+    "ShardTable",
+    "assemble",
+    "expand_shards",
+    "split_name",
+]
+
 _GLOB_CHARS = frozenset("*?[")
 
 
@@ -71,15 +84,6 @@ def expand_shards(shards: str | os.PathLike[str] | Sequence[str | os.PathLike[st
     return out
 
 
-def split_name(name: str) -> tuple[str, str] | None:
-    """``(key, extension)`` of a member name (extension lower-cased), or ``None`` for a
-    name without one (WebDataset ignores those too)."""
-    m = _NAME_RE.match(name)
-    if m is None:
-        return None
-    return m.group(1), m.group(2).lower()
-
-
 @dataclass(frozen=True)
 class Problem:
     """A member or shard the table could not take: its key (``None`` for a whole shard),
@@ -91,117 +95,134 @@ class Problem:
     reason: str
 
 
-class SampleTable:
-    """Samples of the shards added so far (see the module docstring)."""
+@dataclass(frozen=True)
+class ShardTable:
+    """The samples of one shard version, grouped by key for one choice of extensions
+    (:meth:`group`): what a source keeps of a shard, and what its member index file
+    holds (:mod:`~mmcache.sources.wds.tablefile`).
 
-    def __init__(
-        self, *, image_exts: Sequence[str], text_exts: Sequence[str], json_exts: Sequence[str]
-    ) -> None:
-        self.image_exts = tuple(e.lower() for e in image_exts)
-        self.text_exts = tuple(e.lower() for e in text_exts)
-        self.json_exts = tuple(e.lower() for e in json_exts)
-        self._rows: list[tuple[int, int, int, int, int, int, int, int, int]] = []
-        self._ids: list[str] = []
-        self._where: dict[str, str] = {}  # key -> "shard S, member M" of its first occurrence
+    ``rows`` is int64 ``[n, 10]``: :class:`SampleColumns`' columns 1-8 (image offset,
+    size, text offset, size, image extension number, width, height, text extension
+    number; -1 where absent), then the role of the sample's first member (0 image, 1
+    text, 2 json: the member a duplicate key names) and its json extension number. The
+    keys are one UTF-8 buffer with offsets; ``repeated`` lists ``(key, member)`` of the
+    members repeated within the shard (their samples are left out)."""
 
-    @staticmethod
-    def group(
-        index: ShardIndex,
-        image_exts: Sequence[str],
-        text_exts: Sequence[str],
-        json_exts: Sequence[str],
-    ) -> tuple[dict[str, dict[str, tuple[str, int, int]]], list[Problem]]:
-        """``key -> {role: (member, offset, size)}`` of one shard (roles ``image``, ``text``,
-        ``json``; the first extension listed wins a role), in first-seen order, and the
-        members repeated within the shard (their samples are left out of the groups)."""
-        groups: dict[str, dict[str, tuple[str, int, int]]] = {}
-        seen: set[str] = set()
-        repeated: set[str] = set()
-        problems: list[Problem] = []
-        ranks = {
-            "image": {e: r for r, e in enumerate(image_exts)},
-            "text": {e: r for r, e in enumerate(text_exts)},
-            "json": {e: r for r, e in enumerate(json_exts)},
-        }
-        best: dict[tuple[str, str], int] = {}
-        for name, offset, size in zip(index.names, index.offsets, index.sizes, strict=True):
-            split = split_name(name)
-            if split is None:
-                continue
-            key, ext = split
-            role = next((r for r, exts in ranks.items() if ext in exts), None)
-            if role is None:
-                continue
-            if name in seen:
-                if key not in repeated:
-                    problems.append(
-                        Problem(
-                            key,
-                            index.location,
-                            name,
-                            "member repeated within the shard: the sample is left out "
-                            "(which copy is meant cannot be told)",
-                        )
-                    )
-                repeated.add(key)
-                continue
-            seen.add(name)
-            members = groups.setdefault(key, {})
-            rank = ranks[role][ext]
-            if (key, role) not in best or rank < best[(key, role)]:
-                best[(key, role)] = rank
-                members[role] = (name, offset, size)
-        for key in repeated:  # listed as rejected, so never served
-            groups.pop(key, None)
-        return groups, problems
+    location: str
+    stamp: str
+    size: int
+    truncated: bool
+    members: int
+    exts: Exts
+    rows: npt.NDArray[np.int64]
+    id_buf: npt.NDArray[np.uint8]
+    id_off: npt.NDArray[np.int64]
+    repeated: tuple[tuple[str, str], ...]
 
-    def add_shard(self, shard: int, index: ShardIndex) -> list[Problem]:
-        """Add the samples of shard number ``shard``; the keys already seen in an earlier
-        shard are left out and returned as problems."""
-        groups, problems = self.group(index, self.image_exts, self.text_exts, self.json_exts)
-        for key, members in groups.items():
-            first = self._where.get(key)
-            member = next(iter(members.values()))[0]
-            if first is not None:  # the first is kept (sources/ids.py: one rule for all)
-                problems.append(Problem(key, index.location, member, duplicate_message(first)))
-                continue
-            self._where[key] = f"shard {index.location}, member {member}"
-            img = members.get("image")
-            txt = members.get("text")
-            js = members.get("json")
-            width, height = index.dims.get(js[0], (-1, -1)) if js is not None else (-1, -1)
-            ext = text_ext = -1
-            if img is not None:
-                split = split_name(img[0])
-                ext = self.image_exts.index(split[1]) if split is not None else -1
-            if txt is not None:
-                split = split_name(txt[0])
-                text_ext = self.text_exts.index(split[1]) if split is not None else -1
-            self._rows.append(
-                (
-                    shard,
-                    img[1] if img else -1,
-                    img[2] if img else -1,
-                    txt[1] if txt else -1,
-                    txt[2] if txt else -1,
-                    ext,
-                    width,
-                    height,
-                    text_ext,
-                )
+    COLUMNS: ClassVar[int] = 10
+    FIRST_ROLE, JSON_EXT = 8, 9
+
+    def __len__(self) -> int:
+        return int(self.rows.shape[0])
+
+    def key(self, i: int) -> str:
+        return bytes(self.id_buf[self.id_off[i] : self.id_off[i + 1]]).decode(
+            "utf-8", "surrogatepass"
+        )
+
+    def first_member(self, i: int) -> str:
+        """``key.ext`` of sample ``i``'s first member (the extension as listed)."""
+        role = int(self.rows[i, self.FIRST_ROLE])
+        number = int(self.rows[i, (C.EXT - 1, C.TXT_EXT - 1, self.JSON_EXT)[role]])
+        return f"{self.key(i)}.{self.exts[role][number]}"
+
+    @classmethod
+    def group(cls, index: ShardIndex, exts: Exts) -> ShardTable:
+        """The samples of ``index``, its members grouped by key as WebDataset groups them
+        (:mod:`~mmcache.sources.wds.grouping`), in order of first appearance."""
+        g = grouping.group(index.names, exts)
+        n = g.best.shape[0]
+        offsets = np.asarray(index.offsets, dtype=np.int64)
+        sizes = np.asarray(index.sizes, dtype=np.int64)
+        rows = np.full((n, cls.COLUMNS), -1, dtype=np.int64)
+        for role, col in ((0, 0), (1, 2)):  # image, text: offset and size
+            have = g.best[:, role] >= 0
+            rows[have, col] = offsets[g.best[have, role]]
+            rows[have, col + 1] = sizes[g.best[have, role]]
+        rows[:, C.EXT - 1] = g.number[:, 0]
+        rows[:, C.TXT_EXT - 1] = g.number[:, 1]
+        rows[:, cls.JSON_EXT] = g.number[:, 2]
+        rows[:, cls.FIRST_ROLE] = g.first_role
+        dims = index.dims
+        if dims:
+            found = [(i, dims[js]) for i, js in enumerate(g.best[:, 2].tolist()) if js in dims]
+            if found:
+                at, wh = zip(*found, strict=True)
+                rows[list(at), C.WIDTH - 1 : C.HEIGHT] = wh
+        return cls(
+            location=index.location,
+            stamp=index.stamp,
+            size=index.size,
+            truncated=index.truncated,
+            members=len(index.names),
+            exts=exts,
+            rows=rows,
+            id_buf=g.id_buf,
+            id_off=g.id_off,
+            repeated=g.repeated,
+        )
+
+    def problems(self) -> list[Problem]:
+        """The members repeated within the shard, as problems."""
+        reason = (
+            "member repeated within the shard: the sample is left out "
+            "(which copy is meant cannot be told)"
+        )
+        return [Problem(key, self.location, member, reason) for key, member in self.repeated]
+
+
+def assemble(tables: Sequence[tuple[int, ShardTable]]) -> tuple[SampleColumns, list[Problem]]:
+    """The samples of ``(shard number, table)`` pairs, in that order, as one table, and
+    the keys found again in a later shard (the first is kept: sources/ids.py's one
+    rule), as problems in shard order. One array operation per shard and one over all
+    keys (:meth:`IdColumn.duplicates`): no Python object per sample."""
+    n = sum(len(t) for _, t in tables)
+    rows = np.empty((n, 9), dtype=np.int64)
+    id_off = np.zeros(n + 1, dtype=np.int64)
+    at = 0
+    for shard, table in tables:
+        k = len(table)
+        rows[at : at + k, C.SHARD] = shard
+        rows[at : at + k, 1:] = table.rows[:, : C.TXT_EXT]
+        id_off[at + 1 : at + k + 1] = table.id_off[1:] + id_off[at]
+        at += k
+    buffers = [t.id_buf for _, t in tables]
+    id_buf = np.concatenate(buffers) if buffers else np.zeros(0, dtype=np.uint8)
+    ids = IdColumn(n, id_buf, id_off)
+    pairs = ids.duplicates()
+    if not pairs:
+        return SampleColumns(rows, id_buf, id_off), []
+    # where each sample came from, to name the members of a duplicate
+    starts = np.cumsum([0] + [len(t) for _, t in tables])
+
+    def origin(i: int) -> tuple[ShardTable, int]:
+        j = int(np.searchsorted(starts, i, side="right")) - 1
+        return tables[j][1], i - int(starts[j])
+
+    problems = []
+    for first, later in pairs:
+        table, row = origin(first)
+        where = f"shard {table.location}, member {table.first_member(row)}"
+        table, row = origin(later)
+        problems.append(
+            Problem(
+                table.key(row), table.location, table.first_member(row), duplicate_message(where)
             )
-            self._ids.append(key)
-        return problems
-
-    def finish(self) -> SampleColumns:
-        """The table as numpy columns."""
-        rows = np.array(self._rows, dtype=np.int64).reshape(-1, 9)
-        encoded = [s.encode("utf-8", "surrogatepass") for s in self._ids]
-        lengths = np.array([len(b) for b in encoded], dtype=np.int64)
-        id_off = np.zeros(len(encoded) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=id_off[1:])
-        id_buf = np.frombuffer(b"".join(encoded), dtype=np.uint8).copy()
-        return SampleColumns(rows, id_buf, id_off)
+        )
+    keep = np.setdiff1d(np.arange(n), [later for _, later in pairs])
+    kept = ids.take(keep)  # a column of strings stays one: its arrays are there
+    buf, off = cast("npt.NDArray[np.uint8]", kept.buffer), cast("np.ndarray", kept.offsets)
+    return SampleColumns(rows[keep], buf, off), problems
 
 
 class SampleColumns:
@@ -226,3 +247,6 @@ class SampleColumns:
 
     def ids_digest(self) -> str:
         return self.id_column.digest()
+
+
+C = SampleColumns
