@@ -472,10 +472,7 @@ def _print_pruned(book: Any, refused: str | None) -> None:
         print(f"mmcache gc: identity ledger not pruned: {refused}", file=sys.stderr)
         return
     if book.path is not None and book.exists:
-        print(
-            f"{book}: removed {book.gone} rows of files gone, {book.changed} of files"
-            f" changed, {book.over} over the bound"
-        )
+        print(f"{book}: removed {book.gone} rows of files gone, {book.changed} of files changed")
     else:
         print(book)
 
