@@ -29,13 +29,12 @@ import json
 import logging
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import IO
 
 from mmcache import keys
 from mmcache.sources.wds import tablefile
 from mmcache.sources.wds.headers import quick_walk
-from mmcache.sources.wds.table import Exts, ShardTable
+from mmcache.sources.wds.table import Exts, ShardIndex, ShardTable
 from mmcache.sources.wds.tarwalk import MAX_META, TarWalk
 
 __all__ = ["INDEX_VERSION", "ShardIndex", "index_path", "load_or_build", "scan"]
@@ -46,22 +45,6 @@ logger = logging.getLogger(__name__)
 INDEX_VERSION = tablefile.VERSION
 #: ``.json`` members larger than this are not read for their width and height.
 _MAX_JSON = MAX_META
-
-
-@dataclass(frozen=True)
-class ShardIndex:
-    """The members of one shard (tar order): names, data offsets, sizes; the ``width`` and
-    ``height`` of each ``.json`` member that has them (by member number); whether the
-    shard was cut short."""
-
-    location: str
-    stamp: str
-    size: int
-    names: Sequence[str]
-    offsets: Sequence[int]
-    sizes: Sequence[int]
-    dims: dict[int, tuple[int, int]]
-    truncated: bool
 
 
 _INT64 = range(-(1 << 63), 1 << 63)

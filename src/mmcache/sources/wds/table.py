@@ -23,7 +23,7 @@ import glob
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, cast
+from typing import ClassVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -34,13 +34,11 @@ from mmcache.sources.remote.fs import is_remote
 from mmcache.sources.wds import grouping
 from mmcache.sources.wds.grouping import Exts, split_name
 
-if TYPE_CHECKING:
-    from mmcache.sources.wds.index import ShardIndex
-
 __all__ = [
     "Exts",
     "Problem",
     "SampleColumns",
+    "ShardIndex",
     "ShardTable",
     "assemble",
     "expand_shards",
@@ -82,6 +80,24 @@ def expand_shards(shards: str | os.PathLike[str] | Sequence[str | os.PathLike[st
     if len(set(out)) != len(out):
         raise ConfigError("a shard is listed twice")
     return out
+
+
+# The members of one shard, as its index (index.py) gives them; defined here, beside the
+# table grouped from it, so that this module never imports index.py (which imports it).
+@dataclass(frozen=True)
+class ShardIndex:
+    """The members of one shard (tar order): names, data offsets, sizes; the ``width`` and
+    ``height`` of each ``.json`` member that has them (by member number); whether the
+    shard was cut short."""
+
+    location: str
+    stamp: str
+    size: int
+    names: Sequence[str]
+    offsets: Sequence[int]
+    sizes: Sequence[int]
+    dims: dict[int, tuple[int, int]]
+    truncated: bool
 
 
 @dataclass(frozen=True)
