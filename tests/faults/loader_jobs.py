@@ -17,7 +17,8 @@
 - ``jobs DATA SCRATCH N MEMORY SIZE SAMPLES``: N ``job`` commands at once, each on its
   own root, over one dataset of SAMPLES images;
 - ``full DATA SCRATCH FREE``: fills ``/dev/shm`` until FREE bytes are left, then runs
-  ``job`` with ``memory="1MiB"``.
+  ``job`` with ``memory="1MiB"`` and crops of 224 px, whose output batches alone need
+  more than FREE (at most 1 MiB): some piece is certain to find no room.
 
 The /dev/shm commands are meant for a private mount namespace with a small tmpfs on
 ``/dev/shm`` (``unshare -m``, see ``test_loader_processes.py``): they fill it.
@@ -48,6 +49,10 @@ from mmcache.pipeline import ImageSpec, Pipeline
 from mmcache.synth import make_dataset
 
 AUG = Compose([RandomResizedCrop(48, scale=(0.3, 1.0)), RandomHorizontalFlip()])
+#: The ``full`` command's crops: one output batch of them (8 x 3 x 224 x 224 bytes at
+#: least, 1.15 MiB) is more than the most it leaves free, so a shortage is certain
+#: whichever of the loader's pieces and the memory tier's pages take the room first.
+FULL_AUG = Compose([RandomResizedCrop(224, scale=(0.3, 1.0)), RandomHorizontalFlip()])
 SAMPLES = 48
 BATCH = 8
 #: Seconds after the kill within which every child must be gone.
@@ -61,8 +66,8 @@ def dataset(data: str, size: int = 64, samples: int = SAMPLES) -> MultimodalData
     return MultimodalDataset(manifest, pipeline=Pipeline(image=ImageSpec(size=size)))
 
 
-def loader(ds: MultimodalDataset, cache: Cache | None, **kw: Any) -> DataLoader:
-    return DataLoader(ds, cache=cache, batch_size=BATCH, seed=5, augment=AUG, **kw)
+def loader(ds: MultimodalDataset, cache: Cache | None, aug: Compose = AUG, **kw: Any) -> DataLoader:
+    return DataLoader(ds, cache=cache, batch_size=BATCH, seed=5, augment=aug, **kw)
 
 
 def train(data: str, root: str, marker: str, how: list[str]) -> None:
@@ -172,10 +177,12 @@ def _meet(barrier: str, n: int, timeout: float = 240.0) -> None:
         time.sleep(0.05)
 
 
-def job(data: str, root: str, memory: str, size: str = "64", meet: str = "") -> dict[str, Any]:
+def job(
+    data: str, root: str, memory: str, size: str = "64", meet: str = "", *, aug: Compose = AUG
+) -> dict[str, Any]:
     """One job; ``meet``, ``"FOLDER:N"``: wait, once its cache is open, for N jobs."""
     ds = dataset(data, int(size))
-    want = _batches(loader(ds, None), 2)
+    want = _batches(loader(ds, None, aug), 2)
     warnings = _Warnings()
     logging.getLogger("mmcache").addHandler(warnings)
     size: int | str = memory if memory == "auto" else int(memory)
@@ -183,7 +190,7 @@ def job(data: str, root: str, memory: str, size: str = "64", meet: str = "") -> 
         if meet:  # every job sized and opened its tier before any trains or closes
             barrier, n = meet.rsplit(":", 1)
             _meet(barrier, int(n))
-        run = loader(ds, cache, num_workers=2, persistent_workers=True)
+        run = loader(ds, cache, aug, num_workers=2, persistent_workers=True)
         got = _batches(run, 2)
         budget = cache.memory_budget
         run.close()
@@ -230,7 +237,7 @@ def full(data: str, scratch: str, free: int) -> dict[str, Any]:
     try:
         st = os.statvfs("/dev/shm")
         os.posix_fallocate(fd, 0, max(st.f_bavail * st.f_frsize - free, 0))
-        result = job(data, os.path.join(scratch, "root"), str(1 << 20))
+        result = job(data, os.path.join(scratch, "root"), str(1 << 20), aug=FULL_AUG)
         result["torch_files"] = torch_files()
         return result
     finally:
