@@ -124,6 +124,17 @@ def multi_stamp_fields(paths: Sequence[str]) -> npt.NDArray[np.int64]:
     return np.array([total, words[0], words[1], len(paths)], dtype=np.int64)
 
 
+def any_racy(paths: Sequence[str], taken: float) -> bool:
+    """Whether one of ``paths`` changed too recently (or cannot be ``stat``-ed) for a
+    multi-file stamp to vouch for bytes read after ``taken`` (see
+    :func:`mmcache.sources.identity.racy_rows`)."""
+    try:
+        fields = [keys.stat_fields(os.stat(path)) for path in paths]
+    except (OSError, ValueError):
+        return True
+    return bool(identity.racy_rows(np.asarray(fields, dtype=np.int64).reshape(-1, 4), taken).any())
+
+
 @dataclass(frozen=True)
 class TextReport:
     """What the length pass found (:meth:`FileSource.text_report`).

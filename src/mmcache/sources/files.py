@@ -163,6 +163,21 @@ class FileSource(BaseSource):
                 stamps[j] = _chat.multi_stamp_fields(self._media(int(idx[j])))
         return stamps
 
+    def _unsettled(
+        self, indices: npt.NDArray[np.int64], stamps: npt.NDArray[np.int64], taken: float
+    ) -> npt.NDArray[np.bool_] | None:
+        """Rows whose files changed too recently for their stamp to vouch for their key
+        (:meth:`BaseSource._unsettled`); a chat sample of several files by each file's
+        own stamp (its row is a hash of them). Stamps that are not local ``stat``
+        fields (a subclass's, e.g. objects' ETags) vouch as they are."""
+        if self.stamp_kind is not StampKind.FILE:
+            return None
+        young: npt.NDArray[np.bool_] = identity.racy_rows(stamps, taken)
+        if self._chat is not None:
+            for j in np.flatnonzero(self._multi_files()[indices]).tolist():
+                young[j] = _chat.any_racy(self._media(int(indices[j])), taken)
+        return young
+
     def _multi_files(self) -> npt.NDArray[np.bool_]:
         """Per sample: whether a chat sample is made of other files than its one image
         (several images, or a video). Found once per process for every record, with
