@@ -32,9 +32,7 @@ from mmcache.errors import (
     SampleError,
 )
 from mmcache.features import FeatureCache, FeatureStats, warm_features
-from mmcache.hfpipeline import hf_processor
 from mmcache.loader import BatchContext, DataLoader, EpochContext, LoaderHook, PackSpec
-from mmcache.pipeline import ImageSpec, Pipeline, TextSpec, normalize, train_tokenizer
 from mmcache.plot import plot
 from mmcache.shared import SharedTier
 from mmcache.sources.chat import TextReport
@@ -48,8 +46,12 @@ from mmcache.sources.remote.files import RemoteFileSource
 from mmcache.sources.remote.prefetch import RemotePrefetch
 from mmcache.sources.wds import WebDatasetSource
 from mmcache.stats import CacheStats, EpochStats, LoaderStats, TierStats
+from mmcache.transforms import ImageSpec, TextSpec, train_tokenizer
 from mmcache.transforms.chat import ChatSpec
 from mmcache.transforms.hf import hf_image_processor
+from mmcache.transforms.hfpipeline import hf_processor
+from mmcache.transforms.normalize import normalize
+from mmcache.transforms.pipeline import Pipeline
 from mmcache.transforms.smart_resize import SmartResize
 from mmcache.transforms.user import stage
 from mmcache.transforms.video import VideoSpec

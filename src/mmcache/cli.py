@@ -224,7 +224,7 @@ def _user_pipeline(args: argparse.Namespace) -> Any:
     script's own, so that warm fills the keys it reads)."""
     from mmcache.errors import ConfigError
     from mmcache.features.factory import load_callable
-    from mmcache.pipeline import Pipeline
+    from mmcache.transforms.pipeline import Pipeline
 
     given = [
         flag

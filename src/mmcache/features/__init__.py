@@ -139,7 +139,7 @@ class FeatureCache:
         name, version: pin the encoder fingerprint (no weight hashing; bump
             ``version`` when the weights, the preprocessing or the code change).
         preprocess: called on the uint8 image batch (on ``device``) before the
-            encoder, e.g. :func:`mmcache.pipeline.normalize`; fingerprinted by
+            encoder, e.g. :func:`mmcache.normalize`; fingerprinted by
             content (:func:`preprocess_fingerprint`). Without it the encoder
             receives the uint8 batch as it comes.
         output: when the encoder returns a tuple, dict or ``ModelOutput``: an
