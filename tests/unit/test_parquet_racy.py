@@ -15,9 +15,10 @@ import pyarrow.parquet as pq
 from test_ledger_racy import TICK_NS, FakeClock, book, one_tick  # noqa: F401 (fixtures)
 
 import mmcache as mc
-from mmcache.pipeline import Pipeline, TextSpec
 from mmcache.sources import identity
 from mmcache.synth import make_dataset
+from mmcache.transforms import TextSpec
+from mmcache.transforms.pipeline import Pipeline
 
 
 def _write(path: Path, caption: str) -> None:
