@@ -313,7 +313,7 @@ def _ledger(prune: bool) -> tuple[Any, str | None]:
 
 def _cmd_stats(args: argparse.Namespace) -> int:
     from mmcache.maintenance import damaged_tiers
-    from mmcache.sources.chat import read_text_reports
+    from mmcache.stats import read_text_reports
     from mmcache.units import format_size
 
     if on_share(args, "stats", _print_json):  # --shared URL: the share's counts
