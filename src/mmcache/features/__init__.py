@@ -72,7 +72,7 @@ from mmcache.features.budget import (
     device_budget,
     warn_if_short,
 )
-from mmcache.features.counts import ENCODER, FeatureStats, ServeCounts
+from mmcache.features.counts import ENCODER, ServeCounts
 from mmcache.features.encoder import (
     FrozenEncoder,
     Output,
@@ -86,6 +86,7 @@ from mmcache.features.stage import FeatureLoader
 from mmcache.features.warm import FeatureWarmReport, warm_features
 from mmcache.features.writes import FeatureWrites
 from mmcache.policies import Policy
+from mmcache.stats import FeatureStats
 from mmcache.stores.device import DeviceTier
 from mmcache.stores.disk import DiskStore
 from mmcache.stores.memory import MemoryStore
@@ -103,7 +104,6 @@ __all__ = [
     "FeatureBudgetWarning",
     "FeatureCache",
     "FeatureLoader",
-    "FeatureStats",
     "FeatureWarmReport",
     "LoadedEncoder",
     "encoder_fingerprint",

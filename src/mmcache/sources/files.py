@@ -43,6 +43,7 @@ from mmcache.sources.chassis import BaseSource
 from mmcache.sources.readers import read_manifest
 from mmcache.sources.records import Records
 from mmcache.sources.rejects import Reject
+from mmcache.stats import TextReport
 
 __all__ = ["FileSource", "RecordProcessor", "Sample", "check_on_error"]
 
@@ -306,7 +307,7 @@ class FileSource(BaseSource):
         apart."""
         return self._chat_lengths(root).has_image
 
-    def text_report(self, root: str | os.PathLike[str] | None = None) -> _chat.TextReport:
+    def text_report(self, root: str | os.PathLike[str] | None = None) -> TextReport:
         """Samples, truncated, fully masked, mismatched placeholders, trainable tokens
         and length percentiles, from the :meth:`lengths` pass; recorded under the cache
         ``root`` when given, for ``mmcache stats``."""
