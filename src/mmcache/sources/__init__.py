@@ -15,13 +15,14 @@ a FileSource); :mod:`~mmcache.sources.open` is the registry of formats that
 
 from mmcache.sources.base import OnError, SampleSource, StampKind
 from mmcache.sources.coco import CocoSource
-from mmcache.sources.files import FileSource, RecordProcessor, Sample
+from mmcache.sources.files import FileSource, Sample
 from mmcache.sources.hfdataset import HFDatasetSource
 from mmcache.sources.open import register_source_format, source_format_names
 from mmcache.sources.parquet import ParquetSource
 from mmcache.sources.readers import read_manifest, reader_names, register_reader
 from mmcache.sources.records import RecordReject, Records, RecordsBuilder
 from mmcache.sources.rejects import Reject
+from mmcache.transforms.pipeline import RecordProcessor
 
 __all__ = [
     "CocoSource",

@@ -47,6 +47,7 @@ from mmcache.sources.bytesproc import PipelineFields
 from mmcache.sources.ids import IdColumn
 from mmcache.sources.items import item_tensors, serve
 from mmcache.sources.rejects import Reject, RejectLog
+from mmcache.transforms.pipeline import Processor
 
 __all__ = ["BaseSource"]
 
@@ -71,7 +72,7 @@ class BaseSource(PipelineFields):
     #: equal does not mean equal bytes, so every key is computed again).
     _memoise_keys: bool = True
 
-    def __init__(self, *, pipeline: Any, ids: IdColumn, on_error: OnError) -> None:
+    def __init__(self, *, pipeline: Processor, ids: IdColumn, on_error: OnError) -> None:
         self.on_error = check_on_error(on_error)
         self.pipeline = pipeline
         self._fingerprint = pipeline.fingerprint()

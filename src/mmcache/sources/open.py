@@ -33,7 +33,7 @@ from mmcache.sources.base import OnError, SampleSource
 from mmcache.sources.records import Records
 
 if TYPE_CHECKING:
-    from mmcache.sources.rows import StagedProcessor
+    from mmcache.transforms.pipeline import StagedProcessor
 
 __all__ = [
     "OpenOptions",

@@ -54,7 +54,7 @@ from mmcache.errors import ConfigError, ManifestError, SampleError
 from mmcache.rootfiles import open_regular
 from mmcache.sources import identity
 from mmcache.sources.base import OnError, SampleSource, StampKind
-from mmcache.sources.bytesproc import StagedProcessor, byte_limit, check_size, process_bytes
+from mmcache.sources.bytesproc import byte_limit, check_size, process_bytes
 from mmcache.sources.chassis import BaseSource
 from mmcache.sources.files import check_on_error
 from mmcache.sources.ids import IdColumn
@@ -69,6 +69,7 @@ from mmcache.sources.wds.index import load_or_build
 from mmcache.sources.wds.table import Problem, SampleColumns, ShardTable, assemble, expand_shards
 from mmcache.sources.wds.tarwalk import DamagedShard
 from mmcache.sources.wds.video import VIDEO_EXTS, is_video_member, produce_video
+from mmcache.transforms.pipeline import StagedProcessor
 
 __all__ = ["IMAGE_EXTS", "WebDatasetSource"]
 
@@ -117,6 +118,7 @@ class WebDatasetSource(RemoteShards, BaseSource, torch.utils.data.Dataset[dict[s
     """
 
     stamp_kind: StampKind = StampKind.FIXED
+    pipeline: StagedProcessor
     on_error: OnError
     _per_process: ClassVar[tuple[str, ...]] = (*BaseSource._per_process, "_fds", "_fetch_groups")
 
