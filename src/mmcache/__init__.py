@@ -21,7 +21,7 @@ from __future__ import annotations
 from mmcache import synth as synth
 from mmcache.cache import Cache
 from mmcache.cached import CachedDataset
-from mmcache.dataset import MultimodalDataset, SourceDataset, open_source
+from mmcache.dataset import MultimodalDataset, open_source
 from mmcache.errors import (
     CacheError,
     ConfigError,
@@ -93,7 +93,6 @@ __all__ = [
     "SampleError",
     "SharedTier",
     "SmartResize",
-    "SourceDataset",
     "TextReport",
     "TextSpec",
     "TierStats",

@@ -20,7 +20,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from mmcache.cliargs import (
     Parser,
@@ -178,9 +178,7 @@ def _cmd_warm(args: argparse.Namespace) -> int:
     from mmcache.warm import warm
 
     pipe = _pipeline_for(args)
-    ds = mc.MultimodalDataset(
-        args.manifest, pipeline=pipe, on_error=args.on_error, **data_options(args)
-    )
+    ds = mc.open_source(args.manifest, pipeline=pipe, on_error=args.on_error, **data_options(args))
     cache = _open_for_warm(args)
     try:
         if args.features:
@@ -487,7 +485,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)
     pipe = default_pipeline(size=args.size, max_length=args.max_length, tokenizer=args.tokenizer)
-    ds = mc.MultimodalDataset(args.manifest, pipeline=pipe, on_error="skip", **data_options(args))
+    ds = mc.open_source(args.manifest, pipeline=pipe, on_error="skip", **data_options(args))
     _, first, _ = first_sample(ds, limit=100)
     if first is None:
         raise mc.ConfigError(f"none of the first 100 samples of {args.manifest} can be decoded")
@@ -497,8 +495,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"samples": len(ds), "data_bytes": data_bytes, "memory": memory}
     baseline = None
     if not args.no_baseline:
-        plain = torch.utils.data.DataLoader(
-            ds,
+        # Every source open_source makes of a location is a torch Dataset (BaseSource).
+        face = cast("torch.utils.data.Dataset[dict[str, Any] | None]", ds)
+        plain: torch.utils.data.DataLoader[dict[str, Any] | None] = torch.utils.data.DataLoader(
+            face,
             batch_size=args.batch_size,
             shuffle=True,
             num_workers=args.workers,

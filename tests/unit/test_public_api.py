@@ -48,7 +48,6 @@ PUBLIC = [
     "SampleError",
     "SharedTier",
     "SmartResize",
-    "SourceDataset",
     "TextReport",
     "TextSpec",
     "TierStats",
@@ -124,7 +123,7 @@ def test_what_users_receive_is_importable_where_they_look() -> None:
     from mmcache.cluster import ClusterExchange, ExchangeStats
     from mmcache.stores import TieredReader
 
-    assert mmcache.SourceDataset.__module__ == "mmcache.dataset"
+    assert mmcache.MultimodalDataset.__module__ == "mmcache.dataset"
     assert ClusterExchange and ExchangeStats and TieredReader
 
 

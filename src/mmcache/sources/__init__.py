@@ -10,7 +10,7 @@ Data read in place: :class:`ParquetSource` (:mod:`~mmcache.sources.parquet`),
 :class:`HFDatasetSource` (:mod:`~mmcache.sources.hfdataset`), both on the shared
 :mod:`~mmcache.sources.rows`, and :class:`CocoSource` (:mod:`~mmcache.sources.coco`,
 a FileSource); :mod:`~mmcache.sources.open` is the registry of formats that
-``MultimodalDataset(path)`` sniffs (:func:`register_source_format`).
+``mmcache.open_source(path)`` sniffs (:func:`register_source_format`).
 """
 
 from mmcache.sources.base import OnError, SampleSource, StampKind

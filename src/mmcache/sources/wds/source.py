@@ -47,7 +47,6 @@ from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from mmcache import keys
 from mmcache.errors import ConfigError, ManifestError, SampleError
@@ -81,7 +80,7 @@ C = SampleColumns
 MAX_DIGEST = identity.MAX_DIGEST_BYTES
 
 
-class WebDatasetSource(RemoteShards, BaseSource, torch.utils.data.Dataset[dict[str, Any] | None]):
+class WebDatasetSource(RemoteShards, BaseSource):
     """Image-text samples of WebDataset tar shards (see the module docstring).
 
     >>> src = WebDatasetSource("shards/{00000..00009}.tar", pipeline=pipe)  # doctest: +SKIP
