@@ -57,7 +57,8 @@ from mmcache.sources.remote.fs import Remote, object_stamp
 from mmcache.sources.remote.raw import fetch_bytes
 from mmcache.sources.remote.state import SharedStamps
 from mmcache.sources.remote.tables import GONE, TableFiles, file_stamp
-from mmcache.sources.rows import IdColumn, RowSource, StagedProcessor, check_columns, path_column
+from mmcache.sources.rows import IdColumn, RowSource, check_columns, path_column
+from mmcache.transforms.pipeline import StagedProcessor
 from mmcache.units import parse_size
 
 __all__ = ["ParquetSource"]
