@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, Protocol, TypedDict
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -168,15 +168,9 @@ def read_through(
     ``record_reject`` (if given) and returned in a rejected result. ``cache=None`` only
     produces (no lookup, no claim).
     """
-    how: _How = {
-        "on_error": on_error,
-        "record_reject": record_reject,
-        "tag": tag,
-        "write": write,
-        "weight": weight,
-    }
+    miss = _Miss(on_error, record_reject, tag, write, weight)
     if cache is None:
-        return _produced(None, key, produce, **how)
+        return miss.produced(None, key, produce)
     find = look if look is not None else _looker(cache)
     if lookup:
         found = find(key)
@@ -184,7 +178,7 @@ def read_through(
             return found
     claim = claims.acquire(key, wait=wait) if claims is not None else None
     if claim is None:  # no claims here: produce, as without them
-        return _produced(cache, key, produce, **how)
+        return miss.produced(cache, key, produce)
     try:
         if claim.fd < 0 and not wait:
             return ReadThrough(None, waited=True, deferred=True)  # another process has it
@@ -192,20 +186,10 @@ def read_through(
         if again:
             found = find(key)  # what the other producer published
             if found is not None:
-                return _waited(found) if claim.waited else found
-        return _produced(cache, key, produce, **how)
+                return replace(found, waited=True) if claim.waited else found
+        return miss.produced(cache, key, produce)
     finally:
         claim.release()
-
-
-class _How(TypedDict):
-    """How :func:`_produced` handles a miss (the arguments of :func:`read_through`)."""
-
-    on_error: OnError
-    record_reject: Callable[[SampleError], None] | None
-    tag: str | None
-    write: Write | None
-    weight: float
 
 
 def _looker(cache: CacheLike) -> Look:
@@ -218,37 +202,38 @@ def _looker(cache: CacheLike) -> Look:
     return look
 
 
-def _waited(found: ReadThrough) -> ReadThrough:
-    return ReadThrough(found.sample, found.tier, waited=True, held=found.held)
+@dataclass(frozen=True)
+class _Miss:
+    """How a miss is produced and admitted (the arguments of :func:`read_through`)."""
 
+    on_error: OnError
+    record_reject: Callable[[SampleError], None] | None
+    tag: str | None
+    write: Write | None
+    weight: float
 
-def _produced(
-    cache: CacheLike | None,
-    key: bytes,
-    produce: Callable[[], Mapping[str, np.ndarray]],
-    *,
-    on_error: OnError,
-    record_reject: Callable[[SampleError], None] | None,
-    tag: str | None,
-    write: Write | None,
-    weight: float,
-) -> ReadThrough:
-    """Produce ``key``'s sample, time it, encode it and admit it (see :func:`read_through`)."""
-    t0 = time.thread_time()
-    try:
-        produced = dict(produce())
-    except SampleError as err:
-        if on_error == "raise":
-            raise
-        if record_reject is not None:
-            record_reject(err)
-        return ReadThrough(None, error=err)
-    cost = (time.thread_time() - t0) * weight
-    admitted = False
-    if cache is not None:
-        raw = codec.encode(produced, ctime=cache.clock(), cost=cost)
-        if write is None:
-            admitted = cache.put_encoded(key, raw, cost=cost, tag=tag)
-        else:
-            admitted = write(key, raw, cost, tag)
-    return ReadThrough(produced, cost=cost, admitted=admitted)
+    def produced(
+        self,
+        cache: CacheLike | None,
+        key: bytes,
+        produce: Callable[[], Mapping[str, np.ndarray]],
+    ) -> ReadThrough:
+        """Produce ``key``'s sample, time it, encode it and admit it."""
+        t0 = time.thread_time()
+        try:
+            sample = dict(produce())
+        except SampleError as err:
+            if self.on_error == "raise":
+                raise
+            if self.record_reject is not None:
+                self.record_reject(err)
+            return ReadThrough(None, error=err)
+        cost = (time.thread_time() - t0) * self.weight
+        admitted = False
+        if cache is not None:
+            raw = codec.encode(sample, ctime=cache.clock(), cost=cost)
+            if self.write is None:
+                admitted = cache.put_encoded(key, raw, cost=cost, tag=self.tag)
+            else:
+                admitted = self.write(key, raw, cost, self.tag)
+        return ReadThrough(sample, cost=cost, admitted=admitted)
