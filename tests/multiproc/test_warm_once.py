@@ -9,7 +9,6 @@ warm-up beside a training job decoded what the job's workers were decoding).
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
 from pathlib import Path
@@ -18,20 +17,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-START_ENV = "MMCACHE_TEST_WARM_START"
+from support.together import run_together, wait_for_start
+
 COUNT_ENV = "MMCACHE_TEST_WARM_COUNT"
 
 
 def _counted_image(im: Any) -> np.ndarray:
     """A decode-sized stage (20 ms a sample) that records each call (one line per
-    produce, appended: a line is written whole) and first waits for the start file, so
-    both warm-ups begin their misses at one instant, as jobs started by one script do."""
-    start = Path(os.environ[START_ENV])
-    while not start.exists():
-        time.sleep(0.005)
-    at = float(start.read_text() or "0")
-    if time.time() < at:
-        time.sleep(at - time.time())
+    produce, appended: a line is written whole) and first waits for the common start, so
+    both warm-ups begin their misses at one instant (:mod:`support.together`)."""
+    wait_for_start()
     time.sleep(0.02)
     with open(os.environ[COUNT_ENV], "a") as f:
         f.write(f"{os.getpid()}\n")
@@ -64,32 +59,17 @@ def _warm_job(paths: tuple[str, str], root: str, barrier: Any, out: Any) -> None
 
 @pytest.mark.timeout(300)
 def test_two_warmups_of_one_dataset_produce_each_sample_once(
-    tiny_data: Path, tokenizer_json: Path, cache_root: Path, tmp_path: Path
+    tiny_data: Path,
+    tokenizer_json: Path,
+    cache_root: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     n = 48
     count = tmp_path / "produced"
-    start = tmp_path / "start"
-    os.environ[COUNT_ENV], os.environ[START_ENV] = str(count), str(start)  # for the children
+    monkeypatch.setenv(COUNT_ENV, str(count))  # for the children
     paths = (str(tiny_data), str(tokenizer_json))
-    ctx = mp.get_context("spawn")
-    barrier, out = ctx.Barrier(2), ctx.Queue()
-    procs = [
-        ctx.Process(target=_warm_job, args=(paths, str(cache_root), barrier, out)) for _ in range(2)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        assert [out.get(timeout=120) for _ in procs] == ["ready"] * 2
-        tmp = start.with_suffix(".tmp")
-        tmp.write_text(str(time.time() + 1.0))
-        tmp.rename(start)  # whole, at once
-        reports = [out.get(timeout=120) for _ in procs]
-    finally:
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
-    assert all(p.exitcode == 0 for p in procs)
+    reports = run_together(_warm_job, (paths, str(cache_root)), 2, tmp_path / "start")
     produced = count.read_text().split()
     print("produced per process", {pid: produced.count(pid) for pid in set(produced)})
     print("reports", reports)
