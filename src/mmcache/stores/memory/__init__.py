@@ -46,6 +46,7 @@ from mmcache.errors import ConfigError
 from mmcache.policies import Policy, get_policy
 from mmcache.stats import TierStats
 from mmcache.stores.base import KEY_SIZE, EntryInfo, Keys, Store, check_key
+from mmcache.stores.claims import Claims
 from mmcache.stores.gathercheck import CopiedCheck, EntryCheck, GatherCheck, RowsCheck
 from mmcache.stores.memory import repair
 from mmcache.stores.memory.access import Access
@@ -522,6 +523,10 @@ class MemoryStore(Store):
         as the store, with its owner and mode. Record locks on it are independent of the
         ``flock`` the store takes on it."""
         return self._session.lock.path
+
+    def claims(self) -> Claims:
+        """The node's production claims, on :attr:`claims_path` (see :meth:`Store.claims`)."""
+        return Claims(self.claims_path)
 
     @property
     def owner_path(self) -> str | None:
