@@ -47,6 +47,7 @@ import numpy as np
 
 from mmcache.errors import CacheError
 from mmcache.stores.memory.access import Access, UntrustedFileError
+from mmcache.stores.memory.layout import MAX_INDEX_CAPACITY
 from mmcache.stores.memory.shm import SHM_PREFIX, Segment, map_arrays, place_arrays
 
 __all__ = [
@@ -66,9 +67,9 @@ __all__ = [
 INDEX_MAGIC = int.from_bytes(b"MMCINDX1", "little")
 INDEX_HEADER_WORDS = 8
 I_MAGIC, I_GEN, I_ENTRIES, I_SHIFT = range(4)
-#: The most entries an index segment may declare (``layout.MAX_INDEX_CAPACITY``; a
-#: header declaring more is damaged, never a huge mapping).
-MAX_INDEX_ENTRIES = 1 << 24
+#: The most entries an index segment may declare (a header declaring more is damaged,
+#: never a huge mapping): as many as its ``int32`` hash cells can point at.
+MAX_INDEX_ENTRIES = MAX_INDEX_CAPACITY
 #: A grow sizes the index for the budget at the mean entry size seen, plus this
 #: fraction (entry sizes vary), and at least doubles it (so a store grows
 #: O(log n) times, each a copy of the rows in use).
