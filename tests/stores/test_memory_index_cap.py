@@ -28,8 +28,9 @@ import pytest
 
 from mmcache.errors import CacheError
 from mmcache.stores.memory import MemoryStore, default_max_entries, store_dir, unlink_store
+from mmcache.stores.memory import index as memory_index
 from mmcache.stores.memory import layout as memory_layout
-from mmcache.stores.memory.index import IndexLayout, grow_target
+from mmcache.stores.memory.index import ENTRY_COLUMNS, IndexLayout, grow_target
 from mmcache.stores.memory.layout import (
     H_ENTRY_HINT,
     H_HOLDER_PID,
@@ -74,6 +75,17 @@ def test_the_index_may_hold_more_than_two_to_the_24_entries() -> None:
     big = IndexLayout.build(MAX_INDEX_CAPACITY)
     assert big.entries == MAX_INDEX_CAPACITY and big.table_shift == 32
     assert big.entries + 1 <= np.iinfo(np.int32).max + 1
+
+
+def test_an_index_entry_takes_under_100_bytes() -> None:
+    """Bytes per entry of the index (rows and hash cells, every page touched): 83 B a
+    row (93 B in version 3) and 2 to 4 cells of 4 B, so 10**8 entries take 9.4 GB."""
+    row = sum(np.dtype(dtype).itemsize * int(np.prod(shape)) for _, dtype, shape in ENTRY_COLUMNS)
+    assert row == 83 and row == memory_index.ROW_BYTES
+    for n in (10**6, 10**8, (1 << 24) + 1, 1 << 25):
+        per_entry = IndexLayout.build(n).size / n
+        assert row + 8 <= per_entry <= row + 16.01 and per_entry < 100, (n, per_entry)
+    assert IndexLayout.build(10**8).size < 9.4e9
 
 
 READ_IN_ANOTHER_PROCESS = textwrap.dedent(
