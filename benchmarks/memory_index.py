@@ -41,6 +41,7 @@ import uuid
 import numpy as np
 
 from mmcache.stores.memory import EntryState, MemoryStore
+from mmcache.stores.memory.index import index_paths
 from mmcache.stores.memory.layout import C_MARKED
 
 
@@ -50,7 +51,7 @@ def key(i: int) -> bytes:
 
 def index_bytes(store: MemoryStore) -> int:
     """RAM of the store's index file(s) now (tmpfs blocks)."""
-    paths = [p for p in store.segment_paths() if "-i" in os.path.basename(p)[len("mmcache-") :]]
+    paths = index_paths(os.path.dirname(store.claims_path), store.shm_name)
     return sum(os.stat(p).st_blocks * 512 for p in paths)
 
 
