@@ -144,7 +144,7 @@ def bulk(n: int) -> None:
     bulk (numpy, under the exclusive lock), then the crash repair derives the rest from the
     rows (hash table, counts, bitmaps), as after a holder died; then reads through the API."""
     name = f"bench-bulk-{uuid.uuid4().hex[:8]}"
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     with MemoryStore(name, capacity=n * 64, index_capacity=n, temporary=True, policy="lru") as s:
         session = s._session
         with session.exclusive():
@@ -166,18 +166,22 @@ def bulk(n: int) -> None:
             t.size[:n] = 64
             t.cls[:n] = 0
             t.state[:n] = EntryState.READY
-            t1 = time.perf_counter()
+            t1 = time.process_time()
             session._repair_locked("bulk fill of a benchmark")
-            repair_s = time.perf_counter() - t1
+            repair_s = time.process_time() - t1
         rng = np.random.default_rng(0)
         sample = rng.integers(0, n, 100_000).tolist()
-        t2 = time.perf_counter()
-        got = s.get_many([key(i) for i in sample])
-        get_many_us = (time.perf_counter() - t2) / len(sample) * 1e6
+        keys = [key(i) for i in sample]
+        t2 = time.process_time()
+        got = s.get_many(keys)  # this process's first touch of most of these pages
+        first_us = (time.process_time() - t2) / len(sample) * 1e6
+        t2 = time.process_time()
+        s.get_many(keys)
+        again_us = (time.process_time() - t2) / len(sample) * 1e6
         ok = all(g == i.to_bytes(8, "little") * 8 for g, i in zip(got, sample, strict=True))
-        t3 = time.perf_counter()
+        t3 = time.process_time()
         evicting = s.put(key(n), bytes(64))
-        evict_s = time.perf_counter() - t3
+        evict_s = time.process_time() - t3
         print(
             json.dumps(
                 {
@@ -185,11 +189,12 @@ def bulk(n: int) -> None:
                     "index_entries": s.index_entries,
                     "shm_B_per_entry": s.resident_bytes() / n,
                     "index_B_per_entry": index_bytes(s) / n,
-                    "repair_s": repair_s,
+                    "repair_cpu_s": repair_s,
                     "sample_read_back": ok,
-                    "get_many_us": get_many_us,
-                    "evicting_put_s": evict_s if evicting else None,
-                    "total_s": time.perf_counter() - t0,
+                    "get_many_first_us": first_us,
+                    "get_many_again_us": again_us,
+                    "evicting_put_cpu_s": evict_s if evicting else None,
+                    "total_cpu_s": time.process_time() - t0,
                 }
             ),
             flush=True,
