@@ -14,20 +14,17 @@ this process, a new attachment and another process, and ``check()``.
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
 import subprocess
 import sys
 import textwrap
-import uuid
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 from mmcache.errors import CacheError
-from mmcache.stores.memory import MemoryStore, default_max_entries, store_dir, unlink_store
+from mmcache.stores.memory import MemoryStore, default_max_entries, store_dir
 from mmcache.stores.memory import index as memory_index
 from mmcache.stores.memory import layout as memory_layout
 from mmcache.stores.memory.index import ENTRY_COLUMNS, IndexLayout, grow_target
@@ -51,14 +48,6 @@ def key(i: int) -> bytes:
 
 def value(i: int) -> bytes:
     return i.to_bytes(8, "little") * 12  # 96 B
-
-
-@pytest.fixture
-def shm_name() -> Iterator[str]:
-    name = f"tcap-{uuid.uuid4().hex[:12]}"
-    yield name
-    unlink_store(name)
-    assert glob.glob(f"{store_dir()}/mmcache-{glob.escape(name)}*") == []
 
 
 def test_the_index_may_hold_more_than_two_to_the_24_entries() -> None:
