@@ -118,9 +118,9 @@ class MemoryStore(Store):
         clock: source of ``atime`` (must be comparable across processes).
         index_capacity: the entries the index holds, fixed (a warning says when it
             is full while bytes are free). Default: it starts at capacity / 4 KiB
-            entries (in [1024, 2**24]) and grows, sized from the entry sizes seen,
+            entries (in [1024, 2**31 - 1]) and grows, sized from the entry sizes seen,
             whenever it is full while bytes of the budget are free, up to capacity /
-            64 B entries (the smallest slot; in [1024, 2**24]).
+            64 B entries (the smallest slot; in [1024, 2**31 - 1]).
         mode: file mode of the segments (default ``0o600``: this user only).
         group: share the store with the members of this group (a gid; needs
             ``mode=0o660``): its files go to ``/dev/shm/mmcache-g<gid>/``.
