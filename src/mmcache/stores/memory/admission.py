@@ -302,7 +302,10 @@ class Writer:
                 if not decide:
                     return _Outcome.NEED_VICTIMS
                 # Optimistic proposals kept going stale: decide under the lock this time.
-                rows, residents = t.residents(old)
+                if isinstance(self._policy, KeepPolicy):  # never evicts: no residents
+                    rows, residents = np.zeros(0, np.int64), Residents.from_columns(size=[])
+                else:
+                    rows, residents = t.residents(old, need=need)
                 victims = self._ask_policy(
                     rows, residents, size=size, cost=cost, need=need, full=full
                 )
@@ -376,7 +379,9 @@ class Writer:
             full = old < 0 and t.items() + t.writing() >= s.entries
             if need <= 0 and not full:
                 return Proposal(np.zeros(0, np.int64), np.zeros(0, np.int64)), old >= 0
-            rows, residents = t.residents(old)
+            if isinstance(self._policy, KeepPolicy):  # never evicts: refused unread
+                return None, old >= 0
+            rows, residents = t.residents(old, need=need)
         victims = self._ask_policy(rows, residents, size=size, cost=cost, need=need, full=full)
         if victims is None:
             return None, old >= 0

@@ -193,6 +193,14 @@ def split_key(key: bytes) -> tuple[int, int]:
     return int(k0), int(k1)
 
 
+#: Above this many published entries a policy decides on a random sample of about this
+#: many residents (:meth:`EntryTable.residents`): O(sample) per decision, not O(entries).
+POLICY_SAMPLE = 1 << 10
+#: The sample's random rows (not a secret, nor a decision that must repeat: the victims
+#: are validated under the lock whoever proposed them).
+_SAMPLER = np.random.default_rng()
+
+
 class EntryTable:
     """The entry rows of one store and the hash index over their keys.
 
@@ -316,11 +324,31 @@ class EntryTable:
         hit[hit] = self.state[eids[hit]] == _READY
         return np.where(hit, eids, -1)
 
-    def residents(self, old: int) -> tuple[npt.NDArray[np.int64], Residents]:
-        """Published entries (except ``old``) as policy input. Caller holds the lock."""
-        rows = self.ready_rows()
-        if old >= 0:
-            rows = rows[rows != old]
+    def residents(
+        self, old: int, *, need: int = 0, sample: int | None = None
+    ) -> tuple[npt.NDArray[np.int64], Residents]:
+        """Published entries (except ``old``) as policy input, rows ascending. Caller
+        holds the lock.
+
+        Above ``sample`` (default :data:`POLICY_SAMPLE`) published entries, a random
+        sample of about that many rather than all of them (as Redis approximates LRU):
+        a full store decides for every newcomer, and gathering every resident cost
+        0.08 s per put at 10^6 entries and 5.5 s at 2^25. The policy's victims are the
+        best of the sample, not of the whole store; a sample whose bytes cannot free
+        ``need`` gives way to every entry."""
+        sample = POLICY_SAMPLE if sample is None else sample
+        rows: npt.NDArray[np.int64] | None = None
+        if self.items() > sample:
+            picks = np.unique(_SAMPLER.integers(0, self.high_water(), size=2 * sample))
+            rows = picks[self.state[picks] == EntryState.READY]
+            if old >= 0:
+                rows = rows[rows != old]
+            if rows.shape[0] == 0 or int(self.size[rows].sum()) < need:
+                rows = None
+        if rows is None:
+            rows = self.ready_rows()
+            if old >= 0:
+                rows = rows[rows != old]
         residents = Residents(
             size=self.size[rows],
             cost=self.cost[rows],
