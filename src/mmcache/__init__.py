@@ -37,15 +37,14 @@ from mmcache.loader import BatchContext, DataLoader, EpochContext, LoaderHook, P
 from mmcache.pipeline import ImageSpec, Pipeline, TextSpec, normalize, train_tokenizer
 from mmcache.plot import plot
 from mmcache.shared import SharedTier
+from mmcache.sources.blobs import RawTier
+from mmcache.sources.blobs.prefetch import RemotePrefetch
 from mmcache.sources.chat import TextReport
 from mmcache.sources.coco import CocoSource
 from mmcache.sources.hfdataset import HFDatasetSource
 from mmcache.sources.mixture import Mixture, MixturePart
 from mmcache.sources.parquet import ParquetSource
 from mmcache.sources.readers import read_manifest
-from mmcache.sources.remote import RawTier
-from mmcache.sources.remote.files import RemoteFileSource
-from mmcache.sources.remote.prefetch import RemotePrefetch
 from mmcache.sources.wds import WebDatasetSource
 from mmcache.stats import CacheStats, EpochStats, LoaderStats, TierStats
 from mmcache.transforms.chat import ChatSpec
@@ -86,7 +85,6 @@ __all__ = [
     "Pipeline",
     "RawTier",
     "RemoteError",
-    "RemoteFileSource",
     "RemotePrefetch",
     "SampleError",
     "SharedTier",

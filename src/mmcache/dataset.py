@@ -95,7 +95,7 @@ def open_source(
         format: ``"auto"`` (sniffed) or a name of
             :func:`~mmcache.sources.open.source_format_names`.
         columns: the ``id``/``image``/``text`` column names (Parquet, HF datasets).
-        storage_options: for fsspec URLs (Parquet, WebDataset).
+        storage_options: for object store URLs (Parquet, WebDataset).
         image_root: the images' folder (COCO).
         on_error: ``"raise"`` or ``"skip"`` (see :class:`MultimodalDataset`).
         content_stamp: key loose files by their bytes always (manifests of loose files).

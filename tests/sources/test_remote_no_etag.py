@@ -17,7 +17,7 @@ from typing import TypeVar
 import pytest
 
 from mmcache.pipeline import Pipeline
-from mmcache.sources.remote.files import RemoteFileSource
+from mmcache.sources.files import FileSource
 from mmcache.sources.wds import WebDatasetSource
 from mmcache.sources.wds.write import write_shards
 from mmcache.synth import make_dataset
@@ -55,7 +55,7 @@ def test_a_same_size_overwrite_on_a_server_without_etag_is_seen(
     remote.write_text("".join(json.dumps(r) + "\n" for r in rows))
     src = _opened_with_one_warning(
         caplog,
-        lambda: RemoteFileSource(remote, pipeline=small_pipeline, retries=0, state_dir=tmp_path),
+        lambda: FileSource(remote, pipeline=small_pipeline, retries=0, state_dir=tmp_path),
     )
     before = [src.key(i) for i in range(3)]
     image = www / rows[1]["image_path"].removeprefix(f"{base}/")

@@ -14,9 +14,9 @@ import pytest
 from mmcache.errors import ConfigError
 from mmcache.loader import DataLoader
 from mmcache.pipeline import Pipeline
-from mmcache.sources.remote import RawTier
-from mmcache.sources.remote.blocks import FetchGroups, check_block
-from mmcache.sources.remote.prefetch import RemotePrefetch
+from mmcache.sources.blobs import RawTier
+from mmcache.sources.blobs.blocks import FetchGroups, check_block
+from mmcache.sources.blobs.prefetch import RemotePrefetch
 from mmcache.sources.wds import WebDatasetSource, write_shards
 from mmcache.synth import make_dataset
 from support.s3 import DelayProxy, S3Endpoint, moto_s3

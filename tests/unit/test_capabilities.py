@@ -18,6 +18,7 @@ from mmcache.dataset import SourceDataset
 from mmcache.errors import ConfigError
 from mmcache.loader import DataLoader, SFTBatching
 from mmcache.pipeline import Pipeline
+from mmcache.sources.blobs.prefetch import RemotePrefetch
 from mmcache.sources.capabilities import (
     FieldLayout,
     HasLengths,
@@ -26,7 +27,6 @@ from mmcache.sources.capabilities import (
     layout_of,
     members_of,
 )
-from mmcache.sources.remote.prefetch import RemotePrefetch
 from mmcache.synth import make_dataset
 from mmcache.testing.sft import SyntheticSFTSource
 from mmcache.testing.tabular import write_parquet

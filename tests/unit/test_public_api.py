@@ -43,7 +43,6 @@ PUBLIC = [
     "Pipeline",
     "RawTier",
     "RemoteError",
-    "RemoteFileSource",
     "RemotePrefetch",
     "SampleError",
     "SharedTier",
@@ -160,7 +159,7 @@ def test_every_exception_a_user_can_meet_is_in_the_one_hierarchy() -> None:
 def test_remote_error_is_an_mmcache_error_and_round_trips_pickle() -> None:
     import pickle
 
-    from mmcache.sources.remote.fs import RemoteError
+    from mmcache.sources.blobs.objects import RemoteError
 
     err = RemoteError("s3://b/k", 503, False, "slow down")
     assert RemoteError is mmcache.RemoteError
