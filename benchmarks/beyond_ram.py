@@ -49,8 +49,9 @@ from mmcache.codec.compact import parse_disk_form  # noqa: E402
 from mmcache.dataset import MultimodalDataset  # noqa: E402
 from mmcache.loader import DataLoader  # noqa: E402
 from mmcache.loader.batchlayout import byte_ranges  # noqa: E402
-from mmcache.pipeline import ImageSpec, Pipeline, TextSpec  # noqa: E402
 from mmcache.stores.disk.formed import FormedDiskStore  # noqa: E402
+from mmcache.transforms import ImageSpec, TextSpec  # noqa: E402
+from mmcache.transforms.pipeline import Pipeline  # noqa: E402
 
 _libc = ctypes.CDLL(None, use_errno=True)
 

@@ -38,7 +38,8 @@ def entry_bytes(manifest: Path) -> int:
     """Bytes of one cached entry of this data set (all have one size: 32 px images)."""
     from mmcache import codec
     from mmcache.dataset import MultimodalDataset
-    from mmcache.pipeline import ImageSpec, Pipeline
+    from mmcache.transforms import ImageSpec
+    from mmcache.transforms.pipeline import Pipeline
 
     ds = MultimodalDataset(manifest, pipeline=Pipeline(image=ImageSpec(size=32)))
     return len(codec.encode(ds.produce(0), ctime=0.0, cost=0.0))

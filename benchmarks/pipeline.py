@@ -35,8 +35,9 @@ import torch
 from PIL import Image
 from tokenizers import Tokenizer
 
-from mmcache.pipeline import ImageSpec, Pipeline, TextSpec, train_tokenizer
 from mmcache.synth import make_dataset, synth_captions
+from mmcache.transforms import ImageSpec, TextSpec, train_tokenizer
+from mmcache.transforms.pipeline import Pipeline
 
 
 class NoteDataset:

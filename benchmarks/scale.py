@@ -162,6 +162,7 @@ class Phase:
 
     def open_source(self) -> Any:
         import mmcache as mc
+        from mmcache.sources import WebDatasetSource
 
         pipe = self.pipeline()
         if self.source == "jsonl":
@@ -169,7 +170,7 @@ class Phase:
         if self.source == "parquet":
             columns = {"id": "id", "image": "image", "text": "text"}
             return mc.open_source(self.data, pipeline=pipe, format="parquet", columns=columns)
-        return mc.WebDatasetSource(
+        return WebDatasetSource(
             str(self.data / "*.tar"), pipeline=pipe, index_dir=self.root / "wds-index"
         )
 

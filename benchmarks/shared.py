@@ -39,11 +39,10 @@ import contextlib
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,42 +56,9 @@ from mmcache.shared.maintenance import share_stats
 # The S3 server's helpers are test support (tests/support/s3.py), not the package's: this
 # checkout's tests/ goes on sys.path.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from support.s3 import KEY, REGION, SECRET, DelayProxy, free_port
+from support.s3 import KEY, REGION, SECRET, DelayProxy, moto_process
 
 torch.set_num_threads(1)
-
-
-@contextlib.contextmanager
-def moto_process() -> Iterator[str]:
-    """moto's S3 server in its own process (so that it does not share our GIL)."""
-    import boto3
-
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        client = boto3.client(
-            "s3",
-            endpoint_url=url,
-            aws_access_key_id=KEY,
-            aws_secret_access_key=SECRET,
-            region_name=REGION,
-        )
-        for _ in range(100):
-            try:
-                client.list_buckets()
-                break
-            except Exception:  # not listening yet
-                time.sleep(0.1)
-        client.create_bucket(Bucket="data")
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def s3_options(endpoint: str) -> dict[str, Any]:

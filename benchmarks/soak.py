@@ -291,8 +291,8 @@ class Soak:
         return self.report()
 
     def setup(self) -> list[JobSpec]:
-        from mmcache.pipeline import train_tokenizer
         from mmcache.synth import make_dataset, synth_captions
+        from mmcache.transforms import train_tokenizer
 
         a = self.args
         mount_tmpfs("/dev/shm", SHM_SIZE, "1777")

@@ -36,7 +36,8 @@ from mmcache.augment import RandomResizedCrop
 from mmcache.cache import Cache
 from mmcache.dataset import MultimodalDataset
 from mmcache.loader import DataLoader
-from mmcache.pipeline import ImageSpec, Pipeline, TextSpec
+from mmcache.transforms import ImageSpec, TextSpec
+from mmcache.transforms.pipeline import Pipeline
 
 IMAGE_SIZE, CROP_SIZE, MAX_LENGTH = 32, 24, 16
 CRASHED, RESUME_FAILED = 3, 4  # exit statuses of a run that raised

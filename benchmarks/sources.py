@@ -60,11 +60,10 @@ import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -83,47 +82,9 @@ from treecompare import compare_trees  # benchmarks/ (the script's folder is on 
 # the package's: this checkout's tests/ goes on sys.path.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from support.faults import FaultProxy
-from support.s3 import KEY, REGION, SECRET, DelayProxy, free_port
+from support.s3 import KEY, REGION, SECRET, DelayProxy, moto_process, s3_client
 
 torch.set_num_threads(1)
-
-
-def _client(url: str) -> Any:
-    """A boto3 S3 client of the moto server at ``url`` (its test credentials)."""
-    import boto3
-
-    return boto3.client(
-        "s3",
-        endpoint_url=url,
-        aws_access_key_id=KEY,
-        aws_secret_access_key=SECRET,
-        region_name=REGION,
-    )
-
-
-@contextlib.contextmanager
-def moto_process() -> Iterator[str]:
-    """moto's S3 server in its own process (so that it does not share our GIL)."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        client = _client(url)
-        for _ in range(100):
-            try:
-                client.list_buckets()
-                break
-            except Exception:  # not listening yet
-                time.sleep(0.1)
-        client.create_bucket(Bucket="data")
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def epoch_rate(loader: Any) -> float:
@@ -330,7 +291,7 @@ def _s3_options(endpoint: str) -> dict[str, Any]:
 
 def _upload(url: str, shards: list[Path]) -> list[str]:
     """Upload ``shards`` to the moto server at ``url``; their ``s3://`` URLs."""
-    client = _client(url)
+    client = s3_client(url)
     for p in shards:
         client.upload_file(str(p), "data", f"wds/{p.name}")
     return [f"s3://data/wds/{p.name}" for p in shards]

@@ -28,8 +28,8 @@ def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from mmcache.pipeline import train_tokenizer
     from mmcache.synth import synth_captions
+    from mmcache.transforms import train_tokenizer
 
     tok = train_tokenizer(synth_captions(500, seed=0), vocab_size=512)
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
@@ -40,7 +40,8 @@ def tokenizer_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def small_pipeline(tokenizer_json: Path):  # type: ignore[no-untyped-def]
     """Pipeline with 64 px images and 16 tokens: fast, same code paths as 224 px."""
-    from mmcache.pipeline import ImageSpec, Pipeline, TextSpec
+    from mmcache.transforms import ImageSpec, TextSpec
+    from mmcache.transforms.pipeline import Pipeline
 
     return Pipeline(image=ImageSpec(size=64), text=TextSpec(tokenizer_json, max_length=16))
 

@@ -88,8 +88,8 @@ MB = 1e6
 
 def prepare_data(data_dir: Path, variants: dict[str, int], seed: int, vocab: int) -> dict[str, Any]:
     """Make (or reuse) each variant's images + manifest, and the shared tokenizer."""
-    from mmcache.pipeline import train_tokenizer
     from mmcache.synth import make_dataset, synth_captions
+    from mmcache.transforms import train_tokenizer
 
     data_dir.mkdir(parents=True, exist_ok=True)
     out: dict[str, Any] = {}

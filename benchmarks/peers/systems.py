@@ -11,9 +11,9 @@ and all its children, and new files in ``/dev/shm``); the child prints
 
 Every system delivers the same batches: ``image`` uint8 ``[B,3,224,224]``,
 ``input_ids`` and ``attention_mask`` int32 ``[B,32]``, made by the same
-:class:`mmcache.pipeline.Pipeline` (resize 256, centre crop 224, 32 tokens).
+:class:`mmcache.transforms.pipeline.Pipeline` (resize 256, centre crop 224, 32 tokens).
 uint8, not float32 normalised: normalisation belongs on the training device
-(``mmcache.pipeline.normalize``), and a uint8 sample is 4x cheaper to store and
+(``mmcache.normalize``), and a uint8 sample is 4x cheaper to store and
 move for every system alike. A peer whose reader returns other dtypes is
 converted inside its timed loop (the work its user would have to do), and the
 result says so.
@@ -55,7 +55,8 @@ def phase(name: str) -> None:
 
 
 def make_pipeline(tokenizer: str) -> Any:
-    from mmcache.pipeline import ImageSpec, Pipeline, TextSpec
+    from mmcache.transforms import ImageSpec, TextSpec
+    from mmcache.transforms.pipeline import Pipeline
 
     return Pipeline(
         image=ImageSpec(size=224, resize=256), text=TextSpec(tokenizer=tokenizer, max_length=32)
@@ -814,7 +815,7 @@ class MmcacheFeatures(Mmcache):
             torch.nn.AdaptiveAvgPool2d(1),
             torch.nn.Flatten(),
         ).eval()
-        from mmcache.pipeline import normalize
+        from mmcache.transforms.normalize import normalize
 
         self.features = FeatureCache(
             encoder, cache=self.cache, dtype=torch.float16, preprocess=normalize, memory="256MiB"

@@ -8,10 +8,15 @@ node-shared memory tier and a persistent disk tier; feed them to PyTorch.
 >>> cache = mc.Cache("~/.cache/mmcache", memory="auto", disk="50GiB")     # doctest: +SKIP
 >>> loader = mc.DataLoader(ds, cache=cache, batch_size=64, num_workers=4)  # doctest: +SKIP
 
-The top level is what a training script uses: ``__all__`` lists it. What a new source,
-stage, tier or policy is built from lives in :mod:`mmcache.sources`,
-:mod:`mmcache.transforms`, :mod:`mmcache.stores`, :mod:`mmcache.policies` and
-:mod:`mmcache.testing`, each with its own ``__all__``.
+The top level is what a training script uses: ``__all__`` lists it (the quick start's
+and the recipes' names, and every error). The rest lives in its submodule, each with
+its own ``__all__``: the sources read in place and the remote ones in
+:mod:`mmcache.sources` (``CocoSource``, ``ParquetSource``, ``HFDatasetSource``,
+``WebDatasetSource``; ``RawTier`` and ``RemotePrefetch`` under
+:mod:`mmcache.sources.blobs`), every stats record and report in :mod:`mmcache.stats`,
+the loader's hooks in :mod:`mmcache.loader`; what a new source, stage, tier or policy
+is built from in :mod:`mmcache.sources`, :mod:`mmcache.transforms`,
+:mod:`mmcache.stores`, :mod:`mmcache.policies` and :mod:`mmcache.testing`.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from __future__ import annotations
 from mmcache import synth as synth
 from mmcache.cache import Cache
 from mmcache.cached import CachedDataset
-from mmcache.dataset import MultimodalDataset, SourceDataset, open_source
+from mmcache.dataset import MultimodalDataset, open_source
 from mmcache.errors import (
     CacheError,
     ConfigError,
@@ -31,71 +36,48 @@ from mmcache.errors import (
     RemoteError,
     SampleError,
 )
-from mmcache.features import FeatureCache, FeatureStats, warm_features
-from mmcache.hfpipeline import hf_processor
-from mmcache.loader import BatchContext, DataLoader, EpochContext, LoaderHook, PackSpec
-from mmcache.pipeline import ImageSpec, Pipeline, TextSpec, normalize, train_tokenizer
+from mmcache.features import FeatureCache, warm_features
+from mmcache.loader import DataLoader, PackSpec
 from mmcache.plot import plot
 from mmcache.shared import SharedTier
-from mmcache.sources.blobs import RawTier
-from mmcache.sources.blobs.prefetch import RemotePrefetch
-from mmcache.sources.chat import TextReport
-from mmcache.sources.coco import CocoSource
-from mmcache.sources.hfdataset import HFDatasetSource
 from mmcache.sources.mixture import Mixture, MixturePart
-from mmcache.sources.parquet import ParquetSource
 from mmcache.sources.readers import read_manifest
-from mmcache.sources.wds import WebDatasetSource
-from mmcache.stats import CacheStats, EpochStats, LoaderStats, TierStats
+from mmcache.transforms import ImageSpec, TextSpec, train_tokenizer
 from mmcache.transforms.chat import ChatSpec
 from mmcache.transforms.hf import hf_image_processor
+from mmcache.transforms.hfpipeline import hf_processor
+from mmcache.transforms.normalize import normalize
+from mmcache.transforms.pipeline import Pipeline
 from mmcache.transforms.smart_resize import SmartResize
 from mmcache.transforms.user import stage
 from mmcache.transforms.video import VideoSpec
-from mmcache.warm import WarmReport, warm
+from mmcache.warm import warm
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "BatchContext",
     "Cache",
     "CacheError",
-    "CacheStats",
     "CachedDataset",
     "ChatSpec",
-    "CocoSource",
     "ConfigError",
     "CorruptEntryError",
     "DataLoader",
-    "EpochContext",
-    "EpochStats",
     "FeatureCache",
-    "FeatureStats",
-    "HFDatasetSource",
     "ImageSpec",
-    "LoaderHook",
-    "LoaderStats",
     "ManifestError",
     "Mixture",
     "MixturePart",
     "MmcacheError",
     "MultimodalDataset",
     "PackSpec",
-    "ParquetSource",
     "Pipeline",
-    "RawTier",
     "RemoteError",
-    "RemotePrefetch",
     "SampleError",
     "SharedTier",
     "SmartResize",
-    "SourceDataset",
-    "TextReport",
     "TextSpec",
-    "TierStats",
     "VideoSpec",
-    "WarmReport",
-    "WebDatasetSource",
     "__version__",
     "hf_image_processor",
     "hf_processor",

@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import os
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,121 +23,21 @@ from mmcache.cliargs import (
     Parser,
     add_data_options,
     add_pipeline_options,
-    budget,
     data_options,
     duration,
-    fraction,
     glue_dash_values,
     int_at_least,
-    parse_budget,
+    print_json,
     size_of,
+    table,
 )
-from mmcache.cliinspect import add_inspect_parser, first_sample
+from mmcache.clidemo import add_bench_parser, add_demo_parser
+from mmcache.cliinspect import add_inspect_parser
 from mmcache.clishared import add_shared_options, add_warm_options, on_share, shared_tier
 
 __all__ = ["build_parser", "main"]
 
 logger = logging.getLogger(__name__)
-
-
-def _print_json(data: Any) -> None:
-    print(json.dumps(data, indent=2, sort_keys=True, default=str))
-
-
-def _table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=False)]
-    lines = ["  ".join(str(h).rjust(w) for h, w in zip(header, widths, strict=True))]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(str(c).rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    return "\n".join(lines)
-
-
-# -- demo ---------------------------------------------------------------------------------
-def _cmd_demo(args: argparse.Namespace) -> int:
-    import torch
-    from tqdm import tqdm
-
-    import mmcache as mc
-    from mmcache.errors import ConfigError
-    from mmcache.plot import plot, require_matplotlib
-    from mmcache.units import format_size
-
-    # The figure is the demo's last step and matplotlib an extra: a --plot that cannot be
-    # honoured fails now, not after the epochs; without --plot the table is the result.
-    try:
-        require_matplotlib()
-        png: Path | None = Path(args.plot) if args.plot else Path.cwd() / "mmcache-demo.png"
-    except ConfigError as exc:
-        if args.plot:
-            raise
-        print(f"no plot: {exc}")
-        png = None
-    torch.set_num_threads(1)
-    base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="mmcache-demo-"))
-    keep = args.dir is not None
-    try:
-        t0 = time.perf_counter()
-        print(f"making {args.n} synthetic image-caption pairs in {base / 'data'} ...")
-        manifest = mc.synth.make_dataset(base / "data", args.n, seed=args.seed)
-        captions = [json.loads(line)["caption"] for line in manifest.read_text().splitlines()]
-        tokenizer = mc.train_tokenizer(captions, vocab_size=2048)
-        pipe = mc.Pipeline(
-            image=mc.ImageSpec(size=args.size), text=mc.TextSpec(tokenizer, max_length=32)
-        )
-        ds = mc.MultimodalDataset(manifest, pipeline=pipe)
-        entry = mc.codec.encoded_size(ds.produce(0))
-        data_bytes = entry * len(ds)
-        memory = int(data_bytes * args.budget)
-        print(
-            f"dataset ready in {time.perf_counter() - t0:.1f}s: {len(ds)} samples, "
-            f"{format_size(data_bytes)} preprocessed; memory tier {format_size(memory)} "
-            f"({args.budget:.0%}), disk tier {format_size(2 * data_bytes)}"
-        )
-        cache = mc.Cache(
-            base / "cache", memory=memory, disk=2 * data_bytes, policy=args.policy, temporary=True
-        )
-        loader = mc.DataLoader(
-            ds,
-            cache=cache,
-            batch_size=args.batch_size,
-            shuffle=True,
-            seed=args.seed,
-            num_workers=args.workers,
-            persistent_workers=args.workers > 0,
-        )
-        try:
-            for epoch in range(args.epochs):
-                loader.set_epoch(epoch)
-                for _ in tqdm(loader, desc=f"epoch {epoch}", unit="batch", leave=False):
-                    pass
-            stats = loader.stats()
-        finally:
-            del loader
-            cache.close()
-        rows = []
-        for e in stats.epochs:
-            rows.append(
-                [
-                    str(e.epoch),
-                    f"{e.samples_per_s:,.0f}",
-                    f"{e.hit_rate:.2f}",
-                    f"{e.tier_hits.get('memory', 0) / max(e.samples, 1):.2f}",
-                    f"{e.tier_hits.get('disk', 0) / max(e.samples, 1):.2f}",
-                    str(e.misses),
-                    f"{e.stall_s:.2f}",
-                ]
-            )
-        header = ["epoch", "samples/s", "hit rate", "memory", "disk", "misses", "stall s"]
-        print(_table(rows, header))
-        if png is not None:
-            plot(stats, png)
-            print(f"plot written to {png}")
-        if args.json:
-            _print_json(stats.as_dict())
-    finally:
-        if not keep:
-            shutil.rmtree(base, ignore_errors=True)
-    return 0
 
 
 # -- synth --------------------------------------------------------------------------------
@@ -208,7 +105,7 @@ def _cmd_warm(args: argparse.Namespace) -> int:
     finally:
         cache.close()
     if args.json:
-        _print_json(report.as_dict())
+        print_json(report.as_dict())
     else:
         print(
             " ".join(
@@ -224,7 +121,7 @@ def _user_pipeline(args: argparse.Namespace) -> Any:
     script's own, so that warm fills the keys it reads)."""
     from mmcache.errors import ConfigError
     from mmcache.features.factory import load_callable
-    from mmcache.pipeline import Pipeline
+    from mmcache.transforms.pipeline import Pipeline
 
     given = [
         flag
@@ -313,10 +210,10 @@ def _ledger(prune: bool) -> tuple[Any, str | None]:
 
 def _cmd_stats(args: argparse.Namespace) -> int:
     from mmcache.maintenance import damaged_tiers
-    from mmcache.sources.chat import read_text_reports
+    from mmcache.stats import read_text_reports
     from mmcache.units import format_size
 
-    if on_share(args, "stats", _print_json):  # --shared URL: the share's counts
+    if on_share(args, "stats", print_json):  # --shared URL: the share's counts
         return 0
     cache = _open(args)
     try:
@@ -336,7 +233,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         texts = [r.as_dict() for r in reports]
         out = {**stats.as_dict(), "not_present": absent, "text_reports": texts}
         ident = book.as_dict() if book is not None else {"refused": refused}
-        _print_json({**out, "damaged": damaged, "identity_ledger": ident})
+        print_json({**out, "damaged": damaged, "identity_ledger": ident})
         return 0
     fields = ["items", "bytes", "budget", "hits", "misses", "evictions", "expired", "corrupt"]
     rows = []
@@ -349,7 +246,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
                 for f in fields
             ]
         )
-    print(_table(rows, ["tier", *fields]) + note)
+    print(table(rows, ["tier", *fields]) + note)
     if stats.fingerprints:
         import datetime as dt
 
@@ -385,7 +282,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     book, refused = _ledger(prune=False)
     if args.json:
         ident = book.as_dict() if book is not None else {"refused": refused}
-        _print_json({**report.as_dict(), "damaged": damaged, "identity_ledger": ident})
+        print_json({**report.as_dict(), "damaged": damaged, "identity_ledger": ident})
     else:
         where = " and ".join(report.tiers) or "no"
         print(
@@ -406,7 +303,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     from mmcache.maintenance import sweep_orphans
     from mmcache.units import format_size
 
-    if on_share(args, "gc", _print_json):  # --shared URL: its old packs
+    if on_share(args, "gc", print_json):  # --shared URL: its old packs
         return 0
     if args.cache is None:
         root_only = ("older_than", "max_size", "unused_for", "compact")
@@ -420,7 +317,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
         report = sweep_orphans()
         book, refused = _ledger(prune=True)
         if args.json:
-            _print_json({**report.as_dict(), "identity_ledger": _pruned_json(book, refused)})
+            print_json({**report.as_dict(), "identity_ledger": _pruned_json(book, refused)})
         else:
             print(f"{len(report.orphan_segments)} orphaned shared-memory segments removed")
             print(f"{len(report.reject_logs)} reject logs of ended processes removed")
@@ -443,7 +340,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     if args.json:
         extra = {"compact": compacted.as_dict()} if compacted is not None else {}
         ident = {"identity_ledger": _pruned_json(book, refused)}
-        _print_json({**report.as_dict(), **extra, **ident})
+        print_json({**report.as_dict(), **extra, **ident})
     else:
         print(
             f"freed {format_size(report.freed_bytes)}: {report.expired} expired, "
@@ -477,93 +374,6 @@ def _print_pruned(book: Any, refused: str | None) -> None:
         print(book)
 
 
-# -- bench --------------------------------------------------------------------------------
-def _cmd_bench(args: argparse.Namespace) -> int:
-    import torch
-
-    import mmcache as mc
-    from mmcache.dataset import collate
-    from mmcache.defaults import default_pipeline
-
-    torch.set_num_threads(1)
-    pipe = default_pipeline(size=args.size, max_length=args.max_length, tokenizer=args.tokenizer)
-    ds = mc.MultimodalDataset(args.manifest, pipeline=pipe, on_error="skip", **data_options(args))
-    _, first, _ = first_sample(ds, limit=100)
-    if first is None:
-        raise mc.ConfigError(f"none of the first 100 samples of {args.manifest} can be decoded")
-    data_bytes = mc.codec.encoded_size(first) * len(ds)
-    memory = parse_budget(args.budget, data_bytes)
-    rows: list[list[str]] = []
-    result: dict[str, Any] = {"samples": len(ds), "data_bytes": data_bytes, "memory": memory}
-    baseline = None
-    if not args.no_baseline:
-        plain = torch.utils.data.DataLoader(
-            ds,
-            batch_size=args.batch_size,
-            shuffle=True,
-            num_workers=args.workers,
-            collate_fn=collate,
-        )
-        t0 = time.perf_counter()
-        n = sum(len(b.get("id", [])) for b in plain)
-        baseline = n / (time.perf_counter() - t0)
-        result["uncached_samples_per_s"] = baseline
-        rows.append(["uncached", f"{baseline:,.0f}", "1.00", "-", "-", "-", "-"])
-    root = Path(args.cache) if args.cache else Path(tempfile.mkdtemp(prefix="mmcache-bench-"))
-    cache = mc.Cache(
-        root, memory=memory, disk=args.disk, policy=args.policy, temporary=args.cache is None
-    )
-    try:
-        with mc.DataLoader(
-            ds,
-            cache=cache,
-            batch_size=args.batch_size,
-            shuffle=True,
-            num_workers=args.workers,
-            persistent_workers=args.workers > 0,
-        ) as loader:
-            for epoch in range(args.epochs):
-                loader.set_epoch(epoch)
-                for _ in loader:
-                    pass
-            stats = loader.stats()
-    finally:
-        if args.cache is None:
-            if cache.memory is not None:
-                cache.memory.unlink()  # type: ignore[attr-defined]
-            cache.close()
-            shutil.rmtree(root, ignore_errors=True)
-        else:
-            cache.close()
-    for e in stats.epochs:
-        total = max(e.samples, 1)
-        rows.append(
-            [
-                f"mmcache epoch {e.epoch}",
-                f"{e.samples_per_s:,.0f}",
-                f"{e.samples_per_s / baseline:.2f}" if baseline else "-",
-                f"{e.hit_rate:.2f}",
-                f"{e.tier_hits.get('memory', 0) / total:.2f}",
-                f"{e.tier_hits.get('disk', 0) / total:.2f}",
-                f"{e.stall_s:.2f}",
-            ]
-        )
-    result["epochs"] = [e.as_dict() for e in stats.epochs]
-    if args.json:
-        _print_json(result)
-    else:
-        from mmcache.units import format_size
-
-        disk = "off" if args.disk is None else format_size(args.disk)
-        print(
-            f"{len(ds)} samples, {format_size(data_bytes)} preprocessed; memory tier "
-            f"{format_size(memory)}, disk tier {disk}, {args.workers} workers"
-        )
-        header = ["run", "samples/s", "vs uncached", "hit rate", "memory", "disk", "stall s"]
-        print(_table(rows, header))
-    return 0
-
-
 # -- parser -------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
@@ -576,28 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("demo", help="run the main job on synthetic data (nothing to download)")
-    p.add_argument("--dir", help="keep the data and cache here (default: a temporary folder)")
-    p.add_argument("--n", type=int_at_least(1), default=2000, help="samples (default 2000)")
-    p.add_argument("--epochs", type=int_at_least(1), default=3)
-    p.add_argument("--workers", type=int_at_least(0), default=2)
-    p.add_argument("--batch-size", type=int_at_least(1), default=64)
-    p.add_argument(
-        "--size", type=int_at_least(1), default=224, help="image side in px (default 224)"
-    )
-    p.add_argument(
-        "--budget",
-        type=fraction,
-        default=0.5,
-        help="memory tier as a fraction of the preprocessed data (default 0.5)",
-    )
-    p.add_argument("--policy", default="value")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--plot", help="PNG path (default ./mmcache-demo.png; needs the mmcache[plot] extra)"
-    )
-    p.add_argument("--json", action="store_true", help="also print the stats as JSON")
-    p.set_defaults(func=_cmd_demo)
+    add_demo_parser(sub)
 
     p = sub.add_parser("synth", help="write a synthetic image-caption dataset")
     p.add_argument("out")
@@ -626,26 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_warm)
 
-    p = sub.add_parser("bench", help="the loader benchmark on your own data")
-    p.add_argument("manifest", help="a manifest, Parquet file/glob/folder, COCO json, HF dataset")
-    add_data_options(p)
-    p.add_argument(
-        "--budget", type=budget, default="50%", help="memory tier: 50%% of the data, or 2GiB"
-    )
-    p.add_argument("--epochs", type=int_at_least(1), default=3)
-    p.add_argument("--workers", type=int_at_least(0), default=2)
-    p.add_argument("--batch-size", type=int_at_least(1), default=64)
-    p.add_argument(
-        "--disk", type=size_of("--disk"), help="also a disk tier of this size (e.g. 10GiB)"
-    )
-    p.add_argument("--cache", help="cache root to use and keep (default: a temporary one)")
-    p.add_argument("--policy", default="value")
-    p.add_argument("--size", type=int_at_least(1), default=224)
-    p.add_argument("--max-length", type=int_at_least(1), default=32)
-    p.add_argument("--tokenizer", help="tokenizer.json (default: the built-in offline one)")
-    p.add_argument("--no-baseline", action="store_true", help="skip the uncached epoch")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=_cmd_bench)
+    add_bench_parser(sub)
 
     p = sub.add_parser("stats", help="per-tier items, bytes, budget, hits, misses, ...")
     p.add_argument("--cache", help="cache root (or --shared URL)")

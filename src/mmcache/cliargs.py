@@ -1,5 +1,6 @@
-"""Argument types of the ``mmcache`` command (each value checked while parsing), and the
-data-source options (``--format``, ``--columns``, ``--image-root``) its commands share.
+"""Argument types of the ``mmcache`` command (each value checked while parsing), the
+data-source options (``--format``, ``--columns``, ``--image-root``) its commands share,
+and the two forms their results print in (:func:`print_json`, :func:`table`).
 
 A bad value stops the command before any work, on one line that names the flag
 and the value: ``mmcache warm: error: argument --workers: must be an integer >= 0,
@@ -9,6 +10,7 @@ got '-1' (see mmcache warm --help)``.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -23,8 +25,10 @@ __all__ = [
     "glue_dash_values",
     "int_at_least",
     "parse_budget",
+    "print_json",
     "size",
     "size_of",
+    "table",
 ]
 
 
@@ -215,3 +219,18 @@ def add_pipeline_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", type=int_at_least(1), help="image side in px (default 224)")
     p.add_argument("--max-length", type=int_at_least(1), help="tokens (default 32)")
     p.add_argument("--tokenizer", help="tokenizer.json (default: the built-in offline one)")
+
+
+def print_json(data: Any) -> None:
+    """Print ``data`` as indented JSON with sorted keys (``--json``); what JSON cannot
+    hold (a path, a dtype) as its ``str``."""
+    print(json.dumps(data, indent=2, sort_keys=True, default=str))
+
+
+def table(rows: list[list[str]], header: list[str]) -> str:
+    """``rows`` under ``header`` as right-aligned columns, a dashed rule between."""
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=False)]
+    lines = ["  ".join(str(h).rjust(w) for h, w in zip(header, widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(str(c).rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(lines)

@@ -36,7 +36,6 @@ import numpy as np
 import torch
 
 from mmcache.errors import ConfigError
-from mmcache.pipeline import Pipeline
 from mmcache.sources import open as _open
 from mmcache.sources.base import OnError, SampleSource
 from mmcache.sources.capabilities import CAPABILITIES, members_of
@@ -44,6 +43,7 @@ from mmcache.sources.files import FileSource, Sample, check_on_error
 from mmcache.sources.items import serve
 from mmcache.sources.records import Records
 from mmcache.sources.rejects import Reject
+from mmcache.transforms.pipeline import Pipeline
 
 __all__ = ["MultimodalDataset", "Reject", "Sample", "SourceDataset", "collate", "open_source"]
 
@@ -152,7 +152,7 @@ def open_source(
 
 
 class MultimodalDataset(FileSource, torch.utils.data.Dataset[dict[str, Any] | None]):
-    """Image-text samples from a manifest, decoded by a :class:`~mmcache.pipeline.Pipeline`.
+    """Image-text samples from a manifest, decoded by a :class:`~mmcache.Pipeline`.
 
     Examples:
         >>> ds = MultimodalDataset("train.jsonl", pipeline=pipe)      # doctest: +SKIP

@@ -14,8 +14,9 @@ import os
 
 from tokenizers import Tokenizer
 
-from mmcache.pipeline import ImageSpec, Pipeline, TextSpec, train_tokenizer
 from mmcache.synth import synth_captions
+from mmcache.transforms import ImageSpec, TextSpec, train_tokenizer
+from mmcache.transforms.pipeline import Pipeline
 
 __all__ = ["DEFAULT_MAX_LENGTH", "DEFAULT_SIZE", "default_pipeline", "default_tokenizer"]
 

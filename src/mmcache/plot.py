@@ -18,7 +18,7 @@ from typing import Any
 from mmcache.errors import ConfigError
 from mmcache.stats import EpochStats, LoaderStats
 
-__all__ = ["plot", "require_matplotlib"]
+__all__ = ["plot", "require_matplotlib", "tier_shares"]
 
 
 def require_matplotlib() -> Any:
@@ -32,6 +32,22 @@ def require_matplotlib() -> Any:
             f"mmcache.plot needs matplotlib ({exc}): pip install 'mmcache[plot]'"
         ) from exc
     return Figure
+
+
+def tier_shares(epochs: Sequence[EpochStats]) -> dict[str, list[float]]:
+    """Each tier's hits per epoch as a share of the samples served that epoch (hits,
+    misses and ``waited``: a sample taken from another process's production is neither
+    a hit nor a miss, yet it was served), tiers in name order; 0.0 for an empty epoch.
+    Summed over the tiers, an epoch's shares are its :attr:`EpochStats.hit_rate`."""
+    served = [e.hits + e.misses + e.waited for e in epochs]
+    tiers = sorted({t for e in epochs for t in e.tier_hits})
+    return {
+        tier: [
+            (e.tier_hits.get(tier, 0) / n) if n else 0.0
+            for e, n in zip(epochs, served, strict=True)
+        ]
+        for tier in tiers
+    }
 
 
 def plot(
@@ -56,14 +72,11 @@ def plot(
     ax1.set_ylabel("samples / s")
     ax1.set_xticks(xs)
     ax1.set_title("throughput")
-    tiers = sorted({t for e in epochs for t in e.tier_hits})
+    shares = tier_shares(epochs)
+    tiers = list(shares)
     bottom = [0.0] * len(epochs)
     colors = {"memory": "#55A868", "disk": "#C44E52"}
-    for tier in tiers:
-        share = [
-            (e.tier_hits.get(tier, 0) / (e.hits + e.misses)) if (e.hits + e.misses) else 0.0
-            for e in epochs
-        ]
+    for tier, share in shares.items():
         ax2.bar(xs, share, bottom=bottom, label=f"{tier} hits", color=colors.get(tier))
         bottom = [b + s for b, s in zip(bottom, share, strict=True)]
     ax2.set_ylim(0, 1.05)

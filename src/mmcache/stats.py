@@ -1,15 +1,44 @@
-"""Typed statistics records.
+"""Typed statistics records and reports.
 
 Every record is a frozen dataclass with :meth:`as_dict`, so users can log it
-(TensorBoard, W&B) without knowing its fields, and tests can compare it.
+(TensorBoard, W&B) without knowing its fields, and tests can compare it. They are
+gathered here, below every module that returns one (the cache, the loader, the
+feature cache, :func:`mmcache.warm`, a chat source's length pass), so that a user
+finds every record in one module whatever produced it. Reports that outlive the
+process (:class:`TextReport`) are written under the cache root's ``reports/``
+folder (:func:`write_report`), where ``mmcache stats`` reads them.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import stat
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
-__all__ = ["CacheStats", "EpochStats", "LoaderStats", "PartStats", "TierStats"]
+from mmcache.rootfiles import make_dir, read_regular, replace_file
+
+__all__ = [
+    "REPORTS",
+    "CacheStats",
+    "EpochStats",
+    "FeatureStats",
+    "LoaderStats",
+    "PartStats",
+    "TextReport",
+    "TierStats",
+    "WarmReport",
+    "read_text_reports",
+    "write_report",
+]
+
+#: The folder of a cache root that holds reports (:class:`TextReport`, a chat source's
+#: saved lengths).
+REPORTS = "reports"
+#: The most bytes a text report may have (a few counts): a bigger one is not read.
+_REPORT_MAX_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -204,3 +233,124 @@ class LoaderStats:
             "epochs": [e.as_dict() for e in self.epochs],
             "parts": {name: p.as_dict() for name, p in self.parts.items()},
         }
+
+
+@dataclass(frozen=True)
+class FeatureStats:
+    """Counters of a :class:`~mmcache.features.FeatureCache` in this process (its
+    :meth:`~mmcache.features.FeatureCache.stats`).
+
+    ``samples`` rows were requested; ``hits`` counts those served by each tier
+    (``device``, ``memory``, ``disk``), ``misses`` those computed by the
+    encoder (a sample repeated within a batch counts once per row but is
+    encoded once). ``encoder_calls`` forward calls ran on ``encoded_samples``
+    samples in ``encoder_seconds`` (on CUDA timed with events, so a batch's
+    time appears once it finished). ``device`` is the device tier's own record.
+    """
+
+    samples: int = 0
+    hits: dict[str, int] = field(default_factory=dict)
+    misses: int = 0
+    encoder_calls: int = 0
+    encoded_samples: int = 0
+    encoder_seconds: float = 0.0
+    device: TierStats = field(default_factory=TierStats)
+
+    @property
+    def hit_rate(self) -> float:
+        """Rows served from any tier / rows requested (0.0 before any call)."""
+        return sum(self.hits.values()) / self.samples if self.samples else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["device"] = self.device.as_dict()
+        out["hit_rate"] = self.hit_rate
+        return out
+
+
+@dataclass(frozen=True)
+class WarmReport:
+    """What :func:`mmcache.warm` did on this rank."""
+
+    total: int  # samples of this rank's shard
+    present: int  # already cached, skipped
+    produced: int  # decoded and offered to the cache
+    admitted: int  # ... of which a tier admitted
+    rejected: int  # bad samples (on_error="skip")
+    seconds: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class TextReport:
+    """What the length pass found (:meth:`mmcache.sources.FileSource.text_report`).
+
+    ``samples``: samples measured; ``with_images``: those keeping an image;
+    ``truncated``: cut at ``max_length``; ``fully_masked``: left with no trainable
+    token (refused); ``mismatched_placeholders``: records left out at construction
+    (placeholder count != images); ``unreadable``: samples whose image header could not
+    be read; ``trainable_tokens``: the sum over samples of tokens with a label;
+    ``tokens``: the sum of lengths; ``length_percentiles``: p50/p90/p99/max of the
+    measured lengths."""
+
+    fingerprint: str
+    samples: int
+    with_images: int
+    truncated: int
+    fully_masked: int
+    mismatched_placeholders: int
+    unreadable: int
+    trainable_tokens: int
+    tokens: int
+    length_percentiles: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data."""
+        return asdict(self)
+
+    def __str__(self) -> str:
+        pct = "  ".join(f"{k} {v}" for k, v in self.length_percentiles.items())
+        return (
+            f"text report ({self.fingerprint[:12]}): {self.samples} samples, "
+            f"{self.with_images} with images, {self.truncated} truncated, "
+            f"{self.fully_masked} fully masked, {self.mismatched_placeholders} mismatched "
+            f"placeholders, {self.unreadable} unreadable; {self.trainable_tokens} trainable "
+            f"of {self.tokens} tokens; lengths {pct}"
+        )
+
+    def write(self, root: str | os.PathLike[str]) -> Path:
+        """Record it under the cache ``root`` (``reports/text-<fingerprint>.json``,
+        written atomically), where ``mmcache stats`` finds it."""
+        path = Path(root) / REPORTS / f"text-{self.fingerprint}.json"
+        write_report(path, json.dumps(self.as_dict(), indent=1).encode("utf-8"))
+        return path
+
+
+def read_text_reports(root: str | os.PathLike[str]) -> list[TextReport]:
+    """The reports recorded under ``root`` (:meth:`TextReport.write`), newest first;
+    unreadable files are ignored."""
+    folder = Path(root) / REPORTS
+    found: list[tuple[float, TextReport]] = []
+    for path in folder.glob("text-*.json") if folder.is_dir() else ():
+        try:
+            # only a regular file: a FIFO planted in a shared root would block stats
+            data = json.loads(read_regular(path, max_bytes=_REPORT_MAX_BYTES))
+            found.append((path.stat().st_mtime, TextReport(**data)))
+        except (OSError, ValueError, TypeError):
+            continue
+    return [r for _, r in sorted(found, key=lambda x: -x[0])]
+
+
+def write_report(path: Path, data: bytes) -> None:
+    """Replace ``path`` (``root/reports/...``) by ``data``, never through a link a member
+    of a shared root planted (:mod:`mmcache.rootfiles`). Folder and file take the
+    root's permissions (a 2770 root: group-shared reports, setgid kept)."""
+    root = path.parent.parent
+    try:
+        folder_mode = stat.S_IMODE(os.stat(root).st_mode) & 0o777
+    except FileNotFoundError:  # a root not made yet: made here, private
+        folder_mode = 0o700
+    make_dir(path.parent, folder_mode)
+    replace_file(path, data, folder_mode & 0o666)

@@ -123,7 +123,7 @@ def synth_caption(index: int, seed: int = 0) -> str:
 
 def synth_captions(n: int, seed: int = 0) -> list[str]:
     """Captions ``0..n-1`` of ``seed`` (the ones :func:`make_dataset` writes), e.g. to
-    train a tokenizer with :func:`mmcache.pipeline.train_tokenizer`."""
+    train a tokenizer with :func:`mmcache.transforms.text.train_tokenizer`."""
     _check_count(n)
     return [synth_caption(i, seed) for i in range(n)]
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import torch
@@ -25,29 +24,15 @@ from mmcache.dist import rank_and_world
 from mmcache.errors import ConfigError
 from mmcache.readthrough import ReadThroughSource, describe, read_through
 from mmcache.sources.capabilities import index_count
+from mmcache.stats import WarmReport
 
-__all__ = ["Executor", "WarmReport", "warm"]
+__all__ = ["Executor", "warm"]
 
 #: Where :func:`warm` produces: ``"local"`` (this process and its ``workers``) or
 #: ``"ray"`` (Ray tasks, into the cache's shared tier).
 Executor = Literal["local", "ray"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class WarmReport:
-    """What :func:`warm` did on this rank."""
-
-    total: int  # samples of this rank's shard
-    present: int  # already cached, skipped
-    produced: int  # decoded and offered to the cache
-    admitted: int  # ... of which a tier admitted
-    rejected: int  # bad samples (on_error="skip")
-    seconds: float
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 class _Produce(torch.utils.data.Dataset[tuple[str, str]]):

@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from mmcache import Cache, DataLoader, MultimodalDataset
 from mmcache.cluster import Cluster
-from mmcache.pipeline import ImageSpec, Pipeline
+from mmcache.transforms import ImageSpec
+from mmcache.transforms.pipeline import Pipeline
 
 
 class CountingDataset(MultimodalDataset):

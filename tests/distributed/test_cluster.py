@@ -37,9 +37,10 @@ from mmcache import codec  # noqa: E402
 from mmcache.cacheroot import memory_name  # noqa: E402
 from mmcache.dataset import MultimodalDataset  # noqa: E402
 from mmcache.loader import DataLoader, Distributed  # noqa: E402
-from mmcache.pipeline import ImageSpec, Pipeline  # noqa: E402
 from mmcache.stores.memory import store_dir  # noqa: E402
 from mmcache.synth import make_dataset  # noqa: E402
+from mmcache.transforms import ImageSpec  # noqa: E402
+from mmcache.transforms.pipeline import Pipeline  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 

@@ -45,8 +45,9 @@ from mmcache.augment import Compose, RandomHorizontalFlip, RandomResizedCrop
 from mmcache.cache import Cache
 from mmcache.dataset import MultimodalDataset
 from mmcache.loader import DataLoader
-from mmcache.pipeline import ImageSpec, Pipeline
 from mmcache.synth import make_dataset
+from mmcache.transforms import ImageSpec
+from mmcache.transforms.pipeline import Pipeline
 
 AUG = Compose([RandomResizedCrop(48, scale=(0.3, 1.0)), RandomHorizontalFlip()])
 #: The ``full`` command's crops: one output batch of them (8 x 3 x 224 x 224 bytes at

@@ -43,8 +43,9 @@ from mmcache.cache import Cache, _memory_name
 from mmcache.dataset import MultimodalDataset
 from mmcache.errors import ManifestError, MmcacheError, SampleError
 from mmcache.loader import DataLoader
-from mmcache.pipeline import ImageSpec, Pipeline, TextSpec
 from mmcache.stores.memory import store_dir
+from mmcache.transforms import ImageSpec, TextSpec
+from mmcache.transforms.pipeline import Pipeline
 
 SIZE = 32
 MAX_LENGTH = 16
@@ -1008,7 +1009,8 @@ HUGE_CAPTION_SCRIPT = textwrap.dedent(
     from mmcache.cache import Cache
     from mmcache.dataset import MultimodalDataset
     from mmcache.loader import DataLoader
-    from mmcache.pipeline import ImageSpec, Pipeline, TextSpec
+    from mmcache.transforms import ImageSpec, TextSpec
+    from mmcache.transforms.pipeline import Pipeline
 
     manifest, tokenizer, root = sys.argv[1:4]
     t0 = time.perf_counter()

@@ -48,9 +48,10 @@ from mmcache import cli
 from mmcache.cache import Cache, _memory_name
 from mmcache.dataset import MultimodalDataset
 from mmcache.loader import DataLoader
-from mmcache.pipeline import ImageSpec, Pipeline, TextSpec
 from mmcache.stores.disk import DiskStore
 from mmcache.stores.memory import MemoryStore, reclaim_orphans, store_dir
+from mmcache.transforms import ImageSpec, TextSpec
+from mmcache.transforms.pipeline import Pipeline
 
 FORK = mp.get_context("fork")
 N = 64

@@ -35,9 +35,10 @@ from mmcache.cache import Cache
 from mmcache.dataset import MultimodalDataset
 from mmcache.errors import CacheError
 from mmcache.loader import DataLoader
-from mmcache.pipeline import ImageSpec, Pipeline, TextSpec
 from mmcache.stores.memory import shm as shm_mod
 from mmcache.stores.memory import store_dir
+from mmcache.transforms import ImageSpec, TextSpec
+from mmcache.transforms.pipeline import Pipeline
 
 SAMPLE_96 = 3 * 96 * 96 + 2 * 4 * 16  # payload of one 96 px sample
 
@@ -295,7 +296,8 @@ TINY_SHM = textwrap.dedent(
     from mmcache.cache import Cache
     from mmcache.dataset import MultimodalDataset
     from mmcache.loader import DataLoader
-    from mmcache.pipeline import ImageSpec, Pipeline, TextSpec
+    from mmcache.transforms import ImageSpec, TextSpec
+    from mmcache.transforms.pipeline import Pipeline
     warnings = []
     class Keep(logging.Handler):
         def emit(self, record):

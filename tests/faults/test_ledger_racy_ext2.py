@@ -35,7 +35,8 @@ import numpy as np
 from PIL import Image
 from mmcache import Cache, DataLoader, keys
 from mmcache.dataset import MultimodalDataset
-from mmcache.pipeline import ImageSpec, Pipeline
+from mmcache.transforms import ImageSpec
+from mmcache.transforms.pipeline import Pipeline
 from mmcache.sources import identity
 from mmcache.testing.identity_contract import produced_images, run_epoch
 

@@ -38,8 +38,9 @@ from mmcache.cache import Cache
 from mmcache.dataset import MultimodalDataset
 from mmcache.loader import DataLoader
 from mmcache.loader.augmenting import AugmentHook
-from mmcache.pipeline import ImageSpec, Pipeline
 from mmcache.synth import make_dataset
+from mmcache.transforms import ImageSpec
+from mmcache.transforms.pipeline import Pipeline
 
 AUG = Compose([RandomResizedCrop(48, scale=(0.3, 1.0)), RandomHorizontalFlip()])
 

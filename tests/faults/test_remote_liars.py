@@ -24,10 +24,10 @@ from typing import Any
 import pytest
 
 from mmcache.loader import DataLoader
-from mmcache.pipeline import Pipeline
 from mmcache.sources.blobs.retry import RetryPolicy
 from mmcache.sources.files import FileSource
 from mmcache.synth import make_dataset
+from mmcache.transforms.pipeline import Pipeline
 
 #: What the lying object streams after its HEAD said 643 bytes.
 HUGE = 256 << 20

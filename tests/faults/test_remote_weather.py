@@ -21,13 +21,13 @@ import pytest
 from mmcache.cache import Cache
 from mmcache.errors import ManifestError, RemoteError, SampleError
 from mmcache.loader import DataLoader
-from mmcache.pipeline import Pipeline
 from mmcache.sources.blobs import RawTier
 from mmcache.sources.blobs.prefetch import RemotePrefetch
 from mmcache.sources.blobs.retry import RetryPolicy
 from mmcache.sources.files import FileSource
 from mmcache.sources.wds import WebDatasetSource, write_shards
 from mmcache.synth import make_dataset
+from mmcache.transforms.pipeline import Pipeline
 from support.faults import FaultProxy, http_files
 from support.s3 import S3Endpoint, moto_s3
 

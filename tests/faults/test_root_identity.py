@@ -40,7 +40,8 @@ JOB = textwrap.dedent(
     import sys
     from pathlib import Path
     from mmcache import Cache, DataLoader, MultimodalDataset
-    from mmcache.pipeline import ImageSpec, Pipeline
+    from mmcache.transforms import ImageSpec
+    from mmcache.transforms.pipeline import Pipeline
     data, root, hold = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "hold"
     ds = MultimodalDataset(data / "manifest.jsonl", pipeline=Pipeline(image=ImageSpec(size=32)))
     cache = Cache(root, memory="4MiB", disk=None)

@@ -41,9 +41,10 @@ from mmcache.cache import Cache, _memory_name
 from mmcache.dataset import MultimodalDataset
 from mmcache.errors import CacheError
 from mmcache.loader import DataLoader
-from mmcache.pipeline import ImageSpec, Pipeline, TextSpec
 from mmcache.sources.readers import read_manifest
 from mmcache.stores.memory import store_dir
+from mmcache.transforms import ImageSpec, TextSpec
+from mmcache.transforms.pipeline import Pipeline
 from mmcache.warm import warm
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "mmcache"

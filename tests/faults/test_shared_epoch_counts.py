@@ -30,7 +30,8 @@ JOB = textwrap.dedent(
     import json, os, sys, time
     from pathlib import Path
     from mmcache import Cache, DataLoader, MultimodalDataset
-    from mmcache.pipeline import ImageSpec, Pipeline
+    from mmcache.transforms import ImageSpec
+    from mmcache.transforms.pipeline import Pipeline
     manifest, root, go = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
     ds = MultimodalDataset(manifest, pipeline=Pipeline(image=ImageSpec(size=32)))
     decoded = []

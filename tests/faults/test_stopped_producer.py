@@ -24,8 +24,9 @@ import pytest
 from mmcache.cache import Cache
 from mmcache.dataset import MultimodalDataset
 from mmcache.loader import DataLoader
-from mmcache.pipeline import ImageSpec, Pipeline
 from mmcache.stores.memory import unlink_store
+from mmcache.transforms import ImageSpec
+from mmcache.transforms.pipeline import Pipeline
 
 N = 8
 
@@ -37,7 +38,8 @@ STUCK_JOB = textwrap.dedent(
     import sys, time
     from pathlib import Path
     from mmcache import Cache, DataLoader, MultimodalDataset
-    from mmcache.pipeline import ImageSpec, Pipeline
+    from mmcache.transforms import ImageSpec
+    from mmcache.transforms.pipeline import Pipeline
     ds = MultimodalDataset(Path(sys.argv[1]), pipeline=Pipeline(image=ImageSpec(size=32)))
     def stuck(index):
         print(index, flush=True)

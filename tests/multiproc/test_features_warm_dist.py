@@ -24,8 +24,9 @@ from torch import nn  # noqa: E402
 from mmcache.cache import Cache  # noqa: E402
 from mmcache.dataset import MultimodalDataset  # noqa: E402
 from mmcache.features import FeatureCache, warm_features  # noqa: E402
-from mmcache.pipeline import ImageSpec, Pipeline  # noqa: E402
 from mmcache.synth import make_dataset  # noqa: E402
+from mmcache.transforms import ImageSpec  # noqa: E402
+from mmcache.transforms.pipeline import Pipeline  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 

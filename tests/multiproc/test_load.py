@@ -24,7 +24,8 @@ import torch
 from mmcache.cache import Cache
 from mmcache.dataset import MultimodalDataset
 from mmcache.loader import DataLoader
-from mmcache.pipeline import ImageSpec, Pipeline, TextSpec
+from mmcache.transforms import ImageSpec, TextSpec
+from mmcache.transforms.pipeline import Pipeline
 
 STRESS = Path(__file__).resolve().parents[2] / "benchmarks" / "stress.py"
 

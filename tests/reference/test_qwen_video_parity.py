@@ -35,6 +35,7 @@ from video_support import decoded_frames, qwen_indices_and_size, write_clip  # n
 import mmcache as mc  # noqa: E402
 from mmcache.transforms import PixelValues  # noqa: E402
 from mmcache.transforms.video_decode import probe_source  # noqa: E402
+from support.tiny_qwen import tiny_qwen25_vl  # noqa: E402
 
 SPECIALS = ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"]
 # Qwen2-VL's chat template, its media and text parts (the system prompt left out).
@@ -65,28 +66,13 @@ def qwen25_processor(**video: Any) -> Any:
     )
 
 
-def tiny_qwen25_vl(processor: Any) -> Any:
+def tiny_qwen25_vl_of(processor: Any) -> Any:
     tok = processor.tokenizer
-    config = transformers.Qwen2_5_VLConfig(
-        text_config={
-            "vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 128,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "max_position_embeddings": 4096,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                "mrope_section": [2, 3, 3]},
-        },
-        vision_config={
-            "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
-            "out_hidden_size": 64, "fullatt_block_indexes": [1], "window_size": 56,
-            "tokens_per_second": 2,
-        },
-        image_token_id=processor.image_token_id,
-        video_token_id=processor.video_token_id,
-        vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
-        vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"),
+    return tiny_qwen25_vl(
+        len(tok), video=processor.video_token_id, image=processor.image_token_id,
+        vision_start=tok.convert_tokens_to_ids("<|vision_start|>"),
+        vision_end=tok.convert_tokens_to_ids("<|vision_end|>"),
     )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
 
 
 def write_data(folder: Path) -> list[dict[str, Any]]:
@@ -204,7 +190,7 @@ def test_qwen25_vl_batches_equal_the_processors_and_the_loss_too(
     if "second_per_grid_ts" in want:
         seconds = torch.as_tensor(want["second_per_grid_ts"], dtype=torch.float32)
         assert torch.allclose(batch["second_per_grid_ts"], seconds)
-    model = tiny_qwen25_vl(processor)
+    model = tiny_qwen25_vl_of(processor)
     labels = batch["labels"][:, : want["input_ids"].shape[1]]  # mmcache pads wider
     reference = {k: want[k] for k in keys} | {"labels": labels}
     reference["second_per_grid_ts"] = torch.as_tensor(
@@ -359,7 +345,7 @@ def test_a_trainer_trains_qwen25_vl_on_image_and_video_batches(tmp_path: Path) -
         save_strategy="no", dataloader_num_workers=0,
     )  # fmt: skip
     try:
-        MmcacheTrainer(model=tiny_qwen25_vl(processor), args=args).train()
+        MmcacheTrainer(model=tiny_qwen25_vl_of(processor), args=args).train()
     finally:
         loader.close()
     assert len(seen) == 3 and any("pixel_values_videos" in keys for keys in seen)

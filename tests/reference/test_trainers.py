@@ -25,12 +25,13 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "unit"))
 from test_llava_client import IMAGE_TOKEN, PATCH, SIZE, _model  # noqa: E402
 
 import mmcache  # noqa: E402
+from mmcache.loader import LoaderHook  # noqa: E402
 from mmcache.testing.sft import SyntheticSFTSource  # noqa: E402
 
 STATE = "mmcache_loader.json"
 
 
-class ToModelInputs(mmcache.LoaderHook):
+class ToModelInputs(LoaderHook):
     """A batch -> the model's keyword arguments (and the ids, which the test records)."""
 
     def after_assemble(self, batch: dict[str, Any], ctx: Any) -> dict[str, Any]:

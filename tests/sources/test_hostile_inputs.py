@@ -33,7 +33,8 @@ pytestmark = pytest.mark.timeout(120)  # a hostile header must never hang: fail 
 
 
 def _image_pipeline(max_bytes: int = 1 << 20) -> Any:
-    from mmcache.pipeline import ImageSpec, Pipeline
+    from mmcache.transforms import ImageSpec
+    from mmcache.transforms.pipeline import Pipeline
 
     return Pipeline(image=ImageSpec(size=16, max_bytes=max_bytes), text=None)
 

@@ -21,11 +21,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from mmcache.pipeline import Pipeline
 from mmcache.sources.files import FileSource
 from mmcache.sources.parquet import ParquetSource
 from mmcache.sources.wds import WebDatasetSource
 from mmcache.testing.identity_contract import noise_bmp
+from mmcache.transforms.pipeline import Pipeline
 from support.s3 import S3Endpoint, moto_s3
 
 MTIME_NS = 1_600_000_000_000_000_000
@@ -41,7 +41,7 @@ class PinnedPipeline(Pipeline):
 
 @pytest.fixture
 def pipeline(tokenizer_json: Path) -> Pipeline:
-    from mmcache.pipeline import ImageSpec, TextSpec
+    from mmcache.transforms import ImageSpec, TextSpec
 
     return PinnedPipeline(image=ImageSpec(size=32), text=TextSpec(tokenizer_json, max_length=8))
 

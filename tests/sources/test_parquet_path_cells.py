@@ -15,9 +15,9 @@ import pyarrow.parquet as pq
 
 import mmcache as mc
 from mmcache.loader import DataLoader
-from mmcache.pipeline import Pipeline
 from mmcache.sources.files import FileSource
 from mmcache.synth import make_dataset
+from mmcache.transforms.pipeline import Pipeline
 
 
 def test_an_image_struct_whose_bytes_are_typed_null_is_read_from_its_paths(

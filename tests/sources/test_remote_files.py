@@ -16,7 +16,6 @@ from mmcache.cache import Cache
 from mmcache.dataset import MultimodalDataset
 from mmcache.errors import ConfigError, SampleError
 from mmcache.loader import DataLoader
-from mmcache.pipeline import Pipeline
 from mmcache.sources.base import OnError
 from mmcache.sources.blobs import RawTier
 from mmcache.sources.blobs.prefetch import RemotePrefetch
@@ -24,6 +23,7 @@ from mmcache.sources.files import FileSource
 from mmcache.synth import make_dataset
 from mmcache.testing.hostile import HostileInputContract
 from mmcache.testing.source_contract import SourceContract
+from mmcache.transforms.pipeline import Pipeline
 from support.s3 import S3Endpoint, moto_s3
 
 

@@ -21,12 +21,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from mmcache.pipeline import Pipeline
 from mmcache.sources.blobs import RawTier
 from mmcache.sources.blobs.objects import byte_identity
 from mmcache.sources.files import FileSource
 from mmcache.testing.identity_contract import IdentityContract, noise_bmp
 from mmcache.testing.store_contract import flip_in_files
+from mmcache.transforms.pipeline import Pipeline
 from support.s3 import S3Endpoint, moto_s3
 
 N = 6

@@ -16,11 +16,11 @@ from typing import TypeVar
 
 import pytest
 
-from mmcache.pipeline import Pipeline
 from mmcache.sources.files import FileSource
 from mmcache.sources.wds import WebDatasetSource
 from mmcache.sources.wds.write import write_shards
 from mmcache.synth import make_dataset
+from mmcache.transforms.pipeline import Pipeline
 
 T = TypeVar("T")
 

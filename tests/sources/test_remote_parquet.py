@@ -19,10 +19,10 @@ import mmcache as mc
 from mmcache.cache import Cache
 from mmcache.errors import SampleError
 from mmcache.loader import DataLoader
-from mmcache.pipeline import Pipeline
 from mmcache.sources.blobs.prefetch import RemotePrefetch
 from mmcache.sources.capabilities import Revalidating, SharesStamps
 from mmcache.sources.parquet import ParquetSource
+from mmcache.transforms.pipeline import Pipeline
 from support.s3 import S3Endpoint, moto_s3
 
 N = 12

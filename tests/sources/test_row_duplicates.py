@@ -19,10 +19,10 @@ import pytest
 from mmcache.cache import Cache
 from mmcache.errors import ManifestError
 from mmcache.loader import DataLoader
-from mmcache.pipeline import Pipeline
 from mmcache.sources.hfdataset import HFDatasetSource
 from mmcache.sources.parquet import ParquetSource
 from mmcache.testing.identity_contract import noise_bmp, produced_images, run_epoch, wrong_ids
+from mmcache.transforms.pipeline import Pipeline
 
 COLUMNS = {"id": "id", "image": "image", "text": "text"}
 _STRUCT = pa.struct([("bytes", pa.binary()), ("path", pa.string())])

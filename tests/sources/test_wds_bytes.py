@@ -14,10 +14,11 @@ import pytest
 from mmcache.dataset import MultimodalDataset
 from mmcache.errors import SampleError
 from mmcache.loader import DataLoader
-from mmcache.pipeline import ImageSpec, Pipeline, TextSpec
 from mmcache.sources.bytesproc import process_bytes
 from mmcache.sources.wds import WebDatasetSource, write_shards
 from mmcache.synth import make_dataset, make_image
+from mmcache.transforms import ImageSpec, TextSpec
+from mmcache.transforms.pipeline import Pipeline
 
 
 def _jpeg(index: int) -> bytes:

@@ -13,11 +13,11 @@ import pytest
 
 from mmcache.cache import Cache
 from mmcache.loader import DataLoader
-from mmcache.pipeline import Pipeline
 from mmcache.sources.blobs import RawTier
 from mmcache.sources.blobs.prefetch import RemotePrefetch
 from mmcache.sources.wds import WebDatasetSource, write_shards
 from mmcache.synth import make_dataset
+from mmcache.transforms.pipeline import Pipeline
 from support.gcs import GcsEndpoint, gcs_emulator  # before gcsfs: see its docstring
 
 pytest.importorskip("gcsfs", reason="needs pip install 'mmcache[gcs,gcs-server]'")

@@ -19,7 +19,6 @@ import pytest
 
 from mmcache.cache import Cache
 from mmcache.loader import DataLoader
-from mmcache.pipeline import Pipeline
 from mmcache.sources.wds import WebDatasetSource
 from mmcache.testing.identity_contract import (
     IdentityContract,
@@ -28,6 +27,7 @@ from mmcache.testing.identity_contract import (
     run_epoch,
     wrong_ids,
 )
+from mmcache.transforms.pipeline import Pipeline
 
 N = 8
 MTIME_NS = 1_600_000_000_000_000_000  # as `tar x` restores it

@@ -13,11 +13,11 @@ import pytest
 from mmcache.cache import Cache
 from mmcache.cli import main
 from mmcache.dataset import MultimodalDataset
-from mmcache.pipeline import Pipeline
 from mmcache.sources.wds import WebDatasetSource, write_shards
 from mmcache.sources.wds.home import INDEX_FOLDER, index_home
 from mmcache.sources.wds.tablefile import SUFFIX
 from mmcache.synth import make_dataset
+from mmcache.transforms.pipeline import Pipeline
 
 
 @pytest.fixture

@@ -21,7 +21,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from mmcache.pipeline import Pipeline
 from mmcache.sources.ids import IdColumn
 from mmcache.sources.wds import WebDatasetSource, headers, tablefile
 from mmcache.sources.wds import index as index_mod
@@ -29,6 +28,7 @@ from mmcache.sources.wds.grouping import group, split_name
 from mmcache.sources.wds.home import sweep_indexes
 from mmcache.sources.wds.table import ShardTable
 from mmcache.testing.hostile import tar_header, tar_member
+from mmcache.transforms.pipeline import Pipeline
 
 EXTS = (("jpg", "jpeg", "png"), ("txt", "caption"), ("json",))
 

@@ -16,11 +16,11 @@ import torch
 from mmcache.cache import Cache
 from mmcache.errors import ConfigError, ManifestError, SampleError
 from mmcache.loader import DataLoader
-from mmcache.pipeline import Pipeline
 from mmcache.sources.blobs import RawTier, Remote, RemoteError
 from mmcache.sources.blobs.prefetch import RemotePrefetch
 from mmcache.sources.wds import WebDatasetSource, write_shards
 from mmcache.synth import make_dataset
+from mmcache.transforms.pipeline import Pipeline
 from support.s3 import DelayProxy, S3Endpoint, moto_s3
 
 N, PER_SHARD = 24, 8

@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 import test_remote_identity as remote_identity  # its S3 fixture, multipart upload (same folder)
 
-from mmcache.pipeline import Pipeline
 from mmcache.sources.blobs import RawTier
 from mmcache.sources.wds import WebDatasetSource
 from mmcache.testing.identity_contract import IdentityContract, flip_raw_spans, noise_bmp
+from mmcache.transforms.pipeline import Pipeline
 from support.s3 import S3Endpoint
 
 N = 8

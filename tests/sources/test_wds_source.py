@@ -18,13 +18,13 @@ from mmcache import keys
 from mmcache.dataset import MultimodalDataset
 from mmcache.errors import ManifestError, SampleError
 from mmcache.loader import DataLoader
-from mmcache.pipeline import Pipeline
 from mmcache.sources.base import OnError
 from mmcache.sources.wds import WebDatasetSource, sniff, tablefile, write_shards
 from mmcache.sources.wds.index import index_path
 from mmcache.synth import make_dataset, make_image
 from mmcache.testing.hostile import tar_member
 from mmcache.testing.source_contract import SourceContract
+from mmcache.transforms.pipeline import Pipeline
 
 
 def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:

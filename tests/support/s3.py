@@ -21,6 +21,8 @@ import logging
 import os
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -116,6 +118,45 @@ def moto_s3(bucket: str = "data") -> Iterator[S3Endpoint]:
         yield endpoint
     finally:
         endpoint.stop()
+
+
+def s3_client(url: str) -> Any:
+    """A boto3 S3 client of the moto server at ``url`` (its test credentials)."""
+    import boto3
+
+    return boto3.client(
+        "s3",
+        endpoint_url=url,
+        aws_access_key_id=KEY,
+        aws_secret_access_key=SECRET,
+        region_name=REGION,
+    )
+
+
+@contextlib.contextmanager
+def moto_process(bucket: str = "data") -> Iterator[str]:
+    """moto's S3 server in a process of its own (so that it does not share the caller's
+    GIL, as benchmarks want), with ``bucket`` created; yields its URL."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        client = s3_client(url)
+        for _ in range(100):
+            try:
+                client.list_buckets()
+                break
+            except Exception:  # not listening yet
+                time.sleep(0.1)
+        client.create_bucket(Bucket=bucket)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 class DelayProxy:

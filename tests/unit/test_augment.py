@@ -26,8 +26,8 @@ from mmcache.dataset import MultimodalDataset
 from mmcache.errors import ConfigError
 from mmcache.features import FeatureCache
 from mmcache.loader import Augment, DataLoader
-from mmcache.pipeline import Pipeline
 from mmcache.synth import make_dataset
+from mmcache.transforms.pipeline import Pipeline
 
 AUG = Compose([RandomResizedCrop(48, scale=(0.3, 1.0)), RandomHorizontalFlip()])
 

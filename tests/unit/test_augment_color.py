@@ -27,8 +27,10 @@ from mmcache.cache import Cache
 from mmcache.dataset import MultimodalDataset
 from mmcache.errors import ConfigError
 from mmcache.loader import DataLoader
-from mmcache.pipeline import CLIP_MEAN, Pipeline, normalize
 from mmcache.synth import make_dataset
+from mmcache.transforms import CLIP_MEAN
+from mmcache.transforms.normalize import normalize
+from mmcache.transforms.pipeline import Pipeline
 
 IMAGES = torch.randint(
     0, 256, (6, 3, 20, 24), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)

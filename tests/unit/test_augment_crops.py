@@ -30,8 +30,9 @@ from mmcache.dataset import MultimodalDataset
 from mmcache.loader import DataLoader
 from mmcache.loader.augmenting import AugmentHook
 from mmcache.loader.croppool import poolable
-from mmcache.pipeline import ImageSpec, Pipeline
 from mmcache.synth import make_dataset
+from mmcache.transforms import ImageSpec
+from mmcache.transforms.pipeline import Pipeline
 
 AUG = Compose([RandomResizedCrop(48, scale=(0.3, 1.0)), RandomHorizontalFlip()])
 COLOUR = Compose(

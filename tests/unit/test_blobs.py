@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from mmcache.errors import ConfigError, SampleError
-from mmcache.pipeline import Pipeline
 from mmcache.sources.base import StampKind
 from mmcache.sources.blobs.base import Blobs
 from mmcache.sources.blobs.local import LocalFiles
 from mmcache.sources.files import FileSource
 from mmcache.synth import make_dataset
+from mmcache.transforms.pipeline import Pipeline
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "mmcache"
 

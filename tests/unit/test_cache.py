@@ -18,8 +18,9 @@ from mmcache.cached import CachedDataset
 from mmcache.dataset import MultimodalDataset, collate
 from mmcache.errors import CacheError, ConfigError
 from mmcache.keys import as_key, digest, key_hex, sample_key
-from mmcache.pipeline import ImageSpec, Pipeline, TextSpec
 from mmcache.stores.memory import store_dir
+from mmcache.transforms import ImageSpec, TextSpec
+from mmcache.transforms.pipeline import Pipeline
 
 
 def _key(i: int) -> bytes:

@@ -17,7 +17,6 @@ import mmcache as mc
 from mmcache.dataset import SourceDataset
 from mmcache.errors import ConfigError
 from mmcache.loader import DataLoader, SFTBatching
-from mmcache.pipeline import Pipeline
 from mmcache.sources.blobs.prefetch import RemotePrefetch
 from mmcache.sources.capabilities import (
     FieldLayout,
@@ -30,6 +29,7 @@ from mmcache.sources.capabilities import (
 from mmcache.synth import make_dataset
 from mmcache.testing.sft import SyntheticSFTSource
 from mmcache.testing.tabular import write_parquet
+from mmcache.transforms.pipeline import Pipeline
 
 
 @pytest.fixture

@@ -15,8 +15,9 @@ from mmcache.cache import Cache
 from mmcache.dataset import MultimodalDataset
 from mmcache.errors import ConfigError
 from mmcache.loader import DataLoader
-from mmcache.pipeline import ImageSpec, Pipeline
 from mmcache.synth import make_dataset
+from mmcache.transforms import ImageSpec
+from mmcache.transforms.pipeline import Pipeline
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,9 @@ from mmcache.cluster.flight import FLIGHT, open_flight
 from mmcache.dataset import MultimodalDataset
 from mmcache.errors import ConfigError
 from mmcache.loader import DataLoader, LoaderHook
-from mmcache.pipeline import ImageSpec, Pipeline
 from mmcache.scope import Cluster as BaseCluster
+from mmcache.transforms import ImageSpec
+from mmcache.transforms.pipeline import Pipeline
 
 
 def test_scope_takes_a_cluster_configuration_and_cluster_means_its_defaults(

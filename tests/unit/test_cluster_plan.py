@@ -24,8 +24,9 @@ from mmcache.errors import ConfigError
 from mmcache.loader import DataLoader
 from mmcache.loader.stream import BatchOrder, EpochOrder, StreamState, WorkerTaskSampler
 from mmcache.loader.tasks import WorkerPlanner
-from mmcache.pipeline import ImageSpec, Pipeline
 from mmcache.sampler import EpochSampler
+from mmcache.transforms import ImageSpec
+from mmcache.transforms.pipeline import Pipeline
 
 
 def test_placement_gives_each_node_its_budget_share_exactly_and_the_same_everywhere() -> None:

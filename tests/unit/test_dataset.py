@@ -9,7 +9,8 @@ import torch
 import mmcache
 from mmcache.dataset import MultimodalDataset, collate
 from mmcache.errors import ConfigError, SampleError
-from mmcache.pipeline import ImageSpec, Pipeline, TextSpec
+from mmcache.transforms import ImageSpec, TextSpec
+from mmcache.transforms.pipeline import Pipeline
 
 
 @pytest.fixture

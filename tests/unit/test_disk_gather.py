@@ -24,9 +24,9 @@ from mmcache.loader.batchlayout import byte_ranges
 from mmcache.loader.readahead import ReadAhead
 from mmcache.loader.tasks import WorkerPlanner
 from mmcache.loader.warm_epoch import WarmEpochs
-from mmcache.pipeline import Pipeline
 from mmcache.stores.disk import DiskStore
 from mmcache.stores.gathering import TieredReader
+from mmcache.transforms.pipeline import Pipeline
 
 N = 24
 

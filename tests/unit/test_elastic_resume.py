@@ -14,7 +14,7 @@ import pytest
 from mmcache.dataset import MultimodalDataset
 from mmcache.errors import ConfigError
 from mmcache.loader import DataLoader, Distributed
-from mmcache.pipeline import Pipeline
+from mmcache.transforms.pipeline import Pipeline
 
 BATCH = 2  # 40 samples, world 4: 5 batches of 2 per rank; 2 batches each = 16 = 40%
 

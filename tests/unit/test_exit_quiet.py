@@ -17,7 +17,8 @@ import pytest
 _LOADER_RUN = """
 import sys
 import mmcache
-from mmcache.pipeline import ImageSpec, Pipeline, TextSpec, train_tokenizer
+from mmcache.transforms import ImageSpec, TextSpec, train_tokenizer
+from mmcache.transforms.pipeline import Pipeline
 from mmcache.synth import make_dataset, synth_captions
 
 folder = sys.argv[1]

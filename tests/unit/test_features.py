@@ -36,10 +36,12 @@ from mmcache.features import (
 )
 from mmcache.keys import key_hex
 from mmcache.loader import DataLoader
-from mmcache.pipeline import ImageSpec, Pipeline, TextSpec, normalize, train_tokenizer
 from mmcache.stores import device
 from mmcache.stores.device import DeviceTier
 from mmcache.synth import make_dataset, synth_captions
+from mmcache.transforms import ImageSpec, TextSpec, train_tokenizer
+from mmcache.transforms.normalize import normalize
+from mmcache.transforms.pipeline import Pipeline
 
 SIZE = 32
 DIM = 64

@@ -22,10 +22,10 @@ from mmcache.cache import Cache
 from mmcache.cluster.flight import open_flight
 from mmcache.dataset import MultimodalDataset
 from mmcache.loader import DataLoader
-from mmcache.pipeline import Pipeline
 from mmcache.stores.disk import DiskStore
 from mmcache.stores.memory import MemoryStore
 from mmcache.testing.store_contract import flip_in_files
+from mmcache.transforms.pipeline import Pipeline
 
 
 @pytest.fixture

@@ -17,9 +17,9 @@ from mmcache.codec.compact import _JPEG_PREFIX, parse_disk_form
 from mmcache.dataset import MultimodalDataset
 from mmcache.loader import DataLoader
 from mmcache.loader.tasks import WorkerPlanner
-from mmcache.pipeline import Pipeline
 from mmcache.stores.disk import DiskStore
 from mmcache.stores.disk.formed import FormedDiskStore
+from mmcache.transforms.pipeline import Pipeline
 
 FIELDS = ("image", "input_ids", "attention_mask")
 

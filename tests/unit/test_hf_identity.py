@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from mmcache.pipeline import Pipeline
 from mmcache.sources.hfdataset import HFDatasetSource
 from mmcache.testing.identity_contract import IdentityContract, noise_bmp
+from mmcache.transforms.pipeline import Pipeline
 
 datasets = pytest.importorskip("datasets")
 

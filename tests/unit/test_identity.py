@@ -23,11 +23,11 @@ from PIL import Image
 
 from mmcache import keys
 from mmcache.dataset import MultimodalDataset
-from mmcache.pipeline import Pipeline
 from mmcache.sources import identity
 from mmcache.sources.coco import CocoSource
 from mmcache.testing.identity_contract import IdentityContract
 from mmcache.testing.tabular import write_coco
+from mmcache.transforms.pipeline import Pipeline
 
 MTIME_NS = 1_600_000_000_000_000_000  # as `tar x` restores it
 

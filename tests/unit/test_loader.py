@@ -14,7 +14,7 @@ from mmcache.cache import Cache
 from mmcache.dataset import MultimodalDataset
 from mmcache.errors import ConfigError, SampleError
 from mmcache.loader import DataLoader, Distributed
-from mmcache.pipeline import Pipeline
+from mmcache.transforms.pipeline import Pipeline
 
 SAMPLE_BYTES = 3 * 64 * 64 + 2 * 16 * 4  # payload of one 64 px sample
 

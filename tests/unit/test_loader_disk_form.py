@@ -16,8 +16,8 @@ from mmcache.codec.compact import DiskForm, jpeg_backend, parse_disk_form
 from mmcache.dataset import MultimodalDataset
 from mmcache.errors import ConfigError, CorruptEntryError
 from mmcache.loader import DataLoader
-from mmcache.pipeline import Pipeline
 from mmcache.stores.disk.formed import FormedDiskStore
+from mmcache.transforms.pipeline import Pipeline
 
 #: The documented bound of the jpeg:90 form on the synthetic set (README: measured ~35 dB).
 JPEG90_MIN_PSNR = 30.0

@@ -19,9 +19,9 @@ from mmcache.cache import Cache
 from mmcache.dataset import MultimodalDataset
 from mmcache.loader import DataLoader
 from mmcache.loader.tasks import WorkerPlanner
-from mmcache.pipeline import Pipeline
 from mmcache.stores.disk import DiskStore
 from mmcache.stores.gathering import TieredReader
+from mmcache.transforms.pipeline import Pipeline
 
 SAMPLE_BYTES = 3 * 64 * 64 + 2 * 16 * 4  # payload of one 64 px sample
 FORK = mp.get_context("fork")

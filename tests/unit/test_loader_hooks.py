@@ -16,8 +16,8 @@ from mmcache.dataset import MultimodalDataset
 from mmcache.errors import ConfigError
 from mmcache.loader import BatchContext, DataLoader, EpochContext, LoaderHook
 from mmcache.loader.hooks import Hooks
-from mmcache.pipeline import Pipeline
 from mmcache.synth import make_dataset
+from mmcache.transforms.pipeline import Pipeline
 
 
 def _epoch(loader: DataLoader, epoch: int) -> list[dict[str, Any]]:

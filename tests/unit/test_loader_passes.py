@@ -11,7 +11,7 @@ from pathlib import Path
 
 from mmcache.dataset import MultimodalDataset
 from mmcache.loader import DataLoader
-from mmcache.pipeline import Pipeline
+from mmcache.transforms.pipeline import Pipeline
 
 BATCH = 10  # 48 samples: 5 batches per epoch, the last of 8
 

@@ -20,8 +20,8 @@ from PIL import Image
 from mmcache.cache import Cache
 from mmcache.dataset import MultimodalDataset
 from mmcache.loader import DataLoader
-from mmcache.pipeline import Pipeline
 from mmcache.testing.identity_contract import produced_images, run_epoch, wrong_ids
+from mmcache.transforms.pipeline import Pipeline
 
 N = 8
 MTIME_NS = 1_600_000_000_000_000_000  # as `tar x` restores it

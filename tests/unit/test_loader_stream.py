@@ -17,8 +17,8 @@ from mmcache.dataset import MultimodalDataset
 from mmcache.loader import DataLoader, Distributed
 from mmcache.loader.stream import MissWorkers
 from mmcache.loader.tasks import WorkerPlanner
-from mmcache.pipeline import Pipeline
 from mmcache.synth import make_dataset
+from mmcache.transforms.pipeline import Pipeline
 
 
 def _epoch(loader: DataLoader, epoch: int) -> list[dict[str, Any]]:

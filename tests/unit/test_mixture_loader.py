@@ -18,9 +18,9 @@ import torch
 import mmcache as mc
 from mmcache.errors import ConfigError
 from mmcache.loader import DataLoader, Distributed, PackSpec, SFTBatching
-from mmcache.pipeline import Pipeline
 from mmcache.synth import make_dataset
 from mmcache.testing.sft import SyntheticSFTSource
+from mmcache.transforms.pipeline import Pipeline
 
 Pairs = list[tuple[str, str]]
 

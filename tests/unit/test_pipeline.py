@@ -25,18 +25,18 @@ from tokenizers import Tokenizer
 
 import mmcache.transforms.text as text_module
 from mmcache.errors import ConfigError, SampleError
-from mmcache.pipeline import (
+from mmcache.synth import make_dataset, synth_captions
+from mmcache.transforms import (
     CLIP_MEAN,
     CLIP_STD,
     IMAGENET_MEAN,
     IMAGENET_STD,
     ImageSpec,
-    Pipeline,
     TextSpec,
-    normalize,
     train_tokenizer,
 )
-from mmcache.synth import make_dataset, synth_captions
+from mmcache.transforms.normalize import normalize
+from mmcache.transforms.pipeline import Pipeline
 
 # --------------------------------------------------------------------------------------------
 # helpers and fixtures
@@ -757,7 +757,7 @@ def test_train_tokenizer_is_deterministic_and_offline() -> None:
     assert "[UNK]" not in tok.encode("zebra #42, quiet!").tokens  # base alphabet always there
     # Another process (another hash seed) trains the same tokenizer.
     code = (
-        "import sys; from mmcache.pipeline import train_tokenizer; "
+        "import sys; from mmcache.transforms import train_tokenizer; "
         "from mmcache.synth import synth_captions; "
         "sys.stdout.write(train_tokenizer(synth_captions(200, seed=5), vocab_size=200).to_str())"
     )
@@ -820,7 +820,7 @@ def test_fingerprint_ignores_what_does_not_change_output(
 def test_fingerprint_is_identical_in_another_process(tokenizer_path: Path) -> None:
     here = _base_pipeline(tokenizer_path).fingerprint()
     code = (
-        "import sys; from mmcache.pipeline import Pipeline, ImageSpec, TextSpec; "
+        "import sys; from mmcache import ImageSpec, Pipeline, TextSpec; "
         "p = Pipeline(image=ImageSpec(size=224), text=TextSpec(sys.argv[1], max_length=32)); "
         "sys.stdout.write(p.fingerprint())"
     )

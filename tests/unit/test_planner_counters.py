@@ -13,7 +13,8 @@ import pytest
 from mmcache.cache import Cache
 from mmcache.dataset import MultimodalDataset
 from mmcache.loader.tasks import SampleOrigin, WorkerPlanner
-from mmcache.pipeline import ImageSpec, Pipeline
+from mmcache.transforms import ImageSpec
+from mmcache.transforms.pipeline import Pipeline
 
 
 def _misses(cache: Cache) -> dict[str, int]:

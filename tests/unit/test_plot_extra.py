@@ -95,3 +95,21 @@ sys.exit(main(["demo", "--n", "16", "--epochs", "1", "--workers", "0", "--size",
     assert "no plot:" in done.stdout and "pip install 'mmcache[plot]'" in done.stdout
     assert "samples/s" in done.stdout  # the table, the demo's result
     assert not (tmp_path / "mmcache-demo.png").exists()
+
+
+def test_tier_shares_count_the_samples_waited_for() -> None:
+    """The hit-rate panel's bars sum to the epoch's hit rate: the samples another process
+    produced while this one waited (``waited``) are served, so they count in the
+    denominator (they were left out, and the bars overstated the hit rate)."""
+    from mmcache.plot import tier_shares
+    from mmcache.stats import EpochStats
+
+    epochs = [
+        EpochStats(0, hits=0, misses=6, waited=2),
+        EpochStats(1, hits=8, misses=0, waited=2, tier_hits={"memory": 6, "disk": 2}),
+        EpochStats(2),
+    ]
+    shares = tier_shares(epochs)
+    assert shares == {"disk": [0.0, 0.2, 0.0], "memory": [0.0, 0.6, 0.0]}
+    for i, e in enumerate(epochs):
+        assert sum(s[i] for s in shares.values()) == e.hit_rate

@@ -18,7 +18,7 @@ from mmcache.cache import Cache
 from mmcache.dataset import MultimodalDataset
 from mmcache.errors import ConfigError
 from mmcache.loader import DataLoader
-from mmcache.pipeline import Pipeline
+from mmcache.transforms.pipeline import Pipeline
 
 EPOCHS = 3
 BATCH = 10  # 48 samples: 5 batches per epoch, the last of 8

@@ -15,13 +15,14 @@ from PIL import Image
 import mmcache.sources.readers as readers_module
 from mmcache.dataset import MultimodalDataset
 from mmcache.errors import ConfigError, SampleError
-from mmcache.pipeline import ImageSpec, Pipeline, TextSpec, train_tokenizer
 from mmcache.sources import FileSource, RecordReject, RecordsBuilder, StampKind, register_reader
 from mmcache.sources.base import OnError, SampleSource
 from mmcache.sources.readers import read_manifest
 from mmcache.sources.records import RecordReject as Reject
 from mmcache.synth import synth_captions
 from mmcache.testing.source_contract import SourceContract
+from mmcache.transforms import ImageSpec, TextSpec, train_tokenizer
+from mmcache.transforms.pipeline import Pipeline
 
 
 @pytest.fixture(scope="module")

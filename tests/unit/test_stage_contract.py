@@ -19,11 +19,11 @@ import mmcache.transforms.image
 import mmcache.transforms.normalize
 import mmcache.transforms.text
 from mmcache.errors import ConfigError
-from mmcache.pipeline import ImageSpec, Pipeline, TextSpec, train_tokenizer
 from mmcache.synth import synth_captions
 from mmcache.testing.stage_contract import StageContract
-from mmcache.transforms import Stage
+from mmcache.transforms import ImageSpec, Stage, TextSpec, train_tokenizer
 from mmcache.transforms.image import ReducedDecode, load_image
+from mmcache.transforms.pipeline import Pipeline
 
 
 @pytest.fixture(scope="module")

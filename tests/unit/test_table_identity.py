@@ -22,11 +22,11 @@ import pytest
 from PIL import Image
 
 from mmcache.errors import ManifestError
-from mmcache.pipeline import Pipeline
 from mmcache.sources.coco import read_coco
 from mmcache.sources.hfdataset import HFDatasetSource
 from mmcache.sources.parquet import ParquetSource
 from mmcache.testing.identity_contract import IdentityContract
+from mmcache.transforms.pipeline import Pipeline
 
 N = 6
 MTIME_NS = 1_600_000_000_000_000_000

@@ -19,7 +19,6 @@ from mmcache.cli import main
 from mmcache.dataset import MultimodalDataset, SourceDataset, open_source
 from mmcache.errors import ConfigError
 from mmcache.loader import DataLoader
-from mmcache.pipeline import Pipeline
 from mmcache.sources.base import SampleSource
 from mmcache.sources.coco import CocoSource
 from mmcache.sources.hfdataset import HFDatasetSource
@@ -27,6 +26,7 @@ from mmcache.sources.open import register_source_format, sniff_format, source_fo
 from mmcache.sources.parquet import ParquetSource
 from mmcache.synth import make_dataset
 from mmcache.testing.tabular import write_coco, write_hf_dataset, write_parquet
+from mmcache.transforms.pipeline import Pipeline
 
 N = 20
 

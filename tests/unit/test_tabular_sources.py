@@ -16,13 +16,14 @@ import pytest
 from PIL import Image
 
 from mmcache.errors import ManifestError, SampleError
-from mmcache.pipeline import ImageSpec, Pipeline, TextSpec, train_tokenizer
 from mmcache.sources.base import OnError, SampleSource, StampKind
 from mmcache.sources.coco import CocoSource, read_coco
 from mmcache.sources.hfdataset import HFDatasetSource
 from mmcache.sources.parquet import ParquetSource
 from mmcache.synth import synth_captions
 from mmcache.testing.source_contract import SourceContract
+from mmcache.transforms import ImageSpec, TextSpec, train_tokenizer
+from mmcache.transforms.pipeline import Pipeline
 
 _STRUCT = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
 

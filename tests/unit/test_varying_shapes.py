@@ -15,8 +15,9 @@ from mmcache.augment import Compose, RandomHorizontalFlip, RandomResizedCrop
 from mmcache.cache import Cache
 from mmcache.dataset import MultimodalDataset
 from mmcache.loader import DataLoader
-from mmcache.pipeline import Pipeline, TextSpec
 from mmcache.synth import make_dataset
+from mmcache.transforms import TextSpec
+from mmcache.transforms.pipeline import Pipeline
 
 
 class KeepAspect:
@@ -118,7 +119,7 @@ def test_an_augment_of_fixed_size_makes_varied_shapes_one_tensor(
 def test_imagespec_without_crop_gives_list_batches(tmp_path: Path, tokenizer_json: Path) -> None:
     """``ImageSpec(crop=None)`` keeps each aspect ratio: the loader batches a list plus
     ``image_sizes``, warm epochs included; a square padding makes the shapes one again."""
-    from mmcache.pipeline import ImageSpec
+    from mmcache.transforms import ImageSpec
 
     manifest = make_dataset(tmp_path / "data", 20, seed=3)
     text = TextSpec(tokenizer_json, max_length=8)

@@ -22,6 +22,7 @@ import mmcache as mc
 from mmcache.errors import ConfigError
 from mmcache.transforms import PixelValues, VideoTokens, qwen_patches
 from mmcache.transforms.video import qwen_video_patches
+from support.tiny_qwen import tiny_qwen25_vl
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("av")
@@ -73,31 +74,6 @@ def _dataset(tmp_path: Path, tok: Any) -> mc.MultimodalDataset:
     path = tmp_path / "m.json"
     path.write_text(json.dumps(records), encoding="utf-8")
     return mc.MultimodalDataset(path, pipeline=_pipeline(tok))
-
-
-def _model(tok: Any) -> torch.nn.Module:
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    config = Qwen2_5_VLConfig(
-        text_config={
-            "vocab_size": tok.get_vocab_size(), "hidden_size": 64, "intermediate_size": 128,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "max_position_embeddings": 4096,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                "mrope_section": [2, 3, 3]},
-        },
-        vision_config={
-            "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
-            "out_hidden_size": 64, "fullatt_block_indexes": [1], "window_size": 56,
-            "tokens_per_second": 2,
-        },
-        video_token_id=tok.token_to_id("<|video_pad|>"),
-        image_token_id=tok.token_to_id("<|image_pad|>"),
-        vision_start_token_id=tok.token_to_id("<|vision_start|>"),
-        vision_end_token_id=tok.token_to_id("<|vision_end|>"),
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return Qwen2_5_VLForConditionalGeneration(config).eval()
 
 
 def _hook(tok: Any, **kw: Any) -> PixelValues:
@@ -152,7 +128,11 @@ def test_model_only_batches_keep_the_videos_and_the_loss_is_the_models(
 ) -> None:
     tok = _tokenizer()
     ds = _dataset(tmp_path, tok)
-    model = _model(tok)
+    model = tiny_qwen25_vl(
+        tok.get_vocab_size(), video=tok.token_to_id("<|video_pad|>"),
+        image=tok.token_to_id("<|image_pad|>"), vision_start=tok.token_to_id("<|vision_start|>"),
+        vision_end=tok.token_to_id("<|vision_end|>"),
+    )  # fmt: skip
     batch = _rows(ds, ids)
     n_videos = int(batch["video_counts"].sum())
     got = _hook(tok, model_only=True).after_assemble(dict(batch), None)

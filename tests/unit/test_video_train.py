@@ -11,35 +11,10 @@ from test_video import video_manifest, video_pipeline, video_tokenizer  # noqa: 
 import mmcache
 from mmcache import MultimodalDataset
 from mmcache.transforms.video import qwen_video_patches
+from support.tiny_qwen import tiny_qwen25_vl
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("av")
-
-
-def tiny_qwen25_vl(vocab: int, tok: object) -> torch.nn.Module:
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    ids = {name: tok.token_to_id(name) for name in  # type: ignore[attr-defined]
-           ("<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<image>")}  # fmt: skip
-    config = Qwen2_5_VLConfig(
-        text_config={
-            "vocab_size": vocab, "hidden_size": 64, "intermediate_size": 128,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "max_position_embeddings": 4096,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                "mrope_section": [2, 3, 3]},
-        },
-        vision_config={
-            "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
-            "out_hidden_size": 64, "fullatt_block_indexes": [1], "window_size": 56,
-        },
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        image_token_id=ids["<image>"],
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return Qwen2_5_VLForConditionalGeneration(config)
 
 
 def test_tiny_qwen25_vl_trains_three_steps_on_cached_video_batches(
@@ -50,7 +25,13 @@ def test_tiny_qwen25_vl_trains_three_steps_on_cached_video_batches(
     ds = MultimodalDataset(
         video_manifest, pipeline=video_pipeline(min_pixels=4 * 28 * 28, max_pixels=16 * 28 * 28)
     )
-    model = tiny_qwen25_vl(tok.get_vocab_size(), tok)
+    ids = {name: tok.token_to_id(name) for name in
+           ("<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<image>")}  # fmt: skip
+    model = tiny_qwen25_vl(
+        tok.get_vocab_size(), video=ids["<|video_pad|>"], image=ids["<image>"],
+        vision_start=ids["<|vision_start|>"], vision_end=ids["<|vision_end|>"],
+        tokens_per_second=None,
+    ).train()  # fmt: skip
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     cache = mmcache.Cache(cache_root, memory="64MiB", disk="128MiB")
     losses = []

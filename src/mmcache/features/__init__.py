@@ -72,7 +72,7 @@ from mmcache.features.budget import (
     device_budget,
     warn_if_short,
 )
-from mmcache.features.counts import ENCODER, FeatureStats, ServeCounts
+from mmcache.features.counts import ENCODER, ServeCounts
 from mmcache.features.encoder import (
     FrozenEncoder,
     Output,
@@ -86,6 +86,7 @@ from mmcache.features.stage import FeatureLoader
 from mmcache.features.warm import FeatureWarmReport, warm_features
 from mmcache.features.writes import FeatureWrites
 from mmcache.policies import Policy
+from mmcache.stats import FeatureStats
 from mmcache.stores.device import DeviceTier
 from mmcache.stores.disk import DiskStore
 from mmcache.stores.memory import MemoryStore
@@ -103,7 +104,6 @@ __all__ = [
     "FeatureBudgetWarning",
     "FeatureCache",
     "FeatureLoader",
-    "FeatureStats",
     "FeatureWarmReport",
     "LoadedEncoder",
     "encoder_fingerprint",
@@ -139,7 +139,7 @@ class FeatureCache:
         name, version: pin the encoder fingerprint (no weight hashing; bump
             ``version`` when the weights, the preprocessing or the code change).
         preprocess: called on the uint8 image batch (on ``device``) before the
-            encoder, e.g. :func:`mmcache.pipeline.normalize`; fingerprinted by
+            encoder, e.g. :func:`mmcache.normalize`; fingerprinted by
             content (:func:`preprocess_fingerprint`). Without it the encoder
             receives the uint8 batch as it comes.
         output: when the encoder returns a tuple, dict or ``ModelOutput``: an

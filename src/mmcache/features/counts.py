@@ -1,54 +1,21 @@
 """What a FeatureCache counts: rows served by each tier or by the encoder, and the encoder's work.
 
 :class:`ServeCounts` is the running tally one FeatureCache keeps in its
-process; :class:`FeatureStats` is the frozen record :meth:`FeatureCache.stats`
+process; :class:`~mmcache.stats.FeatureStats` is the frozen record :meth:`FeatureCache.stats`
 returns from it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
 
-from mmcache.stats import TierStats
+from mmcache.stats import FeatureStats, TierStats
 
-__all__ = ["ENCODER", "FeatureStats", "ServeCounts"]
+__all__ = ["ENCODER", "ServeCounts"]
 
 #: The source of a row no tier held: the encoder computed it.
 ENCODER = "encoder"
-
-
-@dataclass(frozen=True)
-class FeatureStats:
-    """Counters of a :class:`FeatureCache` in this process.
-
-    ``samples`` rows were requested; ``hits`` counts those served by each tier
-    (``device``, ``memory``, ``disk``), ``misses`` those computed by the
-    encoder (a sample repeated within a batch counts once per row but is
-    encoded once). ``encoder_calls`` forward calls ran on ``encoded_samples``
-    samples in ``encoder_seconds`` (on CUDA timed with events, so a batch's
-    time appears once it finished). ``device`` is the device tier's own record.
-    """
-
-    samples: int = 0
-    hits: dict[str, int] = field(default_factory=dict)
-    misses: int = 0
-    encoder_calls: int = 0
-    encoded_samples: int = 0
-    encoder_seconds: float = 0.0
-    device: TierStats = field(default_factory=TierStats)
-
-    @property
-    def hit_rate(self) -> float:
-        """Rows served from any tier / rows requested (0.0 before any call)."""
-        return sum(self.hits.values()) / self.samples if self.samples else 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["device"] = self.device.as_dict()
-        out["hit_rate"] = self.hit_rate
-        return out
 
 
 @dataclass

@@ -9,7 +9,8 @@ go to the process-shared log of :mod:`~mmcache.sources.rejects`.
 Data read in place: :class:`ParquetSource` (:mod:`~mmcache.sources.parquet`),
 :class:`HFDatasetSource` (:mod:`~mmcache.sources.hfdataset`), both on the shared
 :mod:`~mmcache.sources.rows`, and :class:`CocoSource` (:mod:`~mmcache.sources.coco`,
-a FileSource); :mod:`~mmcache.sources.open` is the registry of formats that
+a FileSource); tar shards: :class:`WebDatasetSource` (:mod:`~mmcache.sources.wds`).
+:mod:`~mmcache.sources.open` is the registry of formats that
 ``MultimodalDataset(path)`` sniffs (:func:`register_source_format`).
 """
 
@@ -22,6 +23,7 @@ from mmcache.sources.parquet import ParquetSource
 from mmcache.sources.readers import read_manifest, reader_names, register_reader
 from mmcache.sources.records import RecordReject, Records, RecordsBuilder
 from mmcache.sources.rejects import Reject
+from mmcache.sources.wds import WebDatasetSource
 
 __all__ = [
     "CocoSource",
@@ -37,6 +39,7 @@ __all__ = [
     "Sample",
     "SampleSource",
     "StampKind",
+    "WebDatasetSource",
     "read_manifest",
     "reader_names",
     "register_reader",

@@ -42,6 +42,7 @@ import numpy.typing as npt
 
 from mmcache import keys
 from mmcache.errors import SampleError
+from mmcache.sources import identity
 from mmcache.sources.base import OnError, StampKind, check_on_error
 from mmcache.sources.bytesproc import PipelineFields
 from mmcache.sources.ids import IdColumn
@@ -167,6 +168,7 @@ class BaseSource(PipelineFields):
             # new process keys every sample of its first epoch here, and per-row numpy
             # writes cost about what the key's hash does.
             redo = idx[stale]
+            taken = identity.ledger().clock()  # before any byte is read for the keys
             texts = self.stamp_strings(redo, stamps[stale])
             fp, key_text = self._fingerprint, self.key_text
             made = [
@@ -177,11 +179,25 @@ class BaseSource(PipelineFields):
             kept = stamps[stale].copy()
             if self._memoise_keys:
                 kept[kept[:, 0] == -2] = -1  # missing: not memoised
+                young = self._unsettled(redo, kept, taken)
+                if young is not None:  # a rewrite could still keep the stamp: not yet
+                    kept[young] = -1
             else:
                 kept[:] = -1
             memo_stamp[redo] = kept
         rows: np.ndarray = memo_keys[idx]
         return rows
+
+    def _unsettled(
+        self, indices: npt.NDArray[np.int64], stamps: npt.NDArray[np.int64], taken: float
+    ) -> npt.NDArray[np.bool_] | None:
+        """Which of ``indices`` (their ``stamps``, keyed from bytes read after ``taken``)
+        may not be remembered under their stamp yet: a file changed less than
+        :data:`~mmcache.sources.identity.RACY_SECONDS` before the read can be rewritten
+        at the same size without a field of its stamp changing (the identity ledger's
+        racy rule), so its key is computed again until the stamp is old enough. None
+        (the default): every row may be (stamps that are not a local file's ``stat``)."""
+        return None
 
     # -- serving ------------------------------------------------------------------------
     def to_item(self, index: int, sample: Mapping[str, np.ndarray]) -> dict[str, Any]:

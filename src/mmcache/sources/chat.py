@@ -1,6 +1,6 @@
 """The chat side of a file source: placeholder checks, multi-image stamps and keys, and
 sample lengths computed without decoding an image (:func:`chat_lengths`,
-:class:`TextReport`).
+:class:`~mmcache.stats.TextReport`).
 
 A :class:`~mmcache.sources.files.FileSource` whose pipeline has a
 :class:`~mmcache.transforms.chat.ChatSpec` uses these helpers:
@@ -14,29 +14,29 @@ A :class:`~mmcache.sources.files.FileSource` whose pipeline has a
   image stage's resize rule (:func:`~mmcache.transforms.smart_resize.output_hw`; the
   original size for LLaVA-NeXT's any-resolution stage, whose token count is a
   function of it): what length grouping and packing plan from, with the
-  :class:`TextReport` of the same pass.
+  :class:`~mmcache.stats.TextReport` of the same pass.
 
-Thread safety: pure functions; a :class:`TextReport` is immutable.
+Thread safety: pure functions; a :class:`~mmcache.stats.TextReport` is immutable.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
-import stat
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from mmcache import keys
 from mmcache.errors import ConfigError, ManifestError, SampleError
-from mmcache.rootfiles import make_dir, read_regular, replace_file
+from mmcache.sources import identity
 from mmcache.sources.records import RecordReject, Records
+from mmcache.stats import REPORTS, TextReport, write_report
 from mmcache.transforms.chat import Chat, ChatSpec, FullyMaskedError
 from mmcache.transforms.frame_lists import frame_list_plan
 from mmcache.transforms.hf_llava_next import LlavaNextImageStage
@@ -48,15 +48,10 @@ from mmcache.transforms.video_decode import video_plan
 
 __all__ = [
     "ChatLengths",
-    "TextReport",
     "chat_lengths",
     "check_placeholders",
-    "read_text_reports",
 ]
 
-_REPORTS = "reports"
-#: The most bytes a text report may have (a few counts): a bigger one is not read.
-_REPORT_MAX_BYTES = 64 * 1024
 # What reading an image header can raise.
 _HEADER_ERRORS: tuple[type[BaseException], ...] = (*DECODE_ERRORS, SampleError)
 
@@ -91,70 +86,21 @@ def check_placeholders(records: Records, image_token: str, on_error: str) -> tup
     return records.select(good, bad), len(bad)
 
 
-@dataclass(frozen=True)
-class TextReport:
-    """What the length pass found (:meth:`FileSource.text_report`).
-
-    ``samples``: samples measured; ``with_images``: those keeping an image;
-    ``truncated``: cut at ``max_length``; ``fully_masked``: left with no trainable
-    token (refused); ``mismatched_placeholders``: records left out at construction
-    (placeholder count != images); ``unreadable``: samples whose image header could not
-    be read; ``trainable_tokens``: the sum over samples of tokens with a label;
-    ``tokens``: the sum of lengths; ``length_percentiles``: p50/p90/p99/max of the
-    measured lengths."""
-
-    fingerprint: str
-    samples: int
-    with_images: int
-    truncated: int
-    fully_masked: int
-    mismatched_placeholders: int
-    unreadable: int
-    trainable_tokens: int
-    tokens: int
-    length_percentiles: dict[str, int] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready data."""
-        return asdict(self)
-
-    def __str__(self) -> str:
-        pct = "  ".join(f"{k} {v}" for k, v in self.length_percentiles.items())
-        return (
-            f"text report ({self.fingerprint[:12]}): {self.samples} samples, "
-            f"{self.with_images} with images, {self.truncated} truncated, "
-            f"{self.fully_masked} fully masked, {self.mismatched_placeholders} mismatched "
-            f"placeholders, {self.unreadable} unreadable; {self.trainable_tokens} trainable "
-            f"of {self.tokens} tokens; lengths {pct}"
-        )
-
-    def write(self, root: str | os.PathLike[str]) -> Path:
-        """Record it under the cache ``root`` (``reports/text-<fingerprint>.json``,
-        written atomically), where ``mmcache stats`` finds it."""
-        path = Path(root) / _REPORTS / f"text-{self.fingerprint}.json"
-        _write_in_root(path, json.dumps(self.as_dict(), indent=1).encode("utf-8"))
-        return path
-
-
-def read_text_reports(root: str | os.PathLike[str]) -> list[TextReport]:
-    """The reports recorded under ``root`` (:meth:`TextReport.write`), newest first;
-    unreadable files are ignored."""
-    folder = Path(root) / _REPORTS
-    found: list[tuple[float, TextReport]] = []
-    for path in folder.glob("text-*.json") if folder.is_dir() else ():
-        try:
-            # only a regular file: a FIFO planted in a shared root would block stats
-            data = json.loads(read_regular(path, max_bytes=_REPORT_MAX_BYTES))
-            found.append((path.stat().st_mtime, TextReport(**data)))
-        except (OSError, ValueError, TypeError):
-            continue
-    return [r for _, r in sorted(found, key=lambda x: -x[0])]
+def any_racy(paths: Sequence[str], taken: float) -> bool:
+    """Whether one of ``paths`` changed too recently (or cannot be ``stat``-ed) for a
+    multi-file stamp to vouch for bytes read after ``taken`` (see
+    :func:`mmcache.sources.identity.racy_rows`)."""
+    try:
+        fields = [keys.stat_fields(os.stat(path)) for path in paths]
+    except (OSError, ValueError):
+        return True
+    return bool(identity.racy_rows(np.asarray(fields, dtype=np.int64).reshape(-1, 4), taken).any())
 
 
 @dataclass(frozen=True)
 class ChatLengths:
     """The length pass's per-sample results: ``lengths`` int64 ``[N]`` (0 for a refused
-    sample), ``has_image`` bool ``[N]`` and the :class:`TextReport`."""
+    sample), ``has_image`` bool ``[N]`` and the :class:`~mmcache.stats.TextReport`."""
 
     lengths: npt.NDArray[np.int64]
     has_image: npt.NDArray[np.bool_]
@@ -339,7 +285,7 @@ def chat_lengths(
     now = None
     rows: Sequence[int] = range(n)
     if root is not None and stamps is not None:
-        path = Path(root) / _REPORTS / f"lengths-{fingerprint}-{records.content_digest()}.npz"
+        path = Path(root) / REPORTS / f"lengths-{fingerprint}-{records.content_digest()}.npz"
         now = stamps()
         saved = _load(path, n, now.shape[1])
         if saved is not None:
@@ -383,17 +329,4 @@ def _save(path: Path, arrays: dict[str, npt.NDArray[Any]]) -> None:
     savez: Any = np.savez  # its **kwds overlap allow_pickle for mypy
     savez(buf, **arrays)
     with contextlib.suppress(OSError):
-        _write_in_root(path, buf.getvalue())
-
-
-def _write_in_root(path: Path, data: bytes) -> None:
-    """Replace ``path`` (``root/reports/...``) by ``data``, never through a link a member
-    of a shared root planted (:mod:`mmcache.rootfiles`). Folder and file take the
-    root's permissions (a 2770 root: group-shared reports, setgid kept)."""
-    root = path.parent.parent
-    try:
-        folder_mode = stat.S_IMODE(os.stat(root).st_mode) & 0o777
-    except FileNotFoundError:  # a root not made yet: made here, private
-        folder_mode = 0o700
-    make_dir(path.parent, folder_mode)
-    replace_file(path, data, folder_mode & 0o666)
+        write_report(path, buf.getvalue())

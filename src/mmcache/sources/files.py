@@ -55,6 +55,7 @@ import numpy.typing as npt
 
 from mmcache.errors import ConfigError
 from mmcache.sources import chat as _chat
+from mmcache.sources import identity
 from mmcache.sources.base import OnError, SampleSource, StampKind, check_on_error
 from mmcache.sources.blobs.local import LocalFiles
 from mmcache.sources.blobs.objectfiles import ObjectFiles
@@ -67,6 +68,7 @@ from mmcache.sources.chassis import BaseSource
 from mmcache.sources.readers import read_manifest
 from mmcache.sources.records import Records
 from mmcache.sources.rejects import Reject
+from mmcache.stats import TextReport
 
 __all__ = ["FileSource", "RecordProcessor", "Sample", "check_on_error"]
 
@@ -274,6 +276,21 @@ class FileSource(BaseSource):
             for j in np.flatnonzero(self._multi_files()[idx]).tolist():
                 stamps[j] = self.blobs.group_stamp(self._media(int(idx[j])))
         return stamps
+
+    def _unsettled(
+        self, indices: npt.NDArray[np.int64], stamps: npt.NDArray[np.int64], taken: float
+    ) -> npt.NDArray[np.bool_] | None:
+        """Rows whose files changed too recently for their stamp to vouch for their key
+        (:meth:`BaseSource._unsettled`); a chat sample of several files by each file's
+        own stamp (its row is a hash of them). Stamps that are not local ``stat``
+        fields (objects' ETags) vouch as they are."""
+        if self.stamp_kind is not StampKind.FILE:
+            return None
+        young: npt.NDArray[np.bool_] = identity.racy_rows(stamps, taken)
+        if self._chat is not None:
+            for j in np.flatnonzero(self._multi_files()[indices]).tolist():
+                young[j] = _chat.any_racy(self._media(int(indices[j])), taken)
+        return young
 
     def _multi_files(self) -> npt.NDArray[np.bool_]:
         """Per sample: whether a chat sample is made of other files than its one image
@@ -498,7 +515,7 @@ class FileSource(BaseSource):
         apart."""
         return self._chat_lengths(root).has_image
 
-    def text_report(self, root: str | os.PathLike[str] | None = None) -> _chat.TextReport:
+    def text_report(self, root: str | os.PathLike[str] | None = None) -> TextReport:
         """Samples, truncated, fully masked, mismatched placeholders, trainable tokens
         and length percentiles, from the :meth:`lengths` pass; recorded under the cache
         ``root`` when given, for ``mmcache stats``."""

@@ -99,6 +99,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import xxhash
 
 from mmcache import keys
@@ -121,6 +122,7 @@ __all__ = [
     "ledger_file",
     "ledger_report",
     "prune_ledger",
+    "racy_rows",
     "span_identities",
 ]
 
@@ -631,6 +633,16 @@ def file_identities(
             learned.append((ev, digest, path, fields[j].tolist(), None))
     book.put_many(learned, taken=taken)
     return [s if s is not None else "missing" for s in out]
+
+
+def racy_rows(fields: npt.NDArray[np.int64], taken: float) -> npt.NDArray[np.bool_]:
+    """Rows of :func:`~mmcache.keys.stat_fields` (``int64 [n, 4]``) whose file changed
+    (later of mtime and ctime) less than
+    :data:`RACY_SECONDS` before ``taken``: bytes read since
+    do not vouch for the stamp (:meth:`mmcache.sources.chassis.BaseSource._unsettled`)."""
+    last = np.maximum(fields[:, 1], fields[:, 2])
+    young: npt.NDArray[np.bool_] = last + int(RACY_SECONDS * 1e9) > int(taken * 1e9)
+    return young
 
 
 def _unstamped(path: str | bytes | None) -> str:

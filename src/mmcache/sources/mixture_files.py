@@ -67,13 +67,18 @@ logger = logging.getLogger(__name__)
 _STRATEGY = re.compile(r"^(all|first|end|random)(?::(\d+)(%?))?$")
 
 
-def _load_json(path: str) -> Any:
+def _read_text(path: str) -> str:
+    """The mixture file's text, or a ManifestError naming it."""
     try:
-        text = Path(path).read_text(encoding="utf-8-sig")
+        return Path(path).read_text(encoding="utf-8-sig")
     except FileNotFoundError as exc:
         raise ManifestError("file not found", path=path) from exc
     except (OSError, UnicodeDecodeError) as exc:
         raise ManifestError(f"cannot read the file: {exc}", path=path) from exc
+
+
+def _load_json(path: str) -> Any:
+    text = _read_text(path)
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
@@ -89,12 +94,7 @@ def _load_yaml(path: str) -> Any:
         raise ConfigError(
             "reading a LLaVA-OneVision YAML needs PyYAML: pip install 'mmcache[mixtures]'"
         ) from exc
-    try:
-        text = Path(path).read_text(encoding="utf-8-sig")
-    except FileNotFoundError as exc:
-        raise ManifestError("file not found", path=path) from exc
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ManifestError(f"cannot read the file: {exc}", path=path) from exc
+    text = _read_text(path)
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -381,6 +381,13 @@ class ParquetSource(RowSource):
                 stamps[files == f] = now
         return stamps
 
+    def _unsettled(
+        self, indices: npt.NDArray[np.int64], stamps: npt.NDArray[np.int64], taken: float
+    ) -> npt.NDArray[np.bool_] | None:
+        """Local files' rows changed too recently for their stamp to vouch for their key
+        (:meth:`BaseSource._unsettled`); a remote file's stamp holds its ETag."""
+        return identity.racy_rows(stamps, taken) if self._tables is None else None
+
     def stamp_string(self, index: int, stamp: npt.NDArray[np.int64]) -> str:
         """A local file's row: the identity of the file's bytes
         (:mod:`mmcache.sources.identity`: equal on a ``cp -a`` copy, new when the bytes
@@ -398,10 +405,15 @@ class ParquetSource(RowSource):
         seen = (f, *stamp.tolist())
         ident = self._idents.get(seen)
         if ident is None:
+            book = identity.ledger()
+            taken = book.clock()  # before the bytes are read, as the ledger's rule wants
             # No cap: the source reads the whole file's row groups anyway.
             one = stamp.reshape(1, -1)
             ident = identity.file_identities([self.files[f]], one, max_bytes=None)[0]
-            self._idents[seen] = ident
+            # Remembered only once the stamp can vouch for it (the ledger's racy rule): a
+            # file rewritten at the same size in its stamp's tick keeps every stat field.
+            if book.vouches(int(stamp[1]), int(stamp[2]), taken):
+                self._idents[seen] = ident
         return f"parquet:{ident}:{r}"
 
     def image_refs(self, indices: npt.NDArray[np.int64]) -> list[str | None]:

@@ -184,7 +184,8 @@ class HostileInputContract:
         raise NotImplementedError
 
     def hostile_pipeline(self) -> Any:
-        from mmcache.pipeline import ImageSpec, Pipeline
+        from mmcache.transforms import ImageSpec
+        from mmcache.transforms.pipeline import Pipeline
 
         return Pipeline(image=ImageSpec(size=16, max_bytes=self.hostile_max_bytes), text=None)
 

@@ -1,6 +1,6 @@
 """The ``Stage`` protocol: one deterministic step of a sample's processing.
 
-A pipeline is an ordered list of stages (:class:`mmcache.pipeline.Pipeline`).
+A pipeline is an ordered list of stages (:class:`mmcache.transforms.pipeline.Pipeline`).
 Every stage has a *fingerprint*: a string that changes whenever the stage's
 output for the same input could change (its configuration; for a user
 function its code, constants, defaults, closure values and the globals it

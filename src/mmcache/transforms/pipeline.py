@@ -15,8 +15,9 @@ supervised fine-tuning samples instead (:meth:`Pipeline.process_chat`: a convers
 all its images -> ``input_ids``, ``labels``, ``images``, ``image_sizes`` and, with
 :class:`~mmcache.transforms.smart_resize.SmartResize`, ``image_grid_thw``).
 
-The stages live in :mod:`mmcache.transforms`; this module keeps their old import path
-(``from mmcache.pipeline import ImageSpec, TextSpec, normalize, ...``).
+The stages live beside it in :mod:`mmcache.transforms`. The pipeline sits in the
+transforms layer, below the sources, so that a source types its pipeline and reads
+its stages as attributes.
 
 Thread and process safety: a :class:`Pipeline` is immutable after construction.
 :meth:`Pipeline.process` may be called from several threads at once (each call has its
@@ -39,35 +40,15 @@ from mmcache.errors import ConfigError, SampleError
 from mmcache.transforms.chat import Chat, ChatSpec
 from mmcache.transforms.frame_lists import load_frame_list
 from mmcache.transforms.hf_llava_next import Crops, LlavaNextImageStage
-from mmcache.transforms.image import ALPHA_BACKGROUND, ImageSpec, Interpolation, load_image
-from mmcache.transforms.normalize import (
-    CLIP_MEAN,
-    CLIP_STD,
-    IMAGENET_MEAN,
-    IMAGENET_STD,
-    normalize,
-)
+from mmcache.transforms.image import ImageSpec, load_image
 from mmcache.transforms.smart_resize import SmartResize
 from mmcache.transforms.stage import Stage, StageKind
-from mmcache.transforms.text import TextSpec, train_tokenizer
+from mmcache.transforms.text import TextSpec
 from mmcache.transforms.user import UserStage
 from mmcache.transforms.video import VideoSpec
 from mmcache.transforms.video_decode import VIDEO_FIELDS, Clip, load_clip, video_fields
 
-__all__ = [
-    "ALPHA_BACKGROUND",
-    "CLIP_MEAN",
-    "CLIP_STD",
-    "IMAGENET_MEAN",
-    "IMAGENET_STD",
-    "PIPELINE_FORMAT_VERSION",
-    "ImageSpec",
-    "Interpolation",
-    "Pipeline",
-    "TextSpec",
-    "normalize",
-    "train_tokenizer",
-]
+__all__ = ["PIPELINE_FORMAT_VERSION", "Pipeline"]
 
 #: Bump when the meaning of a pipeline's output changes for the same parameters
 #: (geometry convention, colour handling...): it is part of :meth:`Pipeline.fingerprint`.

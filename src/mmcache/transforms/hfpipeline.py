@@ -45,11 +45,11 @@ from __future__ import annotations
 from typing import Any
 
 from mmcache.errors import ConfigError
-from mmcache.pipeline import Pipeline
 from mmcache.transforms.chat import ChatSpec
 from mmcache.transforms.hf import hf_image_processor
 from mmcache.transforms.hf_llava_next import LlavaNextImageStage, LlavaNextTokens
 from mmcache.transforms.hf_qwen import QwenImageStage
+from mmcache.transforms.pipeline import Pipeline
 from mmcache.transforms.smart_resize import SmartResize
 from mmcache.transforms.video import VideoSpec, VideoTokens
 
