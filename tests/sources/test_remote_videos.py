@@ -58,17 +58,25 @@ def _count_reads(src: FileSource, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return read
 
 
+def _two_clips(s3: S3Endpoint, tmp_path: Path, folder: str) -> tuple[Path, Path, dict[str, str]]:
+    """Clips ``a`` (mp4) and ``b`` (webm) under ``tmp_path/v``, uploaded under ``folder``,
+    and ``remote.json``: a record of each by URL. Returns both paths and the URLs."""
+    a = write_clip(tmp_path / "v/a.mp4", frames=48, fps=24, size=(64, 96))
+    b = write_clip(tmp_path / "v/b.webm", frames=30, fps=15, size=(48, 80), codec="libvpx-vp9")
+    prefix = f"{folder}/{tmp_path.name}"
+    for p in (a, b):
+        s3.client.upload_file(str(p), "data", f"{prefix}/{p.name}")
+    urls = {"a": f"s3://data/{prefix}/a.mp4", "b": f"s3://data/{prefix}/b.webm"}
+    (tmp_path / "remote.json").write_text(json.dumps(_records(urls)))
+    return a, b, urls
+
+
 def test_s3_videos_equal_local_files_fetched_once(
     s3: S3Endpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    a = write_clip(tmp_path / "v/a.mp4", frames=48, fps=24, size=(64, 96))
-    b = write_clip(tmp_path / "v/b.webm", frames=30, fps=15, size=(48, 80), codec="libvpx-vp9")
+    _, b, urls = _two_clips(s3, tmp_path, "videos")
     prefix = f"videos/{tmp_path.name}"
-    for p in (a, b):
-        s3.client.upload_file(str(p), "data", f"{prefix}/{p.name}")
     (tmp_path / "local.json").write_text(json.dumps(_records({"a": "v/a.mp4", "b": "v/b.webm"})))
-    urls = {"a": f"s3://data/{prefix}/a.mp4", "b": f"s3://data/{prefix}/b.webm"}
-    (tmp_path / "remote.json").write_text(json.dumps(_records(urls)))
     pipe = _pipeline()
     raw = RawTier(tmp_path / "raw", budget="64MiB")
     src = FileSource(tmp_path / "remote.json", pipeline=pipe, raw=raw,
@@ -128,13 +136,8 @@ def test_clips_overwritten_during_a_run_are_revalidated_and_fetched_ahead(
     from mmcache.sources.blobs.prefetch import RemotePrefetch
     from mmcache.sources.capabilities import Revalidating, SharesStamps
 
-    a = write_clip(tmp_path / "v/a.mp4", frames=48, fps=24, size=(64, 96))
-    b = write_clip(tmp_path / "v/b.webm", frames=30, fps=15, size=(48, 80), codec="libvpx-vp9")
+    _, b, urls = _two_clips(s3, tmp_path, "reval")
     prefix = f"reval/{tmp_path.name}"
-    for p in (a, b):
-        s3.client.upload_file(str(p), "data", f"{prefix}/{p.name}")
-    urls = {"a": f"s3://data/{prefix}/a.mp4", "b": f"s3://data/{prefix}/b.webm"}
-    (tmp_path / "remote.json").write_text(json.dumps(_records(urls)))
     raw = RawTier(tmp_path / "raw", budget="64MiB")
     src = FileSource(tmp_path / "remote.json", pipeline=_pipeline(), raw=raw,
                      storage_options=s3.storage_options(), retries=1)  # fmt: skip
