@@ -93,6 +93,15 @@ class ObjectFiles:
     def __repr__(self) -> str:
         return f"ObjectFiles({len(self.urls)} objects, {self.remote!r})"
 
+    def __getstate__(self) -> dict[str, object]:
+        state = dict(self.__dict__)
+        del state["_where"]  # rebuilt from the URLs: a pickle (to each worker) stays small
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._where = {url: u for u, url in enumerate(self.urls)}
+
     # -- stamps ----------------------------------------------------------------------
     def _take(self, found: Mapping[str, tuple[int, str | None] | RemoteError]) -> list[int]:
         """Take new stamps; return the objects whose stamp changed."""
