@@ -96,7 +96,7 @@ def main() -> None:
         write_parquet(manifest, tmp / "pq", files=4, row_group_size=args.row_group)
         pipe = default_pipeline()
         loose = mc.MultimodalDataset(manifest, pipeline=pipe)
-        parquet = mc.MultimodalDataset(tmp / "pq", pipeline=pipe, columns={"id": "id"})
+        parquet = mc.open_source(tmp / "pq", pipeline=pipe, columns={"id": "id"})
         result: dict[str, Any] = {"samples": n, "workers": args.workers, "repeats": args.repeats}
         runs: dict[str, list[tuple[float, float]]] = {"loose": [], "parquet": []}
         for rep in range(args.repeats):  # interleaved, so that a busy spell hits both

@@ -75,9 +75,7 @@ def _cmd_warm(args: argparse.Namespace) -> int:
     from mmcache.warm import warm
 
     pipe = _pipeline_for(args)
-    ds = mc.MultimodalDataset(
-        args.manifest, pipeline=pipe, on_error=args.on_error, **data_options(args)
-    )
+    ds = mc.open_source(args.manifest, pipeline=pipe, on_error=args.on_error, **data_options(args))
     cache = _open_for_warm(args)
     try:
         if args.features:

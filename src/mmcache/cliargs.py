@@ -179,7 +179,7 @@ def parse_budget(text: str, data_bytes: int, *, name: str = "budget") -> int:
 
 
 def data_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``format=``, ``columns=`` and ``image_root=`` of MultimodalDataset from the options."""
+    """``format=``, ``columns=`` and ``image_root=`` of mmcache.open_source from the options."""
     from mmcache.errors import ConfigError
 
     out: dict[str, Any] = {"format": args.format}

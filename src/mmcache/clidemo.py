@@ -16,7 +16,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from mmcache.cliargs import (
     add_data_options,
@@ -180,7 +180,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)
     pipe = default_pipeline(size=args.size, max_length=args.max_length, tokenizer=args.tokenizer)
-    ds = mc.MultimodalDataset(args.manifest, pipeline=pipe, on_error="skip", **data_options(args))
+    ds = mc.open_source(args.manifest, pipeline=pipe, on_error="skip", **data_options(args))
     _, first, _ = first_sample(ds, limit=100)
     if first is None:
         raise mc.ConfigError(f"none of the first 100 samples of {args.manifest} can be decoded")
@@ -190,8 +190,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"samples": len(ds), "data_bytes": data_bytes, "memory": memory}
     baseline = None
     if not args.no_baseline:
-        plain = torch.utils.data.DataLoader(
-            ds,
+        # Every source open_source makes of a location is a torch Dataset (BaseSource).
+        face = cast("torch.utils.data.Dataset[dict[str, Any] | None]", ds)
+        plain: torch.utils.data.DataLoader[dict[str, Any] | None] = torch.utils.data.DataLoader(
+            face,
             batch_size=args.batch_size,
             shuffle=True,
             num_workers=args.workers,

@@ -124,13 +124,13 @@ def _inspect(path: str, pipeline: Any, options: dict[str, Any]) -> dict[str, Any
     samples tried before it that the pipeline refused and the first few of them
     (``{"index", "id", "reason"}``). ``records``: :func:`_records_profile`. ``advice``:
     lines saying what to change. ``options``: ``format``, ``columns``, ``image_root``
-    as ``MultimodalDataset`` takes them. Writes nothing.
+    as ``mmcache.open_source`` takes them. Writes nothing.
 
     Raises the source's ManifestError (naming the file) when the path cannot be
     read, and ConfigError naming the first refusal and the advice when none of the
     samples tried can be made.
     """
-    from mmcache.dataset import MultimodalDataset
+    from mmcache.dataset import open_source
     from mmcache.errors import ConfigError
     from mmcache.sources.open import sniff_format
     from mmcache.sources.wds import WebDatasetSource
@@ -142,7 +142,7 @@ def _inspect(path: str, pipeline: Any, options: dict[str, Any]) -> dict[str, Any
     if fmt == "wds":  # keep the shard index in memory: inspecting writes nothing
         source = WebDatasetSource(path, pipeline=pipeline, index_dir=False)
     else:
-        source = MultimodalDataset(path, pipeline=pipeline, format=fmt, **options)
+        source = open_source(path, pipeline=pipeline, format=fmt, **options)
     profile = _records_profile(source)
     index, sample, refused = first_sample(source)
     advice = _advice(profile, pipeline)

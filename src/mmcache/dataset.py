@@ -1,18 +1,16 @@
-"""The torch Dataset faces of sources, and :func:`open_source`, the factory that picks one.
+""":class:`MultimodalDataset`, the source of a manifest of loose files, and
+:func:`open_source`, the factory that opens any location as its source.
 
 :func:`open_source` turns a location (a manifest, a Parquet file or folder, a saved HF
 dataset, COCO, WebDataset shards; the registry of :mod:`mmcache.sources.open`) or an
-object (a ``datasets.Dataset``, any :class:`~mmcache.sources.base.SampleSource`) into a
-source that ``torch.utils.data`` can index:
-
-- a manifest of loose files: a :class:`MultimodalDataset` (a
-  :class:`~mmcache.sources.files.FileSource`: keys, stamps, produce, see
-  :mod:`mmcache.sources.files`);
-- a source that is already a torch ``Dataset`` (a ``WebDatasetSource``): itself;
-- any other source: a :class:`SourceDataset`, the plain torch face over it.
-
-``ds[i]`` is ``to_item(i, produce(i))`` (:func:`mmcache.sources.items.serve`).
-``MultimodalDataset(location, ...)`` is a thin call into :func:`open_source`.
+object (a ``datasets.Dataset``, any :class:`~mmcache.sources.base.SampleSource`) into
+its source: a :class:`MultimodalDataset` for a manifest of loose files (a
+:class:`~mmcache.sources.files.FileSource`: keys, stamps, produce, see
+:mod:`mmcache.sources.files`), the format's source for any other location, and a source
+object itself. Every built-in source is a torch ``Dataset``
+(:class:`~mmcache.sources.chassis.BaseSource`): ``ds[i]`` is ``to_item(i, produce(i))``
+(:func:`mmcache.sources.items.serve`). ``MultimodalDataset(location, ...)`` takes a
+manifest (JSONL, LLaVA, COCO) and names :func:`open_source` for any other location.
 
 Bad samples under ``on_error="skip"``: ``ds[i]`` returns ``None`` for a sample
 that cannot be produced, records it (id, path, reason) and goes on. The
@@ -32,20 +30,17 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from mmcache.errors import ConfigError
 from mmcache.sources import open as _open
 from mmcache.sources.base import OnError, SampleSource
-from mmcache.sources.capabilities import CAPABILITIES, members_of
 from mmcache.sources.files import FileSource, Sample, check_on_error
-from mmcache.sources.items import serve
 from mmcache.sources.records import Records
 from mmcache.sources.rejects import Reject
 from mmcache.transforms.pipeline import Pipeline
 
-__all__ = ["MultimodalDataset", "Reject", "Sample", "SourceDataset", "collate", "open_source"]
+__all__ = ["MultimodalDataset", "Reject", "Sample", "collate", "open_source"]
 
 #: The formats whose factory gives the Records of loose files (a FileSource's own).
 _RECORD_FORMATS = ("jsonl", "llava", "coco")
@@ -80,8 +75,8 @@ def open_source(
     image_root: str | os.PathLike[str] | None = None,
     on_error: OnError = "raise",
     content_stamp: bool = False,
-) -> Any:
-    """The source of ``location``, as a torch ``Dataset`` (see the module docstring).
+) -> SampleSource:
+    """The source of ``location`` (see the module docstring).
 
     >>> ds = mmcache.open_source("a.parquet", pipeline=pipe, columns={"id": "k"})  # doctest: +SKIP
 
@@ -100,8 +95,8 @@ def open_source(
         on_error: ``"raise"`` or ``"skip"`` (see :class:`MultimodalDataset`).
         content_stamp: key loose files by their bytes always (manifests of loose files).
 
-    Returns a :class:`MultimodalDataset`, the source itself, or a :class:`SourceDataset`.
-    ConfigError for an option the location's kind does not take, naming it.
+    Returns a :class:`MultimodalDataset`, the format's source, or the source object
+    itself. ConfigError for an option the location's kind does not take, naming it.
     """
     on_error = check_on_error(on_error)
     if pipeline is not None and not isinstance(pipeline, Pipeline):
@@ -146,12 +141,10 @@ def open_source(
             "pipeline=: the pipeline differs from the source's own (the source was made "
             "with another pipeline); give the pipeline to the source"
         )
-    if isinstance(source, torch.utils.data.Dataset) and not isinstance(source, FileSource):
-        return source
-    return SourceDataset(source)
+    return source
 
 
-class MultimodalDataset(FileSource, torch.utils.data.Dataset[dict[str, Any] | None]):
+class MultimodalDataset(FileSource):
     """Image-text samples from a manifest, decoded by a :class:`~mmcache.Pipeline`.
 
     Examples:
@@ -172,28 +165,13 @@ class MultimodalDataset(FileSource, torch.utils.data.Dataset[dict[str, Any] | No
             trustworthy.
         format, image_root: as :func:`open_source` takes them (a COCO file's images).
 
-    ``MultimodalDataset(location, ...)`` of any other location or object is
-    :func:`open_source`'s answer (a :class:`SourceDataset`, or the source itself).
-    A :class:`~mmcache.sources.base.SampleSource` (see
+    Any other location (Parquet, WebDataset shards, a saved HF dataset) or a source
+    object is :func:`open_source`'s: a ConfigError here names it. A
+    :class:`~mmcache.sources.base.SampleSource` and a torch ``Dataset`` (see
     :class:`~mmcache.sources.files.FileSource` for its members).
     """
 
     pipeline: Pipeline
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        # A thin call into open_source for anything but a manifest of loose files (what is
-        # returned is then no MultimodalDataset, so Python does not run __init__ on it).
-        # Subclasses and unpickling (no arguments) get cls.
-        manifest = args[0] if args else kwargs.get("manifest")
-        if cls is MultimodalDataset and manifest is not None:
-            if isinstance(manifest, MultimodalDataset):
-                return SourceDataset(manifest)
-            if not _is_records_location(manifest, kwargs.get("format", "auto")):
-                rest = {k: v for k, v in kwargs.items() if k != "manifest"}
-                return open_source(manifest, *args[1:], **rest)
-            _refuse_table_options(kwargs)
-        made: MultimodalDataset = object.__new__(cls)
-        return made
 
     def __init__(
         self,
@@ -206,6 +184,17 @@ class MultimodalDataset(FileSource, torch.utils.data.Dataset[dict[str, Any] | No
         image_root: str | os.PathLike[str] | None = None,
     ) -> None:
         check_on_error(on_error)
+        if not _is_records_location(manifest, _open.check_format(format)):
+            what = (
+                repr(os.fspath(manifest))
+                if isinstance(manifest, str | os.PathLike)
+                else f"a {type(manifest).__name__}"
+            )
+            raise ConfigError(
+                f"{type(self).__name__} reads manifests of image files (JSONL, LLaVA, COCO); "
+                f"for {what} use mmcache.open_source(...), which opens every location and "
+                "source object"
+            )
         if not isinstance(pipeline, Pipeline):
             raise ConfigError(f"pipeline must be a mmcache.Pipeline, got {type(pipeline).__name__}")
         if not isinstance(manifest, Records):
@@ -221,94 +210,6 @@ class MultimodalDataset(FileSource, torch.utils.data.Dataset[dict[str, Any] | No
         super().__init__(
             manifest, pipeline=pipeline, on_error=on_error, content_stamp=content_stamp
         )
-
-
-#: The members a :class:`SourceDataset` forwards when, and only when, its source has them:
-#: every capability's (:mod:`mmcache.sources.capabilities`), so that the face claims a
-#: capability exactly when the source does.
-_FORWARDED = frozenset(m for cap in CAPABILITIES for m in members_of(cap))
-
-
-class SourceDataset(torch.utils.data.Dataset[dict[str, Any] | None]):
-    """The torch Dataset face of any :class:`~mmcache.sources.base.SampleSource`: what
-    :func:`open_source` gives for a Parquet file, a saved HF dataset, a COCO... source
-    object or ``datasets.Dataset``.
-
-    Each member of the source protocol is the source's (:attr:`source`); ``ds[i]`` is
-    :func:`~mmcache.sources.items.serve` (the skip policy of :class:`MultimodalDataset`).
-    The members of a capability (:mod:`mmcache.sources.capabilities`: ``lengths``,
-    ``varying_fields``, ``revalidate``, ``rejects``...) are forwarded when the source
-    has them, so ``isinstance(ds, HasLengths)`` is the source's answer. Pickles as its
-    source; thread/process safety is the source's.
-    """
-
-    def __init__(self, source: SampleSource) -> None:
-        if not isinstance(source, SampleSource):
-            raise ConfigError(
-                f"SourceDataset needs a SampleSource, got {type(source).__name__} "
-                "(mmcache.open_source makes one of a location)"
-            )
-        self.source = source
-        self.pipeline = getattr(source, "pipeline", None)  # optional: not in the protocol
-        self.on_error: OnError = source.on_error
-        self.stamp_kind = source.stamp_kind
-
-    def __getattr__(self, name: str) -> Any:
-        # Only for what the instance and the class lack: a capability's member, if the
-        # source has it (never during unpickling, when there is no source yet).
-        source = self.__dict__.get("source")
-        if name not in _FORWARDED or source is None:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return getattr(source, name)
-
-    # The protocol's members: explicit, so the protocol stays checkable.
-    def __len__(self) -> int:
-        return len(self.source)
-
-    def __getitem__(self, index: int) -> dict[str, Any] | None:
-        return serve(self, index)
-
-    def sample_id(self, index: int) -> str:
-        return self.source.sample_id(index)
-
-    def ids(self, indices: Sequence[int] | np.ndarray) -> list[str]:
-        return self.source.ids(indices)
-
-    def ids_digest(self) -> str:
-        return self.source.ids_digest()
-
-    def fingerprint(self) -> str:
-        return self.source.fingerprint()
-
-    def describe(self) -> str:
-        return self.source.describe()
-
-    def stamps(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
-        return self.source.stamps(indices)
-
-    def key_rows(
-        self, indices: Sequence[int] | np.ndarray, *, stamps: np.ndarray | None = None
-    ) -> np.ndarray:
-        return self.source.key_rows(indices, stamps=stamps)
-
-    def key(self, index: int) -> bytes:
-        return self.source.key(index)
-
-    def keys(self, indices: Sequence[int] | np.ndarray) -> list[bytes]:
-        rows = self.source.key_rows(indices)
-        return [rows[j].tobytes() for j in range(rows.shape[0])]
-
-    def produce(self, index: int) -> Sample:
-        return self.source.produce(index)
-
-    def to_item(self, index: int, sample: Mapping[str, np.ndarray]) -> dict[str, Any]:
-        return self.source.to_item(index, sample)
-
-    def record_reject(self, err: Exception) -> None:
-        self.source.record_reject(err)
-
-    def __repr__(self) -> str:
-        return f"SourceDataset({self.source!r})"
 
 
 def collate(batch: Sequence[dict[str, Any] | None]) -> dict[str, Any]:

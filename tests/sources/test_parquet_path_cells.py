@@ -37,7 +37,7 @@ def test_an_image_struct_whose_bytes_are_typed_null_is_read_from_its_paths(
     )
     path = manifest.parent / "paths.parquet"  # relative paths: from the file's folder
     pq.write_table(table, path)
-    ds = mc.MultimodalDataset(path, pipeline=small_pipeline, columns={"id": "id"})
+    ds = mc.open_source(path, pipeline=small_pipeline, columns={"id": "id"})
     loose = FileSource(manifest, pipeline=small_pipeline)
     got = {
         sid: b["image"][i].numpy()

@@ -79,7 +79,7 @@ def test_parquet_on_s3_rewritten_between_epochs_serves_the_new_rows(
     # 2 persistent workers: their copies take the new stamps through the state file
     old, new = write_table(tmp_path / "v1.parquet", 0), write_table(tmp_path / "v2.parquet", 90)
     upload(s3, old)
-    ds = mc.MultimodalDataset(
+    ds = mc.open_source(
         URL, pipeline=small_pipeline, columns=COLUMNS, storage_options=s3.storage_options()
     )
     assert isinstance(ds, Revalidating) and isinstance(ds, SharesStamps)

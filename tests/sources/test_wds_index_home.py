@@ -12,7 +12,7 @@ import pytest
 
 from mmcache.cache import Cache
 from mmcache.cli import main
-from mmcache.dataset import MultimodalDataset
+from mmcache.dataset import open_source
 from mmcache.sources.wds import WebDatasetSource, write_shards
 from mmcache.sources.wds.home import INDEX_FOLDER, index_home
 from mmcache.sources.wds.tablefile import SUFFIX
@@ -37,7 +37,7 @@ def test_default_index_is_kept_beside_the_shards_in_a_private_folder(
     shards: list[Path], small_pipeline: Pipeline, tmp_path: Path
 ) -> None:
     src = WebDatasetSource(shards, pipeline=small_pipeline)
-    sniffed = MultimodalDataset(str(tmp_path / "shards" / "*.tar"), pipeline=small_pipeline)
+    sniffed = open_source(str(tmp_path / "shards" / "*.tar"), pipeline=small_pipeline)
     assert len(src) == len(sniffed) == 9
     folder = shards[0].parent / f".mmcache-index-u{os.geteuid()}"
     assert len(list(folder.glob("*" + SUFFIX))) == 3

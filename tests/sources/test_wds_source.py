@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from mmcache import keys
-from mmcache.dataset import MultimodalDataset
+from mmcache.dataset import MultimodalDataset, open_source
 from mmcache.errors import ManifestError, SampleError
 from mmcache.loader import DataLoader
 from mmcache.sources.base import OnError
@@ -389,25 +389,25 @@ def test_warm_epochs_of_shards_are_guessed_and_a_changed_shard_is_not_served_sta
         cache.close()
 
 
-def test_multimodal_dataset_takes_a_source_object(shards: Any, small_pipeline: Pipeline):
+def test_open_source_takes_a_source_object(shards: Any, small_pipeline: Pipeline):
     import pickle
 
     manifest, paths = shards
     src = WebDatasetSource(paths, pipeline=small_pipeline, index_dir=False)
-    assert MultimodalDataset(src) is src
-    assert MultimodalDataset(src, pipeline=small_pipeline) is src
+    assert open_source(src) is src
+    assert open_source(src, pipeline=small_pipeline) is src
     with pytest.raises(Exception, match="pipeline differs"):
-        MultimodalDataset(src, pipeline=Pipeline(image=small_pipeline.image))
+        open_source(src, pipeline=Pipeline(image=small_pipeline.image))
     ds = MultimodalDataset(manifest, pipeline=small_pipeline)  # a manifest: as before
     assert isinstance(ds, MultimodalDataset)
     assert pickle.loads(pickle.dumps(ds)).ids(range(3)) == ds.ids(range(3))
 
 
-def test_multimodal_dataset_opens_shards_by_path(shards: Any, small_pipeline: Pipeline) -> None:
+def test_open_source_opens_shards_by_path(shards: Any, small_pipeline: Pipeline) -> None:
     """A ``.tar`` path (or glob) is sniffed as WebDataset shards: the same samples."""
     manifest, paths = shards
     files = MultimodalDataset(manifest, pipeline=small_pipeline)
-    ds = MultimodalDataset(str(paths[0].parent / "*.tar"), pipeline=small_pipeline)
+    ds = open_source(str(paths[0].parent / "*.tar"), pipeline=small_pipeline)
     assert len(ds) == len(files)
     got = {ds.sample_id(i): ds.produce(i) for i in range(len(ds))}
     for i in range(len(files)):

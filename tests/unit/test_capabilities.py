@@ -1,8 +1,9 @@
 """The core asks a source for its capabilities by ``isinstance``, and names the one it lacks.
 
-On main, ``MultimodalDataset("x.parquet")`` was a ``SourceDataset`` that inherited
-``FileSource.lengths`` without its state, so ``group_by_length=True`` failed with an
-``AttributeError`` about ``_chat`` instead of saying what the source lacks.
+Once, ``MultimodalDataset("x.parquet")`` was a wrapper face (``SourceDataset``) that
+inherited ``FileSource.lengths`` without its state, so ``group_by_length=True`` failed with
+an ``AttributeError`` about ``_chat`` instead of saying what the source lacks. Now every
+source is its own torch ``Dataset`` and :func:`mmcache.open_source` gives it itself.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import numpy as np
 import pytest
 
 import mmcache as mc
-from mmcache.dataset import SourceDataset
 from mmcache.errors import ConfigError
 from mmcache.loader import DataLoader, SFTBatching
 from mmcache.sources.blobs.prefetch import RemotePrefetch
@@ -26,6 +26,7 @@ from mmcache.sources.capabilities import (
     layout_of,
     members_of,
 )
+from mmcache.sources.parquet import ParquetSource
 from mmcache.synth import make_dataset
 from mmcache.testing.sft import SyntheticSFTSource
 from mmcache.testing.tabular import write_parquet
@@ -40,8 +41,8 @@ def parquet(tmp_path: Path) -> Path:
 def test_group_by_length_on_a_source_without_lengths_names_the_capability(
     parquet: Path, small_pipeline: Pipeline
 ) -> None:
-    ds = mc.MultimodalDataset(parquet, pipeline=small_pipeline)
-    assert isinstance(ds, SourceDataset)
+    ds = mc.open_source(parquet, pipeline=small_pipeline)
+    assert isinstance(ds, ParquetSource)
     assert not isinstance(ds, HasLengths)
     with pytest.raises(ConfigError, match=r"group_by_length=True.*HasLengths.*lengths"):
         DataLoader(ds, cache=None, batch_size=2, batching=SFTBatching(group_by_length=True))
@@ -51,14 +52,15 @@ def test_the_face_claims_a_capability_exactly_when_its_source_does(
     parquet: Path, small_pipeline: Pipeline
 ) -> None:
     ds = mc.open_source(parquet, pipeline=small_pipeline)
-    assert isinstance(ds, SourceDataset)
+    assert isinstance(ds, ParquetSource)
     assert isinstance(ds, FieldLayout) and isinstance(ds, HasRejects)
     assert not isinstance(ds, Revalidating)
-    assert layout_of(ds).varying == ds.source.varying_fields  # type: ignore[attr-defined]
+    assert layout_of(ds).varying == ds.varying_fields
     assert ds.pad_token_id is None
-    sft = SourceDataset(SyntheticSFTSource(8, seed=1))
-    assert isinstance(sft, HasLengths)
-    assert np.array_equal(sft.lengths(), sft.source.lengths())  # type: ignore[attr-defined]
+    own = SyntheticSFTSource(8, seed=1)
+    sft = mc.open_source(own)
+    assert sft is own and isinstance(sft, HasLengths)
+    assert np.array_equal(sft.lengths(), own.lengths())
     again = pickle.loads(pickle.dumps(ds))
     assert again.ids([0, 1]) == ds.ids([0, 1]) and not hasattr(again, "lengths")
 

@@ -12,7 +12,7 @@ import torch
 
 from mmcache.augment import Compose, RandomHorizontalFlip, RandomResizedCrop
 from mmcache.cache import Cache
-from mmcache.dataset import MultimodalDataset
+from mmcache.dataset import MultimodalDataset, open_source
 from mmcache.errors import ConfigError
 from mmcache.loader import DataLoader
 from mmcache.synth import make_dataset
@@ -87,10 +87,8 @@ def test_a_parquet_source_presents_interleaved_pixels_as_planar_values(
     from mmcache.testing.tabular import write_parquet
 
     table = write_parquet(data, tmp_path / "t")[0]
-    planar = MultimodalDataset(table, pipeline=Pipeline(image=ImageSpec(size=32)))
-    inter = MultimodalDataset(
-        table, pipeline=Pipeline(image=ImageSpec(size=32, channels_last=True))
-    )
+    planar = open_source(table, pipeline=Pipeline(image=ImageSpec(size=32)))
+    inter = open_source(table, pipeline=Pipeline(image=ImageSpec(size=32, channels_last=True)))
     assert inter.channels_last_fields == {"image"}
     assert torch.equal(inter[3]["image"], planar[3]["image"])  # type: ignore[index]
     a = next(iter(DataLoader(planar, cache=None, batch_size=4)))

@@ -38,7 +38,7 @@ def test_a_same_tick_rewrite_of_a_parquet_file_gets_new_keys(
     path = tmp_path / "t.parquet"
     _write(path, "one cat")
     _, clock = book()
-    ds = mc.MultimodalDataset(
+    ds = mc.open_source(
         path, pipeline=_text_only(tokenizer_json), columns={"id": "id", "image": None}
     )
     before, size = ds.key(0), path.stat().st_size

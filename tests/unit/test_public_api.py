@@ -68,7 +68,6 @@ MOVED = {
     "ParquetSource": "mmcache.sources",
     "RawTier": "mmcache.sources.blobs",
     "RemotePrefetch": "mmcache.sources.blobs.prefetch",
-    "SourceDataset": "mmcache.dataset",
     "TextReport": "mmcache.stats",
     "TierStats": "mmcache.stats",
     "WarmReport": "mmcache.stats",
@@ -159,10 +158,9 @@ def test_each_extension_namespace_lists_what_it_holds(module: str) -> None:
 
 def test_what_users_receive_is_importable_where_they_look() -> None:
     from mmcache.cluster import ClusterExchange, ExchangeStats
-    from mmcache.dataset import SourceDataset
     from mmcache.stores import TieredReader
 
-    assert SourceDataset.__module__ == "mmcache.dataset"
+    assert mmcache.MultimodalDataset.__module__ == "mmcache.dataset"
     assert ClusterExchange and ExchangeStats and TieredReader
 
 

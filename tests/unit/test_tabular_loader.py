@@ -16,7 +16,7 @@ import torch
 import mmcache as mc
 from mmcache.cache import Cache
 from mmcache.cli import main
-from mmcache.dataset import MultimodalDataset, SourceDataset, open_source
+from mmcache.dataset import MultimodalDataset, open_source
 from mmcache.errors import ConfigError
 from mmcache.loader import DataLoader
 from mmcache.sources.base import SampleSource
@@ -95,8 +95,8 @@ def test_a_rewritten_parquet_file_is_never_served_stale(
 ) -> None:
     folder = tmp_path / "pq"
     paths = write_parquet(data["jsonl"], folder, files=2, row_group_size=4)
-    ds = MultimodalDataset(folder, pipeline=small_pipeline, columns={"id": "id"})
-    assert isinstance(ds, SourceDataset) and isinstance(ds.source, ParquetSource)
+    ds = open_source(folder, pipeline=small_pipeline, columns={"id": "id"})
+    assert isinstance(ds, ParquetSource) and isinstance(ds, torch.utils.data.Dataset)
     with Cache(tmp_path / "cache", memory="32MiB", disk=None, temporary=True) as cache:
         loader = DataLoader(ds, cache=cache, batch_size=5, seed=1, num_workers=2)
         _epoch(loader, 0)
@@ -117,7 +117,7 @@ def test_a_rewritten_parquet_file_is_never_served_stale(
         st = paths[0].stat()
         os.utime(paths[0], ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
         got = _epoch(loader, 2)
-        fresh = MultimodalDataset(folder, pipeline=small_pipeline, columns={"id": "id"})
+        fresh = open_source(folder, pipeline=small_pipeline, columns={"id": "id"})
         expected = _epoch(DataLoader(fresh, cache=None, batch_size=5, seed=1), 2)
         _same(got, expected)
         e2 = loader.stats().epochs[2]
@@ -130,8 +130,8 @@ def test_hf_dataset_in_two_spawned_workers(
     import datasets
 
     hf = datasets.load_from_disk(str(data["hf"]))
-    ds = MultimodalDataset(hf, pipeline=small_pipeline, columns={"id": "id"})  # a Dataset object
-    assert isinstance(ds.source, HFDatasetSource)
+    ds = open_source(hf, pipeline=small_pipeline, columns={"id": "id"})  # a Dataset object
+    assert isinstance(ds, HFDatasetSource)
     expected = _epoch(DataLoader(ds, cache=None, batch_size=6, seed=2), 0)
     with Cache(tmp_path / "cache", memory="32MiB", disk=None, temporary=True) as cache:
         loader = DataLoader(
@@ -145,23 +145,25 @@ def test_source_objects_and_explicit_formats(
     data: dict[str, Path], small_pipeline: Pipeline
 ) -> None:
     coco = CocoSource(data["coco"], pipeline=small_pipeline, per="image")
-    ds = MultimodalDataset(coco)  # the source's own pipeline
-    assert isinstance(ds, SourceDataset) and ds.source is coco and len(ds) == N
+    ds = open_source(coco)  # the source's own pipeline
+    assert ds is coco and len(ds) == N
     assert ds[0] is not None and ds[0]["id"] == "0"
     other = Pipeline(image=mc.ImageSpec(size=8))
     with pytest.raises(ConfigError, match="another pipeline"):
-        MultimodalDataset(coco, pipeline=other)
+        open_source(coco, pipeline=other)
     named = MultimodalDataset(data["coco"], pipeline=small_pipeline, format="coco")
     assert type(named) is MultimodalDataset and named.records.format == "coco"
     with pytest.raises(ConfigError, match="format must be"):
         MultimodalDataset(data["jsonl"], pipeline=small_pipeline, format="nope")
     with pytest.raises(ConfigError, match="columns="):
-        MultimodalDataset(data["jsonl"], pipeline=small_pipeline, columns={"id": "id"})
+        open_source(data["jsonl"], pipeline=small_pipeline, columns={"id": "id"})
     with pytest.raises(ConfigError):
         MultimodalDataset(42, pipeline=small_pipeline)
+    with pytest.raises(ConfigError, match=r"use mmcache\.open_source"):
+        MultimodalDataset(coco, pipeline=small_pipeline)  # a source object: open_source's
     assert isinstance(ds, SampleSource)
     again = __import__("pickle").loads(__import__("pickle").dumps(ds))
-    assert isinstance(again, SourceDataset) and again.ids([0, 1]) == ds.ids([0, 1])
+    assert isinstance(again, CocoSource) and again.ids([0, 1]) == ds.ids([0, 1])
 
 
 def test_a_registered_format_is_sniffed_and_opened(
@@ -179,7 +181,7 @@ def test_a_registered_format_is_sniffed_and_opened(
     register_source_format("toy", lambda loc, head: loc.endswith(".toy"), factory)
     with pytest.raises(ConfigError, match="already registered"):
         register_source_format("toy", lambda loc, head: False, factory)
-    ds = MultimodalDataset("x.toy", pipeline=small_pipeline, columns={"id": "id"})
+    ds = open_source("x.toy", pipeline=small_pipeline, columns={"id": "id"})
     assert made == ["x.toy"] and len(ds) == N
 
 
@@ -222,6 +224,6 @@ def test_cli_warm_and_bench_take_parquet_and_coco(
 
 def test_image_only_parquet(data: dict[str, Path], tmp_path: Path) -> None:
     pipe = Pipeline(image=mc.ImageSpec(size=16))
-    ds = MultimodalDataset(data["parquet"], pipeline=pipe, columns={"text": None})
+    ds = open_source(data["parquet"], pipeline=pipe, columns={"text": None})
     assert set(ds[3] or {}) == {"id", "image"}
     assert np.asarray(ds[3]["image"]).shape == (3, 16, 16)  # type: ignore[index]

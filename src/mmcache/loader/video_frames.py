@@ -41,6 +41,7 @@ from mmcache.augment import sample_generators
 from mmcache.checks import check_int
 from mmcache.errors import ConfigError, SampleError
 from mmcache.hooks import BatchContext, LoaderHook
+from mmcache.transforms.chat import ChatSpec
 
 __all__ = ["VideoFrameSampler"]
 
@@ -94,7 +95,7 @@ class VideoFrameSampler(LoaderHook):
     @classmethod
     def for_chat(
         cls,
-        chat: Any,
+        chat: ChatSpec | None,
         frames: int,
         *,
         pad_token_id: int,
@@ -102,8 +103,8 @@ class VideoFrameSampler(LoaderHook):
     ) -> VideoFrameSampler:
         """The sampler of a :class:`~mmcache.transforms.chat.ChatSpec`'s video tokens
         (``ChatSpec(video=VideoTokens(...))``, either form)."""
-        video = getattr(chat, "video", None)
-        if video is None:
+        video = None if chat is None else chat.video
+        if chat is None or video is None:
             raise ConfigError("VideoFrameSampler.for_chat needs a ChatSpec(video=VideoTokens())")
         if video.timestamps:
             # Each step's "<t seconds>" text is tokens of the cached sample: dropping a
@@ -113,12 +114,13 @@ class VideoFrameSampler(LoaderHook):
                 "(VideoTokens(timestamps=True)): choose the frames before the cache "
                 "(VideoSpec's fps / nframes)"
             )
-        common = {"pad_token_id": pad_token_id, "mode": mode, "factor": video.factor,
-                  "temporal_patch_size": video.temporal_patch_size}  # fmt: skip
         if not video.per_frame:
-            return cls(frames, video_token_id=chat.video_token_id, **common)
+            return cls(frames, video_token_id=chat.video_token_id, pad_token_id=pad_token_id,
+                       mode=mode, factor=video.factor,
+                       temporal_patch_size=video.temporal_patch_size)  # fmt: skip
         return cls(frames, video_token_id=-1, frame_token_id=chat.image_token_id,
-                   frame_wrap=chat.image_wrap_lengths, **common)  # fmt: skip
+                   frame_wrap=chat.image_wrap_lengths, pad_token_id=pad_token_id, mode=mode,
+                   factor=video.factor, temporal_patch_size=video.temporal_patch_size)  # fmt: skip
 
     def pick(self, t: int, g: torch.Generator) -> list[int]:
         """The kept frame numbers of a clip of ``t`` frames, drawn from ``g``."""

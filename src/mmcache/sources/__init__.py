@@ -11,12 +11,12 @@ Data read in place: :class:`ParquetSource` (:mod:`~mmcache.sources.parquet`),
 :mod:`~mmcache.sources.rows`, and :class:`CocoSource` (:mod:`~mmcache.sources.coco`,
 a FileSource); tar shards: :class:`WebDatasetSource` (:mod:`~mmcache.sources.wds`).
 :mod:`~mmcache.sources.open` is the registry of formats that
-``MultimodalDataset(path)`` sniffs (:func:`register_source_format`).
+``mmcache.open_source(path)`` sniffs (:func:`register_source_format`).
 """
 
 from mmcache.sources.base import OnError, SampleSource, StampKind
 from mmcache.sources.coco import CocoSource
-from mmcache.sources.files import FileSource, RecordProcessor, Sample
+from mmcache.sources.files import FileSource, Sample
 from mmcache.sources.hfdataset import HFDatasetSource
 from mmcache.sources.open import register_source_format, source_format_names
 from mmcache.sources.parquet import ParquetSource
@@ -24,6 +24,7 @@ from mmcache.sources.readers import read_manifest, reader_names, register_reader
 from mmcache.sources.records import RecordReject, Records, RecordsBuilder
 from mmcache.sources.rejects import Reject
 from mmcache.sources.wds import WebDatasetSource
+from mmcache.transforms.pipeline import RecordProcessor
 
 __all__ = [
     "CocoSource",

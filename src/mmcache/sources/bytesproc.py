@@ -10,9 +10,8 @@ sample read from a shard or a row is bitwise the sample read from the loose file
 the same bytes. Its errors are :class:`~mmcache.errors.SampleError`s naming the sample
 (key or id) and where its bytes live (``shard.tar:key.jpg``, ``file.parquet row 12``,
 the URL), and saying what is missing in the source's own terms (a member, a null cell,
-a record without an image). The pipeline is duck-typed (:class:`StagedProcessor`:
-``stages`` and ``fingerprint``) because sources sit below :mod:`mmcache.pipeline` in
-the layers.
+a record without an image). The pipeline is a :class:`~mmcache.Pipeline` or any
+:class:`~mmcache.transforms.pipeline.StagedProcessor` (``stages`` and ``fingerprint``).
 
 :class:`PipelineFields` is the small part of the source protocol every source forwards
 to its pipeline (``fingerprint``, ``describe``, ``varying_fields``,
@@ -23,14 +22,14 @@ Thread-safe (each call has its own image objects).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal
 
 import numpy as np
 
 from mmcache.errors import SampleError
-from mmcache.transforms.image import DEFAULT_MAX_BYTES, decode_bytes, load_image
-from mmcache.transforms.stage import Stage
+from mmcache.transforms.image import decode_bytes, load_image
+from mmcache.transforms.pipeline import LaysOutFields, Pipeline, Processor, StagedProcessor
+from mmcache.transforms.stage import DEFAULT_MAX_BYTES, ImageTraits
 
 __all__ = [
     "PipelineFields",
@@ -49,16 +48,6 @@ _MISSING: dict[str, tuple[str, str]] = {
     "row": ("the row's image is null", "the row's text is null"),
     "record": ("the record has no image", "the record has no text"),
 }
-
-
-@runtime_checkable
-class StagedProcessor(Protocol):
-    """What a bytes source needs of its pipeline (:class:`mmcache.Pipeline` is one)."""
-
-    @property
-    def stages(self) -> Sequence[Stage]: ...
-
-    def fingerprint(self) -> str: ...
 
 
 def process_bytes(
@@ -116,13 +105,13 @@ def process_bytes(
 
 def byte_limit(pipeline: StagedProcessor) -> int | None:
     """The most bytes one member, object or cell of a sample may have before it is read:
-    the image stage's ``max_bytes`` (``None``: that stage has no limit), or the default
-    of ``ImageSpec.max_bytes`` for a pipeline without an image stage (a caption of
-    hundreds of MiB is a file listed by mistake, as an image that large is)."""
+    the image stage's ``max_bytes`` (:class:`~mmcache.transforms.stage.ImageTraits`: the
+    default of ``ImageSpec.max_bytes`` for a stage that declares none, as for a file;
+    ``None``: no limit), or that default for a pipeline without an image stage (a
+    caption of hundreds of MiB is a file listed by mistake, as an image that large is)."""
     for stage in pipeline.stages:
         if stage.kind == "image":
-            limit = getattr(stage, "max_bytes", None)
-            return limit if isinstance(limit, int) else None
+            return ImageTraits.of(stage).max_bytes
     return DEFAULT_MAX_BYTES
 
 
@@ -147,7 +136,7 @@ class PipelineFields:
     """What a source forwards to its ``pipeline`` (set by the source; ``_fingerprint``
     is its fingerprint, taken once)."""
 
-    pipeline: Any
+    pipeline: Processor
     _fingerprint: str
 
     def fingerprint(self) -> str:
@@ -162,17 +151,23 @@ class PipelineFields:
     def varying_fields(self) -> frozenset[str]:
         """The fields whose shapes vary between samples (the pipeline's
         ``varying_fields``; empty: every sample has the same shapes)."""
-        return frozenset(getattr(self.pipeline, "varying_fields", ()))
+        layout = self.pipeline
+        if isinstance(layout, LaysOutFields):
+            return frozenset(layout.varying_fields)
+        return frozenset()
 
     @property
     def channels_last_fields(self) -> frozenset[str]:
         """The fields cached as ``[H, W, C]`` and presented as ``[C, H, W]`` views (the
         pipeline's ``channels_last_fields``; see :mod:`mmcache.sources.items`)."""
-        return frozenset(getattr(self.pipeline, "channels_last_fields", ()))
+        layout = self.pipeline
+        if isinstance(layout, LaysOutFields):
+            return frozenset(layout.channels_last_fields)
+        return frozenset()
 
     @property
     def pad_token_id(self) -> int | None:
         """What SFT batches pad ``input_ids`` with: the chat stage's ``pad_id``
         (``ChatSpec(pad_id=)`` or its tokenizer's pad token); None without a chat stage."""
-        chat = getattr(self.pipeline, "chat", None)
-        return None if chat is None else int(chat.pad_id)
+        chat = self.pipeline.chat if isinstance(self.pipeline, Pipeline) else None
+        return None if chat is None else chat.pad_id  # an int once the ChatSpec is made

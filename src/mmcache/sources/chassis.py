@@ -4,7 +4,8 @@ Every source answers the same questions the same way: how many samples, what eac
 called (:class:`~mmcache.sources.ids.IdColumn`), the digest of the ids, each sample's key
 (memoised by its stamp), the reject log, ``source[i]`` (the one raise-or-record,
 :func:`~mmcache.sources.items.serve`) and how it travels to a worker process. This class
-implements them once; a format supplies three things:
+implements them once, and is a torch ``Dataset`` (``torch.utils.data`` indexes a source
+itself: no wrapper between them); a format supplies three things:
 
 - :meth:`BaseSource.stamps`: ``int64 [n, k]`` per-sample stamps (what changes when the
   sample's input changes; a row starting with ``-2``: none, never memoised);
@@ -39,6 +40,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
+import torch
 
 from mmcache import keys
 from mmcache.errors import SampleError
@@ -48,15 +50,18 @@ from mmcache.sources.bytesproc import PipelineFields
 from mmcache.sources.ids import IdColumn
 from mmcache.sources.items import item_tensors, serve
 from mmcache.sources.rejects import Reject, RejectLog
+from mmcache.transforms.pipeline import Processor
 
 __all__ = ["BaseSource"]
 
 logger = logging.getLogger(__name__)
 
 
-class BaseSource(PipelineFields):
+class BaseSource(PipelineFields, torch.utils.data.Dataset[dict[str, Any] | None]):
     """The members of :class:`~mmcache.sources.base.SampleSource` that do not depend on
-    the format (see the module docstring for what a subclass implements).
+    the format (see the module docstring for what a subclass implements), and the torch
+    ``Dataset`` face: ``source[i]`` is the sample's tensors, or ``None`` for one skipped
+    under ``on_error="skip"`` (:func:`~mmcache.sources.items.serve`).
 
     A subclass sets :attr:`stamp_kind` and calls ``__init__`` with its pipeline (anything
     with ``fingerprint()``; the subclass checks what more it needs), its ids and
@@ -72,7 +77,7 @@ class BaseSource(PipelineFields):
     #: equal does not mean equal bytes, so every key is computed again).
     _memoise_keys: bool = True
 
-    def __init__(self, *, pipeline: Any, ids: IdColumn, on_error: OnError) -> None:
+    def __init__(self, *, pipeline: Processor, ids: IdColumn, on_error: OnError) -> None:
         self.on_error = check_on_error(on_error)
         self.pipeline = pipeline
         self._fingerprint = pipeline.fingerprint()
@@ -205,6 +210,8 @@ class BaseSource(PipelineFields):
         return item_tensors(self._ids.id(index), sample, self.channels_last_fields)
 
     def __getitem__(self, index: int) -> dict[str, Any] | None:
+        """Sample ``index``'s tensors and id; ``None`` for a sample that cannot be
+        produced under ``on_error="skip"`` (recorded: :meth:`rejects`)."""
         return serve(self, index)
 
     # -- rejects ------------------------------------------------------------------------

@@ -40,9 +40,10 @@ from mmcache.stats import REPORTS, TextReport, write_report
 from mmcache.transforms.chat import Chat, ChatSpec, FullyMaskedError
 from mmcache.transforms.frame_lists import frame_list_plan
 from mmcache.transforms.hf_llava_next import LlavaNextImageStage
-from mmcache.transforms.image import DEFAULT_MAX_BYTES, image_header
+from mmcache.transforms.image import image_header
 from mmcache.transforms.pixels import DECODE_ERRORS, applies_orientation, orientation
 from mmcache.transforms.smart_resize import output_hw
+from mmcache.transforms.stage import ImageTraits
 from mmcache.transforms.video import VideoSpec
 from mmcache.transforms.video_decode import video_plan
 
@@ -118,11 +119,10 @@ def _image_hw(stage: object, path: str, sample_id: str) -> tuple[int, int]:
     Pillow's limit: a SampleError for this sample). The stage's own ``max_pixels`` is
     not applied here: it is checked after a reduced (draft) decode, which a header
     read cannot reproduce."""
-    max_bytes = getattr(stage, "max_bytes", DEFAULT_MAX_BYTES)
     with image_header(
         path,
         sample_id=sample_id,
-        max_bytes=max_bytes if isinstance(max_bytes, int) else None,
+        max_bytes=ImageTraits.of(stage).max_bytes,
         max_pixels=None,
     ) as im:
         turn = orientation(im) if applies_orientation(stage) else 1

@@ -32,8 +32,9 @@ from typing import Any, Literal
 from mmcache.errors import ConfigError, ManifestError
 from mmcache.rootfiles import open_regular
 from mmcache.sources.base import OnError
-from mmcache.sources.files import FileSource, RecordProcessor, check_on_error
+from mmcache.sources.files import FileSource, check_on_error
 from mmcache.sources.records import Records, RecordsBuilder
+from mmcache.transforms.pipeline import RecordProcessor
 
 __all__ = ["CocoSource", "looks_like_coco", "read_coco"]
 

@@ -48,7 +48,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -63,32 +63,18 @@ from mmcache.sources.blobs.objects import Offline, Remote, is_remote
 from mmcache.sources.blobs.raw import RawTier
 from mmcache.sources.blobs.retry import RetryPolicy
 from mmcache.sources.blobs.state import SharedStamps, private_dir
-from mmcache.sources.bytesproc import StagedProcessor, byte_limit, process_bytes
+from mmcache.sources.bytesproc import byte_limit, process_bytes
 from mmcache.sources.chassis import BaseSource
 from mmcache.sources.readers import read_manifest
 from mmcache.sources.records import Records
 from mmcache.sources.rejects import Reject
 from mmcache.stats import TextReport
+from mmcache.transforms.pipeline import Pipeline, RecordProcessor, StagedProcessor
 
 __all__ = ["FileSource", "RecordProcessor", "Sample", "check_on_error"]
 
 #: The cacheable output of a pipeline: field name -> numpy array.
 Sample = dict[str, np.ndarray]
-
-
-@runtime_checkable
-class RecordProcessor(Protocol):
-    """What a :class:`FileSource` needs of its pipeline (:class:`mmcache.Pipeline` is one)."""
-
-    def fingerprint(self) -> str:
-        """A stable digest of the processing: part of every key."""
-        ...
-
-    def process(
-        self, image_path: str | None, text: str | None, *, sample_id: str
-    ) -> dict[str, np.ndarray]:
-        """One record -> its arrays. Raises :class:`SampleError`."""
-        ...
 
 
 class FileSource(BaseSource):
@@ -169,7 +155,7 @@ class FileSource(BaseSource):
             self.records = read_manifest(manifest, on_error=on_error)
         # A chat pipeline (mmcache.ChatSpec): samples are made from the structured
         # conversations and all their images (see mmcache.sources.chat).
-        self._chat = getattr(pipeline, "chat", None)
+        self._chat = pipeline.chat if isinstance(pipeline, Pipeline) else None
         self._mismatched = 0
         self._lengths: _chat.ChatLengths | None = None
         self._multi: npt.NDArray[np.bool_] | None = None  # see _multi_files
@@ -393,7 +379,7 @@ class FileSource(BaseSource):
         if (objects := self._objects) is not None:
             return self._produce_objects(objects, index)
         if self._chat is not None:
-            return self.pipeline.process_chat(  # type: ignore[attr-defined, no-any-return]
+            return self._chat_pipeline().process_chat(
                 self.records.image_paths(index),
                 self.records.chat(index),
                 sample_id=self.records.id(index),
@@ -427,10 +413,9 @@ class FileSource(BaseSource):
             url = part["video"]
             data = objects.read(url, sample_id=sid, max_bytes=limit)
             parts.append({**part, "video": data, "name": url, "max_bytes": limit})
-        out: dict[str, np.ndarray] = self.pipeline.process_chat(  # type: ignore[attr-defined]
+        return self._chat_pipeline().process_chat(
             [], self.records.chat(index), sample_id=sid, videos=parts
         )
-        return out
 
     # -- objects: checked again at each epoch, fetched ahead ------------------------------
     def revalidate(self) -> list[str]:
@@ -469,6 +454,11 @@ class FileSource(BaseSource):
         return objects.fetch(url, stamp, start, end, sample_id=sample_id, wait=wait)
 
     # -- supervised fine-tuning (a pipeline with a ChatSpec) ------------------------------
+    def _chat_pipeline(self) -> Pipeline:
+        """The pipeline of a chat source: only a :class:`Pipeline` has a chat stage, so
+        ``_chat`` is set only for one (see ``__init__``)."""
+        return cast(Pipeline, self.pipeline)
+
     def _chat_lengths(self, root: str | os.PathLike[str] | None = None) -> _chat.ChatLengths:
         if self._chat is None:
             raise ConfigError(
@@ -484,14 +474,14 @@ class FileSource(BaseSource):
             self._lengths = _chat.chat_lengths(
                 self.records,
                 self._chat,
-                getattr(self.pipeline, "image", None),
+                self._chat_pipeline().image,
                 fingerprint=self._fingerprint,
                 on_error=self.on_error,
                 mismatched=self._mismatched,
                 record_reject=self.record_reject,
                 stamps=lambda: self.stamps(np.arange(len(self.records))),
                 root=root,
-                video=getattr(self.pipeline, "video", None),
+                video=self._chat_pipeline().video,
             )
         return self._lengths
 

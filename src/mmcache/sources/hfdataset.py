@@ -42,7 +42,8 @@ from mmcache.sources import identity
 from mmcache.sources.base import OnError, SampleSource, StampKind
 from mmcache.sources.bytesproc import byte_limit
 from mmcache.sources.cells import check_image_type, image_cell
-from mmcache.sources.rows import IdColumn, RowSource, StagedProcessor, check_columns, path_column
+from mmcache.sources.rows import IdColumn, RowSource, check_columns, path_column
+from mmcache.transforms.pipeline import StagedProcessor
 
 __all__ = ["HFDatasetSource"]
 

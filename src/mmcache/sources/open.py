@@ -1,5 +1,5 @@
 """Which source reads a path or URL: the registry of data formats behind
-``MultimodalDataset(path)`` (:func:`register_source_format`, :func:`open_source`).
+``mmcache.open_source(path)`` (:func:`register_source_format`, :func:`open_source`).
 
 A format has a name (what ``format=`` takes), a *sniff* (does this location
 look like it?) and a *factory* (location + :class:`OpenOptions` -> a
@@ -33,12 +33,13 @@ from mmcache.sources.base import OnError, SampleSource
 from mmcache.sources.records import Records
 
 if TYPE_CHECKING:
-    from mmcache.sources.rows import StagedProcessor
+    from mmcache.transforms.pipeline import StagedProcessor
 
 __all__ = [
     "OpenOptions",
     "Sniff",
     "SourceFactory",
+    "check_format",
     "open_source",
     "register_source_format",
     "sniff_format",
@@ -83,7 +84,7 @@ _FORMATS: dict[str, _Format] = {}
 
 
 def register_source_format(name: str, sniff: Sniff, factory: SourceFactory) -> None:
-    """Make ``factory`` the reader of ``MultimodalDataset(location, format=name)`` and of
+    """Make ``factory`` the reader of ``mmcache.open_source(location, format=name)`` and of
     the locations ``sniff`` recognises under ``format="auto"`` (asked after the formats
     registered before it). Call at import time. ConfigError for a name already
     registered, ``"auto"``, or arguments that are not callable.
@@ -130,6 +131,14 @@ def sniff_format(location: str | os.PathLike[str]) -> str:
     return "llava" if head.lstrip(b"\xef\xbb\xbf").lstrip().startswith(b"[") else "jsonl"
 
 
+def check_format(format: str) -> str:
+    """``format`` when it is ``"auto"`` or a registered name; ConfigError naming the
+    registered names otherwise."""
+    if format != "auto" and format not in _FORMATS:
+        raise ConfigError(f"format must be 'auto' or one of {', '.join(_FORMATS)}, got {format!r}")
+    return format
+
+
 def open_source(
     location: str | os.PathLike[str], *, format: str = "auto", options: OpenOptions
 ) -> SampleSource | Records:
@@ -144,10 +153,7 @@ def open_source(
             from mmcache.sources.readers import read_manifest
 
             return read_manifest(name, on_error=options.on_error)
-    entry = _FORMATS.get(format)
-    if entry is None:
-        raise ConfigError(f"format must be 'auto' or one of {', '.join(_FORMATS)}, got {format!r}")
-    return entry.factory(name, options)
+    return _FORMATS[check_format(format)].factory(name, options)
 
 
 def wrap_object(obj: object, options: OpenOptions) -> SampleSource | None:

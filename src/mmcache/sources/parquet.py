@@ -65,7 +65,8 @@ from mmcache.sources.blobs.tables import GONE, TableFiles, file_stamp
 from mmcache.sources.bytesproc import byte_limit
 from mmcache.sources.cells import check_image_type, image_cell
 from mmcache.sources.rejects import Reject
-from mmcache.sources.rows import IdColumn, RowSource, StagedProcessor, check_columns, path_column
+from mmcache.sources.rows import IdColumn, RowSource, check_columns, path_column
+from mmcache.transforms.pipeline import StagedProcessor
 from mmcache.units import parse_size
 
 __all__ = ["ParquetSource"]

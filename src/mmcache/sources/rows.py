@@ -14,7 +14,7 @@ pipeline fingerprint)`` memoised per stamp, rejects, pickling), adds the identit
 files that cells name by path, and produces through
 :func:`~mmcache.sources.bytesproc.process_bytes`, which runs a pipeline's stages on
 bytes in hand exactly as :meth:`mmcache.Pipeline.process` does on a file (same
-output, bit for bit; re-exported here with :class:`StagedProcessor`).
+output, bit for bit; re-exported here).
 
 Thread/process safety: read-only after construction but for the reject log
 (process-safe), the key memo (one thread per process) and a subclass's readers
@@ -34,16 +34,16 @@ from mmcache import keys
 from mmcache.errors import ConfigError, ManifestError
 from mmcache.sources import identity
 from mmcache.sources.base import OnError
-from mmcache.sources.bytesproc import StagedProcessor, process_bytes
+from mmcache.sources.bytesproc import process_bytes
 from mmcache.sources.cells import image_cell
 from mmcache.sources.chassis import BaseSource
 from mmcache.sources.ids import IdColumn, duplicate_message
 from mmcache.sources.rejects import Reject
+from mmcache.transforms.pipeline import StagedProcessor
 
 __all__ = [
     "IdColumn",
     "RowSource",
-    "StagedProcessor",
     "check_columns",
     "image_cell",
     "path_column",
@@ -84,6 +84,7 @@ class RowSource(BaseSource):
 
     #: Sample index -> row, where rows of a repeated id were left out (``None``: none
     #: were, sample ``i`` is row ``i``).
+    pipeline: StagedProcessor
     _rows: npt.NDArray[np.int64] | None = None
 
     def __init__(self, *, pipeline: StagedProcessor, ids: IdColumn, on_error: OnError) -> None:

@@ -3,9 +3,10 @@
 :class:`~mmcache.testing.source_contract.SourceContract` inherits them all, so every
 source's suite runs them: a source that claims a capability (has its members) must keep
 its shapes, and one that does not is skipped for it. :class:`FaceContract` checks that
-:class:`~mmcache.dataset.SourceDataset`, the torch face over the source, claims exactly
-the capabilities the source claims (the face once inherited ``lengths`` from
-``FileSource`` over a Parquet source and failed with an ``AttributeError``).
+what :func:`mmcache.open_source` gives for the source is the source itself, so that what
+the loader and ``ds[i]`` see claims exactly the capabilities the source claims (a wrapper
+face once inherited ``lengths`` from ``FileSource`` over a Parquet source and failed with
+an ``AttributeError``).
 
 Each mixin reads ``self._source()`` and the sample count ``N`` of the suite.
 """
@@ -103,13 +104,15 @@ class RevalidatingContract:
 
 
 class FaceContract:
-    """``SourceDataset(source)`` claims exactly the capabilities of ``source``."""
+    """``open_source(source)`` is ``source``: it claims exactly the capabilities of
+    ``source``."""
 
     def test_the_torch_face_claims_what_the_source_claims(self) -> None:
-        from mmcache.dataset import SourceDataset
+        from mmcache.dataset import open_source
 
         source = _source_of(self)
-        face = SourceDataset(source)
+        face = open_source(source)
+        assert face is source
         for capability in CAPABILITIES:
             assert isinstance(face, capability) == isinstance(source, capability), capability
         assert face.ids([0]) == source.ids([0]) and face.key(0) == source.key(0)

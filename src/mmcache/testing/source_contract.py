@@ -28,7 +28,7 @@ numpy arrays, the same each time; a sample that cannot be produced raises
 :class:`~mmcache.errors.SampleError` naming it, which ``record_reject`` accepts; a
 copy in a spawned worker process (:mod:`mmcache.testing.spawned`) answers
 everything the same; each capability the source claims (:mod:`mmcache.sources.capabilities`)
-keeps its shapes, and :class:`~mmcache.dataset.SourceDataset` over it claims the same
+keeps its shapes, and :func:`~mmcache.dataset.open_source` gives the source itself
 (:mod:`mmcache.testing.capability_contract`); and a source that reads containers
 (shards, Parquet files) implements ``make_hostile_source`` to run the hostile-input part
 (:class:`~mmcache.testing.hostile.HostileInputContract`).
@@ -98,7 +98,7 @@ class SourceContract(
 ):
     """Contract tests for a :class:`SampleSource`; subclasses provide the source. The
     capability mixins (:mod:`mmcache.testing.capability_contract`) check each capability
-    the source claims, and that its torch face claims the same; the hostile-input part
+    the source claims, and that open_source gives the source itself; the hostile-input part
     runs for a source whose class implements ``make_hostile_source``."""
 
     __test__ = False

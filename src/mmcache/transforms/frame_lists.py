@@ -36,8 +36,9 @@ import numpy.typing as npt
 from PIL import Image
 
 from mmcache.errors import SampleError
-from mmcache.transforms.image import DEFAULT_MAX_BYTES, image_header, open_image, read_file
+from mmcache.transforms.image import image_header, open_image, read_file
 from mmcache.transforms.pixels import DECODE_ERRORS
+from mmcache.transforms.stage import DEFAULT_MAX_BYTES
 from mmcache.transforms.video import VideoSpec, qwen_smart_resize, resize_frames
 from mmcache.transforms.video_decode import Clip
 

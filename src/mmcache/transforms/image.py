@@ -87,12 +87,10 @@ from mmcache.transforms.pixels import (
     to_rgb_or_l,
     upright_rgb,
 )
-from mmcache.transforms.stage import Stage, StageKind
-from mmcache.units import MiB
+from mmcache.transforms.stage import DEFAULT_MAX_BYTES, ImageTraits, Stage, StageKind
 
 __all__ = [
     "ALPHA_BACKGROUND",
-    "DEFAULT_MAX_BYTES",
     "PAD_FILL",
     "Crop",
     "ImageSpec",
@@ -123,14 +121,6 @@ _PILLOW_MAX_PIXELS: int | None = Image.MAX_IMAGE_PIXELS
 
 _PILLOW_MAJOR = int(PIL.__version__.split(".")[0])
 
-# The default of ImageSpec.max_bytes. A large photo is tens of MiB (a 100 MP
-# 16-bit TIFF about 600 MiB is the rare exception, raise the limit for those);
-# a file far larger is a video or an archive listed by mistake, and reading it
-# whole would raise MemoryError, which no on_error policy catches.
-_DEFAULT_MAX_BYTES = 256 * MiB
-#: The default of ``ImageSpec.max_bytes`` (what sources bound a sample's bytes by when
-#: their pipeline has no image stage).
-DEFAULT_MAX_BYTES = _DEFAULT_MAX_BYTES
 
 _BOMB_PIXELS_RE = re.compile(r"\((\d+) pixels\)")
 
@@ -234,7 +224,7 @@ class ImageSpec:
     interpolation: Interpolation = "bicubic"
     draft: bool = True
     max_pixels: int | None = field(default=_PILLOW_MAX_PIXELS)
-    max_bytes: int | None = _DEFAULT_MAX_BYTES
+    max_bytes: int | None = DEFAULT_MAX_BYTES
     crop: Crop | None = "center"
     max_size: int | None = None
     pad_to_square: bool = False
@@ -661,11 +651,11 @@ def decode_bytes(
 
 
 def load_image(stage: ImageSpec | Stage, path: str | os.PathLike[str], *, sample_id: str) -> Any:
-    """Read ``path`` (within ``stage.max_bytes`` for an ImageSpec, 256 MiB otherwise)
-    and :func:`decode_bytes` it. Raises SampleError for every bad-file case."""
+    """Read ``path`` (within the stage's ``max_bytes``: :class:`ImageTraits`, 256 MiB
+    unless it declares another) and :func:`decode_bytes` it. Raises SampleError for every
+    bad-file case."""
     path_str = os.fspath(path)
-    max_bytes = stage.max_bytes if isinstance(stage, ImageSpec) else _DEFAULT_MAX_BYTES
-    data = read_file(path_str, sample_id, max_bytes)
+    data = read_file(path_str, sample_id, ImageTraits.of(stage).max_bytes)
     return decode_bytes(stage, data, sample_id=sample_id, path=path_str)
 
 

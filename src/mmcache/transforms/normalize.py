@@ -13,7 +13,7 @@ default is CLIP's: a SigLIP or ImageNet model needs its preset named.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from mmcache.errors import ConfigError
 
@@ -28,6 +28,7 @@ __all__ = [
     "PRESETS",
     "SIGLIP_MEAN",
     "SIGLIP_STD",
+    "HasMeanStd",
     "normalize",
     "resolve_mean_std",
 ]
@@ -45,6 +46,19 @@ PRESETS: Mapping[str, tuple[tuple[float, float, float], tuple[float, float, floa
     "siglip": (SIGLIP_MEAN, SIGLIP_STD),
     "imagenet": (IMAGENET_MEAN, IMAGENET_STD),
 }
+
+
+@runtime_checkable
+class HasMeanStd(Protocol):
+    """What :func:`normalize` takes in place of ``mean``/``std``: an object that knows
+    them for ``(x / 255 - mean) / std`` (``hf_image_processor(...)``'s stage, a LLaVA-NeXT
+    image stage, or a user's own)."""
+
+    @property
+    def mean(self) -> Sequence[float]: ...
+
+    @property
+    def std(self) -> Sequence[float]: ...
 
 
 def _floats(what: str, value: object) -> tuple[float, ...]:
@@ -76,7 +90,7 @@ def resolve_mean_std(
             raise ConfigError(f"normalize preset {mean!r} sets std too: drop std=")
         m, s = PRESETS[mean]
     elif not isinstance(mean, Sequence):
-        pair = (getattr(mean, "mean", None), getattr(mean, "std", None))
+        pair = (mean.mean, mean.std) if isinstance(mean, HasMeanStd) else (None, None)
         if pair[0] is None or pair[1] is None or std is not None:
             raise ConfigError(
                 f"normalize takes 3 means, a preset {sorted(PRESETS)} or a stage with "

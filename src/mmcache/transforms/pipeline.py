@@ -17,7 +17,11 @@ all its images -> ``input_ids``, ``labels``, ``images``, ``image_sizes`` and, wi
 
 The stages live beside it in :mod:`mmcache.transforms`. The pipeline sits in the
 transforms layer, below the sources, so that a source types its pipeline and reads
-its stages as attributes.
+its fields as attributes. A source also takes a user's own processing object: what it
+needs of one is declared here (:class:`RecordProcessor`: ``process``;
+:class:`StagedProcessor`: ``stages``; both with ``fingerprint``; :class:`LaysOutFields`
+when the object says which fields vary or are cached channels-last); what only a
+:class:`Pipeline` has (a chat stage, a video stage) a source reads from a Pipeline.
 
 Thread and process safety: a :class:`Pipeline` is immutable after construction.
 :meth:`Pipeline.process` may be called from several threads at once (each call has its
@@ -30,7 +34,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any, Protocol, cast, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -42,17 +46,68 @@ from mmcache.transforms.frame_lists import load_frame_list
 from mmcache.transforms.hf_llava_next import Crops, LlavaNextImageStage
 from mmcache.transforms.image import ImageSpec, load_image
 from mmcache.transforms.smart_resize import SmartResize
-from mmcache.transforms.stage import Stage, StageKind
+from mmcache.transforms.stage import ImageTraits, Stage, StageKind
 from mmcache.transforms.text import TextSpec
 from mmcache.transforms.user import UserStage
 from mmcache.transforms.video import VideoSpec
 from mmcache.transforms.video_decode import VIDEO_FIELDS, Clip, load_clip, video_fields
 
-__all__ = ["PIPELINE_FORMAT_VERSION", "Pipeline"]
+__all__ = [
+    "PIPELINE_FORMAT_VERSION",
+    "LaysOutFields",
+    "Pipeline",
+    "Processor",
+    "RecordProcessor",
+    "StagedProcessor",
+]
 
 #: Bump when the meaning of a pipeline's output changes for the same parameters
 #: (geometry convention, colour handling...): it is part of :meth:`Pipeline.fingerprint`.
 PIPELINE_FORMAT_VERSION = 1
+
+
+@runtime_checkable
+class RecordProcessor(Protocol):
+    """What a source of records (:class:`~mmcache.sources.files.FileSource`) needs of
+    its pipeline: :class:`Pipeline` is one, and so is a user's own object with these."""
+
+    def fingerprint(self) -> str:
+        """A stable digest of the processing: part of every key."""
+        ...
+
+    def process(
+        self, image_path: str | None, text: str | None, *, sample_id: str
+    ) -> dict[str, npt.NDArray[Any]]:
+        """One record -> its arrays. Raises :class:`SampleError`."""
+        ...
+
+
+@runtime_checkable
+class StagedProcessor(Protocol):
+    """What a source of bytes (WebDataset members, Parquet and HF rows, remote objects)
+    needs of its pipeline: it runs the stages itself on the bytes it read
+    (:func:`mmcache.sources.bytesproc.process_bytes`). :class:`Pipeline` is one."""
+
+    @property
+    def stages(self) -> Sequence[Stage]: ...
+
+    def fingerprint(self) -> str: ...
+
+
+@runtime_checkable
+class LaysOutFields(Protocol):
+    """A processor that says how its samples' fields are laid out (:class:`Pipeline`
+    does); one that does not makes fixed shapes, channels first."""
+
+    @property
+    def varying_fields(self) -> frozenset[str]: ...
+
+    @property
+    def channels_last_fields(self) -> frozenset[str]: ...
+
+
+#: What a source takes as its ``pipeline``.
+Processor = RecordProcessor | StagedProcessor
 
 
 def _checked(value: object, kind: StageKind) -> Stage | None:
@@ -188,7 +243,7 @@ class Pipeline:
             if self.video is not None:
                 names |= set(VIDEO_FIELDS)
             return frozenset(names)
-        if self.image is not None and getattr(self.image, "fixed_shape", True) is False:
+        if self.image is not None and not ImageTraits.of(self.image).fixed_shape:
             return frozenset({"image"})
         return frozenset()
 
@@ -197,7 +252,7 @@ class Pipeline:
         """``{"image"}`` when the image stage caches ``[H, W, C]`` pixels
         (``ImageSpec(channels_last=True)``), else empty. The loader and ``ds[i]`` then
         present them as ``[C, H, W]`` views (torch's ``channels_last`` strides)."""
-        if self.image is not None and getattr(self.image, "channels_last", False) is True:
+        if self.image is not None and ImageTraits.of(self.image).channels_last:
             return frozenset({"image"})
         return frozenset()
 

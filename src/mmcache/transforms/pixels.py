@@ -19,6 +19,7 @@ from PIL import Image
 
 from mmcache.errors import ConfigError
 from mmcache.transforms.normalize import CLIP_MEAN
+from mmcache.transforms.stage import ImageTraits
 
 __all__ = [
     "ALPHA_BACKGROUND",
@@ -196,8 +197,8 @@ def upright_rgb(im: Image.Image, *, transpose: bool = True) -> Image.Image:
 def applies_orientation(stage: object) -> bool:
     """Whether an image stage turns images upright by their EXIF orientation: its
     declared ``exif_transpose`` (the built-in stages'), True for one that declares
-    nothing (a user stage receives the upright image)."""
-    return getattr(stage, "exif_transpose", True) is not False
+    nothing (a user stage receives the upright image): :class:`ImageTraits`."""
+    return ImageTraits.of(stage).exif_transpose
 
 
 def expand_to_square(im: Image.Image, fill: tuple[int, ...]) -> Image.Image:

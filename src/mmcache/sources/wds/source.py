@@ -48,7 +48,6 @@ from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from mmcache import keys
 from mmcache.errors import ConfigError, ManifestError, SampleError
@@ -60,7 +59,7 @@ from mmcache.sources.blobs.objects import Offline, Remote, RemoteError, RetryPol
 from mmcache.sources.blobs.raw import RawTier
 from mmcache.sources.blobs.state import SharedStamps, private_dir
 from mmcache.sources.blobs.tarwalk import DamagedShard
-from mmcache.sources.bytesproc import StagedProcessor, byte_limit, check_size, process_bytes
+from mmcache.sources.bytesproc import byte_limit, check_size, process_bytes
 from mmcache.sources.chassis import BaseSource
 from mmcache.sources.files import check_on_error
 from mmcache.sources.ids import IdColumn
@@ -70,6 +69,7 @@ from mmcache.sources.wds.home import index_home, state_home
 from mmcache.sources.wds.index import load_or_build
 from mmcache.sources.wds.table import Problem, SampleColumns, ShardTable, assemble, expand_shards
 from mmcache.sources.wds.video import VIDEO_EXTS, is_video_member, produce_video
+from mmcache.transforms.pipeline import StagedProcessor
 
 __all__ = ["IMAGE_EXTS", "WebDatasetSource"]
 
@@ -81,7 +81,7 @@ C = SampleColumns
 MAX_DIGEST = identity.MAX_DIGEST_BYTES
 
 
-class WebDatasetSource(RemoteShards, BaseSource, torch.utils.data.Dataset[dict[str, Any] | None]):
+class WebDatasetSource(RemoteShards, BaseSource):
     """Image-text samples of WebDataset tar shards (see the module docstring).
 
     >>> src = WebDatasetSource("shards/{00000..00009}.tar", pipeline=pipe)  # doctest: +SKIP
@@ -118,6 +118,7 @@ class WebDatasetSource(RemoteShards, BaseSource, torch.utils.data.Dataset[dict[s
     """
 
     stamp_kind: StampKind = StampKind.FIXED
+    pipeline: StagedProcessor
     on_error: OnError
     _per_process: ClassVar[tuple[str, ...]] = (*BaseSource._per_process, "_fds", "_fetch_groups")
 

@@ -18,11 +18,10 @@ Pure functions; thread-safe.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from mmcache.errors import SampleError
+from mmcache.transforms.pipeline import Pipeline, StagedProcessor
 
 __all__ = ["VIDEO_EXTS", "is_video_member", "produce_video"]
 
@@ -36,7 +35,7 @@ def is_video_member(name: str, video_exts: tuple[str, ...]) -> bool:
 
 
 def produce_video(
-    pipeline: Any,
+    pipeline: StagedProcessor,
     data: bytes,
     caption: str | None,
     *,
@@ -47,9 +46,14 @@ def produce_video(
     """The SFT sample of one clip's bytes and its caption (see the module docstring).
     SampleError naming ``sample_id`` and ``path`` when the pipeline makes no video
     samples, the caption is missing, or the clip does not decode."""
-    chat = getattr(pipeline, "chat", None)
-    video = getattr(chat, "video", None)
-    if chat is None or video is None or getattr(pipeline, "video", None) is None:
+    chat = pipeline.chat if isinstance(pipeline, Pipeline) else None
+    video = None if chat is None else chat.video
+    if (
+        not isinstance(pipeline, Pipeline)
+        or chat is None
+        or video is None
+        or pipeline.video is None
+    ):
         raise SampleError(
             "a video member needs a video SFT pipeline: Pipeline(text=ChatSpec(..., "
             "video=VideoTokens()), video=VideoSpec(...))",
