@@ -96,6 +96,22 @@ def test_s3_files_equal_local_files(s3, small_pipeline, tmp_path):
     assert hooks[0].fetched > 0
 
 
+def test_open_source_reads_a_manifest_of_urls_with_its_storage_options(
+    s3, small_pipeline, tmp_path
+):
+    # open_source refused storage_options= for a manifest ("not a manifest of local
+    # files"): a manifest of URLs needed RemoteFileSource. Now it opens the one FileSource.
+    from mmcache.dataset import open_source
+    from mmcache.sources.capabilities import Revalidating
+
+    manifest = make_dataset(tmp_path / "data", 3, seed=4)
+    remote = upload_manifest(s3, manifest, "opened")
+    ds = open_source(remote, pipeline=small_pipeline, storage_options=s3.storage_options())
+    local = MultimodalDataset(manifest, pipeline=small_pipeline)
+    assert isinstance(ds, Revalidating) and ds.stamp_kind.name == "FIXED"
+    assert bool((ds.produce(2)["image"] == local.produce(2)["image"]).all())
+
+
 def test_an_overwritten_image_is_fetched_again(s3, small_pipeline, tmp_path, cache_root):
     manifest = make_dataset(tmp_path / "data", 6, seed=4)
     remote_manifest = upload_manifest(s3, manifest, "ow")
