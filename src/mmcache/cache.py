@@ -98,19 +98,16 @@ _to_key = as_key  # 16 bytes and 32 hex as they are, any other str/bytes hashed
 
 def check_reads(store: S) -> S:
     """Install the codec's checksum as the read check of ``store``'s batch gathers, as
-    the cache does for each of its tiers, and return it: a memory store (the memory
-    tier, the cluster's in-flight tier) and a disk store check the copies they made (a
-    batch of one layout at once); a formed disk store the stored entry, before its
-    decode. Other stores are returned as they are (their reads go through the tier
-    list's check)."""
-    if isinstance(store, FormedDiskStore):
-        store.enable_gather(codec.checksum_matches)  # decodes its hits (disk/formed.py)
-    elif isinstance(store, (MemoryStore, DiskStore)):  # a batch of one layout checked at once
-        store.enable_gather(
-            codec.checksum_matches,
-            copied=codec.checksum_matches_copied,
-            rows=codec.checksums_match_rows,
-        )
+    the cache does for each of its tiers, and return it (:meth:`Store.enable_gather
+    <mmcache.stores.base.Store.enable_gather>`): a memory store (the memory tier, the
+    cluster's in-flight tier) and a disk store check the copies they made (a batch of
+    one layout at once); a formed disk store the stored entry, before its decode. Other
+    stores keep the default, none (their reads go through the tier list's check)."""
+    store.enable_gather(
+        codec.checksum_matches,
+        copied=codec.checksum_matches_copied,
+        rows=codec.checksums_match_rows,
+    )
     return store
 
 
@@ -594,7 +591,7 @@ class Cache:
         that misses a key another process is producing waits for it; see
         :mod:`mmcache.stores.claims`), or None without a memory tier."""
         memory = self.memory
-        return Claims(memory.claims_path) if isinstance(memory, MemoryStore) else None
+        return memory.claims() if memory is not None else None
 
     @property
     def reader(self) -> BatchReader | None:
@@ -714,10 +711,11 @@ class Cache:
         """Read-through: the cached sample, or ``produce()``'s result, stored with its cost.
 
         The cost is the CPU time of ``produce`` in this thread (``time.thread_time``),
-        not wall time, which other processes on a busy node inflate
+        not wall time, which other processes on a busy node inflate. A key another
+        process of the node is producing is waited for (its claim), not produced twice
         (see :func:`mmcache.readthrough.read_through`).
         """
-        sample = read_through(self, _to_key(key), produce).sample
+        sample = read_through(self, _to_key(key), produce, claims=self.claims).sample
         if sample is None:  # pragma: no cover - on_error="raise" never returns a reject
             raise RuntimeError("read_through returned no sample")
         return sample

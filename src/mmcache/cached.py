@@ -3,7 +3,8 @@
 Wrap a sample source (a :class:`~mmcache.dataset.MultimodalDataset` or any
 :class:`~mmcache.sources.base.SampleSource`) and use it with a plain
 ``torch.utils.data.DataLoader`` and any number of workers: every worker reads
-the node-shared memory tier and the disk tier, and admits what it produces.
+the node-shared memory tier and the disk tier, and admits what it produces; a
+sample another process of the node is producing is waited for, not produced twice.
 (``mmcache.DataLoader`` goes further: hits skip the workers entirely.)
 
 Each item carries ``"key"``, the hex cache key, beside the source's fields.
@@ -17,7 +18,7 @@ import torch
 
 from mmcache.cache import Cache
 from mmcache.keys import key_hex
-from mmcache.readthrough import ReadThroughSource, describe, read_through
+from mmcache.readthrough import ReadThroughSource, read_through
 
 __all__ = ["CachedDataset"]
 
@@ -34,7 +35,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any] | None]):
     def __init__(self, dataset: ReadThroughSource, cache: Cache) -> None:
         self.dataset = dataset
         self.cache = cache
-        cache.register(dataset.fingerprint(), describe(dataset))
+        cache.register(dataset.fingerprint(), dataset.describe())
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -46,6 +47,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any] | None]):
             self.cache,
             key,
             lambda: ds.produce(index),
+            claims=self.cache.claims,  # one preparation per node (waits for another's)
             on_error=ds.on_error,
             record_reject=ds.record_reject,
             tag=ds.fingerprint(),

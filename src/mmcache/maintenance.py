@@ -20,7 +20,7 @@ from mmcache import codec
 from mmcache.cacheroot import memory_group
 from mmcache.errors import CacheError
 from mmcache.registry import FingerprintRegistry
-from mmcache.stores.base import Store
+from mmcache.stores.base import ChecksEntries, Salvages, Store
 from mmcache.stores.disk.maintenance import DamagedTreeError
 from mmcache.units import parse_duration, parse_size
 
@@ -93,8 +93,8 @@ def verify(tiers: Mapping[str, Store], *, repair: bool = False) -> VerifyReport:
     """Check every entry's header and checksum in each of ``tiers`` (by name, fastest
     first); with ``repair`` remove bad ones.
 
-    Each tier checks itself (``verify(check)``, which the memory and disk tiers
-    have): no hit or miss is counted and no access time changes, so verifying
+    Each tier checks itself where it can (a :class:`~mmcache.stores.base.ChecksEntries`:
+    the memory and disk tiers): no hit or miss is counted and no access time changes, so verifying
     leaves the statistics and the policy's order as they were. Bad entries are
     counted as ``corrupt`` by the tier. Safe while other processes use the cache.
 
@@ -109,18 +109,16 @@ def verify(tiers: Mapping[str, Store], *, repair: bool = False) -> VerifyReport:
     salvaged: dict[str, dict[str, int]] = {}
     checked = 0
     for name, tier in tiers.items():
-        check_tier = getattr(tier, "verify", None)
-        if check_tier is not None:  # counts what it finds as corrupt
+        if isinstance(tier, ChecksEntries):  # counts what it finds as corrupt
             try:
-                found = list(check_tier(_verifies))
+                found = list(tier.verify(_verifies))
             except DamagedTreeError as exc:
-                salvage = getattr(tier, "salvage", None)
-                if not repair or salvage is None:
+                if not repair or not isinstance(tier, Salvages):
                     damaged[name] = str(exc)
                     continue
-                report = salvage()  # what is readable, into a fresh file; then check it
+                report = tier.salvage()  # what is readable, into a fresh file; then check it
                 salvaged[name] = {"kept": report.kept, "lost": report.lost}
-                found = list(check_tier(_verifies))
+                found = list(tier.verify(_verifies))
             checked += len(tier)
         else:  # a tier without its own check: plain reads (they count as hits)
             checked += len(tier)
@@ -131,7 +129,7 @@ def verify(tiers: Mapping[str, Store], *, repair: bool = False) -> VerifyReport:
                     found.append(k)
         for k in found:
             bad.append((name, k))
-            if repair and check_tier is not None:
+            if repair and isinstance(tier, ChecksEntries):
                 tier.delete(k)
             elif repair:
                 tier.discard(k, why="corrupt")
@@ -151,8 +149,7 @@ def damaged_tiers(tiers: Mapping[str, Store]) -> dict[str, str]:
     a walk of the keys, not of the values, so it costs far less than :func:`verify`."""
     found: dict[str, str] = {}
     for name, tier in tiers.items():
-        problem = getattr(tier, "tree_problem", None)
-        why = problem() if problem is not None else None
+        why = tier.tree_problem() if isinstance(tier, Salvages) else None
         if why is not None:
             found[name] = why
     return found

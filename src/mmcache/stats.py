@@ -273,11 +273,12 @@ class WarmReport:
     """What :func:`mmcache.warm` did on this rank."""
 
     total: int  # samples of this rank's shard
-    present: int  # already cached, skipped
+    present: int  # already cached, skipped (``waited`` included)
     produced: int  # decoded and offered to the cache
     admitted: int  # ... of which a tier admitted
     rejected: int  # bad samples (on_error="skip")
     seconds: float
+    waited: int = 0  # ... of ``present``: another process of the node was producing it
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -1,7 +1,11 @@
 """Fill a cache ahead of training (``mmcache warm``): resumable, sharded by rank.
 
 Keys already present are skipped before any decode, so a warm-up killed at any
-moment resumes where it stopped without recomputing stored entries. Under
+moment resumes where it stopped without recomputing stored entries. Each miss is
+produced under the node's claim on its key (:func:`~mmcache.readthrough.read_through`
+with ``cache.claims``): a sample another process of the node is producing right now
+(another warm-up, a training job's loader) is waited for and taken from the cache,
+not produced twice. Under
 ``torchrun`` every rank takes a disjoint strided part of the dataset
 (``rank::world_size``). Misses are produced by DataLoader worker processes,
 which admit them to the cache themselves and send back only a status, so no
@@ -22,7 +26,7 @@ from mmcache.cache import Cache
 from mmcache.checks import check_int
 from mmcache.dist import rank_and_world
 from mmcache.errors import ConfigError
-from mmcache.readthrough import ReadThroughSource, describe, read_through
+from mmcache.readthrough import ReadThroughSource, read_through
 from mmcache.sources.capabilities import index_count
 from mmcache.stats import WarmReport
 
@@ -56,6 +60,7 @@ class _Produce(torch.utils.data.Dataset[tuple[str, str]]):
             self.cache,
             key,
             lambda: ds.produce(i),
+            claims=self.cache.claims,  # one preparation per node (waits for another's)
             on_error=ds.on_error,
             record_reject=ds.record_reject,
             tag=ds.fingerprint(),
@@ -63,6 +68,8 @@ class _Produce(torch.utils.data.Dataset[tuple[str, str]]):
         )
         if got.error is not None:
             return ("rejected", got.error.reason)
+        if got.hit:  # another process published it while this one waited (or just before)
+            return ("waited" if got.waited else "present", "")
         return ("admitted" if got.admitted else "refused", "")
 
 
@@ -92,18 +99,18 @@ def warm(
         raise ConfigError(f"executor must be 'local' or 'ray', got {executor!r}")
     rank, world_size = rank_and_world(rank, world_size)
     t0 = time.perf_counter()
-    cache.register(dataset.fingerprint(), describe(dataset))
+    cache.register(dataset.fingerprint(), dataset.describe())
     shard = list(range(rank, index_count(dataset), world_size))
     todo = [i for i in shard if not cache.contains(dataset.key(i))]
     present = len(shard) - len(todo)
-    counts = {"admitted": 0, "refused": 0, "rejected": 0, "present": 0}
+    counts = {"admitted": 0, "refused": 0, "rejected": 0, "present": 0, "waited": 0}
     if todo and executor == "ray":
         from tqdm import tqdm
 
         from mmcache.warmray import warm_with_ray
 
         with tqdm(total=len(shard), initial=present, disable=not progress, unit="sample") as bar:
-            counts = warm_with_ray(dataset, cache, todo, progress=bar.update)
+            counts = {"waited": 0, **warm_with_ray(dataset, cache, todo, progress=bar.update)}
     elif todo:
         from tqdm import tqdm
 
@@ -127,11 +134,12 @@ def warm(
                 bar.update(len(batch))
     report = WarmReport(
         total=len(shard),
-        present=present + counts["present"],
+        present=present + counts["present"] + counts["waited"],
         produced=counts["admitted"] + counts["refused"],
         admitted=counts["admitted"],
         rejected=counts["rejected"],
         seconds=time.perf_counter() - t0,
+        waited=counts["waited"],
     )
     logger.info("warm: %s", report)
     return report

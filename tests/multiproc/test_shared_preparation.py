@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import multiprocessing as mp
 import os
 import signal
 import subprocess
@@ -25,6 +24,7 @@ import numpy as np
 import pytest
 
 from mmcache.stores.claims import Claims, claim_holders
+from support.together import run_together, wait_for_start
 
 KEY = b"k" * 16
 
@@ -132,25 +132,16 @@ def test_claims_need_an_existing_file(tmp_path: Path) -> None:
     assert Claims(str(tmp_path / "absent")).acquire(KEY) is None  # produce unclaimed
 
 
-START_ENV = "MMCACHE_TEST_SWEEP_START"
-
-
 def _slow_image(im: Any) -> np.ndarray:
-    """A decode-sized stage (30 ms a sample) that first waits for the start file: every
-    job's workers begin their misses at one instant and stay in step, as the jobs of a
-    sweep started by one script do (without it, process start-up on a busy machine
-    staggers the jobs, and one that lags simply hits what the first one made)."""
-    start = Path(os.environ[START_ENV])
-    while not start.exists():
-        time.sleep(0.005)
-    at = float(start.read_text() or "0")
-    if time.time() < at:
-        time.sleep(at - time.time())
+    """A decode-sized stage (30 ms a sample) that first waits for the common start: every
+    job's workers begin their misses at one instant and stay in step
+    (:mod:`support.together`)."""
+    wait_for_start()
     time.sleep(0.03)
     return np.asarray(im.resize((64, 64)))
 
 
-def _job(paths: tuple[str, str, str], barrier: Any, out: Any, claims: bool) -> None:
+def _job(paths: tuple[str, str, str], claims: bool, barrier: Any, out: Any) -> None:
     """One training job: (manifest, tokenizer, cache root); reports its misses and batches."""
     import mmcache as mc
     from mmcache.cache import Cache
@@ -184,27 +175,8 @@ def _job(paths: tuple[str, str, str], barrier: Any, out: Any, claims: bool) -> N
 
 
 def _sweep(tiny_data: Path, tokenizer_json: Path, root: Path, k: int, claims: bool) -> list[Any]:
-    ctx = mp.get_context("spawn")
-    barrier, out = ctx.Barrier(k), ctx.Queue()
-    start = root.parent / "start"
-    os.environ[START_ENV] = str(start)  # inherited by the jobs and their workers
-    args = ((str(tiny_data), str(tokenizer_json), str(root)), barrier, out, claims)
-    procs = [ctx.Process(target=_job, args=args) for _ in range(k)]
-    for p in procs:
-        p.start()
-    try:
-        assert [out.get(timeout=300) for _ in procs] == ["ready"] * k
-        tmp = start.with_suffix(".tmp")
-        tmp.write_text(str(time.time() + 1.0))
-        tmp.rename(start)  # whole, at once
-        results = [out.get(timeout=300) for _ in procs]
-    finally:
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
-    assert all(p.exitcode == 0 for p in procs)
-    return results
+    paths = (str(tiny_data), str(tokenizer_json), str(root))
+    return run_together(_job, (paths, claims), k, root.parent / "start")
 
 
 @pytest.mark.timeout(600)

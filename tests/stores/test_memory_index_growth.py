@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ import numpy as np
 import pytest
 
 from mmcache.errors import CacheError
-from mmcache.stores.memory import MemoryStore, store_dir, unlink_store
+from mmcache.stores.memory import MemoryStore, store_dir
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -41,14 +40,6 @@ def value(i: int, size: int = 100) -> bytes:
 
 def index_files(name: str) -> list[str]:
     return sorted(glob.glob(f"{store_dir()}/mmcache-{glob.escape(name)}-i*"))
-
-
-@pytest.fixture
-def shm_name() -> Iterator[str]:
-    name = f"tgrow-{uuid.uuid4().hex[:12]}"
-    yield name
-    unlink_store(name)
-    assert glob.glob(f"{store_dir()}/mmcache-{glob.escape(name)}*") == []
 
 
 @pytest.fixture

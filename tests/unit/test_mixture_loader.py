@@ -242,10 +242,10 @@ def test_an_admitted_entry_costs_its_miss_times_its_part_reads_per_epoch(
 ) -> None:
     """The planned order reaches the policy: a coco sample (read twice an epoch) is
     admitted with twice its miss cost, a vqa one (half the epochs) with half."""
-    from mmcache.loader import tasks
+    from mmcache import readthrough  # times every produce (the loader's workers' too)
 
     clock = iter(range(0, 10**6, 3))  # every produce takes exactly 3 "CPU seconds"
-    monkeypatch.setattr(tasks.time, "thread_time", lambda: float(next(clock)))
+    monkeypatch.setattr(readthrough.time, "thread_time", lambda: float(next(clock)))
     with mc.Cache(cache_root, memory="32MiB", temporary=True) as cache:
         loader = DataLoader(mix, cache=cache, batch_size=5, seed=3, num_workers=0)
         _epoch(loader, 0)

@@ -70,7 +70,7 @@ def _run(
     ``resume_after`` batches and resumed from the loader's state."""
     pipe = _pipeline(per_frame)
     ds = MultimodalDataset(manifest, pipeline=pipe)
-    hook = VideoFrameSampler.for_chat(pipe.chat, KEEP, pad_token_id=ds.pad_token_id)  # type: ignore[arg-type]
+    hook = VideoFrameSampler.for_chat(pipe.chat, KEEP, pad_token_id=ds.pad_token_id)
     pack = PackSpec(max_tokens=int(ds.lengths().max()) * 2)
     with mmcache.Cache(root, memory="64MiB", disk="128MiB") as cache:
 

@@ -82,7 +82,7 @@ from mmcache.features.encoder import (
 )
 from mmcache.features.entry import DTYPE_NAMES, FEATURE_FIELD, STORAGE, entry_sizes, to_device
 from mmcache.features.factory import LoadedEncoder, load_factory
-from mmcache.features.stage import FeatureLoader
+from mmcache.features.stage import Augmenting, FeatureLoader
 from mmcache.features.warm import FeatureWarmReport, warm_features
 from mmcache.features.writes import FeatureWrites
 from mmcache.policies import Policy
@@ -568,7 +568,7 @@ class FeatureCache:
         >>> for batch in feats.wrap(loader):       # doctest: +SKIP
         ...     loss = model(batch["features"], batch["input_ids"])
         """
-        augment = getattr(loader, "augment", None)
+        augment = loader.augment if isinstance(loader, Augmenting) else None
         if augment is not None:
             raise ConfigError(
                 f"FeatureCache.wrap: the loader has augment={augment!r}; features of "

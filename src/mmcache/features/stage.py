@@ -3,14 +3,29 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from mmcache.errors import ConfigError
 
 if TYPE_CHECKING:
     from mmcache.features import FeatureCache
 
-__all__ = ["FeatureLoader"]
+__all__ = ["Augmenting", "FeatureLoader", "HasEpochs"]
+
+
+@runtime_checkable
+class HasEpochs(Protocol):
+    """A loader that is told its epoch (:meth:`mmcache.DataLoader.set_epoch`)."""
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+
+@runtime_checkable
+class Augmenting(Protocol):
+    """A loader that may augment its batches (``mmcache.DataLoader(augment=...)``; None:
+    it does not)."""
+
+    augment: Any
 
 
 class FeatureLoader:
@@ -44,7 +59,6 @@ class FeatureLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Forward to the wrapped loader's ``set_epoch`` (ConfigError if it has none)."""
-        set_epoch = getattr(self.loader, "set_epoch", None)
-        if set_epoch is None:
+        if not isinstance(self.loader, HasEpochs):
             raise ConfigError(f"{type(self.loader).__name__} has no set_epoch")
-        set_epoch(epoch)
+        self.loader.set_epoch(epoch)

@@ -1,7 +1,12 @@
 """``warm_features``: precompute and store the features of a whole dataset, resumably, per rank.
 
 The feature counterpart of :func:`mmcache.warm` (which stores decoded samples);
-it reports a :class:`FeatureWarmReport`.
+it reports a :class:`FeatureWarmReport`. Each image is produced through
+:func:`~mmcache.readthrough.read_through` (``cache=None``: produced, timed, and a bad
+sample returned as a reject, in the decoding worker); the features are encoded in
+batches here and stored by :meth:`~mmcache.features.FeatureCache.store`. No claims:
+the encoder runs on a batch in this process, after the worker's decode, so a claim
+could not cover a sample's whole preparation (ranks take disjoint shards anyway).
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ import torch
 from mmcache.checks import check_int
 from mmcache.dist import rank_and_world, shard_bounds
 from mmcache.errors import ConfigError, SampleError
-from mmcache.sources.capabilities import index_count
+from mmcache.readthrough import read_through
+from mmcache.sources.capabilities import index_count, layout_of
 
 if TYPE_CHECKING:
     from mmcache.dataset import MultimodalDataset
@@ -64,24 +70,28 @@ class _Produced:
 class _WarmImages(torch.utils.data.Dataset[_Produced]):
     """The images of the samples still to encode (picklable: runs in DataLoader workers)."""
 
-    def __init__(self, dataset: Source, indices: list[int]) -> None:
+    def __init__(self, dataset: Source, indices: list[int], keys: dict[int, bytes]) -> None:
         self.dataset = dataset
         self.indices = indices
+        self.keys = keys
+        # cached [H, W, 3]: the encoder sees [3, H, W]
+        self.transpose = "image" in layout_of(dataset).channels_last
 
     def __len__(self) -> int:
         return len(self.indices)
 
     def __getitem__(self, j: int) -> _Produced:
         index = self.indices[j]
-        try:
-            sample = self.dataset.produce(index)
-        except SampleError as err:  # returned, not raised: the parent re-raises it unwrapped
-            return _Produced(index, None, err)
-        image = sample.get("image")
+        ds = self.dataset
+        # "skip": returned, not raised; the parent re-raises it unwrapped or records it
+        got = read_through(None, self.keys[index], lambda: ds.produce(index), on_error="skip")
+        if got.sample is None:
+            return _Produced(index, None, got.error)
+        image = got.sample.get("image")
         if image is None:
             raise ConfigError("warm_features needs a pipeline with an ImageSpec (no 'image' field)")
-        if "image" in getattr(self.dataset, "channels_last_fields", ()) and image.ndim == 3:
-            image = image.transpose(2, 0, 1)  # cached [H, W, 3]: the encoder sees [3, H, W]
+        if self.transpose and image.ndim == 3:
+            image = image.transpose(2, 0, 1)
         return _Produced(index, image, None)
 
 
@@ -131,7 +141,7 @@ def warm_features(
     skipped = total - len(todo)
     computed = rejected = 0
     loader = torch.utils.data.DataLoader(
-        _WarmImages(dataset, todo),
+        _WarmImages(dataset, todo, todo_keys),
         batch_size=batch_size,
         shuffle=False,
         num_workers=num_workers,
@@ -146,7 +156,7 @@ def warm_features(
             for item in items:
                 if item.error is None:
                     good.append(item)
-                elif getattr(dataset, "on_error", "raise") == "raise":
+                elif dataset.on_error == "raise":
                     raise item.error
                 else:
                     dataset.record_reject(item.error)

@@ -48,7 +48,7 @@ from mmcache.loader.varying import (
 )
 from mmcache.sources.base import SampleSource
 from mmcache.stores.base import BatchReader, Store
-from mmcache.stores.gathering import TieredReader, reader_names
+from mmcache.stores.gathering import count_served, reader_names
 
 __all__ = ["BatchAssembler"]
 
@@ -185,10 +185,9 @@ class BatchAssembler:
             reader.count_reads(hits=n - len(own))  # gathered with count=False
             counter.count_hits(reader.name, n, plan.indices)
             return True
-        if isinstance(reader, TieredReader):
-            uncounted = np.ones(n, dtype=bool)
-            uncounted[own] = False
-            reader.count_served(served[uncounted])  # gathered with count=False
+        uncounted = np.ones(n, dtype=bool)
+        uncounted[own] = False
+        count_served(reader, served[uncounted])  # gathered with count=False
         counter.count(
             [_MEMORY if i == 0 else _LOWER for i in served.tolist()],
             [self._names[i] for i in served.tolist()],

@@ -78,7 +78,12 @@ class Hooks:
 
 
 def _own(hook: Any, name: str) -> Any:
-    """``hook``'s method ``name`` unless it is missing or :class:`LoaderHook`'s no-op."""
+    """``hook``'s method ``name`` unless it is missing or :class:`LoaderHook`'s no-op.
+
+    The one place that probes a hook by name (as ``capabilities`` is for sources): a
+    hook is the user's object and implements any subset of :class:`LoaderHook`'s
+    methods (a subclass or not), so which ones it has is asked once, here, when the
+    loader is built, and never on the hot path."""
     method = getattr(hook, name, None)
     if method is None or not callable(method):
         return None

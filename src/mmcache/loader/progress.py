@@ -17,7 +17,7 @@ thread-safe: as the loader's own iteration is not).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -53,7 +53,7 @@ def epoch_postfix(stats: EpochStats, tiers: list[str]) -> str:
 
 
 def with_progress(
-    batches: Iterator[dict[str, Any]],
+    batches: Generator[dict[str, Any], None, None],
     *,
     epoch: int,
     total: int,
@@ -77,7 +77,5 @@ def with_progress(
                 last = now
             yield batch
     finally:
-        close = getattr(batches, "close", None)
-        if close is not None:
-            close()
+        batches.close()
         bar.close()

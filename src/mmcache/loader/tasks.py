@@ -21,7 +21,6 @@ process runs the same tasks.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -35,11 +34,12 @@ from mmcache.cache import Cache
 from mmcache.cluster.flight import FLIGHT
 from mmcache.errors import SampleError
 from mmcache.keys import STAT_FIELDS
+from mmcache.readthrough import ReadThrough, Write, read_through
 from mmcache.sources.base import SampleSource, StampKind
 from mmcache.sources.capabilities import DrawsEpochs
-from mmcache.stores.base import BatchReader
+from mmcache.stores.base import BatchReader, Promotes, ReadsAhead
 from mmcache.stores.claims import Claims
-from mmcache.stores.gathering import TieredReader
+from mmcache.stores.gathering import reader_stores
 from mmcache.writeback import pending_write, write_behind
 
 __all__ = [
@@ -228,30 +228,72 @@ class WorkerPlanner(torch.utils.data.Dataset[PackedPlan]):
         ``asked``: the first tier was asked for ``key`` a moment ago (:meth:`plan`'s
         ``contains_many`` of the batch) and did not hold it; it is not asked again.
         """
-        cache = self.cache
-        if cache is None or not cached:
-            return self._produce(index, key)
+        if self.cache is None or not cached:  # produced (and admitted), nothing asked
+            return self._result(index, self._read(index, key, wait=wait, claimed=False))
         if not looked:
-            found = self._cached(index, key, asked=asked)
+            found = self._look(key, asked=asked)
             if found is not None:
-                return found
-        claims = self._claims()
-        claim = claims.acquire(key, wait=wait) if claims is not None else None
-        if claim is not None and claim.fd < 0 and not wait:
-            return None  # another process is producing it: come back to it
-        try:
-            if claim is not None and self._published(key, waited=claim.waited):
-                found = self._cached(index, key)  # what the other producer published
-                if found is not None:
-                    if claim.waited:  # made by the process this one waited for
-                        found.origin = SampleOrigin.WAITED
-                    return found
-            return self._produce(index, key)
-        finally:
-            if claim is not None:
-                claim.release()
+                return self._result(index, found)
+        got = self._read(index, key, wait=wait, claimed=True)
+        return None if got.deferred else self._result(index, got)
 
-    def _published(self, key: bytes, *, waited: bool) -> bool:
+    def _read(self, index: int, key: bytes, *, wait: bool, claimed: bool) -> ReadThrough:
+        """The read-through of a row :meth:`_run` has looked up and missed (or, not
+        ``claimed``, is to produce as it is): claimed, produced, admitted write-behind
+        (the first tier at once, the rest from a background thread), its cost weighed by
+        a mixture's planned reads."""
+        source, cache = self.source, self.cache
+        weight = 1.0
+        if isinstance(source, DrawsEpochs):
+            # A mixture knows its future: an entry read r times per epoch saves r misses.
+            weight = float(source.planned_reads(index))
+        return read_through(
+            cache,
+            key,
+            lambda: source.produce(index),
+            claims=self._claims() if claimed else None,
+            wait=wait,
+            write=self._writer(cache, index) if cache is not None else None,
+            on_error="skip",  # returned as REJECTED; the consumer applies on_error
+            tag=source.fingerprint(),
+            lookup=False,  # looked up by _run (or deferred after a lookup)
+            look=self._look,
+            published=self._published,
+            weight=weight,
+        )
+
+    def _writer(self, cache: Cache, index: int) -> Write:
+        """How row ``index``'s produced entry is admitted: in flight to its home node when
+        another node homes it (``scope="cluster"``), else this process's write-behind."""
+        guest = self.guests is not None and bool(self.guests[index])
+        behind = write_behind(cache)
+
+        def write(key: bytes, raw: bytes, cost: float, tag: str | None) -> bool:
+            ctime = codec.read_header(raw).ctime
+            held = guest and cache.put_side(FLIGHT, key, raw, cost=cost, ctime=ctime)
+            return held or bool(behind(key, raw, cost, tag))
+
+        return write
+
+    def _result(self, index: int, got: ReadThrough) -> TaskResult:
+        """The row's :class:`TaskResult` from what :func:`read_through` did. In a worker
+        an entry the first tier holds (a hit left in place, or a produced sample it
+        admitted) is not sent: the training process gathers it like a hit."""
+        if got.error is not None:
+            return TaskResult(index, SampleOrigin.REJECTED, error=got.error)
+        in_worker = torch.utils.data.get_worker_info() is not None
+        if not got.hit:
+            if got.admitted and in_worker:
+                return TaskResult(index, SampleOrigin.PRODUCED, in_memory=True)
+            return TaskResult(index, SampleOrigin.PRODUCED, sample=got.sample)
+        reader = self._first_tier()
+        first = reader is not None and got.tier == reader.name
+        origin = SampleOrigin.MEMORY_HIT if first else SampleOrigin.DISK_HIT
+        if got.waited:  # made by the process this one waited for
+            origin = SampleOrigin.WAITED
+        return TaskResult(index, origin, got.tier or "", got.sample, in_memory=got.held)
+
+    def _published(self, key: bytes, waited: bool) -> bool:
         """Whether to look ``key`` up again once claimed: after waiting for another
         producer, if some tier (or this process's write-behind) now holds it; otherwise
         only if the first tier does (another process produced and released it between
@@ -273,8 +315,10 @@ class WorkerPlanner(torch.utils.data.Dataset[PackedPlan]):
             self._claims_known = True
         return self._claims_obj
 
-    def _cached(self, index: int, key: bytes, *, asked: bool = False) -> TaskResult | None:
-        """The task's result when some tier (or this process's write-behind) holds ``key``.
+    def _look(self, key: bytes, *, asked: bool = False) -> ReadThrough | None:
+        """The hit when some tier (or this process's write-behind) holds ``key``: in a
+        worker, an entry of the first tier is left there (``held``: the training process
+        gathers it) and a hit of a lower tier that ``lookup`` promoted into it too.
 
         ``asked``: the first tier has just said it does not hold ``key`` (see :meth:`_run`).
         """
@@ -284,51 +328,23 @@ class WorkerPlanner(torch.utils.data.Dataset[PackedPlan]):
         in_worker = torch.utils.data.get_worker_info() is not None
         reader = self._first_tier()
         if in_worker and not asked and reader is not None and reader.contains_many([key])[0]:
-            return TaskResult(index, SampleOrigin.MEMORY_HIT, reader.name, in_memory=True)
+            return ReadThrough(None, reader.name, held=True)
         sample, tier = cache.lookup(key)
         if sample is not None:
             first = reader is not None and tier == reader.name
-            origin = SampleOrigin.MEMORY_HIT if first else SampleOrigin.DISK_HIT
             if (
                 in_worker
                 and not first
                 and reader is not None
                 and reader.contains_many([key])[0]  # promoted by lookup
             ):
-                return TaskResult(index, origin, tier or "", in_memory=True)
-            copied = {k: np.array(v) for k, v in sample.items()}
-            return TaskResult(index, origin, tier or "", copied)
+                return ReadThrough(None, tier, held=True)
+            return ReadThrough({k: np.array(v) for k, v in sample.items()}, tier)
         raw = pending_write(cache, key)  # produced here a moment ago, not yet committed
         if raw is not None:
             queued = {k: np.array(v) for k, v in codec.decode(raw, verify=False).items()}
-            deferred = list(cache.tiers)[-1]  # the tier it is on its way to
-            return TaskResult(index, SampleOrigin.DISK_HIT, deferred, queued)
+            return ReadThrough(queued, list(cache.tiers)[-1])  # the tier it is on its way to
         return None
-
-    def _produce(self, index: int, key: bytes) -> TaskResult:
-        """Produce the sample and admit it (the first tier at once, the rest write-behind)."""
-        cache = self.cache
-        in_worker = torch.utils.data.get_worker_info() is not None
-        t0 = time.thread_time()
-        try:
-            produced = self.source.produce(index)
-        except SampleError as err:
-            return TaskResult(index, SampleOrigin.REJECTED, error=err)
-        cost = time.thread_time() - t0
-        if isinstance(self.source, DrawsEpochs):
-            # A mixture knows its future: an entry read r times per epoch saves r misses.
-            cost *= self.source.planned_reads(index)
-        if cache is not None:
-            # Write-behind: the first tier now, the others from a background thread.
-            now = cache.clock()
-            raw = codec.encode(produced, ctime=now, cost=cost)
-            # Homed on another node (scope="cluster"): in flight until the exchange sends it home.
-            guest = self.guests is not None and bool(self.guests[index])
-            held = guest and cache.put_side(FLIGHT, key, raw, cost=cost, ctime=now)
-            tag = self.source.fingerprint()
-            if (held or write_behind(cache)(key, raw, cost, tag)) and in_worker:
-                return TaskResult(index, SampleOrigin.PRODUCED, in_memory=True)
-        return TaskResult(index, SampleOrigin.PRODUCED, sample=produced)
 
     def plan(
         self,
@@ -397,11 +413,12 @@ class WorkerPlanner(torch.utils.data.Dataset[PackedPlan]):
         training process when it plans a new process's first epoch). Otherwise the
         lower tiers are asked for the rest and :meth:`ahead` runs as before.
         """
-        if not isinstance(reader, TieredReader):
+        stores = reader_stores(reader)
+        if len(stores) == 1:
             planned = np.asarray(reader.contains_many(keys), dtype=bool)
             self.ahead(keys)
             return planned
-        first: Any = reader.stores[0]  # a BatchReader (TieredReader checks each tier)
+        first: BatchReader = stores[0]  # a BatchReader (TieredReader checks each tier)
         planned = np.asarray(first.contains_many(keys), dtype=bool)
         if planned.all():
             return planned
@@ -419,29 +436,27 @@ class WorkerPlanner(torch.utils.data.Dataset[PackedPlan]):
 
     def promote(self, keys: np.ndarray) -> int:
         """Promote into the first tier the entries only a lower tier holds, while it has
-        room (``promotable``; the verified ``cache.lookup`` offers each to its policy).
+        room (a :class:`~mmcache.stores.base.Promotes` reader; the verified
+        ``cache.lookup`` offers each to its policy).
         Callers keep the epoch's order (the budget then holds the entries used first).
         Returns the entries promoted."""
         reader = self._first_tier()
-        promotable = getattr(reader, "promotable", None) if reader is not None else None
-        if promotable is None or self.cache is None:
+        if not isinstance(reader, Promotes) or self.cache is None:
             return 0
         promoted = 0
-        for key in promotable(keys):
+        for key in reader.promotable(keys):
             promoted += self.cache.lookup(key)[0] is not None
         return promoted
 
     def reads_ahead(self) -> bool:
         """Whether :meth:`read_ahead` does anything (a tier that can ``prefetch``)."""
-        reader = self._first_tier()
-        return reader is not None and getattr(reader, "prefetch", None) is not None
+        return isinstance(self._first_tier(), ReadsAhead)
 
     def read_ahead(self, keys: np.ndarray) -> None:
         """Ask the reader's tiers that can (``prefetch``) to read ``keys``' pages ahead."""
         reader = self._first_tier()
-        prefetch = getattr(reader, "prefetch", None) if reader is not None else None
-        if prefetch is not None:
-            prefetch(keys)
+        if isinstance(reader, ReadsAhead):
+            reader.prefetch(keys)
 
     def produced(self, indices: np.ndarray) -> BatchPlan:
         """:meth:`plan` with every missing row produced."""

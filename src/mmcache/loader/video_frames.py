@@ -32,6 +32,7 @@ Thread safety: immutable; ``after_assemble`` may run on two threads at once.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal
 
 import numpy as np
@@ -103,9 +104,9 @@ class VideoFrameSampler(LoaderHook):
     ) -> VideoFrameSampler:
         """The sampler of a :class:`~mmcache.transforms.chat.ChatSpec`'s video tokens
         (``ChatSpec(video=VideoTokens(...))``, either form)."""
-        video = None if chat is None else chat.video
-        if chat is None or video is None:
+        if not isinstance(chat, ChatSpec) or chat.video is None:
             raise ConfigError("VideoFrameSampler.for_chat needs a ChatSpec(video=VideoTokens())")
+        video = chat.video
         if video.timestamps:
             # Each step's "<t seconds>" text is tokens of the cached sample: dropping a
             # step's frames would leave its timestamp, or need a tokenizer here.
@@ -114,13 +115,13 @@ class VideoFrameSampler(LoaderHook):
                 "(VideoTokens(timestamps=True)): choose the frames before the cache "
                 "(VideoSpec's fps / nframes)"
             )
+        common = functools.partial(cls, frames, pad_token_id=pad_token_id, mode=mode,
+                                   factor=video.factor,
+                                   temporal_patch_size=video.temporal_patch_size)  # fmt: skip
         if not video.per_frame:
-            return cls(frames, video_token_id=chat.video_token_id, pad_token_id=pad_token_id,
-                       mode=mode, factor=video.factor,
-                       temporal_patch_size=video.temporal_patch_size)  # fmt: skip
-        return cls(frames, video_token_id=-1, frame_token_id=chat.image_token_id,
-                   frame_wrap=chat.image_wrap_lengths, pad_token_id=pad_token_id, mode=mode,
-                   factor=video.factor, temporal_patch_size=video.temporal_patch_size)  # fmt: skip
+            return common(video_token_id=chat.video_token_id)
+        return common(video_token_id=-1, frame_token_id=chat.image_token_id,
+                      frame_wrap=chat.image_wrap_lengths)  # fmt: skip
 
     def pick(self, t: int, g: torch.Generator) -> list[int]:
         """The kept frame numbers of a clip of ``t`` frames, drawn from ``g``."""

@@ -9,6 +9,15 @@ two stores is itself a store.
 Budget rule (checked by the contract suite): ``nbytes() <= capacity()`` at every
 moment, where ``nbytes`` counts the payload bytes of the entries held.
 
+The surface is declared, as the source surface is (:mod:`mmcache.sources.capabilities`):
+what every store answers has a default on :class:`Store` (``put_many``, ``fetch_ahead``,
+``commit``, ``enable_gather``, ``claims``...); what only some stores can do is a small
+named protocol a store has by having its members, checked with ``isinstance``, never
+probed by name: :class:`BatchReader` (batch gathers), :class:`GathersRows` (gathers
+into given rows), :class:`ReadsAhead` (page read-ahead), :class:`Promotes` (names the
+entries worth copying up), :class:`ChecksEntries` (checks itself), :class:`Salvages`
+(a file that can be walked and salvaged).
+
 Lifetime of buffers: :meth:`Store.get` returns bytes the caller owns (one copy,
 safe anywhere, even after other processes evict the entry); :meth:`Store.view`
 lends a zero-copy buffer valid only inside its ``with`` block (the store holds a
@@ -20,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import errno
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
@@ -29,13 +38,20 @@ import numpy.typing as npt
 
 from mmcache.keys import KEY_SIZE
 from mmcache.stats import TierStats
+from mmcache.stores.claims import Claims
+from mmcache.stores.gathercheck import CopiedCheck, EntryCheck, RowsCheck
 
 __all__ = [
     "KEY_SIZE",
     "NO_SPACE_ERRNOS",
     "BatchReader",
+    "ChecksEntries",
     "EntryInfo",
+    "GathersRows",
     "Keys",
+    "Promotes",
+    "ReadsAhead",
+    "Salvages",
     "Store",
     "check_key",
     "dir_mode",
@@ -125,6 +141,32 @@ class Store(ABC):
         Replacing an existing key is allowed. An entry larger than ``capacity()``
         is refused (returns False, counted as ``refused``, logged once with sizes).
         """
+
+    def put_many(self, rows: Sequence[tuple[bytes, bytes, float, float]]) -> list[bool]:
+        """``put`` each ``(key, value, cost, ctime)``; per row, whether it was admitted.
+        A tier that writes in groups (the disk tier: one commit, one fsync, per MiB)
+        overrides it; the default puts one row at a time."""
+        return [self.put(k, v, cost=c, ctime=t) for k, v, c, t in rows]
+
+    def enable_gather(
+        self,
+        check: EntryCheck,
+        *,
+        copied: CopiedCheck | None = None,
+        rows: RowsCheck | None = None,
+    ) -> None:
+        """Check every entry a batch gather serves with ``check`` (the codec's checksum;
+        ``copied``, ``rows``: the same check reading the copies a gather made, one entry
+        or a batch of one layout at once), as the cache installs it on each of its
+        tiers. The default does nothing: a store without batch gathers is read through
+        the tier list's own check."""
+        del check, copied, rows
+
+    def claims(self) -> Claims | None:
+        """The node's production claims kept on this store's files (one preparation
+        per node, :mod:`mmcache.stores.claims`), or None (the default: a store that is
+        not shared by the processes of a node has none to offer)."""
+        return None
 
     def fetch_ahead(self, keys: Keys) -> None:
         """Read ``keys`` ahead, for the ``get`` of each that follows soon. A tier far
@@ -235,4 +277,72 @@ class BatchReader(Protocol):
 
     def count_reads(self, *, hits: int = 0, misses: int = 0) -> None:
         """Add to the hit and miss counters (after ``gather_ranges(count=False)``)."""
+        ...
+
+
+@runtime_checkable
+class GathersRows(Protocol):
+    """A :class:`BatchReader` that gathers straight into given rows of the targets (the
+    disk tier's forms decode into them), instead of into temporaries copied over."""
+
+    def gather_rows(
+        self,
+        keys: Keys,
+        rows: npt.NDArray[np.int64],
+        targets: Sequence[tuple[int, int, npt.NDArray[np.uint8]]],
+        *,
+        count: bool = True,
+    ) -> npt.NDArray[np.bool_]:
+        """Copy the ranges of key ``j`` into row ``rows[j]`` of each target; the found mask."""
+        ...
+
+
+@runtime_checkable
+class ReadsAhead(Protocol):
+    """A reader that can read the pages of entries ahead of their gather (the disk
+    tier's ``madvise``; a tier list's lower tiers)."""
+
+    def prefetch(self, keys: Keys) -> int:
+        """Have the pages of ``keys`` read ahead; the bytes asked for."""
+        ...
+
+
+@runtime_checkable
+class Promotes(Protocol):
+    """A reader over several tiers that names the entries worth copying into its first
+    tier (:class:`~mmcache.stores.gathering.TieredReader`)."""
+
+    def promotable(self, keys: Keys) -> list[bytes]:
+        """The keys a lower tier holds and the first tier has room for."""
+        ...
+
+
+@runtime_checkable
+class ChecksEntries(Protocol):
+    """A store that checks its own entries without counting hits (the memory and disk
+    tiers): what ``mmcache verify`` asks of each tier."""
+
+    def verify(self, check: Callable[[bytes], bool]) -> list[bytes]:
+        """The keys whose value fails ``check`` (counted ``corrupt``, not deleted)."""
+        ...
+
+
+class Salvaged(Protocol):
+    """What a salvage kept and lost (entries)."""
+
+    kept: int
+    lost: int
+
+
+@runtime_checkable
+class Salvages(Protocol):
+    """A store whose file can be damaged beyond single entries (the disk tier's
+    B-tree), can tell so, and can be salvaged into a fresh file."""
+
+    def tree_problem(self) -> str | None:
+        """Why the file cannot be walked, or None."""
+        ...
+
+    def salvage(self) -> Salvaged:
+        """Replace the damaged file by one of the entries still readable."""
         ...

@@ -25,9 +25,16 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from mmcache.stores.base import BatchReader, Keys, Store
+from mmcache.stores.base import BatchReader, GathersRows, Keys, ReadsAhead, Store
 
-__all__ = ["TieredReader", "gather_sources", "reader_names", "reader_stores"]
+__all__ = [
+    "TieredReader",
+    "count_served",
+    "gather_sources",
+    "reader_capacity",
+    "reader_names",
+    "reader_stores",
+]
 
 
 class TieredReader:
@@ -124,9 +131,8 @@ class TieredReader:
         left = arr[~np.asarray(self._readers[0].contains_many(arr), dtype=bool)]
         asked = 0
         for reader in self._readers[1:]:
-            fn = getattr(reader, "prefetch", None)
-            if fn is not None and left.shape[0]:
-                asked += int(fn(left))
+            if isinstance(reader, ReadsAhead) and left.shape[0]:
+                asked += int(reader.prefetch(left))
         return asked
 
     def promotable(self, keys: Keys) -> list[bytes]:
@@ -177,10 +183,9 @@ def _gather_rows(
     count: bool,
 ) -> npt.NDArray[np.bool_]:
     """Gather ``keys`` into rows ``rows`` of ``targets``: straight in when the reader can
-    (``gather_rows``), else into temporaries copied over."""
-    direct = getattr(reader, "gather_rows", None)
-    if direct is not None:
-        return np.asarray(direct(keys, rows, targets, count=count), dtype=bool)
+    (:class:`~mmcache.stores.base.GathersRows`), else into temporaries copied over."""
+    if isinstance(reader, GathersRows):
+        return np.asarray(reader.gather_rows(keys, rows, targets, count=count), dtype=bool)
     temps = [(off, length, np.empty((len(keys), length), np.uint8)) for off, length, _ in targets]
     got = np.asarray(reader.gather_ranges(keys, temps, count=count), dtype=bool)
     for (_, _, out), (_, _, tmp) in zip(targets, temps, strict=True):
@@ -211,3 +216,17 @@ def reader_names(reader: BatchReader) -> tuple[str, ...]:
 def reader_stores(reader: BatchReader) -> tuple[Any, ...]:
     """The tiers behind ``reader`` (as Stores when they are), fastest first."""
     return reader.stores if isinstance(reader, TieredReader) else (reader,)
+
+
+def reader_capacity(reader: BatchReader) -> int:
+    """The largest budget of the tiers behind ``reader``: how much of a data set it serves."""
+    return max(int(store.capacity()) for store in reader_stores(reader))
+
+
+def count_served(reader: BatchReader, tiers: npt.NDArray[np.int8]) -> None:
+    """Count the hits of rows gathered with ``count=False``, each in the tier that served
+    it (``tiers``: from :func:`gather_sources`; ``-1``: not served, not counted)."""
+    if isinstance(reader, TieredReader):
+        reader.count_served(tiers)
+    else:
+        reader.count_reads(hits=int((tiers == 0).sum()))

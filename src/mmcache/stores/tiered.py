@@ -537,22 +537,14 @@ def _promote(faster: Sequence[Tier], key: bytes, raw: bytes, cost: float, ctime:
 
 
 def _put_rows(store: Store, rows: Sequence[Row], admitted: list[bool]) -> None:
-    """Offer ``rows`` to one tier (in one call if it batches: ``put_many``, else one by
-    one) and set ``admitted[i]`` for each row it admitted."""
-    many: Callable[[Sequence[Row]], Sequence[bool]] | None = getattr(store, "put_many", None)
-    if many is not None:
-        try:
-            got = many(rows)
-        except OSError as exc:
-            logger.warning("put to %s tier failed: %s", store.name, exc)
-            return
-        for i, ok in enumerate(got):
-            if ok:
-                admitted[i] = True
+    """Offer ``rows`` to one tier in one ``put_many`` (a tier that batches commits them in
+    groups) and set ``admitted[i]`` for each row it admitted; a tier that fails is
+    logged and skipped (a put never stops training)."""
+    try:
+        got = store.put_many(rows)
+    except OSError as exc:
+        logger.warning("put to %s tier failed: %s", store.name, exc)
         return
-    for i, (key, value, cost, ctime) in enumerate(rows):
-        try:
-            if store.put(key, value, cost=cost, ctime=ctime):
-                admitted[i] = True
-        except OSError as exc:
-            logger.warning("put to %s tier failed: %s", store.name, exc)
+    for i, ok in enumerate(got):
+        if ok:
+            admitted[i] = True

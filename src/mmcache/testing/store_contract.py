@@ -29,7 +29,11 @@ is stale); ``nbytes`` is exactly the sum of the sizes held; ``contains``,
 ``info``, ``keys`` and ``len`` never count hits or misses; a flipped byte of a
 stored entry is never served, by a read or a batch gather (the read checks the cache
 installs, :func:`mmcache.cache.check_reads`), for a store whose test says how to
-flip one (:meth:`StoreContract.flip_stored_byte`).
+flip one (:meth:`StoreContract.flip_stored_byte`). The declared surface
+(:mod:`mmcache.stores.base`): ``put_many`` does what ``put`` does row by row, claims a
+store offers exclude each other, and a store that declares a sub-protocol
+(:class:`~mmcache.stores.base.ChecksEntries`, :class:`~mmcache.stores.base.ReadsAhead`,
+:class:`~mmcache.stores.base.GathersRows`, :class:`~mmcache.stores.base.Salvages`) answers it.
 """
 
 from __future__ import annotations
@@ -44,7 +48,15 @@ from mmcache import codec
 from mmcache.cache import check_reads
 from mmcache.errors import CorruptEntryError
 from mmcache.stats import TierStats
-from mmcache.stores.base import KEY_SIZE, BatchReader, Store
+from mmcache.stores.base import (
+    KEY_SIZE,
+    BatchReader,
+    ChecksEntries,
+    GathersRows,
+    ReadsAhead,
+    Salvages,
+    Store,
+)
 from mmcache.stores.tiered import Accepted, Tier, TieredStore
 
 __all__ = ["StoreContract", "flip_in_files", "key"]
@@ -349,6 +361,49 @@ class StoreContract:
         info = reopened.info(key(1))
         assert info is not None
         assert (info.cost, info.ctime) == (0.5, 7.0)
+
+    # ------------------------------------------------------------------ declared surface
+
+    def test_put_many_does_what_put_does_row_by_row(self) -> None:
+        store = self._store()
+        rows = [(key(i), _value(i, 40), 0.25, 3.0) for i in range(3)]
+        assert store.put_many(rows) == [True, True, True]
+        for k, value, _, _ in rows:
+            assert store.get(k) == value
+            info = store.info(k)
+            assert info is not None and (info.cost, info.ctime) == (0.25, 3.0)
+        assert store.put_many([]) == []
+
+    def test_claims_a_store_offers_exclude_each_other(self) -> None:
+        claims = self._store().claims()
+        if claims is None:
+            return  # the default: no claims here (a cache then produces unclaimed)
+        first = claims.acquire(key(1), wait=False)
+        assert first is not None and first.fd >= 0 and not first.waited
+        try:
+            second = claims.acquire(key(1), wait=False)
+            assert second is not None and second.fd < 0 and second.waited  # held: a pass
+        finally:
+            first.release()
+        again = claims.acquire(key(1), wait=False)
+        assert again is not None and again.fd >= 0
+        again.release()
+
+    def test_a_declared_sub_protocol_is_answered(self) -> None:
+        store = check_reads(self._store(capacity=1 << 20))
+        good = _entry(1)
+        assert store.put(key(1), good)
+        if isinstance(store, ChecksEntries):
+            assert store.verify(codec.verify) == []  # a good entry passes its own check
+            assert store.stats().corrupt == 0
+        if isinstance(store, ReadsAhead):
+            assert int(store.prefetch([key(1)])) >= 0
+        if isinstance(store, Salvages):
+            assert store.tree_problem() is None
+        if isinstance(store, GathersRows) and store.supports_gather:  # (formed: its form's)
+            out = np.zeros((2, 8), dtype=np.uint8)
+            found = store.gather_rows([key(1)], np.array([1]), [(0, 8, out)])
+            assert found.tolist() == [True] and bytes(out[1]) == good[:8]
 
     # ------------------------------------------------------------------ integrity
 

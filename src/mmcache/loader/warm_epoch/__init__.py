@@ -52,8 +52,7 @@ from mmcache.loader.warm_epoch.board import FileCheckBoard
 from mmcache.loader.warm_epoch.prefetch import StatPrefetcher
 from mmcache.sources.base import SampleSource, StampKind
 from mmcache.sources.capabilities import index_count
-from mmcache.stores.base import BatchReader
-from mmcache.stores.gathering import TieredReader
+from mmcache.stores.gathering import reader_capacity
 
 __all__ = ["LearntKeys", "WarmEpochs"]
 
@@ -190,7 +189,7 @@ class WarmEpochs:
         reader = self._cache.reader if self._cache is not None else None
         if entry is None or self._cache is None or reader is None:
             return False
-        if _capacity(self._cache, reader) < entry * self._n:
+        if reader_capacity(reader) < entry * self._n:
             return False
         return not beginning or self.learnt.count() >= self._num_samples
 
@@ -293,10 +292,3 @@ class WarmEpochs:
         """Stop the prefetcher. Idempotent."""
         if self._prefetcher is not None:
             self._prefetcher.close()
-
-
-def _capacity(cache: Cache, reader: BatchReader) -> int:
-    """The budget the reader serves batches from (the largest of its tiers')."""
-    if isinstance(reader, TieredReader):
-        return reader.capacity()
-    return cache.tiers[reader.name].capacity()

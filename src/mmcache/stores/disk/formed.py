@@ -30,7 +30,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -41,7 +41,7 @@ from mmcache.stores.disk import DiskStore
 from mmcache.stores.disk.env import Txn
 from mmcache.stores.disk.gather import _check_targets, key_list
 
-__all__ = ["DECODE_THREADS", "FormedDiskStore", "ValueForm"]
+__all__ = ["DECODE_THREADS", "FormedDiskStore", "ValueForm", "WritesRanges"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,17 @@ class ValueForm(Protocol):
     def pack(self, raw: bytes | memoryview) -> bytes: ...
 
     def unpack(self, stored: bytes | memoryview, *, limit: int | None = None) -> bytes: ...
+
+
+@runtime_checkable
+class WritesRanges(Protocol):
+    """A form that writes byte ranges of an entry without building it (a batch gather
+    straight from the stored form: :meth:`mmcache.codec.compact.DiskForm.write_ranges`).
+    A :class:`FormedDiskStore` gathers batches only over such a form."""
+
+    def write_ranges(
+        self, stored: bytes, targets: Sequence[tuple[int, int, np.ndarray]], row: int
+    ) -> bool: ...
 
 
 class FormedDiskStore(DiskStore):
@@ -149,7 +160,7 @@ class FormedDiskStore(DiskStore):
         """Gather batches here, checking each stored entry with ``check`` before its
         decode; stays off for a form without ``write_ranges`` (``copied`` and ``rows``
         are unused: the decode reads the stored bytes once, after the check)."""
-        if callable(getattr(self._form, "write_ranges", None)):
+        if isinstance(self._form, WritesRanges):
             super().enable_gather(check)
 
     def gather_rows(
@@ -172,9 +183,10 @@ class FormedDiskStore(DiskStore):
         n = len(ks)
         found = np.zeros(n, dtype=bool)
         check = self._gather_check
-        write = getattr(self._form, "write_ranges", None)
-        if n == 0 or check is None or write is None:
+        form = self._form
+        if n == 0 or check is None or not isinstance(form, WritesRanges):
             return found
+        write = form.write_ranges
         if len(rows) != n:
             raise ValueError(f"{n} keys but {len(rows)} rows")
         _check_targets(int(np.max(rows)) + 1, targets)

@@ -46,6 +46,7 @@ from mmcache.errors import ConfigError
 from mmcache.policies import Policy, get_policy
 from mmcache.stats import TierStats
 from mmcache.stores.base import KEY_SIZE, EntryInfo, Keys, Store, check_key
+from mmcache.stores.claims import Claims
 from mmcache.stores.gathercheck import CopiedCheck, EntryCheck, GatherCheck, RowsCheck
 from mmcache.stores.memory import repair
 from mmcache.stores.memory.access import Access
@@ -117,9 +118,9 @@ class MemoryStore(Store):
         clock: source of ``atime`` (must be comparable across processes).
         index_capacity: the entries the index holds, fixed (a warning says when it
             is full while bytes are free). Default: it starts at capacity / 4 KiB
-            entries (in [1024, 2**24]) and grows, sized from the entry sizes seen,
+            entries (in [1024, 2**31 - 1]) and grows, sized from the entry sizes seen,
             whenever it is full while bytes of the budget are free, up to capacity /
-            64 B entries (the smallest slot; in [1024, 2**24]).
+            64 B entries (the smallest slot; in [1024, 2**31 - 1]).
         mode: file mode of the segments (default ``0o600``: this user only).
         group: share the store with the members of this group (a gid; needs
             ``mode=0o660``): its files go to ``/dev/shm/mmcache-g<gid>/``.
@@ -522,6 +523,10 @@ class MemoryStore(Store):
         as the store, with its owner and mode. Record locks on it are independent of the
         ``flock`` the store takes on it."""
         return self._session.lock.path
+
+    def claims(self) -> Claims:
+        """The node's production claims, on :attr:`claims_path` (see :meth:`Store.claims`)."""
+        return Claims(self.claims_path)
 
     @property
     def owner_path(self) -> str | None:

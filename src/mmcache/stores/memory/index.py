@@ -47,12 +47,14 @@ import numpy as np
 
 from mmcache.errors import CacheError
 from mmcache.stores.memory.access import Access, UntrustedFileError
+from mmcache.stores.memory.layout import MAX_INDEX_CAPACITY
 from mmcache.stores.memory.shm import SHM_PREFIX, Segment, map_arrays, place_arrays
 
 __all__ = [
     "ENTRY_COLUMNS",
     "GROW_HEADROOM",
     "INDEX_MAGIC",
+    "ROW_BYTES",
     "Index",
     "IndexLayout",
     "grow_target",
@@ -66,29 +68,36 @@ __all__ = [
 INDEX_MAGIC = int.from_bytes(b"MMCINDX1", "little")
 INDEX_HEADER_WORDS = 8
 I_MAGIC, I_GEN, I_ENTRIES, I_SHIFT = range(4)
-#: The most entries an index segment may declare (``layout.MAX_INDEX_CAPACITY``; a
-#: header declaring more is damaged, never a huge mapping).
-MAX_INDEX_ENTRIES = 1 << 24
+#: The most entries an index segment may declare (a header declaring more is damaged,
+#: never a huge mapping): as many as its ``int32`` hash cells can point at.
+MAX_INDEX_ENTRIES = MAX_INDEX_CAPACITY
 #: A grow sizes the index for the budget at the mean entry size seen, plus this
 #: fraction (entry sizes vary), and at least doubles it (so a store grows
 #: O(log n) times, each a copy of the rows in use).
 GROW_HEADROOM = 0.25
 
-#: The arrays of the index segment with one row per entry (between the header and "table").
+#: The arrays of the index segment with one row per entry (between the header and "table"):
+#: ``ROW_BYTES`` (83 B) a row, plus 2-4 hash cells of 4 B. Each column is as narrow as what
+#: it holds allows (layout version 4; 93 B before): ``cls`` < 1000 classes (the ``-dNNN``
+#: file names), ``slot`` < a class's slots <= ``MAX_INDEX_ENTRIES`` < 2**31, ``pid`` <=
+#: Linux's ``PID_MAX_LIMIT`` (2**22). ``hits`` and ``seq`` stay 64-bit (they only grow),
+#: and the times and costs stay ``f8`` (the policies compare them).
 ENTRY_COLUMNS = (
     ("state", "u1", ()),
     ("key", "u8", (2,)),
     ("size", "i8", ()),
-    ("cls", "i4", ()),
-    ("slot", "i8", ()),
+    ("cls", "i2", ()),
+    ("slot", "i4", ()),
     ("cost", "f8", ()),
     ("ctime", "f8", ()),
     ("atime", "f8", ()),
     ("hits", "i8", ()),
     ("seq", "i8", ()),
-    ("pid", "i8", ()),
+    ("pid", "i4", ()),
     ("pstart", "i8", ()),
 )
+#: Bytes of one entry row over every column (the hash cells not included).
+ROW_BYTES = sum(np.dtype(dtype).itemsize * int(np.prod(shape)) for _, dtype, shape in ENTRY_COLUMNS)
 
 
 def index_path(directory: str, name: str, gen: int) -> str:

@@ -23,11 +23,13 @@ before use, see ``access.py``):
     One per size class in use: a slot-usage bitmap, then the *slab* (see ``slabs.py``).
 
 The RAM a store really uses is the slots of held entries (payload plus the
-size-class rounding) plus metadata: 4 B per hash cell (2 cells per index entry,
-touched at random so all of them count), about 100 B per entry row ever used, about
-150 KiB of fixed tables, 1 B per slot of each size class in use (a class has a slot
-for each entry of its smallest size the budget could hold, at most the index's
-maximum entries).
+size-class rounding) plus metadata: 4 B per hash cell (2 to 4 cells per index entry,
+touched at random so all of them count), 83 B per entry row ever used
+(``index.ROW_BYTES``), about 150 KiB of fixed tables, 1 B per slot of each size class
+in use (a class has a slot for each entry of its smallest size the budget could hold,
+at most the index's maximum entries). None of it is counted in the budget, which is
+the payloads' (``nbytes() <= capacity()``, the store contract): a budget of tiny
+entries takes up to about twice its size (64 B entries: 64 B of slot, 91-99 B of index).
 
 A full ``/dev/shm``: touching a page of a tmpfs file through a mapping (even
 reading it) allocates it, and fails with SIGBUS when the tmpfs is full. So
@@ -98,10 +100,16 @@ __all__ = [
     "store_exists",
 ]
 
-#: Default initial index capacity: one entry per 4 KiB of budget, clamped to [1024, 2**24].
+#: Default initial index capacity: one entry per 4 KiB of budget, clamped to
+#: [MIN_INDEX_CAPACITY, MAX_INDEX_CAPACITY].
 DEFAULT_INDEX_DIVISOR = 4096
 MIN_INDEX_CAPACITY = 1024
-MAX_INDEX_CAPACITY = 1 << 24
+#: The most entries an index may hold: its hash cells are ``int32`` holding row + 1, so
+#: 2**31 - 1 rows (2.1 billion) is what they can point at. The index's bytes grow with
+#: the entries it holds (``index.py``: 91-99 B per entry), not with this bound, so a
+#: budget decides how large it really grows. (Until version 4 it was 2**24: at most
+#: 16.8 M entries, 16.8% of a 10**8-sample set, whatever the RAM.)
+MAX_INDEX_CAPACITY = (1 << 31) - 1
 #: Default most entries the index grows to: one per 64 B of budget (the smallest slot;
 #: smaller entries waste most of theirs), clamped as above.
 MAX_INDEX_DIVISOR = 64
@@ -120,7 +128,11 @@ MAGIC = int.from_bytes(b"MMCACHE1", "little")
 # that would raise SIGBUS on a full /dev/shm; it is re-created.
 # 3: the index lives in its own segment, in generations (``index.py``); older stores are
 # re-created.
-VERSION = 3
+# 4: the index may hold up to MAX_INDEX_CAPACITY = 2**31 - 1 entries (was 2**24), and its
+# rows are 83 B, not 93 (narrower ``cls``, ``slot`` and ``pid`` columns, ``index.py``). A
+# version-3 process would misread such rows, refuse such an index as damaged, or grow one
+# it then cannot open; each version re-creates the other's stores instead (never reads them).
+VERSION = 4
 
 
 def default_index_capacity(capacity: int) -> int:

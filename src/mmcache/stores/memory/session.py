@@ -45,6 +45,7 @@ from mmcache.stores.memory import shm
 from mmcache.stores.memory.access import Access, UntrustedFileError
 from mmcache.stores.memory.index import (
     Index,
+    IndexLayout,
     grow_target,
     index_path,
     index_paths,
@@ -342,9 +343,12 @@ class Session:
             # waiting for it see it unlinked and start over), so a failed open leaves
             # nothing behind in /dev/shm.
             remove_file(lock_path(d, name), removed)
+            # The index's hash table is reserved whole: with a large index_capacity it is
+            # most of what the tables need.
+            _, table_bytes = IndexLayout.build(entries).table_range()
             raise CacheError(
                 f"no space left in {shm.SHM_DIR} for memory store {name!r}: its tables"
-                f" need more than {layout.size} B ({exc.strerror}); free space there"
+                f" need more than {layout.size + table_bytes} B ({exc.strerror}); free space there"
                 " (mmcache gc removes stale stores; in Docker raise --shm-size) or pass"
                 " memory=0"
             ) from exc

@@ -334,8 +334,8 @@ class Slabs:
         self,
         out: npt.NDArray[np.uint8],
         idx: npt.NDArray[np.int64],
-        cls: npt.NDArray[np.int32],
-        slots: npt.NDArray[np.int64],
+        cls: npt.NDArray[np.int16],
+        slots: npt.NDArray[np.int32],
         *,
         start: int,
         stop: int,
@@ -373,8 +373,8 @@ class Slabs:
         self,
         check: GatherCheck,
         out_rows: npt.NDArray[np.int64],
-        cls: npt.NDArray[np.int32],
-        slots: npt.NDArray[np.int64],
+        cls: npt.NDArray[np.int16],
+        slots: npt.NDArray[np.int32],
         sizes: npt.NDArray[np.int64],
         *,
         targets: Targets,
@@ -394,7 +394,9 @@ class Slabs:
         for g in groups:
             first = int(g[0])
             slab, size = self.get(int(cls[first])).rows, int(sizes[first])
-            got = check.copy_checked_rows(slab, out_rows[g], slots[g], size, targets)
+            # The index keeps slots as int32 (``index.ENTRY_COLUMNS``); the check takes int64.
+            rows = slots[g].astype(np.int64)
+            got = check.copy_checked_rows(slab, out_rows[g], rows, size, targets)
             if got is None:  # a layout of ranges that form does not take: entry by entry
                 entries = [slab[slot, :size] for slot in slots[g].tolist()]
                 got = check.copy_checked(out_rows[g].tolist(), entries, targets)
