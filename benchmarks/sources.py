@@ -72,9 +72,9 @@ import torch
 
 import mmcache as mc
 from mmcache.cache import Cache
+from mmcache.sources.blobs import RawTier
+from mmcache.sources.blobs.prefetch import RemotePrefetch
 from mmcache.sources.bytesproc import process_bytes
-from mmcache.sources.remote import RawTier
-from mmcache.sources.remote.prefetch import RemotePrefetch
 from mmcache.sources.wds import WebDatasetSource, write_shards
 from treecompare import compare_trees  # benchmarks/ (the script's folder is on sys.path)
 

@@ -13,7 +13,7 @@ and the recipes' names, and every error). The rest lives in its submodule, each 
 its own ``__all__``: the sources read in place and the remote ones in
 :mod:`mmcache.sources` (``CocoSource``, ``ParquetSource``, ``HFDatasetSource``,
 ``WebDatasetSource``; ``RawTier`` and ``RemotePrefetch`` under
-:mod:`mmcache.sources.remote`), every stats record and report in :mod:`mmcache.stats`,
+:mod:`mmcache.sources.blobs`), every stats record and report in :mod:`mmcache.stats`,
 the loader's hooks in :mod:`mmcache.loader`; what a new source, stage, tier or policy
 is built from in :mod:`mmcache.sources`, :mod:`mmcache.transforms`,
 :mod:`mmcache.stores`, :mod:`mmcache.policies` and :mod:`mmcache.testing`.

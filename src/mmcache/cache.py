@@ -217,7 +217,7 @@ class Cache:
             are gathered in the training process (compact ones decoded on threads),
             each in its own folder (``disk/``, ``disk-zstd/``...): forms never mix.
         shared: a shared tier below the disk tier (:class:`~mmcache.shared.SharedTier`,
-            or its location: a folder on a shared file system, an fsspec URL such as
+            or its location: a folder on a shared file system, an object store URL such as
             ``"s3://bucket/prefix"``): a miss of memory and disk is looked up there
             before it is produced, a hit checked and kept in the node's tiers, and
             what this node produces is published there (written behind, in packs).

@@ -36,7 +36,7 @@ def add_shared_options(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument(
         "--shared-options",
         metavar="JSON",
-        help="fsspec storage_options of the shared tier, e.g. '{\"anon\": false}'",
+        help="storage_options (object store options) of the shared tier, e.g. '{\"anon\": false}'",
     )
 
 

@@ -56,13 +56,10 @@ def _is_records_location(manifest: object, format: str) -> bool:
 
 
 def _refuse_table_options(options: Mapping[str, Any]) -> None:
-    """ConfigError when ``columns=`` or ``storage_options=`` is given for a manifest of
-    loose files (they are a table's and a remote store's options)."""
-    if any(options.get(name) is not None for name in ("columns", "storage_options")):
-        raise ConfigError(
-            "columns= and storage_options= are for Parquet, HF datasets and remote "
-            "sources, not a manifest of local files"
-        )
+    """ConfigError when ``columns=`` is given for a manifest of loose files (a table's
+    option; ``storage_options=`` is taken: a manifest may name objects)."""
+    if options.get("columns") is not None:
+        raise ConfigError("columns= is for Parquet and HF datasets, not a manifest of image files")
 
 
 def open_source(
@@ -90,7 +87,8 @@ def open_source(
         format: ``"auto"`` (sniffed) or a name of
             :func:`~mmcache.sources.open.source_format_names`.
         columns: the ``id``/``image``/``text`` column names (Parquet, HF datasets).
-        storage_options: for fsspec URLs (Parquet, WebDataset).
+        storage_options: for object store URLs (Parquet, WebDataset, a manifest's
+            images or clips).
         image_root: the images' folder (COCO).
         on_error: ``"raise"`` or ``"skip"`` (see :class:`MultimodalDataset`).
         content_stamp: key loose files by their bytes always (manifests of loose files).
@@ -102,7 +100,7 @@ def open_source(
     if pipeline is not None and not isinstance(pipeline, Pipeline):
         raise ConfigError(f"pipeline must be a mmcache.Pipeline, got {type(pipeline).__name__}")
     if _is_records_location(location, format):
-        _refuse_table_options({"columns": columns, "storage_options": storage_options})
+        _refuse_table_options({"columns": columns})
         return MultimodalDataset(
             location,
             pipeline=pipeline,
@@ -110,6 +108,7 @@ def open_source(
             content_stamp=content_stamp,
             format=format,
             image_root=image_root,
+            storage_options=storage_options,
         )
     if content_stamp:
         raise ConfigError("content_stamp=True is for manifests of loose image files")
@@ -164,6 +163,8 @@ class MultimodalDataset(FileSource):
             a key; for file systems whose ctimes or inode numbers are not
             trustworthy.
         format, image_root: as :func:`open_source` takes them (a COCO file's images).
+        storage_options: the object store's options when the manifest names URLs (the
+            images or clips are then objects: :class:`~mmcache.sources.files.FileSource`).
 
     Any other location (Parquet, WebDataset shards, a saved HF dataset) or a source
     object is :func:`open_source`'s: a ConfigError here names it. A
@@ -182,6 +183,7 @@ class MultimodalDataset(FileSource):
         content_stamp: bool = False,
         format: str = "auto",
         image_root: str | os.PathLike[str] | None = None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         check_on_error(on_error)
         if not _is_records_location(manifest, _open.check_format(format)):
@@ -208,7 +210,11 @@ class MultimodalDataset(FileSource):
                 )
             manifest = opened
         super().__init__(
-            manifest, pipeline=pipeline, on_error=on_error, content_stamp=content_stamp
+            manifest,
+            pipeline=pipeline,
+            on_error=on_error,
+            content_stamp=content_stamp,
+            storage_options=storage_options,
         )
 
 

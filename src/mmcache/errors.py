@@ -139,7 +139,7 @@ class RemoteError(MmcacheError):
     Attributes: ``url``, the HTTP ``status`` (``None`` when no response came), whether it
     is ``permanent`` (404, 403, a server ignoring ``Range``: retrying cannot help),
     ``kind`` (a :data:`RemoteErrorKind`) and the ``reason`` (credentials redacted).
-    Not an ``OSError``, so the retry loops that catch ``OSError`` around fsspec calls never
+    Not an ``OSError``, so the retry loops that catch ``OSError`` around object store calls never
     take a permanent failure for a transient one. Picklable (workers send it to the parent).
     """
 

@@ -22,7 +22,7 @@ Hooks run in the order given (:class:`mmcache.loader.hooks.Hooks` runs them).
 the two methods will do.
 
 This module is the contract alone, in the base layer, so that whoever writes a hook
-(the loader's own, :mod:`mmcache.cluster`, :mod:`mmcache.sources.remote.prefetch`)
+(the loader's own, :mod:`mmcache.cluster`, :mod:`mmcache.sources.blobs.prefetch`)
 types against it without importing the loader.
 
 Thread safety: ``after_assemble`` runs on the loader's assembling threads (its

@@ -1,5 +1,5 @@
 """Servers that lie about sizes or answer one object slowly, on a real local HTTP server
-(a threaded ``http.server`` in the test), read through :class:`RemoteFileSource` and the
+(a threaded ``http.server`` in the test), read through :class:`FileSource` and the
 DataLoader with ``on_error="skip"``.
 
 - H5: the HEAD of one object says 643 bytes; its GET answers 200 (ignoring ``Range``)
@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 
 from mmcache.loader import DataLoader
-from mmcache.sources.remote.files import RemoteFileSource
-from mmcache.sources.remote.retry import RetryPolicy
+from mmcache.sources.blobs.retry import RetryPolicy
+from mmcache.sources.files import FileSource
 from mmcache.synth import make_dataset
 from mmcache.transforms.pipeline import Pipeline
 
@@ -140,11 +140,11 @@ def server(images: dict[str, bytes]) -> Iterator[tuple[str, Objects]]:
 
 def source(
     url: str, names: list[str], pipe: Pipeline, tmp_path: Path, policy: RetryPolicy
-) -> RemoteFileSource:
+) -> FileSource:
     manifest = tmp_path / "remote.jsonl"
     rows = [{"id": n.split(".")[0], "image_path": f"{url}/{n}", "caption": "a cat"} for n in names]
     manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return RemoteFileSource(
+    return FileSource(
         manifest,
         pipeline=pipe,
         on_error="skip",
@@ -154,7 +154,7 @@ def source(
     )
 
 
-def served_ids(src: RemoteFileSource) -> list[str]:
+def served_ids(src: FileSource) -> list[str]:
     loader = DataLoader(src, cache=None, batch_size=1, shuffle=False, num_workers=0)
     return [sid for batch in loader for sid in batch["id"]]
 

@@ -21,10 +21,10 @@ import pytest
 from mmcache.cache import Cache
 from mmcache.errors import ManifestError, RemoteError, SampleError
 from mmcache.loader import DataLoader
-from mmcache.sources.remote import RawTier
-from mmcache.sources.remote.files import RemoteFileSource
-from mmcache.sources.remote.prefetch import RemotePrefetch
-from mmcache.sources.remote.retry import RetryPolicy
+from mmcache.sources.blobs import RawTier
+from mmcache.sources.blobs.prefetch import RemotePrefetch
+from mmcache.sources.blobs.retry import RetryPolicy
+from mmcache.sources.files import FileSource
 from mmcache.sources.wds import WebDatasetSource, write_shards
 from mmcache.synth import make_dataset
 from mmcache.transforms.pipeline import Pipeline
@@ -239,8 +239,8 @@ def test_a_restart_of_remote_files_during_the_outage(s3, proxy, small_pipeline, 
     remote = tmp_path / "remote.jsonl"
     remote.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
-    def open_source(**kw: Any) -> RemoteFileSource:
-        return RemoteFileSource(
+    def open_source(**kw: Any) -> FileSource:
+        return FileSource(
             remote,
             pipeline=small_pipeline,
             storage_options=s3.storage_options(proxy.url),

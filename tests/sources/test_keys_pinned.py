@@ -23,7 +23,6 @@ import pytest
 
 from mmcache.sources.files import FileSource
 from mmcache.sources.parquet import ParquetSource
-from mmcache.sources.remote.files import RemoteFileSource
 from mmcache.sources.wds import WebDatasetSource
 from mmcache.testing.identity_contract import noise_bmp
 from mmcache.transforms.pipeline import Pipeline
@@ -151,6 +150,16 @@ PINNED: dict[str, list[str]] = {
         "e70ecabe29de7bbbaf4c50ccf4d95310",
         "580df27109f3635b27ad9e1d5ca35652",
     ],
+    # Moved on purpose in session 14 (issue 38, one door to object stores): a remote
+    # Parquet row's key held its file's stamp with the URL in it, so the same file under
+    # another bucket or prefix had other keys, where a remote image's key holds the
+    # object's identity. It now holds the file's identity as remote images do
+    # (``blobs.objects.object_identity``: the S3 ETag, computed from the bytes).
+    "remote-parquet": [
+        "8b42bd299ac181a36d0c07a34b973471",
+        "d751d1383c3d1d2791926a275ee1d1d4",
+        "a11dc2d61224a062877ad39ba8ef3ced",
+    ],
 }
 
 
@@ -192,7 +201,23 @@ def test_remote_object_keys_are_unchanged(
         rows.append({"id": f"o{i}", "image_path": url, "caption": "c"})
     manifest = tmp_path / "remote.jsonl"
     manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    source = RemoteFileSource(
+    source = FileSource(
         manifest, pipeline=pipeline, storage_options=s3.storage_options(), state_dir=tmp_path
     )
     assert _hex(source) == PINNED["remote"]
+
+
+@pytest.mark.parametrize("prefix", ["pinned", "elsewhere/copy"])
+def test_remote_parquet_keys_hold_the_file_identity(
+    tmp_path: Path, pipeline: Pipeline, s3: S3Endpoint, prefix: str
+) -> None:
+    """The same Parquet file under another prefix has the same pinned row keys."""
+    body = _parquet(tmp_path).read_bytes()
+    s3.client.put_object(Bucket="data", Key=f"{prefix}/t.parquet", Body=body)
+    source = ParquetSource(
+        f"s3://data/{prefix}/t.parquet",
+        pipeline=pipeline,
+        columns={"id": "id", "image": "image", "text": "text"},
+        storage_options=s3.storage_options(),
+    )
+    assert _hex(source) == PINNED["remote-parquet"]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mmcache.sources.remote.raw import RawTier, fetch_bytes
+from mmcache.sources.blobs.raw import RawTier, fetch_bytes
 
 URL = "https://example.invalid/shard-00000.tar"
 

@@ -1,6 +1,6 @@
 """Loose image files of a manifest as objects on a local S3 server (moto), read through
-``RemoteFileSource``: the source contract, equality with the local files, an
-overwritten object, a missing one."""
+``FileSource`` over objects (it was ``RemoteFileSource``): the source contract, equality
+with the local files, an overwritten object, a missing one."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from mmcache.dataset import MultimodalDataset
 from mmcache.errors import ConfigError, SampleError
 from mmcache.loader import DataLoader
 from mmcache.sources.base import OnError
-from mmcache.sources.remote import RawTier
-from mmcache.sources.remote.files import RemoteFileSource
-from mmcache.sources.remote.prefetch import RemotePrefetch
+from mmcache.sources.blobs import RawTier
+from mmcache.sources.blobs.prefetch import RemotePrefetch
+from mmcache.sources.files import FileSource
 from mmcache.synth import make_dataset
 from mmcache.testing.hostile import HostileInputContract
 from mmcache.testing.source_contract import SourceContract
@@ -55,12 +55,12 @@ class TestRemoteFileContract(SourceContract):
 
     def make_source(
         self, n: int, *, on_error: OnError = "raise", bad: int | None = None
-    ) -> RemoteFileSource:
+    ) -> FileSource:
         manifest = make_dataset(self.root / f"d{n}", n, seed=2)
         if bad is not None:
             (manifest.parent / "images" / f"{bad:06d}.jpg").write_bytes(b"not a jpeg")
         remote = upload_manifest(self.s3, manifest, f"{self.prefix}/{n}")
-        return RemoteFileSource(
+        return FileSource(
             remote,
             pipeline=self.pipeline,
             on_error=on_error,
@@ -79,7 +79,7 @@ class TestRemoteFileContract(SourceContract):
 
 def test_s3_files_equal_local_files(s3, small_pipeline, tmp_path):
     manifest = make_dataset(tmp_path / "data", 12, seed=4)
-    remote = RemoteFileSource(
+    remote = FileSource(
         upload_manifest(s3, manifest, "eq"),
         pipeline=small_pipeline,
         storage_options=s3.storage_options(),
@@ -96,10 +96,26 @@ def test_s3_files_equal_local_files(s3, small_pipeline, tmp_path):
     assert hooks[0].fetched > 0
 
 
+def test_open_source_reads_a_manifest_of_urls_with_its_storage_options(
+    s3, small_pipeline, tmp_path
+):
+    # open_source refused storage_options= for a manifest ("not a manifest of local
+    # files"): a manifest of URLs needed RemoteFileSource. Now it opens the one FileSource.
+    from mmcache.dataset import open_source
+    from mmcache.sources.capabilities import Revalidating
+
+    manifest = make_dataset(tmp_path / "data", 3, seed=4)
+    remote = upload_manifest(s3, manifest, "opened")
+    ds = open_source(remote, pipeline=small_pipeline, storage_options=s3.storage_options())
+    local = MultimodalDataset(manifest, pipeline=small_pipeline)
+    assert isinstance(ds, Revalidating) and ds.stamp_kind.name == "FIXED"
+    assert bool((ds.produce(2)["image"] == local.produce(2)["image"]).all())
+
+
 def test_an_overwritten_image_is_fetched_again(s3, small_pipeline, tmp_path, cache_root):
     manifest = make_dataset(tmp_path / "data", 6, seed=4)
     remote_manifest = upload_manifest(s3, manifest, "ow")
-    src = RemoteFileSource(
+    src = FileSource(
         remote_manifest,
         pipeline=small_pipeline,
         storage_options=s3.storage_options(),
@@ -132,20 +148,25 @@ def test_a_missing_object_under_raise_and_skip(s3, small_pipeline, tmp_path):
     s3.client.delete_object(Bucket="data", Key="gone/images/000004.jpg")
     url = "s3://data/gone/images/000004.jpg"
     kw: dict[str, Any] = {"pipeline": small_pipeline, "storage_options": s3.storage_options()}
-    strict = RemoteFileSource(remote_manifest, **kw)
+    strict = FileSource(remote_manifest, **kw)
     with pytest.raises(SampleError, match="HTTP 404") as info:
         strict.produce(4)
     assert info.value.path == url and url in str(info.value)
-    skip = RemoteFileSource(remote_manifest, on_error="skip", **kw)
+    skip = FileSource(remote_manifest, on_error="skip", **kw)
     ids = [s for b in DataLoader(skip, cache=None, batch_size=4, shuffle=False) for s in b["id"]]
     assert ids == ["000000", "000001", "000002", "000003", "000005"]
     assert [(r.sample_id, r.path) for r in skip.rejects()] == [("000004", url)]
 
 
-def test_local_paths_are_refused(small_pipeline, tmp_path):
+def test_a_manifest_of_local_paths_and_urls_is_refused(s3, small_pipeline, tmp_path):
+    # RemoteFileSource refused local paths; the one FileSource reads either, not both.
     manifest = make_dataset(tmp_path / "data", 2, seed=4)
-    with pytest.raises(ConfigError, match="not a URL"):
-        RemoteFileSource(manifest, pipeline=small_pipeline)
+    rows = [json.loads(line) for line in manifest.read_text().splitlines()]
+    rows[1]["image_path"] = "s3://data/elsewhere/1.jpg"
+    mixed = tmp_path / "data" / "mixed.jsonl"
+    mixed.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ConfigError, match=r"names local files .* and URLs .*s3://data/elsewhere"):
+        FileSource(mixed, pipeline=small_pipeline, storage_options=s3.storage_options())
 
 
 class TestRemoteFileHostile(HostileInputContract):
@@ -160,7 +181,7 @@ class TestRemoteFileHostile(HostileInputContract):
 
     def make_hostile_source(
         self, images: Sequence[bytes], *, pipeline: Any, on_error: OnError
-    ) -> RemoteFileSource:
+    ) -> FileSource:
         rows = []
         for i, data in enumerate(images):
             key = f"hostile/{self.root.name}/{i}.img"
@@ -168,7 +189,7 @@ class TestRemoteFileHostile(HostileInputContract):
             rows.append({"id": f"s{i}", "image_path": f"s3://data/{key}", "caption": "c"})
         manifest = self.root / "remote.jsonl"
         manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        return RemoteFileSource(
+        return FileSource(
             manifest,
             pipeline=pipeline,
             on_error=on_error,

@@ -1,9 +1,9 @@
-"""``RemoteFileSource`` passes the identity contract (issue 24): on the local moto S3
+"""``FileSource`` passes the identity contract (issue 24): on the local moto S3
 server, with multipart uploads, and on an HTTP server that gives no ETag.
 
 The identity of an object's bytes is its S3 ETag (S3 computes it from the bytes) or, where
 the server gives no ETag, the digest of the fetched bytes; the key holds that identity and
-not the object's URL (:func:`mmcache.sources.remote.fs.byte_identity`). So objects with
+not the object's URL (:func:`mmcache.sources.blobs.objects.byte_identity`). So objects with
 the same relative names and sizes but other bytes share no entry, a same-size rewrite is
 fresh, a copy of the objects under another bucket or prefix has the same keys, and a
 flipped byte of the raw-bytes tier is never served.
@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from mmcache.sources.remote import RawTier
-from mmcache.sources.remote.files import RemoteFileSource
-from mmcache.sources.remote.fs import byte_identity
+from mmcache.sources.blobs import RawTier
+from mmcache.sources.blobs.objects import byte_identity
+from mmcache.sources.files import FileSource
 from mmcache.testing.identity_contract import IdentityContract, noise_bmp
 from mmcache.testing.store_contract import flip_in_files
 from mmcache.transforms.pipeline import Pipeline
@@ -84,10 +84,10 @@ class RemoteIdentity(IdentityContract):
             self.copy_object(self.prefix(folder), name, self.prefix(copy))
         return _write_manifest(copy, [self.url(self.prefix(copy), n, copy=True) for n in _names()])
 
-    def open_source(self, location: Path) -> RemoteFileSource:
+    def open_source(self, location: Path) -> FileSource:
         self.opened = getattr(self, "opened", 0) + 1
         raw = RawTier(location.parent / f"raw-{self.opened}", budget="8MiB")
-        return RemoteFileSource(
+        return FileSource(
             location,
             pipeline=self.pipeline,
             storage_options=self.storage_options(),
@@ -97,14 +97,14 @@ class RemoteIdentity(IdentityContract):
         )
 
     def flip_source_tiers(self, source: Any) -> int:
-        raw = source.raw
+        raw, objects = source.raw, source.blobs  # the objects' stamps are the blobs'
         flipped = 0
-        for u, url in enumerate(source.urls):
-            size = int(source.object_sizes[u])
-            held = raw.get(url, source.object_stamps[u], 0, size)
+        for u, url in enumerate(objects.urls):
+            size = int(objects.object_sizes[u])
+            held = raw.get(url, objects.object_stamps[u], 0, size)
             assert held is not None, f"{url} is not in the raw tier"
             flip_in_files([str(Path(raw.path) / "data.mdb")], held[size // 2 - 32 : size // 2 + 32])
-            assert raw.get(url, source.object_stamps[u], 0, size) is None  # checked on read
+            assert raw.get(url, objects.object_stamps[u], 0, size) is None  # checked on read
             flipped += 1
         return flipped
 
@@ -193,7 +193,7 @@ def test_a_server_without_etag_warns_once_naming_an_object(
         (www / name).write_bytes(noise_bmp(i))
     manifest = _write_manifest(tmp_path / "m", [f"{base}/{n}" for n in _names()])
     with caplog.at_level(logging.WARNING):
-        source = RemoteFileSource(manifest, pipeline=small_pipeline, state_dir=tmp_path)
+        source = FileSource(manifest, pipeline=small_pipeline, state_dir=tmp_path)
         source.key_rows(np.arange(N))
         source.revalidate()
     warned = [r.getMessage() for r in caplog.records if "has no ETag" in r.getMessage()]

@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import pytest
 
-from mmcache.sources.remote.files import RemoteFileSource
+from mmcache.sources.files import FileSource
 from mmcache.sources.wds import WebDatasetSource
 from mmcache.sources.wds.write import write_shards
 from mmcache.synth import make_dataset
@@ -55,7 +55,7 @@ def test_a_same_size_overwrite_on_a_server_without_etag_is_seen(
     remote.write_text("".join(json.dumps(r) + "\n" for r in rows))
     src = _opened_with_one_warning(
         caplog,
-        lambda: RemoteFileSource(remote, pipeline=small_pipeline, retries=0, state_dir=tmp_path),
+        lambda: FileSource(remote, pipeline=small_pipeline, retries=0, state_dir=tmp_path),
     )
     before = [src.key(i) for i in range(3)]
     image = www / rows[1]["image_path"].removeprefix(f"{base}/")
@@ -89,3 +89,35 @@ def test_a_same_size_overwrite_of_a_shard_on_a_server_without_etag_is_seen(
     after = [src.key(i) for i in range(len(src))]
     assert after[:2] == before[:2]
     assert after[2] != before[2] and after[3] != before[3]
+
+
+def test_a_same_size_overwrite_of_a_clip_on_a_server_without_etag_is_seen(
+    served: tuple[Path, str],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # RemoteVideoSource stamped a clip without ETag by its size alone ("size=N"): a
+    # same-size overwrite kept its key and its old frames were served. FileSource over
+    # objects stamps clips as it stamps images: by the digest of their bytes.
+    pytest.importorskip("av")
+    pytest.importorskip("jinja2")
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "unit"))
+    from video_support import video_chat_pipeline, write_clip
+
+    www, base = served
+    clip = write_clip(www / "v" / "a.mp4", frames=12, fps=12, size=(48, 80))
+    talk = [{"from": "human", "value": "<video>\nWhat?"}, {"from": "gpt", "value": "A clip."}]
+    record = {"id": "a", "video": f"{base}/v/a.mp4", "conversations": talk}
+    (tmp_path / "m.json").write_text(json.dumps([record]))
+    pipe = video_chat_pipeline()
+
+    def open_source() -> FileSource:
+        return FileSource(tmp_path / "m.json", pipeline=pipe, retries=0, state_dir=tmp_path)
+
+    src = _opened_with_one_warning(caplog, open_source)
+    before = src.key(0)
+    _flip(clip, clip.stat().st_size - 16)  # same size, other bytes
+    assert open_source().key(0) != before  # a source opened now has the new bytes' key
+    assert src.revalidate() == [record["video"]] and src.key(0) != before

@@ -19,9 +19,9 @@ import mmcache as mc
 from mmcache.cache import Cache
 from mmcache.errors import SampleError
 from mmcache.loader import DataLoader
+from mmcache.sources.blobs.prefetch import RemotePrefetch
 from mmcache.sources.capabilities import Revalidating, SharesStamps
 from mmcache.sources.parquet import ParquetSource
-from mmcache.sources.remote.prefetch import RemotePrefetch
 from mmcache.transforms.pipeline import Pipeline
 from support.s3 import S3Endpoint, moto_s3
 

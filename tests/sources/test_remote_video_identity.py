@@ -1,8 +1,8 @@
-"""``RemoteVideoSource`` passes the identity contract (issue 24): clips on the local moto
+"""``FileSource`` passes the identity contract (issue 24): clips on the local moto
 S3 server, read through the raw-bytes tier.
 
 A clip's identity is its S3 ETag (the MD5 of its bytes for a single-part upload), not its
-URL (:func:`mmcache.sources.remote.fs.object_identity`): clips of the same names, sizes
+URL (:func:`mmcache.sources.blobs.objects.object_identity`): clips of the same names, sizes
 and frame counts but other pixels (uncompressed ``rawvideo`` in AVI, so every seed gives
 one size) share no entry, a same-size rewrite is fresh, a copy under another bucket has
 the same keys, and a flipped byte of the raw-bytes tier is never served. The contract
@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-from mmcache.sources.remote import RawTier
-from mmcache.sources.remote.videos import RemoteVideoSource
+from mmcache.sources.blobs import RawTier
+from mmcache.sources.files import FileSource
 from mmcache.testing.identity_contract import IdentityContract, flip_raw_spans
 from support.s3 import S3Endpoint
 
@@ -36,7 +36,7 @@ from video_support import video_chat_pipeline  # noqa: E402
 
 N = 4
 # The moto server with a second bucket for the remote ``cp -a`` copies (module-scoped),
-# as RemoteFileSource's identity test has it.
+# as FileSource's identity test has it.
 COPIES = remote_identity.COPIES
 s3 = remote_identity.s3
 
@@ -99,9 +99,9 @@ class TestS3VideoIdentity(IdentityContract):
             self.s3.client.copy_object(Bucket=COPIES, Key=f"{to}/{name}", CopySource=source)
         return _write_manifest(copy, [f"s3://{COPIES}/{to}/{n}" for n in _names()])
 
-    def open_source(self, location: Path) -> RemoteVideoSource:
+    def open_source(self, location: Path) -> FileSource:
         self.opened = getattr(self, "opened", 0) + 1
-        return RemoteVideoSource(
+        return FileSource(
             location,
             pipeline=self.pipeline,
             storage_options=self.s3.storage_options(),
@@ -116,5 +116,11 @@ class TestS3VideoIdentity(IdentityContract):
         return [clip.reshape(-1) for clip in batch["videos"]]
 
     def flip_source_tiers(self, source: Any) -> int:
-        spans = [(url, stamp, 0, size) for url, (size, stamp) in source.objects.items()]
+        objects = source.blobs  # each clip's stamp and size are the blobs'
+        spans = [
+            (url, stamp, 0, int(size))
+            for url, stamp, size in zip(
+                objects.urls, objects.object_stamps, objects.object_sizes, strict=True
+            )
+        ]
         return flip_raw_spans(source.raw, spans)

@@ -1,4 +1,4 @@
-"""Videos on S3 (a local moto server) through the raw-bytes tier: ``RemoteVideoSource``
+"""Videos on S3 (a local moto server) through the raw-bytes tier: ``FileSource``
 gives the loose files' samples, fetches each clip once (the raw tier serves it after),
 keys follow the ETag, and a missing, oversized or damaged clip is a SampleError naming
 the URL."""
@@ -19,8 +19,8 @@ from video_support import video_chat_pipeline, write_clip
 import mmcache
 from mmcache import MultimodalDataset, Pipeline
 from mmcache.errors import SampleError
-from mmcache.sources.remote import RawTier
-from mmcache.sources.remote.videos import RemoteVideoSource
+from mmcache.sources.blobs import RawTier
+from mmcache.sources.files import FileSource
 from support.s3 import S3Endpoint, moto_s3
 
 pytest.importorskip("av")
@@ -46,7 +46,7 @@ def _records(names: dict[str, str]) -> list[dict[str, object]]:
     ]  # fmt: skip
 
 
-def _count_reads(src: RemoteVideoSource, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+def _count_reads(src: FileSource, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The URLs the source GETs from now on (its remote reads)."""
     read, real = [], src.remote.read
 
@@ -58,20 +58,28 @@ def _count_reads(src: RemoteVideoSource, monkeypatch: pytest.MonkeyPatch) -> lis
     return read
 
 
+def _two_clips(s3: S3Endpoint, tmp_path: Path, folder: str) -> tuple[Path, Path, dict[str, str]]:
+    """Clips ``a`` (mp4) and ``b`` (webm) under ``tmp_path/v``, uploaded under ``folder``,
+    and ``remote.json``: a record of each by URL. Returns both paths and the URLs."""
+    a = write_clip(tmp_path / "v/a.mp4", frames=48, fps=24, size=(64, 96))
+    b = write_clip(tmp_path / "v/b.webm", frames=30, fps=15, size=(48, 80), codec="libvpx-vp9")
+    prefix = f"{folder}/{tmp_path.name}"
+    for p in (a, b):
+        s3.client.upload_file(str(p), "data", f"{prefix}/{p.name}")
+    urls = {"a": f"s3://data/{prefix}/a.mp4", "b": f"s3://data/{prefix}/b.webm"}
+    (tmp_path / "remote.json").write_text(json.dumps(_records(urls)))
+    return a, b, urls
+
+
 def test_s3_videos_equal_local_files_fetched_once(
     s3: S3Endpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    a = write_clip(tmp_path / "v/a.mp4", frames=48, fps=24, size=(64, 96))
-    b = write_clip(tmp_path / "v/b.webm", frames=30, fps=15, size=(48, 80), codec="libvpx-vp9")
+    _, b, urls = _two_clips(s3, tmp_path, "videos")
     prefix = f"videos/{tmp_path.name}"
-    for p in (a, b):
-        s3.client.upload_file(str(p), "data", f"{prefix}/{p.name}")
     (tmp_path / "local.json").write_text(json.dumps(_records({"a": "v/a.mp4", "b": "v/b.webm"})))
-    urls = {"a": f"s3://data/{prefix}/a.mp4", "b": f"s3://data/{prefix}/b.webm"}
-    (tmp_path / "remote.json").write_text(json.dumps(_records(urls)))
     pipe = _pipeline()
     raw = RawTier(tmp_path / "raw", budget="64MiB")
-    src = RemoteVideoSource(tmp_path / "remote.json", pipeline=pipe, raw=raw,
+    src = FileSource(tmp_path / "remote.json", pipeline=pipe, raw=raw,
                             storage_options=s3.storage_options(), retries=1)  # fmt: skip
     loose = MultimodalDataset(tmp_path / "local.json", pipeline=pipe)
     read = _count_reads(src, monkeypatch)
@@ -86,7 +94,7 @@ def test_s3_videos_equal_local_files_fetched_once(
     assert len(read) == 2
     key = src.key(0)
     s3.client.upload_file(str(b), "data", f"{prefix}/a.mp4")  # overwritten: a new ETag
-    again = RemoteVideoSource(tmp_path / "remote.json", pipeline=pipe, raw=raw,
+    again = FileSource(tmp_path / "remote.json", pipeline=pipe, raw=raw,
                               storage_options=s3.storage_options(), retries=1)  # fmt: skip
     assert again.key(0) != key and again.key(1) == src.key(1)
     assert again.produce(0)["video_sizes"].tolist() == loose.produce(1)["video_sizes"].tolist()
@@ -107,7 +115,7 @@ def test_missing_oversized_and_damaged_clips_are_sample_errors(
     s3.client.put_object(Bucket="data", Key=f"{prefix}/big.mp4", Body=big)
     names = {k: f"s3://data/{prefix}/{k}.mp4" for k in ("g", "cut", "big", "gone")}
     (tmp_path / "m.json").write_text(json.dumps(_records(names)))
-    src = RemoteVideoSource(tmp_path / "m.json", pipeline=_pipeline(max_bytes=len(data) + 1),
+    src = FileSource(tmp_path / "m.json", pipeline=_pipeline(max_bytes=len(data) + 1),
                             storage_options=s3.storage_options(), retries=1)  # fmt: skip
     assert src.produce(0)["videos"].size > 0
     read = _count_reads(src, monkeypatch)
@@ -117,3 +125,30 @@ def test_missing_oversized_and_damaged_clips_are_sample_errors(
             src.produce(i)
         assert info.value.sample_id == k and info.value.path == names[k]
     assert names["big"] not in read  # refused by its listed size, never fetched
+
+
+def test_clips_overwritten_during_a_run_are_revalidated_and_fetched_ahead(
+    s3: S3Endpoint, tmp_path: Path
+) -> None:
+    # RemoteVideoSource had no revalidation ("Not here yet"): a clip overwritten during a
+    # run kept its old key until the source was opened again. FileSource over objects
+    # revalidates its clips as it does images, and RemotePrefetch drives it.
+    from mmcache.sources.blobs.prefetch import RemotePrefetch
+    from mmcache.sources.capabilities import Revalidating, SharesStamps
+
+    _, b, urls = _two_clips(s3, tmp_path, "reval")
+    prefix = f"reval/{tmp_path.name}"
+    raw = RawTier(tmp_path / "raw", budget="64MiB")
+    src = FileSource(tmp_path / "remote.json", pipeline=_pipeline(), raw=raw,
+                     storage_options=s3.storage_options(), retries=1)  # fmt: skip
+    assert isinstance(src, Revalidating) and isinstance(src, SharesStamps)
+    RemotePrefetch(src)  # accepted: it checks the clips again at each epoch
+    before = [src.key(0), src.key(1)]
+    assert src.revalidate() == []
+    s3.client.upload_file(str(b), "data", f"{prefix}/a.mp4")  # overwritten: a new ETag
+    assert src.revalidate() == [urls["a"]]
+    assert src.key(0) != before[0] and src.key(1) == before[1]
+    (tmp_path / "v" / "local.json").write_text(json.dumps(_records({"b": "b.webm"})))
+    loose = MultimodalDataset(tmp_path / "v" / "local.json", pipeline=_pipeline())
+    got = src.produce(0)["video_sizes"].tolist()
+    assert got == loose.produce(0)["video_sizes"].tolist()  # the new clip's frames

@@ -21,7 +21,7 @@ from video_support import video_chat_pipeline, write_clip
 import mmcache
 from mmcache import VideoSpec
 from mmcache.errors import SampleError
-from mmcache.sources.remote.videos import RemoteVideoSource
+from mmcache.sources.files import FileSource
 from mmcache.sources.wds import WebDatasetSource
 from support.s3 import S3Endpoint, moto_s3
 
@@ -87,7 +87,7 @@ def test_an_s3_clip_over_max_source_pixels_is_refused(
         for k, url in urls.items()
     ]  # fmt: skip
     (tmp_path / "m.json").write_text(json.dumps(records))
-    src = RemoteVideoSource(tmp_path / "m.json", pipeline=video_chat_pipeline(video=_SPEC),
+    src = FileSource(tmp_path / "m.json", pipeline=video_chat_pipeline(video=_SPEC),
                             storage_options=s3.storage_options(), retries=1)  # fmt: skip
     assert src.produce(0)["video_sizes"].tolist() == [[4, 56, 84]]
     with pytest.raises(SampleError, match=_WHY) as info:

@@ -13,8 +13,8 @@ import pytest
 
 from mmcache.cache import Cache
 from mmcache.loader import DataLoader
-from mmcache.sources.remote import RawTier
-from mmcache.sources.remote.prefetch import RemotePrefetch
+from mmcache.sources.blobs import RawTier
+from mmcache.sources.blobs.prefetch import RemotePrefetch
 from mmcache.sources.wds import WebDatasetSource, write_shards
 from mmcache.synth import make_dataset
 from mmcache.transforms.pipeline import Pipeline

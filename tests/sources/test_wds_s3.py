@@ -16,8 +16,8 @@ import torch
 from mmcache.cache import Cache
 from mmcache.errors import ConfigError, ManifestError, SampleError
 from mmcache.loader import DataLoader
-from mmcache.sources.remote import RawTier, Remote, RemoteError
-from mmcache.sources.remote.prefetch import RemotePrefetch
+from mmcache.sources.blobs import RawTier, Remote, RemoteError
+from mmcache.sources.blobs.prefetch import RemotePrefetch
 from mmcache.sources.wds import WebDatasetSource, write_shards
 from mmcache.synth import make_dataset
 from mmcache.transforms.pipeline import Pipeline
@@ -266,7 +266,7 @@ def test_the_raw_tier_keeps_its_budget_and_keys_by_version(tmp_path):
 def test_a_miss_waits_for_a_running_prefetcher_instead_of_fetching_twice(tmp_path):
     import threading
 
-    from mmcache.sources.remote.raw import fetch_bytes
+    from mmcache.sources.blobs.raw import fetch_bytes
 
     url = "s3://b/00000.tar"
     gets: list[tuple[int, int]] = []

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import test_remote_identity as remote_identity  # its S3 fixture, multipart upload (same folder)
 
-from mmcache.sources.remote import RawTier
+from mmcache.sources.blobs import RawTier
 from mmcache.sources.wds import WebDatasetSource
 from mmcache.testing.identity_contract import IdentityContract, flip_raw_spans, noise_bmp
 from mmcache.transforms.pipeline import Pipeline
@@ -31,7 +31,7 @@ N = 8
 MTIME_NS = 1_600_000_000_000_000_000
 SHARD = "00000.tar"
 # The moto server with a second bucket for the remote ``cp -a`` copies (module-scoped),
-# as RemoteFileSource's identity test has it.
+# as FileSource's identity test has it.
 COPIES = remote_identity.COPIES
 s3 = remote_identity.s3
 
@@ -146,12 +146,12 @@ class TestNoEtagWebDatasetIdentity(RemoteWebDatasetIdentity):
 class TestS3MultipartWebDatasetIdentity(TestS3WebDatasetIdentity):
     """Multipart uploads (two parts): the ETag is the MD5 of the parts' MD5s, ``-2``."""
 
-    # As for RemoteFileSource's multipart objects: why a copy gets other keys, and the
+    # As for FileSource's multipart objects: why a copy gets other keys, and the
     # small parts (moto's minimum lowered) that make a shard of a few KiB two parts.
     copy_skip_reason = remote_identity.TestS3MultipartIdentity.copy_skip_reason
     _small_parts = remote_identity.TestS3MultipartIdentity._small_parts
 
     def put(self, key: str, body: bytes) -> str:
-        prefix, name = key.rsplit("/", 1)  # the same two-part upload as RemoteFileSource's
+        prefix, name = key.rsplit("/", 1)  # the same two-part upload as FileSource's
         remote_identity.TestS3MultipartIdentity.put(self, prefix, name, body)  # type: ignore[arg-type]
         return f"s3://data/{key}"

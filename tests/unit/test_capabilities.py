@@ -17,6 +17,7 @@ import pytest
 import mmcache as mc
 from mmcache.errors import ConfigError
 from mmcache.loader import DataLoader, SFTBatching
+from mmcache.sources.blobs.prefetch import RemotePrefetch
 from mmcache.sources.capabilities import (
     FieldLayout,
     HasLengths,
@@ -26,7 +27,6 @@ from mmcache.sources.capabilities import (
     members_of,
 )
 from mmcache.sources.parquet import ParquetSource
-from mmcache.sources.remote.prefetch import RemotePrefetch
 from mmcache.synth import make_dataset
 from mmcache.testing.sft import SyntheticSFTSource
 from mmcache.testing.tabular import write_parquet

@@ -142,7 +142,7 @@ def test_the_hook_contract_lives_in_the_base_layer() -> None:
     import mmcache.hooks as contract
     import mmcache.loader.hooks as old
     from mmcache.cluster.exchange import ClusterExchange
-    from mmcache.sources.remote.prefetch import RemotePrefetch
+    from mmcache.sources.blobs.prefetch import RemotePrefetch
 
     for name in ("LoaderHook", "BatchContext", "EpochContext"):
         assert getattr(old, name) is getattr(contract, name)

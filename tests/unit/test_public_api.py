@@ -53,7 +53,8 @@ PUBLIC = [
 # Where each name that left the top level (issue 38) lives: a user reaches it there, and
 # only there (no alias at the top level). The sources read in place under
 # mmcache.sources, every stats record under mmcache.stats, the loader's hooks under
-# mmcache.loader, the remote sources' pieces under mmcache.sources.remote.
+# mmcache.loader, the remote sources' pieces under mmcache.sources.blobs
+# (RemoteFileSource is gone: FileSource reads URLs).
 MOVED = {
     "BatchContext": "mmcache.loader",
     "CacheStats": "mmcache.stats",
@@ -65,9 +66,8 @@ MOVED = {
     "LoaderHook": "mmcache.loader",
     "LoaderStats": "mmcache.stats",
     "ParquetSource": "mmcache.sources",
-    "RawTier": "mmcache.sources.remote",
-    "RemoteFileSource": "mmcache.sources.remote.files",
-    "RemotePrefetch": "mmcache.sources.remote.prefetch",
+    "RawTier": "mmcache.sources.blobs",
+    "RemotePrefetch": "mmcache.sources.blobs.prefetch",
     "TextReport": "mmcache.stats",
     "TierStats": "mmcache.stats",
     "WarmReport": "mmcache.stats",
@@ -196,7 +196,7 @@ def test_every_exception_a_user_can_meet_is_in_the_one_hierarchy() -> None:
 def test_remote_error_is_an_mmcache_error_and_round_trips_pickle() -> None:
     import pickle
 
-    from mmcache.sources.remote.fs import RemoteError
+    from mmcache.sources.blobs.objects import RemoteError
 
     err = RemoteError("s3://b/k", 503, False, "slow down")
     assert RemoteError is mmcache.RemoteError

@@ -21,11 +21,11 @@ from mmcache.errors import (
     RemoteSampleError,
     SampleError,
 )
-from mmcache.sources.remote.fs import Remote
-from mmcache.sources.remote.listing import ListingFile
-from mmcache.sources.remote.options import backend_options, redact
-from mmcache.sources.remote.retry import RetryPolicy
-from mmcache.sources.remote.state import SharedStamps, private_dir
+from mmcache.sources.blobs.listing import ListingFile
+from mmcache.sources.blobs.objects import Remote
+from mmcache.sources.blobs.options import backend_options, redact
+from mmcache.sources.blobs.retry import RetryPolicy
+from mmcache.sources.blobs.state import SharedStamps, private_dir
 
 SECRETS = ("AKIAEXAMPLEKEY123", "SeCrEtVaLuE987654321", "hunter2pass", "sessTOKEN4242")
 OPTIONS = {

@@ -1,10 +1,10 @@
 """The I/O of a share: list its indexes, read them and ranges of packs, upload a pack,
-commit its index, remove a pack; every call through fsspec under the remote retry
-policy and circuit breaker (:class:`~mmcache.sources.remote.fs.Remote`).
+commit its index, remove a pack; every call through the one door to object stores,
+under the remote retry policy and circuit breaker (:class:`~mmcache.sources.blobs.objects.Remote`).
 
 One mechanism for every location: a local folder (a shared file system) is read as
-``file://`` through fsspec's local file system, an object store (``s3://``, ``gs://``)
-through its own, both by :class:`~mmcache.sources.remote.fs.Remote` (its ranged reads
+``file://`` through the blobs layer's local file system, an object store (``s3://``, ``gs://``)
+through its own, both by :class:`~mmcache.sources.blobs.objects.Remote` (its ranged reads
 are bounded by what was asked, its errors classified, its breaker opens once the store
 stops answering). Only the commit differs, by what the location guarantees: a file
 system renames a complete temporary file onto the index's name (a rename is atomic), an
@@ -31,9 +31,9 @@ from typing import Any, TypeVar
 
 from mmcache.errors import ConfigError, RemoteError
 from mmcache.shared.layout import INDEX_DIR, PACK_DIR, index_name, pack_name, pack_of
-from mmcache.sources.remote.fs import Remote, RetryPolicy, is_remote
-from mmcache.sources.remote.options import redact
-from mmcache.sources.remote.ranged import sync_timeout
+from mmcache.sources.blobs.objects import Remote, RetryPolicy, is_remote
+from mmcache.sources.blobs.options import redact
+from mmcache.sources.blobs.ranged import sync_timeout
 
 __all__ = ["Listed", "Share", "Span", "share_url"]
 

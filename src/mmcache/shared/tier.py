@@ -55,7 +55,7 @@ from mmcache.shared.access import Listed, Share, check_location, plan_spans
 from mmcache.shared.index import MergedIndex, split_keys
 from mmcache.shared.layout import MAX_ENTRY, MAX_INDEX_BYTES, IndexArrays, decode_index
 from mmcache.shared.writer import PackWriter
-from mmcache.sources.remote.retry import RetryPolicy
+from mmcache.sources.blobs.retry import RetryPolicy
 from mmcache.stats import TierStats
 from mmcache.stores.base import EntryInfo, Keys, Store, check_key
 from mmcache.stores.tiered import Row
@@ -70,19 +70,20 @@ _FETCHED_BYTES = 256 * MiB
 
 
 class SharedTier(Store):
-    """A shared tier at ``url`` (a folder on a shared file system, or an fsspec URL such
-    as ``s3://bucket/prefix``, ``gs://bucket/prefix``). See the module docstring.
+    """A shared tier at ``url`` (a folder on a shared file system, or an object store's
+    URL such as ``s3://bucket/prefix``, ``gs://bucket/prefix``). See the module docstring.
 
     Args:
         url: where the share lives; a folder is created when first published to.
-        storage_options: the fsspec options of an object store (credentials, endpoint).
+        storage_options: the options of an object store (credentials, endpoint:
+            :class:`~mmcache.sources.blobs.objects.Remote`).
         publish: whether entries this process produces are published (``False``: reads only).
         pack_bytes: a pack is committed once it holds this much (int or ``"64MiB"``).
         linger: seconds without a new entry after which an open pack is committed
             (persistent DataLoader workers publish between epochs so); 0: only when
             full, flushed or closed.
         refresh: at most this often (seconds) a key not found lists the share again.
-        retries: the :class:`~mmcache.sources.remote.retry.RetryPolicy` of every call
+        retries: the :class:`~mmcache.sources.blobs.retry.RetryPolicy` of every call
             (or the retries after the first try), with its circuit breaker.
         spool_dir: where open packs are spooled (default: the system's temporary folder).
 

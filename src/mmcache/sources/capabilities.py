@@ -33,7 +33,7 @@ from mmcache.errors import ConfigError
 if TYPE_CHECKING:
     from mmcache.sources.rejects import Reject
 
-# The remote types below are ``Any``: mmcache.sources.remote uses these protocols, and the
+# The remote types below are ``Any``: mmcache.sources.blobs uses these protocols, and the
 # package's modules may not import each other both ways (not even for types).
 
 __all__ = [
@@ -90,11 +90,11 @@ class FieldLayout(Protocol):
 @runtime_checkable
 class Revalidating(Protocol):
     """A source of remote bytes: checked again each epoch and fetched ahead of use
-    (what :class:`~mmcache.sources.remote.prefetch.RemotePrefetch` drives)."""
+    (what :class:`~mmcache.sources.blobs.prefetch.RemotePrefetch` drives)."""
 
-    #: The :class:`~mmcache.sources.remote.raw.RawTier` fetched into (None: none).
+    #: The :class:`~mmcache.sources.blobs.raw.RawTier` fetched into (None: none).
     raw: Any
-    #: The :class:`~mmcache.sources.remote.fs.Remote` the bytes come through.
+    #: The :class:`~mmcache.sources.blobs.objects.Remote` the bytes come through.
     remote: Any
     #: Whether samples' bytes are fetched ahead into :attr:`raw` (:meth:`remote_span`);
     #: ``False``: another reader reads them (Parquet rows, through pyarrow), and the
@@ -140,7 +140,7 @@ class SharesStamps(Protocol):
 
     @property
     def shared_stamps(self) -> Any:
-        """The :class:`~mmcache.sources.remote.state.SharedStamps` file and gate."""
+        """The :class:`~mmcache.sources.blobs.state.SharedStamps` file and gate."""
         ...
 
 

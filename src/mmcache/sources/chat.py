@@ -8,8 +8,6 @@ A :class:`~mmcache.sources.files.FileSource` whose pipeline has a
 - :func:`check_placeholders` at construction: a record whose ``<image>`` count differs
   from its number of images is a ManifestError naming the file, line and id (under
   ``on_error="skip"`` it is left out and listed in ``rejects()``);
-- :func:`multi_stamp` / :func:`multi_stamp_fields`: the stamp of a sample with several
-  image files (each one's ``stat``), so that changing any of them changes the key;
 - :func:`chat_lengths`: each sample's token count (image tokens included, after
   truncation) and whether it keeps an image, from a render and a tokenization per
   sample and each image's header (``PIL.Image.open`` reads only that) through the
@@ -33,7 +31,6 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import xxhash
 
 from mmcache import keys
 from mmcache.errors import ConfigError, ManifestError, SampleError
@@ -54,8 +51,6 @@ __all__ = [
     "ChatLengths",
     "chat_lengths",
     "check_placeholders",
-    "multi_stamp",
-    "multi_stamp_fields",
 ]
 
 # What reading an image header can raise.
@@ -90,32 +85,6 @@ def check_placeholders(records: Records, image_token: str, on_error: str) -> tup
             path=records.source,
         )
     return records.select(good, bad), len(bad)
-
-
-def multi_stamp(paths: Sequence[str], *, content: bool) -> str:
-    """The source stamp of a sample made of ``paths``: ``"none"`` for none, the file's
-    own stamp for one (as a single-image sample), each file's joined by ``|`` for more."""
-    if not paths:
-        return "none"
-    return "|".join(identity.file_identity(p, content=content) for p in paths)
-
-
-def multi_stamp_fields(paths: Sequence[str]) -> npt.NDArray[np.int64]:
-    """``int64 [4]`` standing for the ``stat`` of every file in ``paths`` (two or more):
-    total size, two words of a hash of every file's :func:`~mmcache.keys.stat_fields`,
-    the count; all ``-2`` when one cannot be ``stat``-ed. Equal rows mean no file
-    changed (but for a 2**-128 chance)."""
-    hasher = xxhash.xxh3_128()
-    total = 0
-    for path in paths:
-        try:
-            fields = keys.stat_fields(os.stat(path))
-        except (OSError, ValueError):
-            return np.full(4, -2, dtype=np.int64)
-        total += fields[0]
-        hasher.update(np.asarray(fields, dtype="<i8").tobytes())
-    words = np.frombuffer(hasher.digest(), dtype="<i8")
-    return np.array([total, words[0], words[1], len(paths)], dtype=np.int64)
 
 
 def any_racy(paths: Sequence[str], taken: float) -> bool:

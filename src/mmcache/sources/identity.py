@@ -77,7 +77,7 @@ the path hash column in place (its rows kept: only the lazy pruning misses them,
 does not); one of an older schema (rows without their paths) is emptied when first
 opened: it costs one re-read of each file.
 
-Remote objects are identified by their ETag or version id (:mod:`mmcache.sources.remote`).
+Remote objects are identified by their ETag or version id (:mod:`mmcache.sources.blobs`).
 
 Thread/process safety: :func:`ledger` returns one ledger per process (re-opened in a forked
 child); its methods take an internal lock, and SQLite serialises processes.

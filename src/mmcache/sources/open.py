@@ -56,7 +56,7 @@ class OpenOptions:
     """What ``MultimodalDataset`` passes a factory (``None``: the format's default).
 
     ``columns``: names of the ``id``/``image``/``text`` columns (Parquet, HF);
-    ``storage_options``: for fsspec URLs; ``image_root``: the images' folder (COCO).
+    ``storage_options``: for object store URLs; ``image_root``: the images' folder (COCO).
     """
 
     pipeline: Any

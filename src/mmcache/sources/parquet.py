@@ -17,14 +17,22 @@ Stamps (``StampKind.FILE`` for local files): each row's stamp is its file's
 the file, so a rewritten file changes the keys of all its rows at the next
 check (the loader re-``stat``-s before a warm epoch serves cached entries), and a
 worker that finds the file changed since it opened it opens it again (and
-refuses a row whose id moved). Remote files (an fsspec URL; ``storage_options``
-passed through) are ``StampKind.FIXED``: their size, mtime and ETag read at open, and
-checked again at each epoch by :meth:`ParquetSource.revalidate` (which
-:class:`~mmcache.sources.remote.prefetch.RemotePrefetch` calls, batched: one listing per
-folder of files; :mod:`~mmcache.sources.remote.tables`): a file rewritten during a run
+refuses a row whose id moved). Remote files (a URL, opened through
+:class:`~mmcache.sources.blobs.objects.Remote` with ``storage_options``: the retry
+policy and circuit breaker of every remote call) are ``StampKind.FIXED``: their size,
+mtime and ETag read at open, and checked again at each epoch by
+:meth:`ParquetSource.revalidate` (which
+:class:`~mmcache.sources.blobs.prefetch.RemotePrefetch` calls, batched: one listing per
+folder of files; :mod:`~mmcache.sources.blobs.tables`): a file rewritten during a run
 gets a new stamp, so its rows get new keys in every process, and its new version is
-read. Such a source claims the ``Revalidating`` and ``SharesStamps`` capabilities (a
-local one does not: its files are ``stat``-ed at every batch).
+read. A remote row's key holds its file's identity, as a remote image's does
+(:func:`~mmcache.sources.blobs.objects.object_identity`): an S3 ETag names the bytes, so
+the same file copied under another bucket or prefix keeps its rows' keys; an HTTP ETag
+or a GCS generation keeps the URL; a file whose server gives no version keeps the URL
+and its size and mtime. (Until the blobs layer, the key held the URL whatever the
+store: every copy was a miss.) Such a source claims the ``Revalidating`` and
+``SharesStamps`` capabilities (a local one does not: its files are ``stat``-ed at every
+batch).
 
 Thread/process safety: read-only after construction but for the per-process
 readers (behind a lock), what :class:`~mmcache.sources.rows.RowSource` keeps and the
@@ -46,17 +54,17 @@ import numpy as np
 import numpy.typing as npt
 
 from mmcache import keys
-from mmcache.errors import ConfigError, ManifestError, SampleError
+from mmcache.errors import ConfigError, ManifestError, RemoteError, SampleError
 from mmcache.rootfiles import open_regular
 from mmcache.sources import identity
 from mmcache.sources.base import OnError, SampleSource, StampKind
+from mmcache.sources.blobs.objects import Remote, object_identity, object_stamp
+from mmcache.sources.blobs.raw import fetch_bytes
+from mmcache.sources.blobs.state import SharedStamps
+from mmcache.sources.blobs.tables import GONE, TableFiles, file_stamp
 from mmcache.sources.bytesproc import byte_limit
 from mmcache.sources.cells import check_image_type, image_cell
 from mmcache.sources.rejects import Reject
-from mmcache.sources.remote.fs import Remote, object_stamp
-from mmcache.sources.remote.raw import fetch_bytes
-from mmcache.sources.remote.state import SharedStamps
-from mmcache.sources.remote.tables import GONE, TableFiles, file_stamp
 from mmcache.sources.rows import IdColumn, RowSource, check_columns, path_column
 from mmcache.transforms.pipeline import StagedProcessor
 from mmcache.units import parse_size
@@ -79,17 +87,6 @@ def _pyarrow() -> Any:
     return pq
 
 
-def _fsspec() -> Any:
-    try:
-        import fsspec
-    except ImportError as exc:  # pragma: no cover - fsspec is in the test environment
-        raise ConfigError(
-            "reading Parquet from a URL needs fsspec: pip install 'mmcache[parquet]' "
-            "(and the file system's package: s3fs, gcsfs...)"
-        ) from exc
-    return fsspec
-
-
 def _is_url(path: str) -> bool:
     return "://" in path and not path.startswith("file://")
 
@@ -103,7 +100,7 @@ def _expand(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) ->
         if not isinstance(name, str):
             raise ConfigError(f"a Parquet path must be a str, got {name!r}")
         if _is_url(name):
-            out.append(name)  # globs are expanded by fsspec at open
+            out.append(name)  # globs are expanded through the store at open
         elif _GLOB_CHARS & set(name):
             found = sorted(glob.glob(name, recursive=True))
             if not found:
@@ -149,7 +146,7 @@ class ParquetSource(RowSource):
     ...                     columns={"image": "jpg", "text": "caption", "id": "key"})
 
     Args:
-        paths: a file, a folder (its ``*.parquet``, recursively), a glob, an fsspec
+        paths: a file, a folder (its ``*.parquet``, recursively), a glob, an object store
             URL (``s3://bucket/train-*.parquet``) or a list of them; rows are
             numbered in file order.
         pipeline: how to turn a row into arrays (a :class:`mmcache.Pipeline`).
@@ -163,7 +160,8 @@ class ParquetSource(RowSource):
             listed in :meth:`rejects`. A repeated id: a ManifestError naming both rows
             (file and row) under ``"raise"``; under ``"skip"`` the first row of the id
             is served and each later one left out and listed in :meth:`rejects`.
-        storage_options: passed to ``fsspec`` for URLs.
+        storage_options: the object store's options for URLs (credentials, endpoint:
+            :class:`~mmcache.sources.blobs.objects.Remote`).
         row_group_memory: bytes of decoded row groups kept per process (an int or
             ``"128MiB"``; at least the last group read is kept, whatever its size):
             rows read in file order or shuffled within a group decode their group
@@ -203,6 +201,9 @@ class ParquetSource(RowSource):
         if self.columns["image"] is None and self.columns["text"] is None:
             raise ConfigError("columns: a ParquetSource needs an image or a text column")
         self.storage_options = dict(storage_options or {})
+        # The store of remote files: the one door (retry policy, circuit breaker). Named
+        # ``remote`` only on a source of remote files (the Revalidating capability).
+        self._store = Remote(self.storage_options)
         self._readers: OrderedDict[int, _Reader] = OrderedDict()
         # Per process: the identity of each file version, and its path-only image cells.
         self._idents: dict[tuple[int, ...], str] = {}
@@ -240,8 +241,8 @@ class ParquetSource(RowSource):
         #: Remote files: their stamps and versions, checked again by :meth:`revalidate`.
         self._tables: TableFiles | None = None
         if on_urls:
-            self._tables = TableFiles(files, self.storage_options, stamps, versions)
-            self.remote = self._tables.remote
+            self._tables = TableFiles(files, self._store, stamps, versions)
+            self.remote = self._store
             self.raw = None
             self.shared_stamps = self._tables.state
         self._file_start = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
@@ -251,17 +252,17 @@ class ParquetSource(RowSource):
 
     # -- opening ------------------------------------------------------------------------
     def _resolve(self, names: list[str]) -> list[str]:
-        """Expand remote globs through fsspec (local ones were expanded already)."""
+        """Expand remote globs through the store (local ones were expanded already)."""
         out: list[str] = []
         for name in names:
             if _is_url(name) and _GLOB_CHARS & set(name):
-                fs, _, found = _fsspec().get_fs_token_paths(
-                    name, storage_options=self.storage_options
-                )
+                try:
+                    found = self._store.glob(name)
+                except RemoteError as exc:
+                    raise ManifestError(f"cannot list the files ({exc})", path=name) from exc
                 if not found:
                     raise ManifestError("no Parquet file matches this pattern", path=name)
-                protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-                out.extend(f"{protocol}://{p}" for p in sorted(found))
+                out.extend(found)
             else:
                 out.append(name)
         return out
@@ -282,12 +283,10 @@ class ParquetSource(RowSource):
         try:
             version = None
             if _is_url(name):
-                opener = _fsspec().open(name, "rb", **self.storage_options)
-                # fsspec's file systems are shared per process and keep listings: never
-                # take the size or ETag of a file rewritten since from them.
-                opener.fs.invalidate_cache(opener.path)
-                handle = opener.open()
-                info = handle.fs.info(handle.path)
+                # A fresh info (never a listing kept from before a rewrite), then the
+                # file, both under the retry policy and the circuit breaker.
+                info = self._store.info(name)
+                handle = self._store.open(name)
                 stamp: tuple[int, ...] = file_stamp(name, info)
                 version = object_stamp(info)
                 pf = pq.ParquetFile(handle)
@@ -299,6 +298,9 @@ class ParquetSource(RowSource):
                 pf = pq.ParquetFile(name, memory_map=True)
         except FileNotFoundError as exc:
             raise ManifestError("file not found", path=name) from exc
+        except RemoteError as exc:
+            why = "file not found" if exc.status == 404 else f"cannot open it ({exc})"
+            raise ManifestError(why, path=name) from exc
         except (pa.ArrowException, OSError) as exc:
             raise ManifestError(f"not a readable Parquet file ({exc})", path=name) from exc
         return _Reader(pf, stamp, handle, version)
@@ -390,12 +392,17 @@ class ParquetSource(RowSource):
     def stamp_string(self, index: int, stamp: npt.NDArray[np.int64]) -> str:
         """A local file's row: the identity of the file's bytes
         (:mod:`mmcache.sources.identity`: equal on a ``cp -a`` copy, new when the bytes
-        change) and the row; a remote one's: its size, mtime and ETag read at open."""
+        change) and the row; a remote one's: the identity of its object
+        (:func:`~mmcache.sources.blobs.objects.object_identity` of the version read at
+        open or at the last revalidation; without a version, its URL and stamp)."""
         f, r = self._place(index)
         if int(stamp[0]) == -2:
             return f"parquet:missing:{r}"
         if self._tables is not None:
-            return f"parquet:{keys.fields_stamp(stamp.tolist())}:{r}"
+            version = self._tables.versions[f]
+            if version is None:  # no change detector but the size and mtime: keep them
+                return f"parquet:obj:{self.files[f]}:{keys.fields_stamp(stamp.tolist())}:{r}"
+            return f"parquet:{object_identity(self.files[f], version, int(stamp[0]))}:{r}"
         seen = (f, *stamp.tolist())
         ident = self._idents.get(seen)
         if ident is None:

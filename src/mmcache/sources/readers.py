@@ -306,7 +306,7 @@ def _images_of(rec: Mapping[str, Any]) -> tuple[list[str] | None, str | None]:
 
 def _reference(value: object, where: str, noun: str = "path") -> tuple[str | None, str | None]:
     """A file reference (a path or URL; Qwen's ``file://`` prefix dropped: a local
-    path, not an fsspec URL) or ``(None, reason)``."""
+    path, not an object store URL) or ``(None, reason)``."""
     if not isinstance(value, str) or not value:
         return None, f"{where} must be a non-empty {noun}, got {_describe(value)}"
     if "\x00" in value:

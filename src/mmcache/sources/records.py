@@ -194,7 +194,7 @@ class Records:
         if not self._has_image[i]:
             return None
         ref = _field(self._image_buf, self._image_off, i).split("\x00", 1)[0]
-        if _URL_RE.match(ref):  # s3://, gs://, https://...: read through fsspec, never joined
+        if _URL_RE.match(ref):  # s3://, gs://, https://...: read through blobs, never joined
             return ref
         return os.path.normpath(os.path.join(self._base_dir, ref))
 
@@ -312,6 +312,12 @@ class Records:
     def has_videos(self) -> bool:
         """Whether any row may have video parts (their :meth:`video_json` is stored)."""
         return self._videos is not None
+
+    def may_name_urls(self) -> bool:
+        """Whether any image or video reference may be a URL (``://`` in their buffers:
+        one scan of each, no per-row object); ``False`` is certain."""
+        videos = self._videos[0] if self._videos is not None else np.empty(0, np.uint8)
+        return any(b"://" in buf.tobytes() for buf in (self._image_buf, videos))
 
     def video_counts(self) -> _I64:
         """Return how many videos each row has (int64 ``[N]``)."""

@@ -89,7 +89,7 @@ def run_epoch(loader: Any, epoch: int) -> list[dict[str, Any]]:
 
 def flip_raw_spans(raw: Any, spans: Iterable[tuple[str, str, int, int]]) -> int:
     """Flip a byte in the middle of each ``(url, stamp, start, end)`` span that the
-    raw-bytes tier ``raw`` (a :class:`~mmcache.sources.remote.RawTier`) holds, and check
+    raw-bytes tier ``raw`` (a :class:`~mmcache.sources.blobs.RawTier`) holds, and check
     that each then reads as a miss (its checksum is checked on read); return how many were
     flipped. What a remote source's :meth:`IdentityContract.flip_source_tiers` does."""
     flipped = 0

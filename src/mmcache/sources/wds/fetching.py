@@ -1,8 +1,8 @@
 """How :class:`~mmcache.sources.wds.WebDatasetSource` fetches the bytes of remote shards:
 one sample's span (:meth:`RemoteShards.fetch`, what a producing worker does on a raw-tier
 miss), and the fetch groups that
-:class:`~mmcache.sources.remote.prefetch.RemotePrefetch` fetches with one ranged GET
-each (runs of neighbouring samples of a shard: :mod:`~mmcache.sources.remote.blocks`).
+:class:`~mmcache.sources.blobs.prefetch.RemotePrefetch` fetches with one ranged GET
+each (runs of neighbouring samples of a shard: :mod:`~mmcache.sources.blobs.blocks`).
 
 A mixin: it reads the source's ``columns``, ``locations``, ``shard_stamps``, ``remote``,
 ``raw`` and ``fetch_block``. The groups are computed lazily from the member table and
@@ -20,9 +20,9 @@ import numpy as np
 import xxhash
 
 from mmcache.sources import identity
-from mmcache.sources.remote.blocks import FetchGroups
-from mmcache.sources.remote.fs import Remote, RemoteError, is_remote
-from mmcache.sources.remote.raw import RawTier, fetch_bytes
+from mmcache.sources.blobs.blocks import FetchGroups
+from mmcache.sources.blobs.objects import Remote, RemoteError, is_remote
+from mmcache.sources.blobs.raw import RawTier, fetch_bytes
 from mmcache.sources.wds.table import SampleColumns
 
 __all__ = ["RemoteShards"]
@@ -57,7 +57,7 @@ class RemoteShards:
         """The stamp of a shard whose server gives no ETag or version id (G6: its size alone
         missed a same-size overwrite): the digest of its bytes, read now in ranged GETs of
         8 MiB, at open and at each revalidation, as
-        :class:`~mmcache.sources.remote.files.RemoteFileSource` stamps such objects. Warns
+        :class:`~mmcache.sources.blobs.objectfiles.ObjectFiles` stamps such objects. Warns
         once per source, naming the object; a failed read is returned, not raised."""
         if not self._warned_unversioned:
             self._warned_unversioned = True
@@ -78,7 +78,7 @@ class RemoteShards:
 
     def remote_span(self, index: int) -> tuple[str, str, int, int] | None:
         """``(url, stamp, start, end)`` of sample ``index``'s bytes if its shard is remote
-        (what :class:`~mmcache.sources.remote.prefetch.RemotePrefetch` fetches), else ``None``."""
+        (what :class:`~mmcache.sources.blobs.prefetch.RemotePrefetch` fetches), else ``None``."""
         shard = int(self.columns.rows[index, C.SHARD])
         loc = self.locations[shard]
         start, end = self.span(index)

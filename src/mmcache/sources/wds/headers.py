@@ -2,7 +2,7 @@
 their chain followed over sizes parsed for a whole window at once, and every header of
 a window checked at once with numpy.
 
-Why not :class:`~mmcache.sources.wds.tarwalk.TarWalk` alone: :mod:`tarfile` parses every
+Why not :class:`~mmcache.sources.blobs.tarwalk.TarWalk` alone: :mod:`tarfile` parses every
 field of every header in Python, each header with its own small read: ~30 us a member,
 three members a sample, so ~100 us a sample and 2.7 hours to open 10^8 samples the first
 time. Here a shard is read in windows (1 MiB while its members are small; after a member
@@ -23,7 +23,7 @@ the chain are then checked at once:
 A shard that is not clean in each of these ways (PAX or GNU long-name headers, base-256
 numbers, links, directories, sparse files, an empty or all-zero file, a header cut
 short or damaged, data past the end) gives ``None``: the caller walks it with
-:class:`~mmcache.sources.wds.tarwalk.TarWalk` under its bounds, which says what it is.
+:class:`~mmcache.sources.blobs.tarwalk.TarWalk` under its bounds, which says what it is.
 So on a shard the fast walk takes, the members (names, data offsets, sizes) are those
 tarfile gives; and it never holds more than one window and one small member (a size
 field only moves the next position: a hostile one cannot make it allocate).

@@ -33,7 +33,7 @@ import os
 import stat
 import time
 
-from mmcache.sources.remote.fs import is_remote
+from mmcache.sources.blobs.objects import is_remote
 from mmcache.sources.wds.tablefile import SUFFIX, location_of
 
 __all__ = ["INDEX_FOLDER", "index_home", "state_home", "sweep_indexes"]

@@ -3,9 +3,9 @@ reading the tar headers only), and where a source keeps its samples' table of it
 
 :func:`scan` reads a shard's headers: at C speed when the shard is clean
 (:mod:`~mmcache.sources.wds.headers`: headers read in large windows, checked at once),
-else with :mod:`tarfile` under the bounds of :mod:`~mmcache.sources.wds.tarwalk`, which
+else with :mod:`tarfile` under the bounds of :mod:`~mmcache.sources.blobs.tarwalk`, which
 says what is wrong (a hostile header is a
-:class:`~mmcache.sources.wds.tarwalk.DamagedShard`, never a hang or a large allocation;
+:class:`~mmcache.sources.blobs.tarwalk.DamagedShard`, never a hang or a large allocation;
 a shard cut short keeps the members whose data lies entirely inside the file and is
 marked ``truncated``). Either way it reads the small ``.json`` members, whose ``width``
 and ``height`` it records, and no other member's data.
@@ -32,10 +32,10 @@ from collections.abc import Callable, Sequence
 from typing import IO
 
 from mmcache import keys
+from mmcache.sources.blobs.tarwalk import MAX_META, TarWalk
 from mmcache.sources.wds import tablefile
 from mmcache.sources.wds.headers import quick_walk
 from mmcache.sources.wds.table import Exts, ShardIndex, ShardTable
-from mmcache.sources.wds.tarwalk import MAX_META, TarWalk
 
 __all__ = ["INDEX_VERSION", "ShardIndex", "index_path", "load_or_build", "scan"]
 
@@ -107,7 +107,7 @@ def scan(
     """The :class:`ShardIndex` of the tar in ``fileobj`` (``size`` bytes long).
 
     Raises :class:`tarfile.TarError` (or ``OSError``) when not even the first header can
-    be read, :class:`~mmcache.sources.wds.tarwalk.DamagedShard` (a ``TarError``) on a
+    be read, :class:`~mmcache.sources.blobs.tarwalk.DamagedShard` (a ``TarError``) on a
     header that cannot be trusted; a shard cut short later keeps its whole members and
     is ``truncated``.
     """

@@ -13,18 +13,19 @@ same image and caption as loose files.
 Stamps (``StampKind.FIXED``): the shard's stamp (``size:mtime_ns`` of a local file, the
 ETag of an object, checked when the source is opened) plus the offsets and sizes of the
 sample's image and text members. Remote shards are checked again by :meth:`revalidate`
-(once per epoch by :class:`~mmcache.sources.remote.prefetch.RemotePrefetch`, batched):
+(once per epoch by :class:`~mmcache.sources.blobs.prefetch.RemotePrefetch`, batched):
 a changed shard is indexed again and its samples get new stamps and keys in every
 process (the new stamps go through a small state file that each process checks with one
 ``stat`` per call), so nothing from the old version is served.
 
-Remote shards (``s3://``, ``gs://``, ``http(s)://`` through fsspec, ``storage_options``
-passed through) read through a :class:`~mmcache.sources.remote.raw.RawTier` when one is
-given (``raw=``): bytes already held are served from local disk, also while the store
-cannot be reached; only misses fail then, as SampleErrors naming the URL. The prefetcher
-fills that tier with one ranged GET per fetch group (the samples of a shard starting in
-one aligned ``fetch_block``; :mod:`~mmcache.sources.wds.fetching`), a producing worker
-that misses with one GET of its sample's span.
+Remote shards (``s3://``, ``gs://``, ``http(s)://`` through
+:mod:`~mmcache.sources.blobs`, ``storage_options`` passed through) read through a
+:class:`~mmcache.sources.blobs.raw.RawTier` when one is given (``raw=``): bytes already
+held are served from local disk, also while the store cannot be reached; only misses
+fail then, as SampleErrors naming the URL. The prefetcher fills that tier with one
+ranged GET per fetch group (the samples of a shard starting in one aligned
+``fetch_block``; :mod:`~mmcache.sources.wds.fetching`), a producing worker that misses
+with one GET of its sample's span.
 
 The source is a :class:`~mmcache.sources.chassis.BaseSource`: length, ids, the key memo
 (keyed by the stamps above, so a re-indexed shard's samples are keyed again), rejects,
@@ -53,20 +54,20 @@ from mmcache.errors import ConfigError, ManifestError, SampleError
 from mmcache.rootfiles import open_regular
 from mmcache.sources import identity
 from mmcache.sources.base import OnError, SampleSource, StampKind
+from mmcache.sources.blobs.blocks import DEFAULT_BLOCK, check_block
+from mmcache.sources.blobs.objects import Offline, Remote, RemoteError, RetryPolicy, is_remote
+from mmcache.sources.blobs.raw import RawTier
+from mmcache.sources.blobs.state import SharedStamps, private_dir
+from mmcache.sources.blobs.tarwalk import DamagedShard
 from mmcache.sources.bytesproc import byte_limit, check_size, process_bytes
 from mmcache.sources.chassis import BaseSource
 from mmcache.sources.files import check_on_error
 from mmcache.sources.ids import IdColumn
 from mmcache.sources.rejects import Reject
-from mmcache.sources.remote.blocks import DEFAULT_BLOCK, check_block
-from mmcache.sources.remote.fs import Offline, Remote, RemoteError, RetryPolicy, is_remote
-from mmcache.sources.remote.raw import RawTier
-from mmcache.sources.remote.state import SharedStamps, private_dir
 from mmcache.sources.wds.fetching import RemoteShards
 from mmcache.sources.wds.home import index_home, state_home
 from mmcache.sources.wds.index import load_or_build
 from mmcache.sources.wds.table import Problem, SampleColumns, ShardTable, assemble, expand_shards
-from mmcache.sources.wds.tarwalk import DamagedShard
 from mmcache.sources.wds.video import VIDEO_EXTS, is_video_member, produce_video
 from mmcache.transforms.pipeline import StagedProcessor
 
@@ -102,7 +103,7 @@ class WebDatasetSource(RemoteShards, BaseSource):
             which ``mmcache gc`` sweeps); default: beside the raw tier for remote
             shards, in a per-user folder beside local shards (see
             :mod:`~mmcache.sources.wds.home`); ``False``: not kept.
-        storage_options: for remote shards, passed to fsspec (``{"key": ..., "secret":
+        storage_options: for remote shards, the object store's options (``{"key": ..., "secret":
             ..., "client_kwargs": {"endpoint_url": ...}}`` for S3).
         raw: a :class:`RawTier` keeping remote bytes on local disk (``None``: none).
         retries: a :class:`RetryPolicy` for every remote call, or the retries of a
@@ -113,7 +114,7 @@ class WebDatasetSource(RemoteShards, BaseSource):
         fetch_block: the prefetcher fetches the samples of a remote shard whose bytes
             start in one aligned block of this size with one ranged GET (``"8MiB"``
             by default; ``None``: one GET per sample). See
-            :mod:`~mmcache.sources.remote.blocks`.
+            :mod:`~mmcache.sources.blobs.blocks`.
     """
 
     stamp_kind: StampKind = StampKind.FIXED

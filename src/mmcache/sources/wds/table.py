@@ -29,8 +29,8 @@ import numpy as np
 import numpy.typing as npt
 
 from mmcache.errors import ConfigError
+from mmcache.sources.blobs.objects import is_remote
 from mmcache.sources.ids import IdColumn, duplicate_message
-from mmcache.sources.remote.fs import is_remote
 from mmcache.sources.wds import grouping
 from mmcache.sources.wds.grouping import Exts, split_name
 

@@ -6,14 +6,14 @@ modification time, ETag and URL, read when the source is opened) and the row's p
 the file. A file rewritten during a run kept its old stamp, so its old rows were served
 from the cache for the rest of the run (the new user's R4: "old image served, hit rate
 1.00"). Now :meth:`TableFiles.revalidate` (called once per epoch by
-:class:`~mmcache.sources.remote.prefetch.RemotePrefetch`, as for shards and remote
+:class:`~mmcache.sources.blobs.prefetch.RemotePrefetch`, as for shards and remote
 images) asks the store for every file's version, batched (one listing per folder of
-files, :meth:`~mmcache.sources.remote.fs.Remote.stamps`, under the retry policy and the
+files, :meth:`~mmcache.sources.blobs.objects.Remote.stamps`, under the retry policy and the
 circuit breaker), and for a file whose version changed (or that has none: a server
 without ETags) reads its stamp again (one HEAD). A changed file's rows get new keys, so
 nothing of its old version is served: the source drops what it read of the file and
 reads its new version. The new stamps reach the source's copies in other processes
-(DataLoader workers) through a :class:`~mmcache.sources.remote.state.SharedStamps` file,
+(DataLoader workers) through a :class:`~mmcache.sources.blobs.state.SharedStamps` file,
 polled with one ``stat`` before a batch is keyed.
 
 A file that is gone (or no longer readable) gets the stamp :data:`GONE`: its rows are
@@ -36,8 +36,8 @@ import numpy.typing as npt
 import xxhash
 
 from mmcache import keys
-from mmcache.sources.remote.fs import Remote, RemoteError, object_stamp
-from mmcache.sources.remote.state import SharedStamps, private_dir
+from mmcache.sources.blobs.objects import Remote, RemoteError, object_stamp
+from mmcache.sources.blobs.state import SharedStamps, private_dir
 
 __all__ = ["GONE", "TableFiles", "file_stamp"]
 
@@ -61,12 +61,12 @@ def file_stamp(url: str, info: Mapping[str, Any]) -> tuple[int, int, int, int]:
 
 class TableFiles:
     """The remote files ``urls`` of one table source, with the :func:`file_stamp` and
-    the version (:func:`~mmcache.sources.remote.fs.object_stamp`: what a listing shows)
+    the version (:func:`~mmcache.sources.blobs.objects.object_stamp`: what a listing shows)
     of each, as read when the source opened them (see the module docstring).
 
     Args:
         urls: the files, in the source's order.
-        storage_options: passed to fsspec (credentials, endpoint).
+        remote: the store, under mmcache's retry policy and circuit breaker.
         stamps: ``int64 [n, 4]``, each file's :func:`file_stamp`.
         versions: each file's version (``None``: its server gives none).
     """
@@ -74,13 +74,13 @@ class TableFiles:
     def __init__(
         self,
         urls: Sequence[str],
-        storage_options: Mapping[str, Any] | None,
+        remote: Remote,
         stamps: npt.ArrayLike,
         versions: Sequence[str | None],
     ) -> None:
         self.urls = list(urls)
         #: The store, under mmcache's retry policy and circuit breaker.
-        self.remote = Remote(storage_options)
+        self.remote = remote
         #: ``int64 [n, 4]``: each file's stamp now (replaced whole when one changes).
         self.stamps: npt.NDArray[np.int64] = np.asarray(stamps, dtype=np.int64).reshape(-1, 4)
         self.versions: list[str | None] = list(versions)

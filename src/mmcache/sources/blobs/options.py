@@ -12,7 +12,7 @@ system below not to retry on its own.
   only the offending key or type (never a value).
 - :func:`backend_options` and :func:`quiet_retries` make the layers below mmcache make one
   attempt per call (botocore ``total_max_attempts=1``, s3fs ``retries=1``, gcsfs's retry
-  decorator bypassed) with timeouts from the :class:`~mmcache.sources.remote.retry.RetryPolicy`:
+  decorator bypassed) with timeouts from the :class:`~mmcache.sources.blobs.retry.RetryPolicy`:
   one retry policy, mmcache's, decides how long an outage costs. Options the user set
   explicitly win (``config_kwargs={"retries": ...}``).
 

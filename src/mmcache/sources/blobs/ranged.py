@@ -3,7 +3,7 @@
 fsspec's ``cat_file`` reads the whole body of the answer before it returns, so a server
 that ignores ``Range`` (HTTP 200 with the whole object) or lies about a size (its HEAD
 says 643 bytes, its GET streams 600 MB) had its whole answer read into memory before
-:meth:`~mmcache.sources.remote.fs.Remote.read` could count it: 1.2 GB of peak memory for
+:meth:`~mmcache.sources.blobs.objects.Remote.read` could count it: 1.2 GB of peak memory for
 one 643-byte sample. Here the answer's body is read in chunks, never more than the
 ``end - start`` bytes asked for plus one: that one extra byte proves the server sent
 more, and the connection is closed at once.

@@ -1,7 +1,7 @@
 """The last listing of a source's objects, kept on local disk, so that a job restarted
 while the store cannot be reached starts from it (``offline="auto"`` or ``True``).
 
-Each time :meth:`~mmcache.sources.remote.fs.Remote.stamps` gets an answer for a set of
+Each time :meth:`~mmcache.sources.blobs.objects.Remote.stamps` gets an answer for a set of
 objects it records ``url -> (size, stamp)`` (or the permanent error's status) in
 ``<dir>/listing-<digest of the URLs>.json``: the source's state folder (under the cache
 root, beside the raw tier) or its WebDataset index folder. A source opened on that

@@ -32,7 +32,7 @@ from mmcache import keys
 from mmcache.errors import RemoteSampleError
 from mmcache.policies import Policy
 from mmcache.rootfiles import make_dir, replace_file
-from mmcache.sources.remote.fs import Remote, RemoteError
+from mmcache.sources.blobs.objects import Remote, RemoteError
 from mmcache.stores.disk import DiskStore
 from mmcache.units import parse_size
 

@@ -9,15 +9,15 @@ what is done when the store cannot be reached.
   share), :meth:`Remote.read` (a ranged GET), :meth:`Remote.stamps` (each object's ETag
   or version, batched: one listing per directory, ``info`` only for what a listing does
   not show). Every call goes through :meth:`Remote.attempt`: the
-  :class:`~mmcache.sources.remote.retry.RetryPolicy` (tries, backoff, a deadline per call
+  :class:`~mmcache.sources.blobs.retry.RetryPolicy` (tries, backoff, a deadline per call
   and per epoch) and the process's circuit breaker; the file system below is told to
-  make one attempt per call (:mod:`~mmcache.sources.remote.options`);
+  make one attempt per call (:mod:`~mmcache.sources.blobs.options`);
 - :class:`~mmcache.errors.RemoteError` is what a failed call becomes: the URL, the HTTP
   status where known, its ``kind`` and whether it is ``permanent`` (404, 403, a server
   ignoring ``Range``: retrying cannot help) or transient (5xx, timeouts, throttling, a
   refused connection);
 - ``offline``: when the store cannot be reached, :meth:`Remote.stamps` answers from the
-  last listing kept in ``listing_dir`` (:mod:`~mmcache.sources.remote.listing`):
+  last listing kept in ``listing_dir`` (:mod:`~mmcache.sources.blobs.listing`):
   ``"auto"`` (warn once, :attr:`Remote.stale` is then true), ``True`` (never contact the
   store: every call fails at once, kind ``"offline"``), ``False`` (raise).
 
@@ -41,11 +41,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
 from mmcache.errors import ConfigError, RemoteError, RemoteErrorKind
+from mmcache.sources.blobs.listing import Entry, ListingFile
+from mmcache.sources.blobs.options import backend_options, check_options, quiet_retries, redact
+from mmcache.sources.blobs.ranged import Answer, ranged_get, sync_timeout
+from mmcache.sources.blobs.retry import CircuitBreaker, RetryPolicy
 from mmcache.sources.identity import CONTENT_PREFIX
-from mmcache.sources.remote.listing import Entry, ListingFile
-from mmcache.sources.remote.options import backend_options, check_options, quiet_retries, redact
-from mmcache.sources.remote.ranged import Answer, ranged_get, sync_timeout
-from mmcache.sources.remote.retry import CircuitBreaker, RetryPolicy
 
 __all__ = [
     "Offline",
@@ -341,7 +341,7 @@ class Remote:
 
     def attempt(self, url: str, op: Callable[[float | None], T]) -> T:
         """``op(timeout)`` under the retry policy and the circuit breaker (see
-        :mod:`~mmcache.sources.remote.retry`): ``timeout`` is what is left of the call's
+        :mod:`~mmcache.sources.blobs.retry`): ``timeout`` is what is left of the call's
         deadline (``None``: none). Raises :class:`RemoteError` when it gives up."""
         if self.offline is True:
             raise RemoteError(
@@ -396,7 +396,7 @@ class Remote:
         """Bytes ``[start, end)`` of the object at ``url`` (one ranged GET, retried).
 
         The answer is read while it streams and never past ``end - start + 1`` bytes
-        (:mod:`~mmcache.sources.remote.ranged`): a server that ignores ``Range`` or sends
+        (:mod:`~mmcache.sources.blobs.ranged`): a server that ignores ``Range`` or sends
         more than asked is a permanent :class:`RemoteError` of kind ``"range-ignored"``
         once one byte too many came, never after its whole body was read. A GET that
         times out after the server answered is kind ``"timeout"`` with that HTTP status
@@ -448,6 +448,20 @@ class Remote:
         """A seekable binary file of ``url`` (read-ahead in ``block_size`` blocks)."""
         fs, path = self.filesystem(url)
         return self.call(url, lambda: fs.open(path, "rb", block_size=block_size))
+
+    def glob(self, pattern: str) -> list[str]:
+        """The URLs of the objects matching ``pattern`` (``*``, ``?``, ``[...]``; ``**``
+        across folders), sorted, from a fresh listing under the retry policy: what a
+        source given a remote glob (``s3://bucket/train-*.parquet``) reads."""
+        fs, path = self.filesystem(pattern)
+
+        def listing(_left: float | None) -> list[str]:
+            fs.invalidate_cache()  # never a listing taken before an object was written
+            found: list[str] = fs.glob(path)
+            return found
+
+        scheme = pattern.partition("://")[0]
+        return [f"{scheme}://{p}" for p in sorted(self.attempt(pattern, listing))]
 
     def info(self, url: str) -> dict[str, Any]:
         """The object's fsspec ``info`` (size, ETag...), fresh (never from a listing cache)."""

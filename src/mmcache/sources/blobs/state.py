@@ -9,7 +9,7 @@ old one); every copy :meth:`poll`-s before it keys or produces a sample, which c
 process that had already read it, takes only later versions.
 
 The revalidation may run while the epoch's first batches are gathered
-(:class:`~mmcache.sources.remote.prefetch.RemotePrefetch`): :meth:`begin` marks it
+(:class:`~mmcache.sources.blobs.prefetch.RemotePrefetch`): :meth:`begin` marks it
 under way (a ``.pending`` file beside the state file), and until :meth:`end` every
 :meth:`poll`, in any process, waits (at most ``pending_s`` seconds after the mark, so a
 crashed reviser never blocks anyone). A batch gathered meanwhile is checked against the

@@ -9,18 +9,18 @@ thread that iterates the loader) it
    batched (one listing per directory of shards); a changed object is re-keyed, so
    nothing of its old version is served. It runs on the prefetch thread while the
    loader gathers the first batches, which wait for its answer before they are served
-   (a source's ``shared_stamps`` gate, :mod:`~mmcache.sources.remote.state`). When the
+   (a source's ``shared_stamps`` gate, :mod:`~mmcache.sources.blobs.state`). When the
    store cannot be reached it logs one warning for the epoch and goes on: what the raw
    tier and the cache hold is still served, only misses fail (as
    :class:`~mmcache.errors.RemoteSampleError` naming the URL; at once once the circuit
-   breaker is open, :mod:`~mmcache.sources.remote.retry`);
+   breaker is open, :mod:`~mmcache.sources.blobs.retry`);
 2. starts a thread that walks the epoch's batches (``EpochContext.batches``) from the
    batch it starts at and fetches what the raw tier lacks into it, never more than
    ``ahead`` batches past the batch the training loop last received (``after_assemble``
    tells it), with at most ``threads`` GETs in flight. A source that offers fetch
    groups (``fetch_groups``/``fetch_group``, as
    :class:`~mmcache.sources.wds.WebDatasetSource` does: the samples of a shard whose
-   bytes start in one aligned block, :mod:`~mmcache.sources.remote.blocks`) gets one
+   bytes start in one aligned block, :mod:`~mmcache.sources.blobs.blocks`) gets one
    ranged GET per group the epoch needs, cut back into its samples' spans in the raw
    tier; others one GET per sample. ``ahead`` counts batches: with groups, each sample
    ahead may bring its whole block, so on a set of many shards up to ``ahead`` x batch
@@ -34,12 +34,12 @@ producing worker. A cold epoch over a store with tens of milliseconds of latency
 bound by decoding, not by round trips or the store's rate of requests. Failed prefetches
 are left to the producing worker, which retries and reports them.
 
-The source must offer ``raw`` (a :class:`~mmcache.sources.remote.raw.RawTier`, or
-``None``), ``remote`` (a :class:`~mmcache.sources.remote.fs.Remote`), ``__len__``,
+The source must offer ``raw`` (a :class:`~mmcache.sources.blobs.raw.RawTier`, or
+``None``), ``remote`` (a :class:`~mmcache.sources.blobs.objects.Remote`), ``__len__``,
 ``remote_span(index) -> (url, stamp, start, end) | None``, ``fetch(url, stamp, start,
 end, sample_id=...)``, ``sample_id`` and ``revalidate()``: a
 :class:`~mmcache.sources.wds.WebDatasetSource`,
-:class:`~mmcache.sources.remote.files.RemoteFileSource` or
+:class:`~mmcache.sources.files.FileSource` (images or video clips) or
 :class:`~mmcache.sources.parquet.ParquetSource` of ``s3://``, ``gs://`` or ``http(s)://``
 URLs. A source whose bytes are not fetched ahead (``fetches_ahead`` is false: a
 ParquetSource, whose rows pyarrow reads) is only revalidated at each epoch; one that is
@@ -62,8 +62,8 @@ import numpy as np
 
 from mmcache.errors import ConfigError, SampleError
 from mmcache.hooks import BatchContext, EpochContext, LoaderHook
+from mmcache.sources.blobs.objects import RemoteError
 from mmcache.sources.capabilities import GroupedFetching, Revalidating, SharesStamps
-from mmcache.sources.remote.fs import RemoteError
 
 __all__ = ["PrefetchSource", "RemotePrefetch"]
 
@@ -95,12 +95,10 @@ class RemotePrefetch(LoaderHook):
         if not isinstance(source, Revalidating):
             raise ConfigError(
                 f"RemotePrefetch cannot drive {source!r}: it checks remote objects again at "
-                "each epoch and fetches them ahead, for a WebDatasetSource, a "
-                "RemoteFileSource or a ParquetSource (or MultimodalDataset) of s3://, gs:// "
-                "or http(s):// URLs. For local files leave it out of hooks=: they are "
-                "checked at every batch without it (a changed file is read again). A "
-                "RemoteVideoSource is not checked during a run yet: open it again to take "
-                "changed clips"
+                "each epoch and fetches them ahead, for a WebDatasetSource, a FileSource "
+                "or a ParquetSource (or MultimodalDataset) of s3://, gs:// or http(s):// "
+                "URLs. For local files leave it out of hooks=: they are checked at every "
+                "batch without it (a changed file is read again)"
             )
         if source.fetches_ahead and source.raw is None:
             raise ConfigError(
@@ -148,7 +146,7 @@ class RemotePrefetch(LoaderHook):
         With a source that shares its stamps (``shared_stamps``), the revalidation runs on
         the prefetch thread while the loader gathers the first batches: every process's
         next look at the source's keys waits until it has answered (see
-        :mod:`~mmcache.sources.remote.state`), so a batch gathered meanwhile is checked
+        :mod:`~mmcache.sources.blobs.state`), so a batch gathered meanwhile is checked
         against the new keys and an overwritten object is never served. Otherwise it
         runs here, before the epoch."""
         self.close()

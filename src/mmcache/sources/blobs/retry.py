@@ -5,7 +5,7 @@ the store has stopped answering.
 Three layers used to retry the same call (botocore, s3fs or gcsfs, and mmcache), so an
 outage cost 33-37 s per revalidation and 3.8 s per miss; a black-holed network waited
 out every timeout of every attempt. Now the layers below make one attempt
-(:mod:`~mmcache.sources.remote.options`) and mmcache alone decides:
+(:mod:`~mmcache.sources.blobs.options`) and mmcache alone decides:
 
 - a call gets ``attempts`` tries, ``backoff`` seconds before the second (doubled each
   time, capped at ``max_backoff``), and never more than ``call_deadline`` seconds in all,
@@ -33,7 +33,7 @@ by every call of a source in a process, whatever the backend (S3, GCS, HTTP), an
 numbers must be one setting the user can read; a loop of a dozen lines over an injected
 clock and sleep is easier to test than a library configured the same way.
 
-Thread-safe: one :class:`CircuitBreaker` per :class:`~mmcache.sources.remote.fs.Remote`
+Thread-safe: one :class:`CircuitBreaker` per :class:`~mmcache.sources.blobs.objects.Remote`
 and process, guarded by a lock; the policy is frozen. Each process (a DataLoader worker)
 has its own breaker: a dead store costs each of them ``breaker_after`` failures.
 """

@@ -1,0 +1,141 @@
+"""``LocalFiles``: the :class:`~mmcache.sources.blobs.base.Blobs` of a file system.
+
+A reference is a path (``bytes`` from :meth:`~mmcache.sources.records.Records.stat_paths`
+or ``str``). Its stamp is its ``stat`` (:func:`mmcache.keys.stat_fields`: size,
+mtime_ns, ctime_ns, inode), taken at every batch (``StampKind.FILE``), and its identity
+that of its bytes through the ledger (:mod:`mmcache.sources.identity`: equal on a
+``cp -a`` copy, new when the bytes change; one ledger pass for many files). With
+``content=True`` keys are made from the bytes every time (``StampKind.CONTENT``).
+
+This wraps the identity module (the stamp and ledger logic stay there); what is here is
+what :class:`~mmcache.sources.files.FileSource` did with them per sample: the ``stat``
+loop, and the stamp and identity of a sample made of several files.
+
+Stateless but for ``content``: thread- and process-safe; pickles as that flag.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+import xxhash
+
+from mmcache import keys
+from mmcache.errors import SampleError
+from mmcache.rootfiles import open_regular
+from mmcache.sources import identity
+from mmcache.sources.base import StampKind
+from mmcache.sources.bytesproc import check_size
+
+if TYPE_CHECKING:
+    from mmcache.sources.blobs.base import Blobs
+
+__all__ = ["LocalFiles"]
+
+
+class LocalFiles:
+    """Files on a file system (see the module docstring).
+
+    Args:
+        content: key by the bytes of every file instead of its ``stat`` stamp (for
+            file systems whose ctimes or inode numbers are not trustworthy).
+    """
+
+    #: Local identities hold the file's evidence, and a record's key its path.
+    location_free = False
+
+    def __init__(self, *, content: bool = False) -> None:
+        self.content = content
+        self.stamp_kind = StampKind.CONTENT if content else StampKind.FILE
+
+    def __repr__(self) -> str:
+        return f"LocalFiles(content={self.content})"
+
+    def stamps(self, refs: Sequence[str | bytes | None]) -> npt.NDArray[np.int64]:
+        """:func:`mmcache.keys.stat_fields` of each file as ``int64 [n, 4]``: one
+        ``stat`` each; ``-2`` where there is none (no file, missing, unreadable, bad
+        path)."""
+        stat, fields = os.stat, keys.stat_fields
+        none = (-2,) * len(keys.STAT_FIELDS)
+        rows: list[tuple[int, ...]] = []
+        # Rows gathered in a list and made one array: a numpy row assignment per file
+        # cost about as much as its stat (the training process stats most files of a
+        # warm epoch itself when the stat prefetcher gets no CPU).
+        for path in refs:
+            if path is None:
+                rows.append(none)
+                continue
+            try:
+                rows.append(fields(stat(path)))
+            except (OSError, ValueError):  # missing, unreadable, or a NUL in the path
+                rows.append(none)
+        return np.array(rows, dtype=np.int64).reshape(len(rows), len(none))
+
+    def identities(
+        self, refs: Sequence[str | bytes | None], stamps: npt.NDArray[np.int64]
+    ) -> list[str]:
+        """The identities of files that have a stamp, in one ledger pass
+        (:func:`~mmcache.sources.identity.file_identities`: a ``stat``-equal file is
+        served from the ledger)."""
+        return identity.file_identities(list(refs), stamps, content=self.content)
+
+    def identity(self, ref: str | None) -> str:
+        """The identity of one file found on its own (``"none"``: no file; a missing or
+        unreadable one says why)."""
+        return identity.file_identity(ref, content=self.content)
+
+    def group_stamp(self, refs: Sequence[str]) -> npt.NDArray[np.int64]:
+        """``int64 [4]`` standing for the ``stat`` of every file in ``refs`` (two or more):
+        total size, two words of a hash of every file's :func:`~mmcache.keys.stat_fields`,
+        the count; all ``-2`` when one cannot be ``stat``-ed. Equal rows mean no file
+        changed (but for a 2**-128 chance)."""
+        hasher = xxhash.xxh3_128()
+        total = 0
+        for path in refs:
+            try:
+                fields = keys.stat_fields(os.stat(path))
+            except (OSError, ValueError):
+                return np.full(4, -2, dtype=np.int64)
+            total += fields[0]
+            hasher.update(np.asarray(fields, dtype="<i8").tobytes())
+        words = np.frombuffer(hasher.digest(), dtype="<i8")
+        return np.array([total, words[0], words[1], len(refs)], dtype=np.int64)
+
+    def group_identity(self, refs: Sequence[str]) -> str:
+        """The identity of a sample made of ``refs``: ``"none"`` for none, the file's own
+        for one (as a single-file sample), each file's joined by ``|`` for more."""
+        if not refs:
+            return "none"
+        return "|".join(self.identity(p) for p in refs)
+
+    def read(self, ref: str, *, sample_id: str, max_bytes: int | None = None) -> bytes:
+        """The bytes of the regular file ``ref``; one over ``max_bytes`` (by its
+        ``fstat`` size) is refused before a byte is read. Raises SampleError."""
+        try:
+            fd, st = open_regular(ref)  # never blocks on a FIFO
+        except OSError as exc:
+            raise SampleError(f"cannot open it ({exc})", sample_id=sample_id, path=ref) from exc
+        with open(fd, "rb", closefd=True) as f:
+            check_size(st.st_size, max_bytes, "file", sample_id=sample_id, path=ref)
+            data = f.read() if max_bytes is None else f.read(max_bytes + 1)
+        if max_bytes is not None and len(data) > max_bytes:  # grew while being read
+            raise SampleError(
+                f"file grew past the limit of {max_bytes} bytes while being read",
+                sample_id=sample_id,
+                path=ref,
+            )
+        return data
+
+    def revalidate(self) -> list[str]:
+        """Nothing to do: local files are ``stat``-ed at every batch."""
+        return []
+
+
+if TYPE_CHECKING:  # mypy checks that LocalFiles conforms to the protocol
+
+    def _conforms(blobs: LocalFiles) -> Blobs:
+        return blobs
