@@ -1,0 +1,268 @@
+"""Freshness at scale (issue 41): an epoch's file checks run in parallel when ``stat`` is
+slow, ``recheck=`` skips files checked recently, ``freshness="run"`` checks once per run,
+and with the default settings a file rewritten in place is still caught at the next check.
+
+The slow file system is a wrapper over ``os.stat`` that sleeps and counts the calls it is
+in at once (concurrency, not wall time: the test machine is shared and noisy).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mmcache import keys
+from mmcache.dataset import MultimodalDataset, open_source
+from mmcache.errors import ConfigError
+from mmcache.loader import DataLoader
+from mmcache.pipeline import Pipeline
+from mmcache.sources.freshness import FileChecks, StatTaker, stat_rows
+
+_real_stat = os.stat
+
+
+class _CountingStat:
+    """``os.stat`` of files under ``folder`` counted (calls, most at once), each after
+    sleeping ``delay`` seconds; other paths pass through untouched."""
+
+    def __init__(self, folder: Path, delay: float = 0.0) -> None:
+        self.folder = os.fsencode(os.path.abspath(folder))
+        self.delay = delay
+        self.calls = 0
+        self.most = 0
+        self._now = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        if not isinstance(path, str | bytes) or not os.fsencode(path).startswith(self.folder):
+            return _real_stat(path, *args, **kwargs)
+        with self._lock:
+            self.calls += 1
+            self._now += 1
+            self.most = max(self.most, self._now)
+        try:
+            if self.delay:
+                time.sleep(self.delay)
+            return _real_stat(path, *args, **kwargs)
+        finally:
+            with self._lock:
+                self._now -= 1
+
+
+def _manifest(folder: Path, n: int) -> Path:
+    """``n`` small files (their bytes do not matter to a stamp) and a manifest of them."""
+    (folder / "img").mkdir(parents=True)
+    rows = []
+    for i in range(n):
+        (folder / "img" / f"{i:04d}.jpg").write_bytes(b"x" * (i + 1))
+        rows.append({"id": f"{i:04d}", "image_path": f"img/{i:04d}.jpg", "caption": "a cat"})
+    manifest = folder / "manifest.jsonl"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return manifest
+
+
+@pytest.fixture
+def counting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[_CountingStat]:
+    wrapper = _CountingStat(tmp_path / "data" / "img")
+    monkeypatch.setattr(os, "stat", wrapper)
+    yield wrapper
+
+
+def _real_stamps(ds: MultimodalDataset, n: int) -> np.ndarray:
+    paths = ds.records.stat_paths(np.arange(n, dtype=np.int64))
+    return np.array([keys.stat_fields(_real_stat(p)) for p in paths if p], dtype=np.int64)
+
+
+def test_an_epochs_stats_run_in_parallel_when_stat_is_slow(
+    tmp_path: Path, small_pipeline: Pipeline, counting: _CountingStat
+) -> None:
+    n = 96
+    ds = MultimodalDataset(_manifest(tmp_path / "data", n), pipeline=small_pipeline)
+    counting.delay = 0.005  # a network file system's round trip (x10)
+    got = ds.stamps(np.arange(n))
+    assert counting.calls == n
+    assert counting.most >= 8, f"at most {counting.most} stat at once: one after another"
+    np.testing.assert_array_equal(got, _real_stamps(ds, n))
+
+
+def test_fast_stats_stay_in_the_calling_thread(tmp_path: Path, counting: _CountingStat) -> None:
+    """A local file system's stats are not handed to threads (the GIL bounds them there);
+    a batch found slow goes to the pool, and one found fast again comes back."""
+    (tmp_path / "data" / "img").mkdir(parents=True)
+    paths: list[bytes | None] = []
+    for i in range(64):
+        p = tmp_path / "data" / "img" / f"{i}.jpg"
+        p.write_bytes(b"x")
+        paths.append(os.fsencode(p))
+    taker = StatTaker(slow_s=1e-3)
+    taker.stat_rows(paths)
+    assert counting.most == 1
+    counting.delay = 0.004
+    taker.stat_rows(paths)
+    assert counting.most > 1  # slow: on the pool
+    counting.delay, counting.most = 0.0, 0
+    taker.stat_rows(paths)  # on the pool once more, found fast
+    counting.most = 0
+    taker.stat_rows(paths)
+    assert counting.most == 1
+
+
+def test_missing_and_pathless_rows_are_minus_two(tmp_path: Path) -> None:
+    there = tmp_path / "a.jpg"
+    there.write_bytes(b"abc")
+    rows = stat_rows([os.fsencode(there), None, os.fsencode(tmp_path / "gone.jpg"), b"a\0b"])
+    assert rows.shape == (4, 4)
+    assert rows[0].tolist() == list(keys.stat_fields(_real_stat(there)))
+    assert (rows[1:] == -2).all()
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_recheck_skips_files_checked_within_the_window(
+    tmp_path: Path, small_pipeline: Pipeline, counting: _CountingStat
+) -> None:
+    n = 10
+    ds = MultimodalDataset(_manifest(tmp_path / "data", n), pipeline=small_pipeline)
+    clock = _Clock()
+    checks = FileChecks(n, recheck=60.0, clock=clock)
+    everything = np.arange(n, dtype=np.int64)
+    take = ds._take_stamps
+    first = checks.stamps(everything, take)
+    assert counting.calls == n
+    clock.now += 59.0
+    np.testing.assert_array_equal(checks.stamps(everything, take), first)
+    assert counting.calls == n  # all checked 59 s ago: none stat-ed
+    half = everything[: n // 2]
+    clock.now += 2.0  # 61 s after the first check: every file is due again
+    checks.stamps(half, take)
+    assert counting.calls == n + n // 2
+    clock.now += 30.0  # the first half was checked 30 s ago, the rest 91 s ago
+    checks.stamps(everything, take)
+    assert counting.calls == 2 * n
+
+
+def test_recheck_on_the_source_skips_a_second_sweep(
+    tmp_path: Path, small_pipeline: Pipeline, counting: _CountingStat
+) -> None:
+    n = 12
+    manifest = _manifest(tmp_path / "data", n)
+    ds = MultimodalDataset(manifest, pipeline=small_pipeline, recheck=3600)
+    first = ds.stamps(np.arange(n))
+    again = ds.stamps(np.arange(n))
+    assert counting.calls == n
+    np.testing.assert_array_equal(first, again)
+    plain = MultimodalDataset(manifest, pipeline=small_pipeline)
+    plain.stamps(np.arange(n))
+    plain.stamps(np.arange(n))
+    assert counting.calls == 3 * n  # the default: every sweep stats every file
+
+
+def test_a_rewrite_is_caught_when_the_window_ends(tmp_path: Path, small_pipeline: Pipeline) -> None:
+    n = 4
+    ds = MultimodalDataset(_manifest(tmp_path / "data", n), pipeline=small_pipeline)
+    clock = _Clock()
+    checks = FileChecks(n, recheck=10.0, clock=clock)
+    rows = np.arange(n, dtype=np.int64)
+    before = checks.stamps(rows, ds._take_stamps)
+    _rewrite_in_place(tmp_path / "data" / "img" / "0002.jpg")
+    clock.now += 5.0
+    np.testing.assert_array_equal(checks.stamps(rows, ds._take_stamps), before)  # trusted
+    clock.now += 5.0
+    after = checks.stamps(rows, ds._take_stamps)
+    assert not np.array_equal(after[2], before[2])
+    np.testing.assert_array_equal(np.delete(after, 2, axis=0), np.delete(before, 2, axis=0))
+
+
+def _rewrite_in_place(path: Path) -> None:
+    """Other bytes of the same size, the mtime put back (``cp -p``, ``tar x``): only the
+    ctime tells; the directory's mtime does not change."""
+    st = _real_stat(path)
+    folder = _real_stat(path.parent).st_mtime_ns
+    time.sleep(0.01)  # a later ctime on file systems with a coarse clock
+    path.write_bytes(bytes(255 - b for b in path.read_bytes()))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert _real_stat(path.parent).st_mtime_ns == folder
+
+
+def test_the_default_catches_a_rewrite_at_the_next_check(
+    tmp_path: Path, small_pipeline: Pipeline
+) -> None:
+    n = 4
+    ds = MultimodalDataset(_manifest(tmp_path / "data", n), pipeline=small_pipeline)
+    assert (ds.freshness, ds.recheck) == ("epoch", 0.0)
+    before = ds.stamps(np.arange(n))
+    keys_before = ds.key_rows(np.arange(n))
+    _rewrite_in_place(tmp_path / "data" / "img" / "0001.jpg")
+    after = ds.stamps(np.arange(n))
+    assert not np.array_equal(after[1], before[1])
+    assert ds.key_rows(np.arange(n))[1].tobytes() != keys_before[1].tobytes()
+
+
+def test_freshness_run_stats_each_file_once_per_run(
+    tiny_data: Path, small_pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch, cache_root: Path
+) -> None:
+    """Three epochs through the loader (no workers: everything in this process) stat each
+    image file once with ``freshness="run"``, three times by default."""
+    from mmcache.cache import Cache
+
+    counting = _CountingStat(tiny_data.parent / "images")
+    monkeypatch.setattr(os, "stat", counting)
+    calls = {}
+    for freshness in ("epoch", "run"):
+        ds = MultimodalDataset(tiny_data, pipeline=small_pipeline, freshness=freshness)
+        n = len(ds)
+        before = counting.calls
+        with Cache(cache_root, memory="16MiB") as cache:
+            loader = DataLoader(ds, cache=cache, batch_size=8, seed=0, num_workers=0)
+            for epoch in range(3):
+                loader.set_epoch(epoch)
+                assert sum(len(b["id"]) for b in loader) == n
+        calls[freshness] = counting.calls - before
+    assert calls["run"] == n
+    assert calls["epoch"] >= 3 * n
+
+
+@pytest.mark.parametrize(
+    ("freshness", "recheck", "says"),
+    [
+        ("sometimes", 0.0, "freshness must be"),
+        ("epoch", -1.0, "recheck must be"),
+        ("epoch", float("nan"), "recheck must be"),
+        ("epoch", float("inf"), "freshness='run'"),
+        ("epoch", "60", "recheck must be"),
+        ("run", 60.0, "recheck=60.0 is for freshness='epoch'"),
+    ],
+)
+def test_bad_freshness_options_are_refused(
+    tmp_path: Path, small_pipeline: Pipeline, freshness: Any, recheck: Any, says: str
+) -> None:
+    manifest = _manifest(tmp_path / "data", 2)
+    with pytest.raises(ConfigError, match=says):
+        MultimodalDataset(manifest, pipeline=small_pipeline, freshness=freshness, recheck=recheck)
+
+
+def test_freshness_options_are_for_loose_files(tmp_path: Path, small_pipeline: Pipeline) -> None:
+    pytest.importorskip("pyarrow")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"id": ["a"], "image": [b"x"], "text": ["t"]})
+    pq.write_table(table, tmp_path / "t.parquet")
+    with pytest.raises(ConfigError, match="loose image files"):
+        open_source(tmp_path / "t.parquet", pipeline=small_pipeline, freshness="run")
+    ds = open_source(_manifest(tmp_path / "data", 2), pipeline=small_pipeline, recheck=5)
+    assert (ds.freshness, ds.recheck) == ("epoch", 5.0)
