@@ -37,7 +37,6 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from mmcache import keys
 from mmcache.errors import ConfigError, ManifestError, SampleError
 from mmcache.rootfiles import make_dir, read_regular, replace_file
 from mmcache.sources import identity
@@ -106,22 +105,17 @@ def multi_stamp(paths: Sequence[str], *, content: bool) -> str:
     return "|".join(identity.file_identity(p, content=content) for p in paths)
 
 
-def multi_stamp_fields(paths: Sequence[str]) -> npt.NDArray[np.int64]:
-    """``int64 [4]`` standing for the ``stat`` of every file in ``paths`` (two or more):
-    total size, two words of a hash of every file's :func:`~mmcache.keys.stat_fields`,
-    the count; all ``-2`` when one cannot be ``stat``-ed. Equal rows mean no file
-    changed (but for a 2**-128 chance)."""
-    hasher = xxhash.xxh3_128()
-    total = 0
-    for path in paths:
-        try:
-            fields = keys.stat_fields(os.stat(path))
-        except (OSError, ValueError):
-            return np.full(4, -2, dtype=np.int64)
-        total += fields[0]
-        hasher.update(np.asarray(fields, dtype="<i8").tobytes())
-    words = np.frombuffer(hasher.digest(), dtype="<i8")
-    return np.array([total, words[0], words[1], len(paths)], dtype=np.int64)
+def multi_stamp_fields(fields: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """``int64 [4]`` standing for the stamps of a sample's files (two or more), from their
+    :func:`~mmcache.keys.stat_fields` rows ``fields`` (``int64 [k, 4]``, ``-2`` where a file
+    has none: :func:`mmcache.sources.freshness.stat_rows`, the batch's files in one call):
+    total size, two words of a hash of every file's fields, the count; all ``-2`` when one
+    cannot be ``stat``-ed. Equal rows mean no file changed (but for a 2**-128 chance)."""
+    if (fields[:, 0] == -2).any():
+        return np.full(4, -2, dtype=np.int64)
+    words = np.frombuffer(xxhash.xxh3_128_digest(fields.astype("<i8").tobytes()), dtype="<i8")
+    total = int(fields[:, 0].sum())
+    return np.array([total, words[0], words[1], fields.shape[0]], dtype=np.int64)
 
 
 @dataclass(frozen=True)

@@ -173,8 +173,15 @@ class FileSource(BaseSource):
         """:meth:`stamps` of ``idx``, each file ``stat``-ed now."""
         stamps = stat_rows(self.records.stat_paths(idx))
         if self._chat is not None:  # a multi-file sample: all its files in one row
-            for j in np.flatnonzero(self._multi_files()[idx]).tolist():
-                stamps[j] = _chat.multi_stamp_fields(self._media(int(idx[j])))
+            multi = np.flatnonzero(self._multi_files()[idx]).tolist()
+            media = [self._media(int(idx[j])) for j in multi]
+            # Every file of the batch's multi-file samples in one call (on threads when
+            # the file system is slow), then folded into one row per sample.
+            fields = stat_rows([os.fsencode(p) for files in media for p in files])
+            at = 0
+            for j, files in zip(multi, media, strict=True):
+                stamps[j] = _chat.multi_stamp_fields(fields[at : at + len(files)])
+                at += len(files)
         return stamps
 
     def _multi_files(self) -> npt.NDArray[np.bool_]:
