@@ -20,6 +20,11 @@ times are secondary. Each phase runs in a fresh process:
 
 ``--opens-only`` measures only the opens (first and later, ``--repeat`` times, median): what
 a change of the open path is compared with, old and new sources taken in turns.
+``--freshness-only`` measures only the per-epoch file check of the JSONL source under the
+injected ``stat`` latency: two epochs of ``stamps`` for each way of checking the imported
+mmcache offers (the default, ``recheck=600``, ``freshness="run"``), with the stats issued;
+``--sweep-limit`` bounds the samples per epoch (an old, serial check at 10^6 takes an hour).
+``--freshness``/``--recheck`` open the JSONL source of the full phases with those options.
 
     PYTHONPATH=src python benchmarks/scale.py [--n 10000,100000] [--big] [--sources wds]
 
@@ -174,7 +179,12 @@ class Phase:
 
         pipe = self.pipeline()
         if self.source == "jsonl":
-            return mc.MultimodalDataset(self.data / "manifest.jsonl", pipeline=pipe)
+            fresh: dict[str, Any] = {}  # given only when set (an older mmcache has neither)
+            if self.args.freshness != "epoch":
+                fresh["freshness"] = self.args.freshness
+            if self.args.recheck:
+                fresh["recheck"] = self.args.recheck
+            return mc.MultimodalDataset(self.data / "manifest.jsonl", pipeline=pipe, **fresh)
         if self.source == "parquet":
             columns = {"id": "id", "image": "image", "text": "text"}
             return mc.open_source(self.data, pipeline=pipe, format="parquet", columns=columns)
@@ -425,6 +435,7 @@ def run_child(args: argparse.Namespace, phase: str, source: str, n: int) -> dict
     cmd += ["--work", args.work, "--result", str(out), "--batch", str(args.batch)]
     cmd += ["--workers", str(args.workers), "--stat-latency-ms", str(args.stat_latency_ms)]
     cmd += ["--repeat", str(args.repeat), "--sweep-limit", str(args.sweep_limit)]
+    cmd += ["--freshness", args.freshness, "--recheck", str(args.recheck)]
     print(f"== {source} N={n:,} {phase} ({time.strftime('%H:%M:%S')})", file=sys.stderr, flush=True)
     subprocess.run(cmd, check=True)
     result: dict[str, Any] = json.loads(out.read_text())
@@ -615,6 +626,8 @@ def main() -> None:
     ap.add_argument(
         "--sweep-limit", type=int, default=0, help="samples per freshness epoch (0: all)"
     )
+    ap.add_argument("--freshness", default="epoch", help="the JSONL source's freshness=")
+    ap.add_argument("--recheck", type=float, default=0.0, help="the JSONL source's recheck=")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--tag", default="scale", help="name of the result files")
     ap.add_argument("--phase", help=argparse.SUPPRESS)
@@ -656,7 +669,8 @@ def main() -> None:
     head = (
         f"mmcache at commit {m['commit']} ({m['mmcache']}), {m['cpu']} ({m['cores']} cores), "
         f"load average {m['load_average'][0]:.1f} at start, {info['load_average_end'][0]:.1f}"
-        f" at end; stat latency injected: {args.stat_latency_ms} ms"
+        f" at end; stat latency injected: {args.stat_latency_ms} ms; JSONL freshness="
+        f"{args.freshness!r}, recheck={args.recheck:g}"
     )
     notes = slopes(runs)
     report = head + "\n\n" + table(runs) + "".join(f"\n- {s}" for s in notes) + "\n"

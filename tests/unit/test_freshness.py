@@ -24,14 +24,14 @@ from mmcache.dataset import MultimodalDataset, open_source
 from mmcache.errors import ConfigError
 from mmcache.loader import DataLoader
 from mmcache.pipeline import Pipeline
-from mmcache.sources.freshness import FileChecks, StatTaker, stat_rows
+from mmcache.sources.freshness import FOLDER_RECHECK_S, FileChecks, StatTaker, stat_rows
 
 _real_stat = os.stat
 
 
 class _CountingStat:
-    """``os.stat`` of files under ``folder`` counted (calls, most at once), each after
-    sleeping ``delay`` seconds; other paths pass through untouched."""
+    """``os.stat`` of files in ``folder`` counted (calls, most at once), each after sleeping
+    ``delay`` seconds; other paths (the folder itself too) pass through untouched."""
 
     def __init__(self, folder: Path, delay: float = 0.0) -> None:
         self.folder = os.fsencode(os.path.abspath(folder))
@@ -42,7 +42,8 @@ class _CountingStat:
         self._lock = threading.Lock()
 
     def __call__(self, path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
-        if not isinstance(path, str | bytes) or not os.fsencode(path).startswith(self.folder):
+        inside = isinstance(path, str | bytes) and os.fsencode(path).startswith(self.folder + b"/")
+        if not inside:
             return _real_stat(path, *args, **kwargs)
         with self._lock:
             self.calls += 1
@@ -185,6 +186,41 @@ def test_a_rewrite_is_caught_when_the_window_ends(tmp_path: Path, small_pipeline
     after = checks.stamps(rows, ds._take_stamps)
     assert not np.array_equal(after[2], before[2])
     np.testing.assert_array_equal(np.delete(after, 2, axis=0), np.delete(before, 2, axis=0))
+
+
+def test_a_file_replaced_by_a_rename_is_seen_before_the_window_ends(
+    tmp_path: Path, small_pipeline: Pipeline, counting: _CountingStat
+) -> None:
+    """Under ``recheck``, a folder that changed (an entry added, removed or renamed) makes
+    its files due at once; a file rewritten in place leaves its folder alone and waits for
+    the window (the evidence of a folder never vouches for a file)."""
+    n = 6
+    ds = MultimodalDataset(_manifest(tmp_path / "data", n), pipeline=small_pipeline)
+    clock = _Clock()
+    checks = FileChecks(n, recheck=3600.0, clock=clock)
+    rows = np.arange(n, dtype=np.int64)
+
+    def stamps() -> np.ndarray:
+        return checks.stamps(rows, ds._take_stamps, ds._single_paths)
+
+    before = stamps()
+    img = tmp_path / "data" / "img"
+    _rewrite_in_place(img / "0001.jpg")
+    clock.now += FOLDER_RECHECK_S + 1
+    np.testing.assert_array_equal(stamps(), before)  # the folder is unchanged: all trusted
+    assert counting.calls == n
+    (img / "new.tmp").write_bytes(b"other bytes")
+    os.replace(img / "new.tmp", img / "0003.jpg")  # rsync's way: a new inode, renamed over
+    clock.now += 1.0
+    np.testing.assert_array_equal(stamps(), before)  # the folder was checked 1 s ago
+    clock.now += FOLDER_RECHECK_S
+    after = stamps()
+    assert counting.calls == 2 * n  # the folder changed: every file in it checked again
+    assert after[3].tolist() == list(keys.stat_fields(_real_stat(img / "0003.jpg")))
+    assert not np.array_equal(after[1], before[1])  # checked again with them: seen too
+    clock.now += FOLDER_RECHECK_S + 1
+    stamps()
+    assert counting.calls == 2 * n  # unchanged since: trusted again
 
 
 def _rewrite_in_place(path: Path) -> None:

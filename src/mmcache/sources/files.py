@@ -167,7 +167,16 @@ class FileSource(BaseSource):
             self._checks = FileChecks(
                 len(self.records), freshness=self.freshness, recheck=self.recheck
             )
-        return self._checks.stamps(idx, self._take_stamps)
+        return self._checks.stamps(idx, self._take_stamps, self._single_paths)
+
+    def _single_paths(self, idx: npt.NDArray[np.int64]) -> list[bytes | None]:
+        """The one file of each of ``idx`` (None: none, or a sample of several files), whose
+        folder tells when it was replaced (see :class:`~mmcache.sources.freshness.FileChecks`)."""
+        paths = self.records.stat_paths(idx)
+        if self._chat is not None:
+            for j in np.flatnonzero(self._multi_files()[idx]).tolist():
+                paths[j] = None
+        return paths
 
     def _take_stamps(self, idx: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         """:meth:`stamps` of ``idx``, each file ``stat``-ed now."""
