@@ -72,8 +72,9 @@ Freshness = Literal["epoch", "run"]
 #: many requests at once (NFS's RPC slots, Lustre's metadata servers), and each waiting
 #: thread costs only its stack.
 STAT_THREADS = 32
-#: A ``stat`` slower than this on average (seconds) is a file system's round trip, worth a
-#: thread; a local one (page cache) takes 2-20 us, which threads only slow down (the GIL).
+#: Stats whose fastest took longer than this (seconds) are a file system's round trips,
+#: worth a thread each; a local one (page cache) takes 2-20 us, which threads only slow
+#: down (the GIL).
 SLOW_STAT_S = 100e-6
 #: Under ``recheck``, the most seconds between two ``stat``s of one folder (``recheck`` if
 #: shorter): how late a file replaced by a rename is seen. One ``stat`` per folder of 10^4
@@ -115,20 +116,23 @@ def check_freshness(freshness: object, recheck: object) -> tuple[Freshness, floa
 
 def _stat_run(paths: Sequence[bytes | None]) -> tuple[list[tuple[int, ...]], float]:
     """The stamp of each path, one after another (``-2`` where there is none), and the
-    seconds it took. ``os.stat`` is looked up at each call (a test's or benchmark's
-    wrapper is seen)."""
-    stat, fields = os.stat, keys.stat_fields
+    fewest seconds one ``stat`` took (``inf`` for none): a preempted thread makes some
+    stats look slow, never all of them, so the fastest says what the file system costs.
+    ``os.stat`` is looked up at each call (a test's or benchmark's wrapper is seen)."""
+    stat, fields, clock = os.stat, keys.stat_fields, time.perf_counter
     rows: list[tuple[int, ...]] = []
-    t0 = time.perf_counter()
+    fastest = math.inf
     for path in paths:
         if path is None:
             rows.append(_NONE)
             continue
+        t0 = clock()
         try:
             rows.append(fields(stat(path)))
         except (OSError, ValueError):  # missing, unreadable, or a NUL in the path
             rows.append(_NONE)
-    return rows, time.perf_counter() - t0
+        fastest = min(fastest, clock() - t0)
+    return rows, fastest
 
 
 class StatTaker:
@@ -139,8 +143,8 @@ class StatTaker:
 
     Args:
         threads: the pool's size (:data:`STAT_THREADS`).
-        slow_s: the mean seconds per ``stat`` above which the pool is used
-            (:data:`SLOW_STAT_S`).
+        slow_s: the seconds the fastest ``stat`` of a probe takes above which the pool is
+            used (:data:`SLOW_STAT_S`).
     """
 
     def __init__(self, *, threads: int = STAT_THREADS, slow_s: float = SLOW_STAT_S) -> None:
@@ -156,36 +160,36 @@ class StatTaker:
     def stat_rows(self, paths: Sequence[bytes | None]) -> list[tuple[int, ...]]:
         """:func:`mmcache.keys.stat_fields` of each path, in order (``-2`` x 4 where none).
 
-        Fast stats run here; when the first :data:`_PROBE` of the batch (or the last
-        batch's) averaged over ``slow_s``, the rest run on the pool."""
+        Unless the last batch was slow, the first :data:`_PROBE` stats run here; if the
+        fastest of them took over ``slow_s``, the rest of the batch runs on the pool (and
+        the next batch starts there), else here. A batch on the pool is judged by its
+        fastest ``stat``: once that is fast, the next batch starts here again."""
         n = len(paths)
         rows: list[tuple[int, ...]] = []
         at = 0
         if not self._slow:
             at = min(n, _PROBE)
-            rows, took = _stat_run(paths[:at])
-            if at < n and took <= self.slow_s * at:
-                more, took = _stat_run(paths[at:])
-                self._slow = took > self.slow_s * (n - at)  # re-judged on every batch
-                return rows + more
-            self._slow = at > 0 and took > self.slow_s * at
+            rows, fastest = _stat_run(paths[:at])
+            if fastest <= self.slow_s or fastest == math.inf:  # inf: no path among them
+                return rows + _stat_run(paths[at:])[0]
+            self._slow = True
         if at < n:
             rows += self._parallel(paths[at:])
         return rows
 
     def _parallel(self, paths: Sequence[bytes | None]) -> list[tuple[int, ...]]:
-        """The stamps of ``paths`` in contiguous parts, one per thread; judges the speed
-        from the slowest thread's mean (each stat waited on the file system alone)."""
+        """The stamps of ``paths`` in contiguous parts, one per thread (each ``stat`` waits
+        on the file system alone); judges the speed from the fastest ``stat`` of all."""
         n = len(paths)
         parts = max(1, min(self.threads, n // _PER_THREAD))
         step = -(-n // parts)
         chunks = [paths[a : a + step] for a in range(0, n, step)]
         rows: list[tuple[int, ...]] = []
-        slowest = 0.0
+        fastest = math.inf
         for got, took in self._executor().map(_stat_run, chunks):
             rows += got
-            slowest = max(slowest, took / max(1, len(got)))
-        self._slow = slowest > self.slow_s
+            fastest = min(fastest, took)
+        self._slow = fastest > self.slow_s  # inf (no path among them): still slow
         return rows
 
     def _executor(self) -> ThreadPoolExecutor:
