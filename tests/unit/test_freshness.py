@@ -9,8 +9,8 @@ in at once (concurrency, not wall time: the test machine is shared and noisy).
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,31 +31,52 @@ _real_stat = os.stat
 
 class _CountingStat:
     """``os.stat`` of files in ``folder`` counted (calls, most at once), each after sleeping
-    ``delay`` seconds; other paths (the folder itself too) pass through untouched."""
+    ``delay`` seconds; other paths (the folder itself too) pass through untouched. The
+    counts are in shared memory: a forked process (the stat prefetcher) counts in them."""
 
     def __init__(self, folder: Path, delay: float = 0.0) -> None:
+        ctx = multiprocessing.get_context("fork")
         self.folder = os.fsencode(os.path.abspath(folder))
-        self.delay = delay
-        self.calls = 0
-        self.most = 0
-        self._now = 0
-        self._lock = threading.Lock()
+        self._delay = ctx.RawValue("d", delay)
+        self._counts = ctx.RawArray("q", 3)  # calls, in a call now, most at once
+        self._lock = ctx.Lock()
+
+    @property
+    def delay(self) -> float:
+        return float(self._delay.value)
+
+    @delay.setter
+    def delay(self, seconds: float) -> None:
+        self._delay.value = seconds
+
+    @property
+    def calls(self) -> int:
+        return int(self._counts[0])
+
+    @property
+    def most(self) -> int:
+        return int(self._counts[2])
+
+    @most.setter
+    def most(self, value: int) -> None:
+        self._counts[2] = value
 
     def __call__(self, path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
         inside = isinstance(path, str | bytes) and os.fsencode(path).startswith(self.folder + b"/")
         if not inside:
             return _real_stat(path, *args, **kwargs)
+        counts = self._counts
         with self._lock:
-            self.calls += 1
-            self._now += 1
-            self.most = max(self.most, self._now)
+            counts[0] += 1
+            counts[1] += 1
+            counts[2] = max(counts[2], counts[1])
         try:
             if self.delay:
                 time.sleep(self.delay)
             return _real_stat(path, *args, **kwargs)
         finally:
             with self._lock:
-                self._now -= 1
+                counts[1] -= 1
 
 
 def _manifest(folder: Path, n: int) -> Path:
@@ -92,6 +113,43 @@ def test_an_epochs_stats_run_in_parallel_when_stat_is_slow(
     assert counting.calls == n
     assert counting.most >= 8, f"at most {counting.most} stat at once: one after another"
     np.testing.assert_array_equal(got, _real_stamps(ds, n))
+
+
+class _Order:
+    """An epoch's batches in index order (what the stat prefetcher needs of a loader)."""
+
+    def __init__(self, n: int, batch: int) -> None:
+        self.n, self.batch = n, batch
+
+    def batches(self, epoch: int) -> list[np.ndarray]:
+        return [np.arange(a, min(a + self.batch, self.n)) for a in range(0, self.n, self.batch)]
+
+
+def test_the_stat_prefetcher_stats_in_parallel_and_exits_when_closed(
+    tmp_path: Path, small_pipeline: Pipeline, counting: _CountingStat
+) -> None:
+    """The process that checks a guessed epoch's files ahead of the training loop stats
+    each batch's files at once; its pool of threads does not keep it from exiting."""
+    from mmcache.loader.warm_epoch.board import FileCheckBoard
+    from mmcache.loader.warm_epoch.prefetch import StatPrefetcher
+
+    n = 64
+    ds = MultimodalDataset(_manifest(tmp_path / "data", n), pipeline=small_pipeline)
+    want = _real_stamps(ds, n)
+    counting.delay = 0.005
+    board = FileCheckBoard(n, "fork")
+    prefetcher = StatPrefetcher(board, ds, _Order(n, 32), "fork")
+    try:
+        prefetcher.request(1, epoch=0)
+        deadline = time.monotonic() + 60
+        while not board.verified(np.arange(n), want, 1).all():
+            assert time.monotonic() < deadline, "the prefetcher published no epoch"
+            time.sleep(0.01)
+        assert counting.most >= 4, f"at most {counting.most} stat at once in the prefetcher"
+    finally:
+        began = time.monotonic()
+        prefetcher.close()  # kills it if it has not exited within 5 s
+    assert time.monotonic() - began < 4.0
 
 
 def test_fast_stats_stay_in_the_calling_thread(tmp_path: Path, counting: _CountingStat) -> None:
@@ -167,6 +225,7 @@ def test_recheck_on_the_source_skips_a_second_sweep(
     assert counting.calls == n
     np.testing.assert_array_equal(first, again)
     plain = MultimodalDataset(manifest, pipeline=small_pipeline)
+    assert (plain.freshness, plain.recheck) == ("epoch", 0.0)
     plain.stamps(np.arange(n))
     plain.stamps(np.arange(n))
     assert counting.calls == 3 * n  # the default: every sweep stats every file
@@ -239,7 +298,6 @@ def test_the_default_catches_a_rewrite_at_the_next_check(
 ) -> None:
     n = 4
     ds = MultimodalDataset(_manifest(tmp_path / "data", n), pipeline=small_pipeline)
-    assert (ds.freshness, ds.recheck) == ("epoch", 0.0)
     before = ds.stamps(np.arange(n))
     keys_before = ds.key_rows(np.arange(n))
     _rewrite_in_place(tmp_path / "data" / "img" / "0001.jpg")
