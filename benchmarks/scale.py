@@ -20,6 +20,11 @@ times are secondary. Each phase runs in a fresh process:
 
 ``--opens-only`` measures only the opens (first and later, ``--repeat`` times, median): what
 a change of the open path is compared with, old and new sources taken in turns.
+``--freshness-only`` measures only the per-epoch file check of the JSONL source under the
+injected ``stat`` latency: two epochs of ``stamps`` for each way of checking the imported
+mmcache offers (the default, ``recheck=600``, ``freshness="run"``), with the stats issued;
+``--sweep-limit`` bounds the samples per epoch (an old, serial check at 10^6 takes an hour).
+``--freshness``/``--recheck`` open the JSONL source of the full phases with those options.
 
     PYTHONPATH=src python benchmarks/scale.py [--n 10000,100000] [--big] [--sources wds]
 
@@ -31,6 +36,7 @@ the commit, machine and load average. Datasets and cache roots are kept under
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import multiprocessing
 import os
@@ -40,6 +46,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -61,9 +68,16 @@ _STAT_DELAY = multiprocessing.RawValue("d", 0.0)
 _real_stat = os.stat
 
 
+#: Wrapped stats slept in this process (``--freshness-only`` counts what a sweep issued).
+_SLEPT = [0]
+_SLEPT_LOCK = threading.Lock()
+
+
 def _slow_stat(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
     delay = _STAT_DELAY.value
     if delay:
+        with _SLEPT_LOCK:
+            _SLEPT[0] += 1
         time.sleep(delay)
     return _real_stat(path, *args, **kwargs)
 
@@ -166,7 +180,12 @@ class Phase:
 
         pipe = self.pipeline()
         if self.source == "jsonl":
-            return mc.MultimodalDataset(self.data / "manifest.jsonl", pipeline=pipe)
+            fresh: dict[str, Any] = {}  # given only when set (an older mmcache has neither)
+            if self.args.freshness != "epoch":
+                fresh["freshness"] = self.args.freshness
+            if self.args.recheck:
+                fresh["recheck"] = self.args.recheck
+            return mc.MultimodalDataset(self.data / "manifest.jsonl", pipeline=pipe, **fresh)
         if self.source == "parquet":
             columns = {"id": "id", "image": "image", "text": "text"}
             return mc.open_source(self.data, pipeline=pipe, format="parquet", columns=columns)
@@ -291,6 +310,45 @@ class Phase:
         cache.close()
         return r
 
+    def freshness(self) -> dict[str, Any]:
+        """The per-epoch file check under the injected ``stat`` latency (JSONL): two
+        epochs of ``stamps`` over a shuffled order in batch-sized calls (as the stat
+        prefetcher makes them), for each way of checking the mmcache imported offers
+        (``freshness``/``recheck`` where it has them), with the stats each issued; at most
+        ``--sweep-limit`` samples per epoch (the cost is linear: per sample is the figure).
+        The path table is built before the clock starts (not a stat)."""
+        import mmcache as mc
+
+        modes: dict[str, dict[str, Any]] = {"epoch (default)": {}}
+        if "freshness" in inspect.signature(mc.MultimodalDataset.__init__).parameters:
+            modes["recheck=600"] = {"recheck": 600.0}
+            modes["run"] = {"freshness": "run"}
+        order = np.random.default_rng(0).permutation(self.n)[: self.args.sweep_limit or None]
+        out: dict[str, Any] = {"swept": len(order), "modes": {}}
+        _STAT_DELAY.value = self.args.stat_latency_ms / 1000
+        try:
+            calls = 200
+            a = snap()
+            for _ in range(calls):
+                os.stat(self.data)
+            out["stat_latency_s"] = delta(a, snap())["wall"] / calls
+            for name, options in modes.items():
+                src = mc.MultimodalDataset(
+                    self.data / "manifest.jsonl", pipeline=self.pipeline(), **options
+                )
+                src.records.stat_paths(order[:1])  # the path table, built once per process
+                epochs = []
+                for _ in range(2):
+                    slept = _SLEPT[0]
+                    a = snap()
+                    for s in range(0, len(order), self.args.batch):
+                        src.stamps(order[s : s + self.args.batch])
+                    epochs.append({**delta(a, snap()), "stats": _SLEPT[0] - slept})
+                out["modes"][name] = epochs
+        finally:
+            _STAT_DELAY.value = 0.0
+        return out
+
     def opens(self) -> dict[str, Any]:
         """First and later opens only, ``--repeat`` times: the index (and ledger) removed
         before each first open."""
@@ -377,7 +435,8 @@ def run_child(args: argparse.Namespace, phase: str, source: str, n: int) -> dict
     cmd = [sys.executable, __file__, "--phase", phase, "--source", source, "--n", str(n)]
     cmd += ["--work", args.work, "--result", str(out), "--batch", str(args.batch)]
     cmd += ["--workers", str(args.workers), "--stat-latency-ms", str(args.stat_latency_ms)]
-    cmd += ["--repeat", str(args.repeat)]
+    cmd += ["--repeat", str(args.repeat), "--sweep-limit", str(args.sweep_limit)]
+    cmd += ["--freshness", args.freshness, "--recheck", str(args.recheck)]
     print(f"== {source} N={n:,} {phase} ({time.strftime('%H:%M:%S')})", file=sys.stderr, flush=True)
     subprocess.run(cmd, check=True)
     result: dict[str, Any] = json.loads(out.read_text())
@@ -478,11 +537,50 @@ RUN_ROWS: list[tuple[str, Any]] = [
 ]
 
 
+def _fresh_epoch(mode: str, epoch: int) -> Any:
+    """A cell: one freshness epoch's wall for all N samples (measured over ``swept``:
+    linear), per sample, and the stats it issued per sample."""
+
+    def cell(r: dict[str, Any]) -> str:
+        f = r["freshness"]
+        got = f["modes"][mode][epoch]
+        n, swept = r["n"], f["swept"]
+        wall = got["wall"] * n / swept
+        return f"{wall:,.1f} s ({us(got['wall'], swept)} us; {got['stats'] / swept:.2f} stats)"
+
+    return cell
+
+
+def freshness_rows(runs: dict[str, dict[str, Any]]) -> list[tuple[str, Any]]:
+    """``--freshness-only``'s rows: each mode's two epochs, and the stat measured."""
+    modes: list[str] = []
+    for r in runs.values():
+        modes += [m for m in r.get("freshness", {}).get("modes", {}) if m not in modes]
+    if not modes:
+        return []
+    rows: list[tuple[str, Any]] = [
+        ("freshness: one wrapped stat (ms)", whole_ms("freshness.stat_latency_s"))
+    ]
+    for mode in modes:
+        for epoch in (0, 1):
+            rows.append(
+                (f"freshness {mode}, epoch {epoch + 1}: s per epoch", _fresh_epoch(mode, epoch))
+            )
+    return rows
+
+
+def whole_ms(path: str) -> Any:
+    """A cell: the seconds at ``path`` in milliseconds."""
+    return lambda r: f"{1e3 * dig(r, path):.2f}"
+
+
 def table(runs: dict[str, dict[str, Any]]) -> str:
     """The markdown table: one row per measure, one column per (source, N); ``-`` where a
     run has no such figure (a source without a stat prefetcher, ``--opens-only``)."""
     cols = list(runs)
-    rows = OPEN_ROWS + (RUN_ROWS if any("first" in r for r in runs.values()) else [])
+    rows = OPEN_ROWS if any("open" in r for r in runs.values()) else []
+    rows += RUN_ROWS if any("first" in r for r in runs.values()) else []
+    rows += freshness_rows(runs)
     lines = ["| measure | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
     for name, cell in rows:
         cells = []
@@ -521,6 +619,16 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--stat-latency-ms", type=float, default=0.5)
     ap.add_argument("--opens-only", action="store_true", help="only the opens, --repeat times")
+    ap.add_argument(
+        "--freshness-only",
+        action="store_true",
+        help="only the per-epoch file check with the stat latency injected (JSONL)",
+    )
+    ap.add_argument(
+        "--sweep-limit", type=int, default=0, help="samples per freshness epoch (0: all)"
+    )
+    ap.add_argument("--freshness", default="epoch", help="the JSONL source's freshness=")
+    ap.add_argument("--recheck", type=float, default=0.0, help="the JSONL source's recheck=")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--tag", default="scale", help="name of the result files")
     ap.add_argument("--phase", help=argparse.SUPPRESS)
@@ -543,6 +651,8 @@ def main() -> None:
             r: dict[str, Any] = {"source": source, "n": n, "stat_latency_ms": args.stat_latency_ms}
             if args.opens_only:
                 r["open"] = run_child(args, "opens", source, n)
+            elif args.freshness_only:
+                r["freshness"] = run_child(args, "freshness", source, n)
             else:
                 r["first"] = run_child(args, "first", source, n)
                 r["second"] = run_child(args, "second", source, n)
@@ -560,7 +670,8 @@ def main() -> None:
     head = (
         f"mmcache at commit {m['commit']} ({m['mmcache']}), {m['cpu']} ({m['cores']} cores), "
         f"load average {m['load_average'][0]:.1f} at start, {info['load_average_end'][0]:.1f}"
-        f" at end; stat latency injected: {args.stat_latency_ms} ms"
+        f" at end; stat latency injected: {args.stat_latency_ms} ms; JSONL freshness="
+        f"{args.freshness!r}, recheck={args.recheck:g}"
     )
     notes = slopes(runs)
     report = head + "\n\n" + table(runs) + "".join(f"\n- {s}" for s in notes) + "\n"

@@ -36,6 +36,7 @@ from mmcache.errors import ConfigError
 from mmcache.sources import open as _open
 from mmcache.sources.base import OnError, SampleSource
 from mmcache.sources.files import FileSource, Sample, check_on_error
+from mmcache.sources.freshness import Freshness
 from mmcache.sources.records import Records
 from mmcache.sources.rejects import Reject
 from mmcache.transforms.pipeline import Pipeline
@@ -72,6 +73,8 @@ def open_source(
     image_root: str | os.PathLike[str] | None = None,
     on_error: OnError = "raise",
     content_stamp: bool = False,
+    freshness: Freshness = "epoch",
+    recheck: float = 0.0,
 ) -> SampleSource:
     """The source of ``location`` (see the module docstring).
 
@@ -92,6 +95,8 @@ def open_source(
         image_root: the images' folder (COCO).
         on_error: ``"raise"`` or ``"skip"`` (see :class:`MultimodalDataset`).
         content_stamp: key loose files by their bytes always (manifests of loose files).
+        freshness, recheck: how often loose files are ``stat``-ed again (manifests of
+            loose files; see :class:`MultimodalDataset`).
 
     Returns a :class:`MultimodalDataset`, the format's source, or the source object
     itself. ConfigError for an option the location's kind does not take, naming it.
@@ -106,12 +111,19 @@ def open_source(
             pipeline=pipeline,
             on_error=on_error,
             content_stamp=content_stamp,
+            freshness=freshness,
+            recheck=recheck,
             format=format,
             image_root=image_root,
             storage_options=storage_options,
         )
     if content_stamp:
         raise ConfigError("content_stamp=True is for manifests of loose image files")
+    if freshness != "epoch" or recheck:
+        raise ConfigError(
+            f"freshness={freshness!r} and recheck={recheck!r} are for manifests of loose "
+            "image files (a table's or shard's stamps are taken when it is opened)"
+        )
     root = None if image_root is None else os.fspath(image_root)
     options = _open.OpenOptions(
         pipeline=pipeline,
@@ -162,6 +174,12 @@ class MultimodalDataset(FileSource):
             :data:`mmcache.keys.STAT_FIELDS`); slower: reads every file to compute
             a key; for file systems whose ctimes or inode numbers are not
             trustworthy.
+        freshness: ``"epoch"`` (default: every file is ``stat``-ed again at every check,
+            each epoch) or ``"run"`` (once per run and process: for data that does not
+            change while the job runs; a file rewritten meanwhile is not seen).
+        recheck: with ``"epoch"``, seconds a file found unchanged is trusted without a new
+            ``stat`` (default 0). A rewrite is seen at most that long after. For network
+            file systems (~0.5 ms a ``stat``); see :mod:`mmcache.sources.freshness`.
         format, image_root: as :func:`open_source` takes them (a COCO file's images).
         storage_options: the object store's options when the manifest names URLs (the
             images or clips are then objects: :class:`~mmcache.sources.files.FileSource`).
@@ -181,6 +199,8 @@ class MultimodalDataset(FileSource):
         pipeline: Pipeline | None = None,
         on_error: OnError = "raise",
         content_stamp: bool = False,
+        freshness: Freshness = "epoch",
+        recheck: float = 0.0,
         format: str = "auto",
         image_root: str | os.PathLike[str] | None = None,
         storage_options: Mapping[str, Any] | None = None,
@@ -215,6 +235,8 @@ class MultimodalDataset(FileSource):
             on_error=on_error,
             content_stamp=content_stamp,
             storage_options=storage_options,
+            freshness=freshness,
+            recheck=recheck,
         )
 
 

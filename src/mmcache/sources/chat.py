@@ -32,9 +32,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from mmcache import keys
 from mmcache.errors import ConfigError, ManifestError, SampleError
 from mmcache.sources import identity
+from mmcache.sources.freshness import stat_rows
 from mmcache.sources.records import RecordReject, Records
 from mmcache.stats import REPORTS, TextReport, write_report
 from mmcache.transforms.chat import Chat, ChatSpec, FullyMaskedError
@@ -91,11 +91,10 @@ def any_racy(paths: Sequence[str], taken: float) -> bool:
     """Whether one of ``paths`` changed too recently (or cannot be ``stat``-ed) for a
     multi-file stamp to vouch for bytes read after ``taken`` (see
     :func:`mmcache.sources.identity.racy_rows`)."""
-    try:
-        fields = [keys.stat_fields(os.stat(path)) for path in paths]
-    except (OSError, ValueError):
+    fields = stat_rows([os.fsencode(p) for p in paths])
+    if (fields[:, 0] == -2).any():
         return True
-    return bool(identity.racy_rows(np.asarray(fields, dtype=np.int64).reshape(-1, 4), taken).any())
+    return bool(identity.racy_rows(fields, taken).any())
 
 
 @dataclass(frozen=True)

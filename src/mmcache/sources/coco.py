@@ -33,6 +33,7 @@ from mmcache.errors import ConfigError, ManifestError
 from mmcache.rootfiles import open_regular
 from mmcache.sources.base import OnError
 from mmcache.sources.files import FileSource, check_on_error
+from mmcache.sources.freshness import Freshness
 from mmcache.sources.records import Records, RecordsBuilder
 from mmcache.transforms.pipeline import RecordProcessor
 
@@ -168,7 +169,8 @@ class CocoSource(FileSource):
         pipeline: how to turn a record into arrays.
         per: ``"caption"`` (one sample per annotation) or ``"image"`` (one per image,
             its captions joined by newlines).
-        on_error, content_stamp: as for :class:`~mmcache.sources.files.FileSource`.
+        on_error, content_stamp, freshness, recheck: as for
+            :class:`~mmcache.sources.files.FileSource`.
     """
 
     def __init__(
@@ -180,6 +182,15 @@ class CocoSource(FileSource):
         per: Per = "caption",
         on_error: OnError = "raise",
         content_stamp: bool = False,
+        freshness: Freshness = "epoch",
+        recheck: float = 0.0,
     ) -> None:
         records = read_coco(annotations, image_root=image_root, per=per, on_error=on_error)
-        super().__init__(records, pipeline=pipeline, on_error=on_error, content_stamp=content_stamp)
+        super().__init__(
+            records,
+            pipeline=pipeline,
+            on_error=on_error,
+            content_stamp=content_stamp,
+            freshness=freshness,
+            recheck=recheck,
+        )

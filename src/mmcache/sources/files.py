@@ -57,7 +57,7 @@ from mmcache.errors import ConfigError
 from mmcache.sources import chat as _chat
 from mmcache.sources import identity
 from mmcache.sources.base import OnError, SampleSource, StampKind, check_on_error
-from mmcache.sources.blobs.local import LocalFiles
+from mmcache.sources.blobs.local import LocalFiles, fold_stamps
 from mmcache.sources.blobs.objectfiles import ObjectFiles
 from mmcache.sources.blobs.objects import Offline, Remote, is_remote
 from mmcache.sources.blobs.raw import RawTier
@@ -65,6 +65,7 @@ from mmcache.sources.blobs.retry import RetryPolicy
 from mmcache.sources.blobs.state import SharedStamps, private_dir
 from mmcache.sources.bytesproc import byte_limit, process_bytes
 from mmcache.sources.chassis import BaseSource
+from mmcache.sources.freshness import FileChecks, Freshness, check_freshness, stat_rows
 from mmcache.sources.readers import read_manifest
 from mmcache.sources.records import Records
 from mmcache.sources.rejects import Reject
@@ -96,6 +97,14 @@ class FileSource(BaseSource):
             :data:`mmcache.keys.STAT_FIELDS`); slower: reads every file to compute
             a key; for file systems whose ctimes or inode numbers are not
             trustworthy. Sets :attr:`stamp_kind` to ``CONTENT``. Local files only.
+        freshness: how often local files' stamps are taken again: ``"epoch"`` (default:
+            every check, each epoch) or ``"run"`` (once per run and process, for files
+            that do not change while the job runs: a file rewritten meanwhile is not
+            seen). See :mod:`mmcache.sources.freshness`.
+        recheck: with ``freshness="epoch"``, seconds a file found unchanged is trusted
+            without a new ``stat`` (default 0: every check stats it). A file rewritten
+            within the window is seen when it ends. For network file systems, where a
+            ``stat`` costs ~0.5 ms.
         storage_options: the object store's options for URLs (credentials, endpoint:
             :class:`~mmcache.sources.blobs.objects.Remote`).
         raw: a :class:`~mmcache.sources.blobs.raw.RawTier` keeping the objects on local
@@ -128,7 +137,12 @@ class FileSource(BaseSource):
     fetches_ahead: bool
     #: Over objects: the most bytes one object may have (larger ones are never fetched).
     max_object_bytes: int | None
-    _per_process: ClassVar[tuple[str, ...]] = (*BaseSource._per_process, "_lengths", "_multi")
+    _per_process: ClassVar[tuple[str, ...]] = (
+        *BaseSource._per_process,
+        "_lengths",
+        "_multi",
+        "_checks",
+    )
 
     def __init__(
         self,
@@ -142,8 +156,11 @@ class FileSource(BaseSource):
         retries: int | RetryPolicy = 4,
         offline: Offline = "auto",
         state_dir: str | os.PathLike[str] | None = None,
+        freshness: Freshness = "epoch",
+        recheck: float = 0.0,
     ) -> None:
         on_error = check_on_error(on_error)
+        self.freshness, self.recheck = check_freshness(freshness, recheck)
         if not isinstance(pipeline, RecordProcessor):
             raise ConfigError(
                 f"pipeline must be a mmcache.Pipeline (or have its process and fingerprint), "
@@ -159,6 +176,7 @@ class FileSource(BaseSource):
         self._mismatched = 0
         self._lengths: _chat.ChatLengths | None = None
         self._multi: npt.NDArray[np.bool_] | None = None  # see _multi_files
+        self._checks: FileChecks | None = None  # see stamps
         if self._chat is not None:
             self.records, self._mismatched = _chat.check_placeholders(
                 self.records, self._chat.image_token, on_error
@@ -246,6 +264,10 @@ class FileSource(BaseSource):
         as ``int64 [n, 4]``, one ``stat`` each; objects a 63-bit digest of its object's
         stamp (ETag) and size, ``int64 [n, 2]``. ``-2`` where there is none (text-only,
         missing, unreadable, bad path). A sample of several files has one row for all.
+        With ``recheck`` or ``freshness="run"``, a local file checked recently enough in
+        this process is not ``stat``-ed: its stamp from then is returned
+        (:class:`~mmcache.sources.freshness.FileChecks`); local ``stat`` calls go on
+        threads when the file system is slow to answer.
 
         What the default keys are made of (see :meth:`key_rows`); the loader also
         uses it to check that a plan made a little earlier is still current. (With
@@ -257,10 +279,35 @@ class FileSource(BaseSource):
             objects.refresh()
             if self._chat is not None:  # every sample a group of objects, in part order
                 return np.stack([objects.group_stamp(self._media(i)) for i in idx.tolist()])
-        stamps = self.blobs.stamps(self.records.stat_paths(idx))
-        if self._chat is not None:  # a multi-file sample: all its files in one row
+            return objects.stamps(self.records.stat_paths(idx))
+        if self._checks is None:
+            self._checks = FileChecks(
+                len(self.records), freshness=self.freshness, recheck=self.recheck
+            )
+        return self._checks.stamps(idx, self._take_stamps, self._single_paths)
+
+    def _single_paths(self, idx: npt.NDArray[np.int64]) -> list[bytes | None]:
+        """The one file of each of ``idx`` (None: none, or a sample of several files), whose
+        folder tells when it was replaced (see :class:`~mmcache.sources.freshness.FileChecks`)."""
+        paths = self.records.stat_paths(idx)
+        if self._chat is not None:
             for j in np.flatnonzero(self._multi_files()[idx]).tolist():
-                stamps[j] = self.blobs.group_stamp(self._media(int(idx[j])))
+                paths[j] = None
+        return paths
+
+    def _take_stamps(self, idx: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """:meth:`stamps` of local files ``idx``, each file ``stat``-ed now."""
+        stamps = stat_rows(self.records.stat_paths(idx))
+        if self._chat is not None:  # a multi-file sample: all its files in one row
+            multi = np.flatnonzero(self._multi_files()[idx]).tolist()
+            media = [self._media(int(idx[j])) for j in multi]
+            # Every file of the batch's multi-file samples in one call (on threads when
+            # the file system is slow), then folded into one row per sample.
+            fields = stat_rows([os.fsencode(p) for files in media for p in files])
+            at = 0
+            for j, files in zip(multi, media, strict=True):
+                stamps[j] = fold_stamps(fields[at : at + len(files)])
+                at += len(files)
         return stamps
 
     def _unsettled(

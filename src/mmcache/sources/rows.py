@@ -37,6 +37,7 @@ from mmcache.sources.base import OnError
 from mmcache.sources.bytesproc import process_bytes
 from mmcache.sources.cells import image_cell
 from mmcache.sources.chassis import BaseSource
+from mmcache.sources.freshness import stat_rows
 from mmcache.sources.ids import IdColumn, duplicate_message
 from mmcache.sources.rejects import Reject
 from mmcache.transforms.pipeline import StagedProcessor
@@ -159,12 +160,7 @@ class RowSource(BaseSource):
         named = [j for j, ref in enumerate(refs) if ref is not None]
         if named:
             rows = rows.copy()
-            fields = np.full((len(named), len(keys.STAT_FIELDS)), -2, dtype=np.int64)
-            for n, j in enumerate(named):
-                try:
-                    fields[n] = keys.stat_fields(os.stat(refs[j] or ""))
-                except (OSError, ValueError):
-                    continue
+            fields = stat_rows([os.fsencode(refs[j] or "") for j in named])  # threads if slow
             idents = identity.file_identities([refs[j] for j in named], fields)
             for j, ident in zip(named, idents, strict=True):
                 i = int(idx[j])

@@ -8,7 +8,11 @@ does those ``stat`` calls (the source's :meth:`~mmcache.sources.base.SampleSourc
 and publishes each result on a
 :class:`~mmcache.loader.warm_epoch.board.FileCheckBoard` in shared memory
 (see there). The training process ``stat``-s itself any file the prefetcher
-has not reached yet, so the prefetcher only ever saves work.
+has not reached yet, so the prefetcher only ever saves work. How a batch's files are
+``stat``-ed is the source's (:mod:`mmcache.sources.freshness`): on a pool of threads when
+the file system is slow to answer, and not again within the source's ``recheck`` window
+(or run, with ``freshness="run"``); this process remembers its own checks from epoch to
+epoch.
 
 Asked for an epoch's *keys* (``request(..., keys=True)``: an epoch whose keys
 the training process does not know, planned there until its first miss), it

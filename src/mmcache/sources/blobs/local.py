@@ -24,17 +24,17 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from mmcache import keys
 from mmcache.errors import SampleError
 from mmcache.rootfiles import open_regular
 from mmcache.sources import identity
 from mmcache.sources.base import StampKind
 from mmcache.sources.bytesproc import check_size
+from mmcache.sources.freshness import stat_rows
 
 if TYPE_CHECKING:
     from mmcache.sources.blobs.base import Blobs
 
-__all__ = ["LocalFiles"]
+__all__ = ["LocalFiles", "fold_stamps"]
 
 
 class LocalFiles:
@@ -57,23 +57,10 @@ class LocalFiles:
 
     def stamps(self, refs: Sequence[str | bytes | None]) -> npt.NDArray[np.int64]:
         """:func:`mmcache.keys.stat_fields` of each file as ``int64 [n, 4]``: one
-        ``stat`` each; ``-2`` where there is none (no file, missing, unreadable, bad
-        path)."""
-        stat, fields = os.stat, keys.stat_fields
-        none = (-2,) * len(keys.STAT_FIELDS)
-        rows: list[tuple[int, ...]] = []
-        # Rows gathered in a list and made one array: a numpy row assignment per file
-        # cost about as much as its stat (the training process stats most files of a
-        # warm epoch itself when the stat prefetcher gets no CPU).
-        for path in refs:
-            if path is None:
-                rows.append(none)
-                continue
-            try:
-                rows.append(fields(stat(path)))
-            except (OSError, ValueError):  # missing, unreadable, or a NUL in the path
-                rows.append(none)
-        return np.array(rows, dtype=np.int64).reshape(len(rows), len(none))
+        ``stat`` each, on threads when the file system is slow to answer
+        (:func:`~mmcache.sources.freshness.stat_rows`); ``-2`` where there is none (no
+        file, missing, unreadable, bad path)."""
+        return stat_rows([os.fsencode(r) if isinstance(r, str) else r for r in refs])
 
     def identities(
         self, refs: Sequence[str | bytes | None], stamps: npt.NDArray[np.int64]
@@ -90,20 +77,8 @@ class LocalFiles:
 
     def group_stamp(self, refs: Sequence[str]) -> npt.NDArray[np.int64]:
         """``int64 [4]`` standing for the ``stat`` of every file in ``refs`` (two or more):
-        total size, two words of a hash of every file's :func:`~mmcache.keys.stat_fields`,
-        the count; all ``-2`` when one cannot be ``stat``-ed. Equal rows mean no file
-        changed (but for a 2**-128 chance)."""
-        hasher = xxhash.xxh3_128()
-        total = 0
-        for path in refs:
-            try:
-                fields = keys.stat_fields(os.stat(path))
-            except (OSError, ValueError):
-                return np.full(4, -2, dtype=np.int64)
-            total += fields[0]
-            hasher.update(np.asarray(fields, dtype="<i8").tobytes())
-        words = np.frombuffer(hasher.digest(), dtype="<i8")
-        return np.array([total, words[0], words[1], len(refs)], dtype=np.int64)
+        :func:`fold_stamps` of their stamps."""
+        return fold_stamps(self.stamps(refs))
 
     def group_identity(self, refs: Sequence[str]) -> str:
         """The identity of a sample made of ``refs``: ``"none"`` for none, the file's own
@@ -133,6 +108,19 @@ class LocalFiles:
     def revalidate(self) -> list[str]:
         """Nothing to do: local files are ``stat``-ed at every batch."""
         return []
+
+
+def fold_stamps(fields: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """``int64 [4]`` standing for the stamps of a sample's files (two or more), from their
+    :func:`~mmcache.keys.stat_fields` rows ``fields`` (``int64 [k, 4]``, ``-2`` where a file
+    has none): total size, two words of a hash of every file's fields, the count; all
+    ``-2`` when one cannot be ``stat``-ed. Equal rows mean no file changed (but for a
+    2**-128 chance)."""
+    if (fields[:, 0] == -2).any():
+        return np.full(4, -2, dtype=np.int64)
+    words = np.frombuffer(xxhash.xxh3_128_digest(fields.astype("<i8").tobytes()), dtype="<i8")
+    total = int(fields[:, 0].sum())
+    return np.array([total, words[0], words[1], fields.shape[0]], dtype=np.int64)
 
 
 if TYPE_CHECKING:  # mypy checks that LocalFiles conforms to the protocol
