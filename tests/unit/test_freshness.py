@@ -23,8 +23,8 @@ from mmcache import keys
 from mmcache.dataset import MultimodalDataset, open_source
 from mmcache.errors import ConfigError
 from mmcache.loader import DataLoader
-from mmcache.pipeline import Pipeline
 from mmcache.sources.freshness import FOLDER_RECHECK_S, FileChecks, StatTaker, stat_rows
+from mmcache.transforms.pipeline import Pipeline
 
 _real_stat = os.stat
 
