@@ -40,7 +40,7 @@ __all__ = ["SyntheticPipeline", "SyntheticSource"]
 #: so that sample i has the same id (and key) in a source of any size.
 ID_DIGITS = 10
 #: Ids written per step while the column is built (the step's scratch: 8 bytes a digit).
-_ID_CHUNK = 1 << 20
+_ID_CHUNK = 1 << 16
 #: The stamps' "mtime" of sample 0 (ns) and the spacing of the samples' stamps.
 _EPOCH_NS = 1_700_000_000 * 10**9
 _SIZE_MUL = 2_654_435_761  # Knuth's multiplicative hash: file sizes that look random
