@@ -297,12 +297,15 @@ def main() -> None:
     info: dict[str, Any] = {"machine": machine(), "args": vars(args)}
     info["started"] = time.strftime("%Y-%m-%d %H:%M:%S")
     results: dict[int, dict[str, dict[str, Any]]] = {}
+    RESULTS.mkdir(exist_ok=True)
     for n in (int(float(v)) for v in args.n.split(",") if v):
-        results[n] = {p: run_child(args, p, n) for p in args.phases.split(",") if p}
+        results[n] = {}
+        for phase in (p for p in args.phases.split(",") if p):
+            results[n][phase] = run_child(args, phase, n)
+            # After each phase: a run stopped later (out of memory at 10^8) keeps these.
+            record = {**info, "load_average_end": os.getloadavg()[0], "results": results}
+            (RESULTS / f"{args.tag}.json").write_text(json.dumps(record, indent=1, default=str))
     end = os.getloadavg()[0]
-    RESULTS.mkdir(exist_ok=True)  # the figures first: nothing below can lose them
-    record = {**info, "load_average_end": end, "results": results}
-    (RESULTS / f"{args.tag}.json").write_text(json.dumps(record, indent=1, default=str))
     m = info["machine"]
     head = ", ".join(
         [
