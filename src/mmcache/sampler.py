@@ -132,8 +132,12 @@ class EpochSampler:
     def _split(self, perm: npt.NDArray[np.int64], per_rank: int) -> npt.NDArray[np.int64]:
         total = per_rank * self.world_size
         if total > perm.shape[0] and perm.shape[0] > 0:
-            reps = -(-total // perm.shape[0])
-            perm = np.tile(perm, reps)
+            # Padded by repeating the order from its start: position i is perm[i % len].
+            # Only this rank's positions are gathered (a tile of the whole order would
+            # copy it twice, 1.6 GB at 10^8 samples, to pad a rank by one sample).
+            where = np.arange(self.rank, total, self.world_size, dtype=np.int64)
+            padded: npt.NDArray[np.int64] = perm[where % perm.shape[0]]
+            return padded
         mine = perm[self.rank : total : self.world_size]
         # A rank of several keeps its own part, not a strided view that holds the whole
         # epoch's order alive (8 bytes per sample of the dataset, per remembered epoch).
