@@ -96,7 +96,8 @@ class EpochSampler:
         # SeedSequence mixes (seed, epoch) properly: seed+epoch would make
         # run (seed=1, epoch=0) replay run (seed=0, epoch=1).
         rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, epoch])))
-        order = rng.permutation(self.size).astype(np.int64)
+        # (int64 already on 64-bit platforms: no second copy of N indices at 10^8 samples)
+        order = rng.permutation(self.size).astype(np.int64, copy=False)
         return order if drawn is None else drawn[order]
 
     def num_samples(self) -> int:
@@ -131,7 +132,13 @@ class EpochSampler:
     def _split(self, perm: npt.NDArray[np.int64], per_rank: int) -> npt.NDArray[np.int64]:
         total = per_rank * self.world_size
         if total > perm.shape[0] and perm.shape[0] > 0:
-            reps = -(-total // perm.shape[0])
-            perm = np.tile(perm, reps)
-        perm = perm[:total]
-        return perm[self.rank : total : self.world_size]
+            # Padded by repeating the order from its start: position i is perm[i % len].
+            # Only this rank's positions are gathered (a tile of the whole order would
+            # copy it twice, 1.6 GB at 10^8 samples, to pad a rank by one sample).
+            where = np.arange(self.rank, total, self.world_size, dtype=np.int64)
+            padded: npt.NDArray[np.int64] = perm[where % perm.shape[0]]
+            return padded
+        mine = perm[self.rank : total : self.world_size]
+        # A rank of several keeps its own part, not a strided view that holds the whole
+        # epoch's order alive (8 bytes per sample of the dataset, per remembered epoch).
+        return mine if self.world_size == 1 else mine.copy()

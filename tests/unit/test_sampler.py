@@ -1,6 +1,6 @@
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mmcache.errors import ConfigError
@@ -73,3 +73,21 @@ def test_rank_and_world_come_together_outside_torch_distributed() -> None:
     for rank, world in ((2, 2), (-1, 2), (0, 0), (True, 2)):
         with pytest.raises(ConfigError):
             rank_and_world(rank, world)
+
+
+@settings(max_examples=60, deadline=None)
+@given(size=st.integers(1, 60), world=st.integers(1, 9), start=st.integers(0, 60))
+def test_padding_repeats_the_order_from_its_start(size: int, world: int, start: int) -> None:
+    # DistributedSampler's padding (drop_last=False): the order, repeated from its start
+    # as often as needed, cut to a multiple of the world size; rank r takes r, r + world...
+    # For a whole epoch and for the rest of one (a span, resumed elastically).
+    start = min(start, size)
+    for r in range(world):
+        sampler = EpochSampler(size, seed=2, rank=r, world_size=world)
+        for part, got in (
+            (sampler.permutation(1), sampler.indices(1)),
+            (sampler.permutation(1)[start:], sampler.span_indices(1, start, size)),
+        ):
+            total = -(-len(part) // world) * world
+            padded = np.tile(part, -(-total // len(part)))[:total] if len(part) else part
+            np.testing.assert_array_equal(got, padded[r:total:world])

@@ -426,8 +426,6 @@ class DataLoader:
         resumes from it with exactly the rest of the epoch (see
         :meth:`load_state_dict`).
         """
-        if self._ids is None:
-            self._ids = self.dataset.ids_digest()
         span = self._order.span(self._epoch)
         start, stop = span if span is not None else (0, self.sampler.epoch_stop())
         batches = self._epoch_batches(self._epoch)
@@ -440,6 +438,19 @@ class DataLoader:
             "version": STATE_VERSION,
             "epoch": self._epoch,
             "position": self._position,
+            **self._order_state(),
+            "consumed": consumed,
+            "stop": stop,
+            "span": None if span is None else list(span),
+            **({} if self._mixture is None else {STATE_KEY: self._mixture}),
+        }
+
+    def _order_state(self) -> dict[str, Any]:
+        """The fields of :meth:`state_dict` that fix the order of the batches (what a
+        state to resume must match): no epoch's order is computed for them."""
+        if self._ids is None:
+            self._ids = self.dataset.ids_digest()
+        return {
             "seed": self.sampler.seed,
             "shuffle": self.sampler.shuffle,
             "size": self.sampler.size,
@@ -450,10 +461,6 @@ class DataLoader:
             "drop_last": self.drop_last,
             "distributed_drop_last": self.sampler.drop_last,
             "batching": self._batching,
-            "consumed": consumed,
-            "stop": stop,
-            "span": None if span is None else list(span),
-            **({} if self._mixture is None else {STATE_KEY: self._mixture}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -481,14 +488,22 @@ class DataLoader:
         order = self._order.order
         resume = read_state(
             state,
-            self.state_dict(),
+            self._order_state(),
             world_size=self.sampler.world_size,
-            count=lambda e: len(dataclasses.replace(order, spans={}).batches(e)),
+            count=lambda e: self._whole_epoch_count(order, e),
         )
         self._order.resume_span(resume.epoch, resume.span)
         self._epoch, self._position = resume.epoch, resume.position
         self._resumed = True  # set_epoch(epoch) keeps the position
         self._chosen = False
+
+    def _whole_epoch_count(self, order: Any, epoch: int) -> int:
+        """Batches of the whole of ``epoch`` (no resumed span): counted for plain batches,
+        whose count is every epoch's (at 10^8 samples an epoch's order takes seconds and
+        800 MB), made for grouped or packed ones, whose count is the epoch's own."""
+        if self._batching == "plain":
+            return len(self)
+        return len(dataclasses.replace(order, spans={}).batches(epoch))
 
     def close(self) -> None:
         """Stop the worker processes (persistent ones included) and the stat prefetcher

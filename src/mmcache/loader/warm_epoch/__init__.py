@@ -262,7 +262,10 @@ class WarmEpochs:
         self.guessed.pop(epoch, None)
 
     def learn(self, plan: BatchPlan) -> None:
-        """Remember the keys of a plan that was not a guess."""
+        """Remember the keys of a plan that was not a guess (only where an epoch can be
+        guessed: otherwise they are never read, and they take 49 bytes per sample)."""
+        if self._prefetcher is None and not self._fixed:
+            return
         self.learnt.learn(plan, fixed=self._fixed)
 
     def verified(self, guess: BatchPlan) -> bool:
