@@ -33,6 +33,7 @@ from mmcache.errors import ConfigError, ManifestError, SampleError
 from mmcache.sources.base import OnError, StampKind
 from mmcache.sources.chassis import BaseSource
 from mmcache.sources.ids import IdColumn, duplicate_message
+from mmcache.transforms.stage import Stage
 
 __all__ = ["SyntheticPipeline", "SyntheticSource"]
 
@@ -52,6 +53,11 @@ class SyntheticPipeline:
     every key) that ``version`` changes, as a pipeline parameter would."""
 
     version: int = 1
+
+    @property
+    def stages(self) -> tuple[Stage, ...]:
+        """None: a synthetic sample is its index (what a source of bytes would run)."""
+        return ()
 
     def fingerprint(self) -> str:
         return f"mmcache.synthetic:v{self.version}"
