@@ -54,8 +54,8 @@ def add_warm_options(p: argparse.ArgumentParser) -> None:
 def shared_tier(args: argparse.Namespace) -> Any:
     """The :class:`~mmcache.shared.SharedTier` of ``--shared`` (None without it); a
     ConfigError for ``--ray`` without one."""
-    if getattr(args, "shared", None) is None:
-        if getattr(args, "ray", False):
+    if args.shared is None:  # (warm's parser: add_warm_options)
+        if args.ray:
             raise ConfigError("--ray fills a shared tier: pass --shared URL")
         return None
     from mmcache.shared import SharedTier
@@ -65,7 +65,7 @@ def shared_tier(args: argparse.Namespace) -> Any:
 
 def shared_options(args: argparse.Namespace) -> dict[str, Any]:
     """``--shared-options`` as a dict (a ConfigError naming the option when not JSON)."""
-    text = getattr(args, "shared_options", None)
+    text = args.shared_options  # (every parser of --shared: add_shared_options)
     if not text:
         return {}
     try:
@@ -85,7 +85,7 @@ def on_share(args: argparse.Namespace, command: str, print_json: Callable[[Any],
     """Run ``command`` (``stats`` or ``gc``) on ``--shared URL`` if given and say so;
     False without ``--shared`` (the command then needs ``--cache``: a ConfigError if
     missing for ``stats``; ``gc`` checks its own)."""
-    if getattr(args, "shared", None) is None:
+    if args.shared is None:
         if command == "stats" and args.cache is None:
             raise ConfigError("stats needs --cache ROOT or --shared URL")
         return False

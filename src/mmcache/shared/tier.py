@@ -533,10 +533,17 @@ class SharedTier(Store):
         """Hide the entries created before ``before`` from this handle; how many."""
         self._here()
         self._ensure()
-        old = []
+        old: list[bytes] = []
+        # A key written again since its committed copy (a newer row in an open pack)
+        # stays: only its older copy goes, and it is not counted as expired.
+        fresh: set[bytes] = set()
         if self._writer is not None:
             for pack in self._writer.pending():
-                old += [k for k, row in pack.rows.items() if row[3] < before]
+                for k, row in pack.rows.items():
+                    if row[3] < before:
+                        old.append(k)
+                    else:
+                        fresh.add(k)
         for key in old:
             self._hide(key, "expired")
         with self._lock:
@@ -544,8 +551,9 @@ class SharedTier(Store):
             stale = np.flatnonzero(~rows.hidden & (rows.ctime < before))
             stale_keys = {rows.key(int(r)) for r in stale}
             rows.hidden[stale] = True
-            self._expired += len(stale_keys - set(old))
-        return len(set(old) | stale_keys)
+            gone = (set(old) | stale_keys) - fresh
+            self._expired += len(gone - set(old))
+        return len(gone)
 
     def close(self) -> None:
         """Commit this process's open pack and release the threads (idempotent)."""

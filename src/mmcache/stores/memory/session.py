@@ -213,7 +213,7 @@ class Session:
                     lock.close()
                 raise
             finally:
-                if getattr(self, "lock", None) is not lock:
+                if self.__dict__.get("lock") is not lock:  # set once attached (see unmap)
                     lock.close()
         else:  # pragma: no cover - needs ten unlinks racing one open
             raise CacheError(f"memory store {self.name!r} keeps being removed while opening")
@@ -475,22 +475,23 @@ class Session:
         self._repair(self, reason)
 
     def unmap(self) -> None:
-        """Drop every mapping of this process (views first, so the mmaps can close)."""
-        slabs = getattr(self, "slabs", None)
+        """Drop every mapping of this process (views first, so the mmaps can close).
+
+        The mappings are attributes while attached and absent before and after (an
+        attach may fail half way): each is taken out of the instance's dict, if there."""
+        mapped = self.__dict__
+        slabs = mapped.pop("slabs", None)
         if slabs is not None:
-            del self.slabs
             slabs.close()
-        table = getattr(self, "table", None)
+        table = mapped.pop("table", None)
         if table is not None:
             table.release()
             index = table.index
-            del self.table, table
+            del table
             index.close()
-        if hasattr(self, "procs"):
-            del self.procs
-        meta = getattr(self, "meta", None)
+        mapped.pop("procs", None)
+        meta = mapped.pop("meta", None)
         if meta is not None:
-            del self.meta
             meta.close()
 
     def _warn_if_shm_small(self, capacity: int) -> None:
@@ -582,7 +583,7 @@ class Session:
         # after the module's globals were cleared (``sys`` is None by then), and a
         # store left open by a plain script is common ("Exception ignored in
         # Session.__del__" was printed at every such exit).
-        if getattr(self, "closed", True) or _finalizing():
+        if self.__dict__.get("closed", True) or _finalizing():  # (an __init__ that failed)
             return
         self.closed = True
         try:
