@@ -183,6 +183,22 @@ class Mapped:
         out: npt.NDArray[Any] = np.frombuffer(self._mm, dtype=dtype, count=count, offset=offset)
         return out
 
+    def offsets(self, name: str, rows: int, data: int) -> npt.NDArray[np.int64]:
+        """The ``int64`` offsets column ``name``, checked to be ``rows + 1`` rising numbers
+        from 0 to ``data`` (the bytes of its string column): what keeps a damaged file
+        from slicing outside its buffer (ColumnFileError otherwise). The check reads every
+        page of the column through the mapping; they are then let go of (``MADV_DONTNEED``:
+        they stay in the page cache), so that this process holds only the pages it reads
+        later, not every offset of every column as memory of its own."""
+        off = self.array(name, "<i8")
+        check_offsets(off, rows, data, name)
+        _, offset, count = self._arrays[name]
+        page = mmap.PAGESIZE
+        start = offset // page * page
+        with contextlib.suppress(OSError, ValueError):  # advice only
+            self._mm.madvise(mmap.MADV_DONTNEED, start, offset + 8 * count - start)
+        return off
+
     def __reduce__(self) -> tuple[Any, ...]:
         return (_remap, (self.path, self.digest))
 

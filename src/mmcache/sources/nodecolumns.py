@@ -45,6 +45,7 @@ processes (and threads, each taking its own descriptor).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import json
 import logging
@@ -72,7 +73,7 @@ LAYOUT = 1
 STORED_FORMATS = frozenset({"jsonl", "llava"})
 _OFF = ("", "off", "none", "0")
 _RACY_NS = int(RACY_SECONDS * 1e9)
-_CHUNK = 1 << 22
+_CHUNK = 1 << 20
 
 
 def columns_dir() -> str | None:
@@ -105,15 +106,18 @@ def _identity(st: os.stat_result) -> dict[str, int]:
 
 
 def _digest(fd: int) -> str:
-    """xxh3-128 of the whole file behind ``fd`` (read with ``pread``: its offset is kept)."""
+    """xxh3-128 of the whole file behind ``fd``, read with ``preadv`` (its offset is kept)
+    into one buffer (a new bytes object per chunk would leave glibc's heap grown)."""
     hasher = xxhash.xxh3_128()
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
     pos = 0
     while True:
-        chunk = os.pread(fd, _CHUNK, pos)
-        if not chunk:
+        got = os.preadv(fd, [buf], pos)
+        if not got:
             return hasher.hexdigest()
-        hasher.update(chunk)
-        pos += len(chunk)
+        hasher.update(view[:got])
+        pos += got
 
 
 def _own_folder(folder: str) -> bool:
@@ -240,5 +244,21 @@ def _build(
     except OSError as exc:
         logger.warning("manifest columns: cannot write %s (%s); parsing in memory", path, exc)
         return records
-    # The mapped buffers stand in for the parsed ones, which go with this frame.
-    return _mapped(path, key, fd, st, source, warn=False) or records
+    found = _mapped(path, key, fd, st, source, warn=False)
+    if found is None:
+        return records
+    # The mapped buffers stand in for the parsed ones: drop those, and hand the parse's
+    # freed heap back to the system (glibc keeps it otherwise: ~200 B a record of a
+    # JSONL's dicts, strings and the id table, in the process that built the file).
+    del records
+    _trim_heap()
+    return found
+
+
+def _trim_heap() -> None:
+    """``malloc_trim(0)`` where the C library has it (glibc); nothing elsewhere."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)

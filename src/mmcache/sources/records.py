@@ -37,7 +37,7 @@ import numpy.typing as npt
 import xxhash
 
 from mmcache.errors import ManifestError
-from mmcache.sources.colfile import ColumnFileError, Mapped, check_offsets
+from mmcache.sources.colfile import ColumnFileError, Mapped
 from mmcache.sources.ids import IdColumn, duplicate_message
 
 #: An image reference that is a URL (``scheme://``, but not a Windows drive ``C:\\``).
@@ -564,9 +564,8 @@ class Records:
         def pair(name: str) -> tuple[_U8, _I64] | None:
             if name not in names:
                 return None
-            buf, off = mapped.array(name, "|u1"), mapped.array(name + "_off", "<i8")
-            check_offsets(off, n, int(buf.shape[0]), name)
-            return buf, off
+            buf = mapped.array(name, "|u1")
+            return buf, mapped.offsets(name + "_off", n, int(buf.shape[0]))
 
         ids, texts, images, paths = pair("ids"), pair("texts"), pair("images"), pair("paths")
         if ids is None or texts is None or images is None or paths is None:
