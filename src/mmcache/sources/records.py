@@ -85,9 +85,13 @@ class Records:
     :meth:`index_of` is built on first use in each process (two threads racing on
     the first call both build it; one copy wins; results are the same).
 
-    Pickling copies the column buffers (a few bytes per character plus 8 bytes
-    per row per column) and drops the :meth:`index_of` table, which a spawned
-    worker rebuilds only if it calls :meth:`index_of`.
+    Records read by :func:`~mmcache.sources.readers.read_manifest` usually map this
+    node's column file of the manifest (:mod:`mmcache.sources.nodecolumns`): their
+    buffers are the page cache's, shared by every process, and they pickle as the
+    file's path (a spawned worker maps it again). Other Records pickle their column
+    buffers (a few bytes per character plus 8 bytes per row per column). Either way
+    the :meth:`index_of` table is dropped, and rebuilt only where :meth:`index_of` is
+    called.
 
     Build one with :func:`~mmcache.sources.readers.read_manifest` (or a
     :class:`RecordsBuilder`); the constructor is internal.
