@@ -35,6 +35,11 @@ def counted(f, builder):
     calls[0] += 1
     real.read(f, builder)
 readers._READERS["jsonl"] = readers._Registered(counted, real.unit)
+if len(sys.argv) > 2:  # wait for the go, so that the children read at one moment
+    import os, time
+    print("ready", flush=True)
+    while not os.path.exists(sys.argv[2]):
+        time.sleep(0.005)
 records = readers.read_manifest(sys.argv[1])
 maps = open("/proc/self/maps").read()
 print(json.dumps({"parses": calls[0], "ids": [records.id(i) for i in range(3)],
@@ -100,6 +105,36 @@ def test_built_once_then_mapped_by_other_processes(
     assert again.content_digest() == first.content_digest()
     other = child(manifest)
     assert other == {"parses": 0, "ids": ["s000000", "s000001", "s000002"], "mapped": True}
+
+
+def test_ranks_starting_together_parse_it_once(tmp_path: Path, folder: Path) -> None:
+    """Processes that read a new manifest at one moment: one parses (under the build
+    lock), the others wait and map what it wrote."""
+    manifest = write_manifest(tmp_path / "m.jsonl", 50_000)
+    go = tmp_path / "go"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _CHILD, str(manifest), str(go)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for _ in range(3)
+    ]
+    try:
+        for proc in procs:  # every child imported and waiting
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        go.touch()
+        outs = [
+            json.loads(proc.communicate(timeout=120)[0].strip().splitlines()[-1]) for proc in procs
+        ]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert sum(int(out["parses"]) for out in outs) == 1, outs
+    assert all(out["mapped"] for out in outs)
 
 
 def test_workers_map_it_rather_than_copy(tmp_path: Path, folder: Path) -> None:
