@@ -257,6 +257,26 @@ def test_bad_column_file_is_refused_and_rebuilt(
     assert parses[0] == 0, "the rebuilt file was not mapped"
 
 
+def test_columns_of_deleted_manifests_are_swept(tmp_path: Path, folder: Path) -> None:
+    """A build removes the column files of manifests gone or changed since (bounded), so a
+    folder does not fill with the columns of temporary manifests; live ones are kept."""
+    gone = write_manifest(tmp_path / "gone.jsonl", 20)
+    live = write_manifest(tmp_path / "live.jsonl", 20)
+    mmcache.read_manifest(gone)
+    mmcache.read_manifest(live)
+    assert len(cols_files(folder)) == 2
+    gone.unlink()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    with pytest.raises(mmcache.ManifestError):
+        mmcache.read_manifest(bad)  # refused: its build leaves a lock file and no columns
+    assert len(list(folder.glob("*.cols.lock"))) == 3
+    mmcache.read_manifest(write_manifest(tmp_path / "new.jsonl", 20))  # a build sweeps
+    left = cols_files(folder)
+    assert len(left) == 2 and len(list(folder.glob("*.cols.lock"))) == 2
+    assert child(live)["parses"] == 0, "the live manifest's columns were swept"
+
+
 def test_heap_per_record_after_open_is_bounded(tmp_path: Path, folder: Path) -> None:
     """What a read leaves on this process's heap: nothing per record, whether it built
     the column file (first read) or mapped it (later). The parsed columns alone were

@@ -35,6 +35,10 @@ built again (:class:`~mmcache.sources.colfile.ColumnFileError`, one warning). An
 error writing it (a full disk) costs this process its heap, never a wrong record: the
 parsed records are used as they are.
 
+**Swept**: each build removes the column files of manifests deleted or changed since
+(:func:`sweep_columns`, at most :data:`SWEEP_BUDGET` files looked at), so a folder does
+not fill with the columns of temporary manifests.
+
 Only the built-in readers (``jsonl``, ``llava``) are stored: a registered reader's code
 may change between runs without anything here seeing it.
 
@@ -62,7 +66,15 @@ from mmcache.sources.colfile import ColumnFileError, map_columns, write_columns
 from mmcache.sources.identity import RACY_SECONDS
 from mmcache.sources.records import Records
 
-__all__ = ["LAYOUT", "STORED_FORMATS", "column_file", "columns_dir", "load_records"]
+__all__ = [
+    "LAYOUT",
+    "STORED_FORMATS",
+    "SWEEP_BUDGET",
+    "column_file",
+    "columns_dir",
+    "load_records",
+    "sweep_columns",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -244,6 +256,7 @@ def _build(
     except OSError as exc:
         logger.warning("manifest columns: cannot write %s (%s); parsing in memory", path, exc)
         return records
+    sweep_columns(os.path.dirname(path), keep=path)
     found = _mapped(path, key, fd, st, source, warn=False)
     if found is None:
         return records
@@ -262,3 +275,65 @@ def _trim_heap() -> None:
     except (OSError, AttributeError):
         return
     trim(0)
+
+
+#: Most other column files a build looks at for a manifest gone or changed.
+SWEEP_BUDGET = 64
+
+
+def sweep_columns(folder: str, *, keep: str = "", budget: int = SWEEP_BUDGET) -> int:
+    """Remove column files of manifests that are gone or changed since (and their lock
+    files), looking at no more than ``budget`` files besides ``keep``, and lock files left
+    without a column file: the number of files removed.
+
+    Called after each build, so that a folder does not fill with the columns of deleted
+    manifests (temporary ones, a dataset moved) while each build costs a bounded sweep:
+    a header read and a ``stat`` per file looked at. A file that cannot be read is left
+    (the next build of its name replaces it); a lock another process holds is left with
+    its file. A process that has the file mapped keeps its mapping."""
+    removed = 0
+    try:
+        names = {e.name for e in os.scandir(folder)}
+    except OSError:
+        return 0
+    # Lock files left by builds that wrote nothing (a manifest refused under "raise").
+    orphans = [n[: -len(".lock")] for n in names if n.endswith(".cols.lock")]
+    orphans = [n for n in orphans if n not in names]
+    files = [n for n in names if n.endswith(".cols")]
+    for name in orphans[:budget]:
+        removed += _remove_unlocked(os.path.join(folder, name))
+    for path in [os.path.join(folder, n) for n in files if n != os.path.basename(keep)][:budget]:
+        try:
+            meta = map_columns(path).meta
+            source = str(meta["key"][1])
+            recorded = meta["manifest"]
+        except (OSError, KeyError, IndexError, TypeError):
+            continue  # FileNotFoundError, ColumnFileError included: left alone
+        try:
+            now: dict[str, int] | None = _identity(os.stat(source))
+        except OSError:
+            now = None  # gone
+        if now == recorded:
+            continue
+        if _remove_unlocked(path):
+            removed += 1
+    return removed
+
+
+def _remove_unlocked(path: str) -> bool:
+    """Unlink ``path`` and its lock file while holding that lock (not waiting for it)."""
+    try:
+        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path + ".lock")
+    except OSError:  # held: a build of it is under way
+        return False
+    finally:
+        os.close(fd)
+    return True
