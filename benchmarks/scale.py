@@ -168,6 +168,7 @@ class Phase:
         self.tok = scale_data.tokenizer(self.work / "data")
         self.root = self.work / "roots" / f"{self.source}-{self.n}"
         self.ledger = self.work / "ident" / f"{self.source}-{self.n}"
+        self.columns = self.work / "columns" / f"{self.source}-{self.n}"
 
     def pipeline(self) -> Any:
         import mmcache as mc
@@ -224,6 +225,7 @@ class Phase:
             shutil.rmtree(self.root)
         shutil.rmtree(self.ledger, ignore_errors=True)
         self.ledger.mkdir(parents=True)
+        shutil.rmtree(self.columns, ignore_errors=True)  # a manifest's columns: built again
 
     def epoch(self, loader: Any, number: int) -> dict[str, Any]:
         loader.set_epoch(number)
@@ -266,8 +268,9 @@ class Phase:
 
     def first(self) -> dict[str, Any]:
         self.forget()
-        r: dict[str, Any] = {}
+        r: dict[str, Any] = {"memory_before": meminfo(os.getpid())}  # imports done, no source
         src, r["open_first"] = timed(self.open_source)
+        r["memory_open"] = meminfo(os.getpid())
         r["len"] = len(src)
         cache = self.cache()
         loader = self.loader(src, cache)
@@ -294,9 +297,10 @@ class Phase:
         return r
 
     def second(self) -> dict[str, Any]:
-        r: dict[str, Any] = {}
+        r: dict[str, Any] = {"memory_before": meminfo(os.getpid())}
         a = snap()
         src, r["open_later"] = timed(self.open_source)
+        r["memory_open"] = meminfo(os.getpid())
         cache = self.cache()
         loader = self.loader(src, cache)
         loader.set_epoch(4)
@@ -355,6 +359,7 @@ class Phase:
         firsts, laters = [], []
         for _ in range(self.args.repeat):
             shutil.rmtree(self.root / "wds-index", ignore_errors=True)
+            shutil.rmtree(self.columns, ignore_errors=True)
             src, t = timed(self.open_source)
             firsts.append(t)
             del src
@@ -373,6 +378,7 @@ class Phase:
 
 def run_phase(args: argparse.Namespace) -> None:
     os.environ["MMCACHE_IDENTITY_DIR"] = str(Path(args.work) / "ident" / f"{args.source}-{args.n}")
+    os.environ["MMCACHE_COLUMNS_DIR"] = str(Path(args.work) / "columns" / f"{args.source}-{args.n}")
     os.stat = _slow_stat  # off until _STAT_DELAY is set
     a = snap()
     import torch  # noqa: F401
@@ -486,6 +492,20 @@ def _new_heap(r: dict[str, Any]) -> str:
     return f"{mb(m['uss'])} / {mb(m['anonymous'])}"
 
 
+def _growth(phase: str, after: str, what: str) -> Any:
+    """A cell: how much the training process's ``what`` (``uss``, ``anonymous``) grew from
+    before the source was opened to ``after``, per sample (its private memory per record,
+    the imports' and the interpreter's left out)."""
+
+    def cell(r: dict[str, Any]) -> str:
+        before = r[phase]["memory_before"][what]
+        now = r[phase][after]  # meminfo, or memory(): the training process's under "main"
+        now = now["main"][what] if "main" in now else now[what]
+        return per(now - before, r["n"])
+
+    return cell
+
+
 def dig(r: dict[str, Any], path: str) -> Any:
     """``r["a"]["b"]`` of ``path`` ``"a.b"``."""
     for part in path.split("."):
@@ -524,6 +544,27 @@ RUN_ROWS: list[tuple[str, Any]] = [
     ("  one wrapped stat measured (ms)", lambda r: f"{1e3 * r['first']['stat_latency_s']:.2f}"),
     ("main USS / PSS / shared after warm (MB)", _main_mem),
     ("main USS after warm (B/sample)", per_of("first.memory_warm.main.uss")),
+    (
+        "main USS growth: open / after cold + 2 warm (B/sample)",
+        lambda r: (
+            f"{_growth('first', 'memory_open', 'uss')(r)}"
+            f" / {_growth('first', 'memory_warm', 'uss')(r)}"
+        ),
+    ),
+    (
+        "main heap growth: open / after cold + 2 warm (B/sample)",
+        lambda r: (
+            f"{_growth('first', 'memory_open', 'anonymous')(r)}"
+            f" / {_growth('first', 'memory_warm', 'anonymous')(r)}"
+        ),
+    ),
+    (
+        "new process: main USS / heap growth after its epoch (B/sample)",
+        lambda r: (
+            f"{_growth('second', 'memory_new_process', 'uss')(r)}"
+            f" / {_growth('second', 'memory_new_process', 'anonymous')(r)}"
+        ),
+    ),
     (
         "main heap (Anonymous) after warm (MB)",
         lambda r: mb(dig(r, "first.memory_warm.main.anonymous")),

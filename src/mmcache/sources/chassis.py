@@ -35,6 +35,7 @@ attributes (one thread per process calls :meth:`key_rows`).
 from __future__ import annotations
 
 import logging
+import mmap
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -72,7 +73,7 @@ class BaseSource(PipelineFields, torch.utils.data.Dataset[dict[str, Any] | None]
     on_error: OnError
     #: Attributes of one process: not pickled, rebuilt on first use (a subclass adds its
     #: own, e.g. open file handles: ``_per_process = (*BaseSource._per_process, "_fds")``).
-    _per_process: ClassVar[tuple[str, ...]] = ("_memo_keys", "_memo_stamp")
+    _per_process: ClassVar[tuple[str, ...]] = ("_memo_keys", "_memo_stamp", "_memo_have")
     #: Whether a key may be remembered under its stamp row (False: a stamp row that is
     #: equal does not mean equal bytes, so every key is computed again).
     _memoise_keys: bool = True
@@ -84,6 +85,7 @@ class BaseSource(PipelineFields, torch.utils.data.Dataset[dict[str, Any] | None]
         self._ids = ids
         self._memo_keys: npt.NDArray[np.uint8] | None = None
         self._memo_stamp: npt.NDArray[np.int64] | None = None
+        self._memo_have: npt.NDArray[np.bool_] | None = None
         self._rejects = RejectLog()
         #: Samples left out when the source was opened (under ``on_error="skip"``).
         self.open_rejects: list[Reject] = []
@@ -159,13 +161,18 @@ class BaseSource(PipelineFields, torch.utils.data.Dataset[dict[str, Any] | None]
         idx = self._checked(indices)
         if stamps is None:
             stamps = self.stamps(idx)
-        if self._memo_keys is None or self._memo_stamp is None:
+        if self._memo_keys is None or self._memo_stamp is None or self._memo_have is None:
+            # Zero pages mapped on demand (a page is memory of this process only once a
+            # row of it is written), the rows remembered marked in _memo_have: a process
+            # that keys a few batches holds a few pages, not 49 bytes for every sample.
             n = self._ids.n
-            self._memo_keys = np.zeros((n, 16), dtype=np.uint8)
-            self._memo_stamp = np.full((n, stamps.shape[1]), -1, dtype=np.int64)
-        memo_keys, memo_stamp = self._memo_keys, self._memo_stamp
+            self._memo_keys = _lazy_zeros((n, 16), np.uint8)
+            self._memo_stamp = _lazy_zeros((n, stamps.shape[1]), np.int64)
+            self._memo_have = _lazy_zeros((n,), np.bool_)
+        memo_keys, memo_stamp, memo_have = self._memo_keys, self._memo_stamp, self._memo_have
         if self._memoise_keys:
-            stale = np.flatnonzero((stamps != memo_stamp[idx]).any(axis=1))
+            changed = (stamps != memo_stamp[idx]).any(axis=1)
+            stale = np.flatnonzero(changed | ~memo_have[idx])
         else:
             stale = np.arange(idx.shape[0])
         if stale.size:
@@ -181,15 +188,16 @@ class BaseSource(PipelineFields, torch.utils.data.Dataset[dict[str, Any] | None]
                 for sid, text, i in zip(self._ids.ids(redo), texts, redo.tolist(), strict=True)
             ]
             memo_keys[redo] = np.frombuffer(b"".join(made), dtype=np.uint8).reshape(-1, 16)
-            kept = stamps[stale].copy()
+            memo_stamp[redo] = stamps[stale]
+            # A row without a stamp (-2: missing) is never memoised, nor any under
+            # content_stamp=True, nor one whose files changed too recently for their stamp
+            # to vouch for the key (a rewrite could still keep it: the ledger's racy rule).
+            have = (stamps[stale, 0] != -2) & self._memoise_keys
             if self._memoise_keys:
-                kept[kept[:, 0] == -2] = -1  # missing: not memoised
-                young = self._unsettled(redo, kept, taken)
-                if young is not None:  # a rewrite could still keep the stamp: not yet
-                    kept[young] = -1
-            else:
-                kept[:] = -1
-            memo_stamp[redo] = kept
+                young = self._unsettled(redo, stamps[stale], taken)
+                if young is not None:
+                    have &= ~young
+            memo_have[redo] = have
         rows: np.ndarray = memo_keys[idx]
         return rows
 
@@ -242,3 +250,15 @@ class BaseSource(PipelineFields, torch.utils.data.Dataset[dict[str, Any] | None]
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+
+
+def _lazy_zeros(shape: tuple[int, ...], dtype: type[np.generic]) -> npt.NDArray[Any]:
+    """A zeroed, writable array of private anonymous memory whose pages are made on first
+    write. (``np.zeros`` is ``calloc``, which clears memory it reuses from the heap page by
+    page: resident at once, after a process freed large buffers as a parse does.)
+    Private: a forked child gets a copy-on-write view, never the parent's later writes."""
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    if not size:
+        return np.zeros(shape, dtype=dtype)
+    pages = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return np.frombuffer(pages, dtype=dtype).reshape(shape)

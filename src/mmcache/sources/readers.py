@@ -37,6 +37,7 @@ from typing import Any, BinaryIO, Literal
 
 from mmcache.errors import ConfigError, ManifestError
 from mmcache.rootfiles import open_regular
+from mmcache.sources.nodecolumns import load_records
 from mmcache.sources.records import Records, RecordsBuilder
 from mmcache.transforms.video import FRAME_LIST_KEYS, PART_KEYS
 
@@ -650,15 +651,27 @@ def read_manifest(
     source = os.fspath(path)
     if not isinstance(source, str):
         raise ConfigError(f"path must be a str or os.PathLike[str], got {source!r}")
+    root = None if image_root is None else os.fspath(image_root)
+    base_dir = (
+        os.path.abspath(root) if root is not None else os.path.dirname(os.path.abspath(source))
+    )
     try:
-        fd, _ = open_regular(source)  # never blocks on a FIFO; refuses /dev/zero
+        fd, st = open_regular(source)  # never blocks on a FIFO; refuses /dev/zero
         with open(fd, "rb", closefd=True) as f:
             kind = _sniff(f) if format == "auto" else format
             reader = _READERS[kind]
-            builder = RecordsBuilder(source, on_error, reader.unit)
-            reader.read(f, builder)
+
+            def parse() -> Records:
+                f.seek(0)
+                builder = RecordsBuilder(source, on_error, reader.unit)
+                reader.read(f, builder)
+                return builder.finish(kind, image_root=root)
+
+            # Mapped from this node's column file when it holds this manifest as it is.
+            return load_records(
+                source, fd, st, fmt=kind, on_error=on_error, base_dir=base_dir, parse=parse
+            )
     except FileNotFoundError as exc:
         raise ManifestError("file not found", path=source) from exc
     except OSError as exc:
         raise ManifestError(f"cannot read the file: {exc.strerror or exc}", path=source) from exc
-    return builder.finish(kind, image_root=None if image_root is None else os.fspath(image_root))

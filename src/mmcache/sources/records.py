@@ -37,6 +37,7 @@ import numpy.typing as npt
 import xxhash
 
 from mmcache.errors import ManifestError
+from mmcache.sources.colfile import ColumnFileError, Mapped
 from mmcache.sources.ids import IdColumn, duplicate_message
 
 #: An image reference that is a URL (``scheme://``, but not a Windows drive ``C:\\``).
@@ -84,9 +85,13 @@ class Records:
     :meth:`index_of` is built on first use in each process (two threads racing on
     the first call both build it; one copy wins; results are the same).
 
-    Pickling copies the column buffers (a few bytes per character plus 8 bytes
-    per row per column) and drops the :meth:`index_of` table, which a spawned
-    worker rebuilds only if it calls :meth:`index_of`.
+    Records read by :func:`~mmcache.sources.readers.read_manifest` usually map this
+    node's column file of the manifest (:mod:`mmcache.sources.nodecolumns`): their
+    buffers are the page cache's, shared by every process, and they pickle as the
+    file's path (a spawned worker maps it again). Other Records pickle their column
+    buffers (a few bytes per character plus 8 bytes per row per column). Either way
+    the :meth:`index_of` table is dropped, and rebuilt only where :meth:`index_of` is
+    called.
 
     Build one with :func:`~mmcache.sources.readers.read_manifest` (or a
     :class:`RecordsBuilder`); the constructor is internal.
@@ -114,6 +119,8 @@ class Records:
         chats: tuple[_U8, _I64] | None = None,
         videos: tuple[_U8, _I64] | None = None,
         video_dir: str | None = None,
+        paths: tuple[_U8, _I64] | None = None,
+        mapped: Mapped | None = None,
     ) -> None:
         self.source = source
         self.format = format
@@ -140,9 +147,15 @@ class Records:
         self._videos = videos
         # (sorted xxh3_64 hashes of the ids, row of each); built by index_of.
         self._index: tuple[npt.NDArray[np.uint64], _I64] | None = None
-        # The absolute paths of image_path, encoded, as one buffer + offsets; built by
-        # stat_paths (the per-epoch file check) on first use, in each process.
-        self._paths: tuple[_U8, _I64] | None = None
+        # The absolute paths of image_path, encoded, as one buffer + offsets: read from
+        # the node's column file (mapped), or built by stat_paths (the per-epoch file
+        # check) on first use, in each process.
+        # (Two attributes, not a pair: no container is held beside the arrays.)
+        self._path_buf: _U8 | None = None if paths is None else paths[0]
+        self._path_off: _I64 | None = None if paths is None else paths[1]
+        # The column file every buffer above maps (None: they are this process's own);
+        # pickled as its path, so a spawned worker maps the file instead of copying.
+        self._mapped = mapped
 
     # -- rows ---------------------------------------------------------------
 
@@ -206,13 +219,7 @@ class Records:
         per-row Python objects) and sliced afterwards: joining and normalising a
         path costs more than the ``stat`` itself (measured ~5 us against ~3 us).
         """
-        if self._paths is None:
-            col = _Column()
-            for i in range(self._n):
-                path = self.image_path(i)
-                col.append(b"" if path is None else os.fsencode(path))
-            self._paths = col.build()
-        buf, off = self._paths
+        buf, off = self._path_table()
         view, has = buf.data, self._has_image
         starts = off[rows].tolist()
         stops = off[rows + 1].tolist()
@@ -220,6 +227,36 @@ class Records:
             bytes(view[a:b]) if has[r] else None
             for r, a, b in zip(np.asarray(rows).tolist(), starts, stops, strict=True)
         ]
+
+    def _path_table(self) -> tuple[_U8, _I64]:
+        """The joined paths of :meth:`stat_paths`, built on first use in this process
+        unless the column file holds them."""
+        if self._path_buf is None or self._path_off is None:
+            self._path_buf, self._path_off = self._joined_paths()
+        return self._path_buf, self._path_off
+
+    def _joined_paths(self) -> tuple[_U8, _I64]:
+        """The table behind :meth:`stat_paths`: each row's :meth:`image_path`, encoded
+        (``b""`` for a text-only row). A plain relative reference (no ``.``, ``..`` or
+        empty component, no trailing ``/``) is the folder's bytes, ``/`` and its own:
+        what ``normpath(join(...))`` gives it, at a fifth of the cost; any other goes
+        through :meth:`image_path`."""
+        base = os.fsencode(self._base_dir)
+        prefix = base if base.endswith(b"/") else base + b"/"
+        data = self._image_buf.tobytes()
+        ends = self._image_off.tolist()
+        has = self._has_image.tolist()
+        col = _Column()
+        for i in range(self._n):
+            if not has[i]:
+                col.append(b"")
+                continue
+            ref = data[ends[i] : ends[i + 1]].split(b"\x00", 1)[0]
+            if _plain(ref):
+                col.append(prefix + ref)
+            else:
+                col.append(os.fsencode(self.image_path(i) or ""))
+        return col.build()
 
     def image_paths(self, i: int) -> list[str]:
         """Return every image of row ``i`` as absolute paths (see :meth:`image_path`), in
@@ -489,14 +526,137 @@ class Records:
             f"len={self._n}, rejects={len(self.rejects)})"
         )
 
+    # -- the column file -----------------------------------------------------------------
+
+    def column_arrays(self) -> dict[str, npt.NDArray[Any]]:
+        """Every column as named arrays, the joined paths of :meth:`stat_paths` included:
+        what a column file holds (:meth:`from_mapped` reads them back)."""
+        pairs = {
+            "ids": (self._id_buf, self._id_off),
+            "texts": (self._text_buf, self._text_off),
+            "images": (self._image_buf, self._image_off),
+            "paths": self._path_table(),
+            "chats": self._chats,
+            "videos": self._videos,
+        }
+        out: dict[str, npt.NDArray[Any]] = {}
+        for name, pair in pairs.items():
+            if pair is not None:
+                out[name], out[name + "_off"] = pair
+        out["has_image"], out["lines"] = self._has_image, self._lines
+        return out
+
+    def column_meta(self) -> dict[str, Any]:
+        """What a column file's header holds besides the arrays (JSON-able)."""
+        return {
+            "n": self._n,
+            "format": self.format,
+            "base_dir": self._base_dir,
+            "rejects": [[r.line, r.sample_id, r.reason] for r in self.rejects],
+        }
+
+    @classmethod
+    def from_mapped(cls, mapped: Mapped, source: str, *, warn: bool = True) -> Records:
+        """The records of a column file (written from :meth:`column_arrays` and
+        :meth:`column_meta`), over its mapping: no row is copied. Raises
+        :class:`~mmcache.sources.colfile.ColumnFileError` when a column is missing or its
+        offsets do not fit its bytes (a damaged or foreign file)."""
+        meta = mapped.meta
+        try:
+            n, fmt, base = int(meta["n"]), str(meta["format"]), str(meta["base_dir"])
+            rejects = [
+                RecordReject(source, line, sid, str(why)) for line, sid, why in meta["rejects"]
+            ]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ColumnFileError(f"column file {mapped.path}: malformed header ({exc})") from exc
+        names = set(mapped.names())
+
+        def pair(name: str) -> tuple[_U8, _I64] | None:
+            if name not in names:
+                return None
+            buf = mapped.array(name, "|u1")
+            return buf, mapped.offsets(name + "_off", n, int(buf.shape[0]))
+
+        ids, texts, images, paths = pair("ids"), pair("texts"), pair("images"), pair("paths")
+        if ids is None or texts is None or images is None or paths is None:
+            raise ColumnFileError(f"column file {mapped.path} lacks a column of records")
+        has_image, lines = mapped.array("has_image", "|b1"), mapped.array("lines", "<i8")
+        if has_image.shape[0] != n or lines.shape[0] != n:
+            raise ColumnFileError(f"column file {mapped.path}: columns of other lengths than {n}")
+        if rejects and warn:  # as the parse that built the file warned
+            _log.warning(
+                "%s: skipped %d of %d records (first: %s); see Records.rejects",
+                source,
+                len(rejects),
+                len(rejects) + n,
+                rejects[0],
+            )
+        return cls(
+            source=source,
+            format=fmt,
+            base_dir=base,
+            ids=ids,
+            texts=texts,
+            images=images,
+            has_image=has_image,
+            lines=lines,
+            rejects=rejects,
+            chats=pair("chats"),
+            videos=pair("videos"),
+            paths=paths,
+            mapped=mapped,
+        )
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_index"] = None  # cheap to rebuild, doubles the pickle otherwise
-        state["_paths"] = None
+        if self._mapped is None:
+            state["_path_buf"] = state["_path_off"] = None
+            return state
+        # Mapped: the file travels as its path and the other process maps it again.
+        for attr in _MAPPED_ATTRS:
+            state[attr] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        if self._mapped is not None:
+            again = Records.from_mapped(self._mapped, self.source, warn=False)
+            for attr in _MAPPED_ATTRS:
+                setattr(self, attr, getattr(again, attr))
+
+
+#: What makes a relative reference other than plain (see Records._joined_paths).
+_NOT_PLAIN = (b"//", b"/./", b"/../")
+
+
+def _plain(ref: bytes) -> bool:
+    """Whether ``normpath(join(folder, ref))`` is ``folder + "/" + ref`` for a normalised
+    absolute folder: a relative reference with no empty, ``.`` or ``..`` component and
+    no ``scheme://`` (a URL is kept as it is)."""
+    if not ref or ref[0] == 0x2F or ref in (b".", b".."):  # 0x2F: "/"
+        return False
+    if ref.startswith((b"./", b"../")) or ref.endswith((b"/", b"/.", b"/..")):
+        return False
+    return not any(part in ref for part in _NOT_PLAIN) and b"://" not in ref
+
+
+#: What a mapped Records holds of its file (dropped when pickled, mapped again after).
+_MAPPED_ATTRS = (
+    "_id_buf",
+    "_id_off",
+    "_id_col",
+    "_text_buf",
+    "_text_off",
+    "_image_buf",
+    "_image_off",
+    "_has_image",
+    "_lines",
+    "_chats",
+    "_videos",
+    "_path_buf",
+    "_path_off",
+)
 
 
 def _field(buf: _U8, offsets: _I64, i: int) -> str:
