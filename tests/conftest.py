@@ -7,6 +7,7 @@ import glob
 import os
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -15,6 +16,14 @@ import pytest
 # Tokenizers starts a thread pool on first batch use; forked DataLoader workers
 # then warn. The library only encodes single strings, but be explicit in tests.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Manifests' column files (mmcache.sources.nodecolumns) of this test session go to a folder
+# of its own, removed at its end (pytest_sessionfinish), not to the user's ~/.cache (child
+# processes inherit it).
+_COLUMNS = None
+if "MMCACHE_COLUMNS_DIR" not in os.environ:
+    _COLUMNS = tempfile.mkdtemp(prefix="mmcache-test-columns-")
+    os.environ["MMCACHE_COLUMNS_DIR"] = _COLUMNS
 
 
 @pytest.fixture(scope="session")
@@ -158,6 +167,8 @@ def _leaked_stores(base: Path) -> dict[str, str]:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _COLUMNS is not None:
+        shutil.rmtree(_COLUMNS, ignore_errors=True)
     base = session.config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
     leaked = _leaked_stores(base)
     session.config._mmcache_shm_leaks = leaked  # type: ignore[attr-defined]

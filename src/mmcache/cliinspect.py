@@ -56,10 +56,11 @@ def add_inspect_parser(sub: Any, pipeline_for: Callable[[argparse.Namespace], An
 
 
 def inspect_path(path: str, pipeline: Any, options: dict[str, Any]) -> dict[str, Any]:
-    """:func:`_inspect`, with the identity ledger kept in memory (nothing written)."""
-    from mmcache.sources import identity
+    """:func:`_inspect`, with the identity ledger kept in memory and the manifest parsed in
+    memory (nothing written)."""
+    from mmcache.sources import identity, nodecolumns
 
-    with identity.memory_only():
+    with identity.memory_only(), nodecolumns.memory_only():
         return _inspect(path, pipeline, options)
 
 

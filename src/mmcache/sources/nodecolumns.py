@@ -88,9 +88,28 @@ _RACY_NS = int(RACY_SECONDS * 1e9)
 _CHUNK = 1 << 20
 
 
+#: Open :func:`memory_only` blocks of this process (a command that must write nothing).
+_MEMORY_ONLY = [0]
+
+
+@contextlib.contextmanager
+def memory_only() -> Iterator[None]:
+    """Within the block, manifests are parsed in memory: no column file is read, built or
+    swept (what ``mmcache inspect`` needs to write nothing). Process-wide while it lasts;
+    for commands, not for threads of a training job."""
+    _MEMORY_ONLY[0] += 1
+    try:
+        yield
+    finally:
+        _MEMORY_ONLY[0] -= 1
+
+
 def columns_dir() -> str | None:
     """The folder of this user's column files (``$MMCACHE_COLUMNS_DIR``, default
-    ``$XDG_CACHE_HOME/mmcache/columns``), or None when it is ``off``."""
+    ``$XDG_CACHE_HOME/mmcache/columns``), or None when it is ``off`` or within
+    :func:`memory_only`."""
+    if _MEMORY_ONLY[0]:
+        return None
     where = os.environ.get("MMCACHE_COLUMNS_DIR")
     if where is not None and where.strip().lower() in _OFF:
         return None
