@@ -22,6 +22,7 @@ writer's, and a reservation whose writer died is reclaimed
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import struct
@@ -196,9 +197,14 @@ def split_key(key: bytes) -> tuple[int, int]:
 #: Above this many published entries a policy decides on a random sample of about this
 #: many residents (:meth:`EntryTable.residents`): O(sample) per decision, not O(entries).
 POLICY_SAMPLE = 1 << 10
-#: The sample's random rows (not a secret, nor a decision that must repeat: the victims
-#: are validated under the lock whoever proposed them).
-_SAMPLER = np.random.default_rng()
+
+
+@functools.cache
+def _sampler() -> np.random.Generator:
+    """The sample's random rows (not a secret, nor a decision that must repeat: the victims
+    are validated under the lock whoever proposed them). Made on first use: importing the
+    store must not import ``numpy.random`` (the stat prefetcher imports it before it forks)."""
+    return np.random.default_rng()
 
 
 class EntryTable:
@@ -339,7 +345,7 @@ class EntryTable:
         sample = POLICY_SAMPLE if sample is None else sample
         rows: npt.NDArray[np.int64] | None = None
         if self.items() > sample:
-            picks = np.unique(_SAMPLER.integers(0, self.high_water(), size=2 * sample))
+            picks = np.unique(_sampler().integers(0, self.high_water(), size=2 * sample))
             rows = picks[self.state[picks] == EntryState.READY]
             if old >= 0:
                 rows = rows[rows != old]
