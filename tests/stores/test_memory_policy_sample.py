@@ -4,7 +4,8 @@ A store at its budget decides for every newcomer; the policy was given every pub
 entry (six gathered columns), which cost 0.08 s of CPU per put at 10^6 entries and
 5.5 s at 2^25 (the index-cap study), so a cold epoch of a dataset larger than the
 budget cost O(entries) per miss. Above ``POLICY_SAMPLE`` entries the policy now sees a
-random sample of about that many; ``keep`` (never evicts) sees none.
+random sample of about that many; ``keep`` (never evicts) sees none. (Below
+``EXACT_BELOW`` entries, 2^16, every resident is seen: the policies' exact orders.)
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class Spy(LRUPolicy):
 @pytest.fixture
 def small_sample(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(table_mod, "POLICY_SAMPLE", SAMPLE, raising=False)
+    monkeypatch.setattr(table_mod, "EXACT_BELOW", SAMPLE, raising=False)
 
 
 @pytest.fixture
