@@ -57,7 +57,7 @@ from mmcache.errors import ConfigError
 from mmcache.sources import chat as _chat
 from mmcache.sources import identity
 from mmcache.sources.base import OnError, SampleSource, StampKind, check_on_error
-from mmcache.sources.blobs.local import LocalFiles, fold_stamps
+from mmcache.sources.blobs.local import LocalFiles
 from mmcache.sources.blobs.objectfiles import ObjectFiles
 from mmcache.sources.blobs.objects import Offline, Remote, is_remote
 from mmcache.sources.blobs.raw import RawTier
@@ -65,7 +65,7 @@ from mmcache.sources.blobs.retry import RetryPolicy
 from mmcache.sources.blobs.state import SharedStamps, private_dir
 from mmcache.sources.bytesproc import byte_limit, process_bytes
 from mmcache.sources.chassis import BaseSource
-from mmcache.sources.freshness import FileChecks, Freshness, check_freshness, stat_rows
+from mmcache.sources.freshness import FileChecks, Freshness, check_freshness
 from mmcache.sources.readers import read_manifest
 from mmcache.sources.records import Records
 from mmcache.sources.rejects import Reject
@@ -297,17 +297,13 @@ class FileSource(BaseSource):
 
     def _take_stamps(self, idx: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         """:meth:`stamps` of local files ``idx``, each file ``stat``-ed now."""
-        stamps = stat_rows(self.records.stat_paths(idx))
+        blobs = self.blobs
+        assert isinstance(blobs, LocalFiles)  # objects never come here (see stamps)
+        stamps = blobs.stamps(self.records.stat_paths(idx))
         if self._chat is not None:  # a multi-file sample: all its files in one row
-            multi = np.flatnonzero(self._multi_files()[idx]).tolist()
-            media = [self._media(int(idx[j])) for j in multi]
-            # Every file of the batch's multi-file samples in one call (on threads when
-            # the file system is slow), then folded into one row per sample.
-            fields = stat_rows([os.fsencode(p) for files in media for p in files])
-            at = 0
-            for j, files in zip(multi, media, strict=True):
-                stamps[j] = fold_stamps(fields[at : at + len(files)])
-                at += len(files)
+            multi = np.flatnonzero(self._multi_files()[idx])
+            if multi.size:
+                stamps[multi] = blobs.group_stamps([self._media(int(i)) for i in idx[multi]])
         return stamps
 
     def _unsettled(

@@ -78,7 +78,19 @@ class LocalFiles:
     def group_stamp(self, refs: Sequence[str]) -> npt.NDArray[np.int64]:
         """``int64 [4]`` standing for the ``stat`` of every file in ``refs`` (two or more):
         :func:`fold_stamps` of their stamps."""
-        return fold_stamps(self.stamps(refs))
+        row: npt.NDArray[np.int64] = self.group_stamps([refs])[0]
+        return row
+
+    def group_stamps(self, groups: Sequence[Sequence[str]]) -> npt.NDArray[np.int64]:
+        """:meth:`group_stamp` of each group as ``int64 [n, 4]``, every file of every group
+        ``stat``-ed in one call (a batch's multi-file samples: on threads when slow)."""
+        fields = self.stamps([ref for refs in groups for ref in refs])
+        out = np.empty((len(groups), 4), dtype=np.int64)
+        at = 0
+        for j, refs in enumerate(groups):
+            out[j] = fold_stamps(fields[at : at + len(refs)])
+            at += len(refs)
+        return out
 
     def group_identity(self, refs: Sequence[str]) -> str:
         """The identity of a sample made of ``refs``: ``"none"`` for none, the file's own
