@@ -10,7 +10,13 @@ if there is one). A sample then reads only its row group's image, text and id
 column chunks (``ParquetFile.read_row_group``, memory-mapped for local files),
 never the whole file; decoded row groups are kept per process up to
 ``row_group_memory`` bytes (LRU), so rows read in file order, shuffled within a
-group, or shuffled over data smaller than that decode each group once.
+group, or shuffled over data smaller than that decode each group once. Under a
+shuffle over more data than that, the loader tells each producing process the
+samples it produces next (:meth:`ParquetSource.foresee`, the ``ForeseesReads``
+capability): a group read then keeps, within the same budget, the rows of that
+group still to come, the one needed last evicted first
+(:class:`~mmcache.sources.foresight.Foresight`), so a cold epoch reads each group
+about ``data / row_group_memory`` times instead of once per row.
 
 Stamps (``StampKind.FILE`` for local files): each row's stamp is its file's
 ``stat`` (:data:`mmcache.keys.STAT_FIELDS`) and its key adds the row's place in
@@ -64,6 +70,7 @@ from mmcache.sources.blobs.state import SharedStamps
 from mmcache.sources.blobs.tables import GONE, TableFiles, file_stamp
 from mmcache.sources.bytesproc import byte_limit
 from mmcache.sources.cells import check_image_type, image_cell
+from mmcache.sources.foresight import Foresight
 from mmcache.sources.rejects import Reject
 from mmcache.sources.rows import IdColumn, RowSource, check_columns, path_column
 from mmcache.transforms.pipeline import StagedProcessor
@@ -77,6 +84,9 @@ _DEFAULT_COLUMNS: dict[str, str | None] = {"id": None, "image": "image", "text":
 _GLOB_CHARS = frozenset("*?[")
 #: Files a process keeps open for reading rows (least recently read closed first).
 _OPEN_FILES = 32
+#: Bytes a kept row costs beyond its share of the taken rows' buffers (its tuple, its
+#: entries in the foresight's dict and heaps): what the budget counts it at.
+_KEPT_OVERHEAD = 200
 
 
 def _pyarrow() -> Any:
@@ -162,11 +172,14 @@ class ParquetSource(RowSource):
             is served and each later one left out and listed in :meth:`rejects`.
         storage_options: the object store's options for URLs (credentials, endpoint:
             :class:`~mmcache.sources.blobs.objects.Remote`).
-        row_group_memory: bytes of decoded row groups kept per process (an int or
-            ``"128MiB"``; at least the last group read is kept, whatever its size):
-            rows read in file order or shuffled within a group decode their group
-            once; a global shuffle over files larger than this decodes a group for
-            most rows of a cold epoch (see README's figures).
+        row_group_memory: bytes of decoded row groups, and of rows kept for their
+            turn, per process (an int or ``"128MiB"``; at least the last group read is
+            kept, whatever its size): rows read in file order or shuffled within a
+            group decode their group once; under a global shuffle over files larger
+            than this, the loader's producing processes keep the rows they were told
+            come next, so a group is read about ``data / row_group_memory`` times an
+            epoch (without that foresight, e.g. ``ds[i]`` in a torch DataLoader, a
+            group for most rows).
 
     A source of remote files has :attr:`remote` (their store, under mmcache's retry
     policy), :attr:`raw` (``None``: rows are read through pyarrow, not fetched ahead) and
@@ -182,6 +195,8 @@ class ParquetSource(RowSource):
     shared_stamps: SharedStamps
     #: Rows are read by pyarrow, never fetched ahead: a prefetcher only revalidates.
     fetches_ahead = False
+    #: Row groups this process has read (decoded), for tests and benchmarks.
+    group_reads = 0
 
     def __init__(
         self,
@@ -210,6 +225,9 @@ class ParquetSource(RowSource):
         self._refs: dict[int, tuple[tuple[int, ...] | None, list[str | None] | None]] = {}
         self._groups: OrderedDict[tuple[int, int, tuple[int, ...]], Any] = OrderedDict()
         self._group_bytes = 0
+        # The rows this process produces next and the rows kept for them (the loader's
+        # foresight, sharing row_group_memory with the groups above).
+        self._foresight = Foresight(self.row_group_memory)
         self._lock = threading.Lock()
         rejects: list[Reject] = []
         files, stamps, versions, counts, id_parts = [], [], [], [], []
@@ -469,7 +487,22 @@ class ParquetSource(RowSource):
             self._readers.popitem(last=False)[1].close()
         return reader
 
+    # -- the rows this process produces next ----------------------------------------
+    def foresee(self, indices: Sequence[int] | np.ndarray) -> None:
+        """The samples this process produces next, in order (``ForeseesReads``): a row
+        group read from now on keeps its rows still to come (see the module docstring)."""
+        rows = self.rows(self._checked(indices))
+        with self._lock:
+            self._foresight.foresee(rows)
+
+    def reached(self, position: int) -> None:
+        """Production has got to ``position`` of the samples foreseen."""
+        with self._lock:
+            self._foresight.reached(position)
+
     def _group(self, f: int, reader: _Reader, g: int) -> Any:
+        """Row group ``g`` of file ``f``, decoded (from the LRU, else read: then its rows
+        foreseen are kept for their turn). Caller holds the lock."""
         key = (f, g, reader.stamp)
         table = self._groups.get(key)
         if table is not None:
@@ -477,11 +510,35 @@ class ParquetSource(RowSource):
             return table
         wanted = [c for c in (self.columns["image"], self.columns["text"], self.columns["id"]) if c]
         table = reader.pf.read_row_group(g, columns=list(dict.fromkeys(wanted)))
+        self.group_reads += 1
+        if self._foresight.active:
+            self._keep_foreseen(f, reader, g, table)
         self._groups[key] = table
         self._group_bytes += table.nbytes
-        while len(self._groups) > 1 and self._group_bytes > self.row_group_memory:
+        # The rows kept for their turn come first: the groups get what they leave.
+        room = self.row_group_memory - self._foresight.nbytes
+        while len(self._groups) > 1 and self._group_bytes > room:
             self._group_bytes -= self._groups.popitem(last=False)[1].nbytes
         return table
+
+    def _keep_foreseen(self, f: int, reader: _Reader, g: int, table: Any) -> None:
+        """Keep the rows of a group just read that this process produces later: copied
+        out of it (``take``: the group itself is not held for them), soonest first, while
+        the foresight's budget has room. Caller holds the lock."""
+        import pyarrow as pa
+
+        lo = int(self._file_start[f]) + int(reader.starts[g])
+        hi = min(lo + table.num_rows, int(self._file_start[f + 1]))  # (a file that grew)
+        rows, turns = self._foresight.wanted(lo, hi)
+        if not rows.size:
+            return
+        by_turn = np.argsort(turns, kind="stable")
+        rows, turns = rows[by_turn], turns[by_turn]
+        piece = table.take(pa.array(rows - lo))
+        each = piece.nbytes // rows.size + _KEPT_OVERHEAD
+        for i, (row, turn) in enumerate(zip(rows.tolist(), turns.tolist(), strict=True)):
+            if not self._foresight.keep(row, turn, (reader.stamp, piece, i), each):
+                break  # every kept row comes sooner than this one and the ones after it
 
     def read_row(self, index: int) -> tuple[bytes | None, str | None, str | None, str]:
         import pyarrow as pa
@@ -510,13 +567,19 @@ class ParquetSource(RowSource):
                     path=where,
                 )
             g = int(np.searchsorted(reader.starts, r, side="right")) - 1
-            try:
-                table = self._group(f, reader, g)
-            except (pa.ArrowException, OSError) as exc:
-                raise SampleError(
-                    f"cannot read row group {g}: {exc}", sample_id=sid, path=where
-                ) from exc
-        k = r - int(reader.starts[g])
+            k = r - int(reader.starts[g])
+            row = int(self._file_start[f]) + r
+            kept = self._foresight.take(row)
+            if kept is not None and kept[0] == reader.stamp:  # kept from this file version
+                _, table, k = kept
+            else:
+                try:
+                    table = self._group(f, reader, g)
+                except (pa.ArrowException, OSError) as exc:
+                    raise SampleError(
+                        f"cannot read row group {g}: {exc}", sample_id=sid, path=where
+                    ) from exc
+                self._foresight.take(row)  # the read kept this row too: it is read now
         if self.columns["id"]:
             now_id = table.column(self.columns["id"])[k].as_py()
             if str(now_id) != sid:
@@ -604,6 +667,8 @@ class ParquetSource(RowSource):
         state = super().__getstate__()
         state["_readers"], state["_groups"], state["_lock"] = OrderedDict(), OrderedDict(), None
         state["_group_bytes"] = 0
+        state["_foresight"] = Foresight(self.row_group_memory)
+        state.pop("group_reads", None)  # this process's own count
         state["_idents"], state["_refs"] = {}, {}
         return state
 

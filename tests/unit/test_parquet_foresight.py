@@ -1,0 +1,207 @@
+"""A shuffled cold epoch over a Parquet file larger than ``row_group_memory``: the loader
+tells each producing process what it produces next, so row groups are read a bounded
+number of times (not once per sample), with the same batches as torch's DataLoader."""
+
+from __future__ import annotations
+
+import io
+import multiprocessing
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from PIL import Image
+
+from mmcache.cache import Cache
+from mmcache.loader import DataLoader
+from mmcache.sampler import EpochSampler
+from mmcache.sources.parquet import ParquetSource
+from mmcache.synth import synth_captions
+from mmcache.transforms import ImageSpec, TextSpec, train_tokenizer
+from mmcache.transforms.pipeline import Pipeline
+
+N, GROUP = 1200, 40  # 30 row groups of ~42 KiB decoded: ~1.25 MiB in all
+BUDGET = 320 * 1024  # a quarter of the data: an LRU of whole groups thrashes
+BATCH = 32
+
+
+@pytest.fixture(scope="module")
+def pipeline() -> Pipeline:
+    tok = train_tokenizer(synth_captions(100, seed=0), vocab_size=120)
+    return Pipeline(image=ImageSpec(size=8), text=TextSpec(tok, max_length=4))
+
+
+def parquet_table(ids: list[str], images: list[bytes | None], texts: list[str]) -> pa.Table:
+    """Rows of ids, HF ``Image`` structs and captions."""
+    kind = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    cells = [None if b is None else {"bytes": b, "path": None} for b in images]
+    return pa.table(
+        {
+            "id": pa.array(ids, type=pa.string()),
+            "image": pa.array(cells, type=kind),
+            "text": pa.array(texts, type=pa.string()),
+        }
+    )
+
+
+def _jpeg(i: int) -> bytes:
+    arr = np.full((8, 8, 3), i % 256, dtype=np.uint8)
+    arr[0, 0, 1] = (i * 7) % 256
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, "JPEG", quality=80)
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def rows_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("foresight") / "rows.parquet"
+    # Padded captions: each row ~600 B, so the groups' bytes outgrow the budget.
+    captions = [f"caption {i} " + "x" * 400 for i in range(N)]
+    table = parquet_table([f"s{i}" for i in range(N)], [_jpeg(i) for i in range(N)], captions)
+    pq.write_table(table, path, row_group_size=GROUP)
+    return path
+
+
+@pytest.fixture
+def group_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """Row groups read by every process from now on (forked workers share the count)."""
+    count = multiprocessing.get_context("fork").Value("l", 0)
+    original = pq.ParquetFile.read_row_group
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with count.get_lock():
+            count.value += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", counting)
+    yield count
+
+
+def _source(path: Path, pipeline: Pipeline, **kwargs: Any) -> ParquetSource:
+    return ParquetSource(
+        path, pipeline=pipeline, columns={"id": "id"}, row_group_memory=BUDGET, **kwargs
+    )
+
+
+def _torch_epoch(ds: ParquetSource, seed: int, epoch: int) -> list[dict[str, Any]]:
+    """The same order through torch's DataLoader (``ds[i]`` each, default collate)."""
+    order = EpochSampler(len(ds), seed=seed, shuffle=True).indices(epoch)
+    batches = [order[i : i + BATCH].tolist() for i in range(0, len(order), BATCH)]
+    return list(torch.utils.data.DataLoader(ds, batch_sampler=batches))
+
+
+def _same(got: list[dict[str, Any]], expected: list[dict[str, Any]]) -> None:
+    assert len(got) == len(expected)
+    for x, y in zip(got, expected, strict=True):
+        assert list(x["id"]) == list(y["id"])
+        for name in ("image", "input_ids", "attention_mask"):
+            assert torch.equal(x[name], y[name]), name
+
+
+def test_parquet_foresees_reads() -> None:
+    from mmcache.sources.capabilities import ForeseesReads
+
+    assert issubclass(ParquetSource, ForeseesReads)
+
+
+@pytest.mark.parametrize("mode", [(0, True), (2, True), (0, False)], ids=["here", "fork", "bare"])
+def test_a_shuffled_cold_epoch_reads_each_group_a_bounded_number_of_times(
+    rows_file: Path, pipeline: Pipeline, group_reads: Any, tmp_path: Path, mode: tuple[int, bool]
+) -> None:
+    """``mode``: the workers, and whether there is a cache (``bare``: none)."""
+    workers, cached = mode
+    groups = N // GROUP
+    expected = _torch_epoch(_source(rows_file, pipeline), seed=5, epoch=0)
+    without = group_reads.value
+    assert without > N // 2  # torch's loader (no foresight): a group for most rows
+    ds = _source(rows_file, pipeline)
+    kwargs: dict[str, Any] = {}
+    if workers:
+        kwargs = {"num_workers": workers, "multiprocessing_context": "fork"}
+    with Cache(tmp_path / "c", memory="64MiB", disk=None, temporary=True) as cache:
+        loader = DataLoader(ds, cache=cache if cached else None, batch_size=BATCH, seed=5, **kwargs)
+        loader.set_epoch(0)
+        group_reads.value = 0
+        got = list(loader)
+        reads = group_reads.value
+    _same(got, expected)
+    # ~data / budget (4; kept rows cost a little more), and a few more with workers
+    assert reads <= groups * (5 + workers), (reads, without)
+
+
+def test_rows_kept_stay_within_the_budget(rows_file: Path, pipeline: Pipeline) -> None:
+    ds = _source(rows_file, pipeline)
+    order = EpochSampler(N, seed=1, shuffle=True).indices(0)
+    ds.foresee(order)
+    peak = 0
+    for position, index in enumerate(order.tolist()):
+        ds.reached(position)
+        ds.produce(index)
+        kept = ds._foresight.nbytes + ds._group_bytes
+        largest = max(t.nbytes for t in ds._groups.values())
+        peak = max(peak, kept)
+        assert kept <= BUDGET + largest  # the budget, and at least the group just read
+    assert peak > BUDGET // 2  # the budget was used (rows were kept)
+    assert ds.group_reads <= (N // GROUP) * 5
+
+
+def test_a_row_error_under_skip_is_the_same_with_foresight(
+    tmp_path: Path, pipeline: Pipeline
+) -> None:
+    n = 200
+    images: list[bytes | None] = [_jpeg(i) for i in range(n)]
+    images[17] = None  # a null image: skipped, listed
+    images[90] = b"not a jpeg"
+    path = tmp_path / "bad.parquet"
+    pq.write_table(
+        parquet_table([f"s{i}" for i in range(n)], images, [f"c{i}" for i in range(n)]),
+        path,
+        row_group_size=10,
+    )
+    ds = ParquetSource(
+        path, pipeline=pipeline, columns={"id": "id"}, on_error="skip", row_group_memory=4096
+    )
+    loader = DataLoader(ds, cache=None, batch_size=16, seed=2)
+    ids = [i for batch in loader for i in batch["id"]]
+    assert len(ids) == n - 2 and "s17" not in ids and "s90" not in ids
+    assert {r.sample_id for r in ds.rejects()} == {"s17", "s90"}
+
+
+def test_a_rewritten_file_is_not_served_from_kept_rows(tmp_path: Path, pipeline: Pipeline) -> None:
+    path = tmp_path / "rw.parquet"
+    n = 40
+    table = parquet_table(
+        [f"s{i}" for i in range(n)], [_jpeg(i) for i in range(n)], [f"c{i}" for i in range(n)]
+    )
+    pq.write_table(table, path, row_group_size=10)
+    ds = ParquetSource(path, pipeline=pipeline, columns={"id": "id"})
+    ds.foresee(np.arange(n))
+    ds.produce(0)  # group 0 read: rows 1-9 kept for their turn
+    assert len(ds._foresight) == 9
+    rewritten = table.set_column(2, "text", pa.array([f"new {i}" for i in range(n)]))
+    pq.write_table(rewritten, path, row_group_size=10)
+    import os
+
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    fresh = ParquetSource(path, pipeline=pipeline, columns={"id": "id"})
+    for i in range(1, 10):
+        np.testing.assert_array_equal(ds.produce(i)["input_ids"], fresh.produce(i)["input_ids"])
+
+
+def test_foresight_evicts_the_row_needed_last() -> None:
+    from mmcache.sources.foresight import Foresight
+
+    f = Foresight(budget=30)
+    f.foresee(np.array([5, 6, 7, 8]))
+    assert f.keep(8, 3, "d", 10) and f.keep(7, 2, "c", 10) and f.keep(6, 1, "b", 10)
+    assert not f.keep(9, 4, "x", 10)  # farther than every kept row: not kept
+    assert f.keep(5, 0, "a", 10)  # sooner: the farthest (row 8) goes
+    assert f.take(8) is None and f.take(5) == "a"
+    f.reached(2)  # row 6's turn went by unread: dropped
+    assert f.take(6) is None and f.take(7) == "c" and f.nbytes == 0
