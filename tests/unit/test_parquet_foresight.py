@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from PIL import Image
+from test_tabular_sources import parquet_table
 
 from mmcache.cache import Cache
 from mmcache.loader import DataLoader
@@ -34,19 +35,6 @@ BATCH = 32
 def pipeline() -> Pipeline:
     tok = train_tokenizer(synth_captions(100, seed=0), vocab_size=120)
     return Pipeline(image=ImageSpec(size=8), text=TextSpec(tok, max_length=4))
-
-
-def parquet_table(ids: list[str], images: list[bytes | None], texts: list[str]) -> pa.Table:
-    """Rows of ids, HF ``Image`` structs and captions."""
-    kind = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
-    cells = [None if b is None else {"bytes": b, "path": None} for b in images]
-    return pa.table(
-        {
-            "id": pa.array(ids, type=pa.string()),
-            "image": pa.array(cells, type=kind),
-            "text": pa.array(texts, type=pa.string()),
-        }
-    )
 
 
 def _jpeg(i: int) -> bytes:
@@ -82,9 +70,9 @@ def group_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     yield count
 
 
-def _source(path: Path, pipeline: Pipeline, **kwargs: Any) -> ParquetSource:
+def _source(path: Path, pipeline: Pipeline, row_group_memory: int | str = BUDGET) -> ParquetSource:
     return ParquetSource(
-        path, pipeline=pipeline, columns={"id": "id"}, row_group_memory=BUDGET, **kwargs
+        path, pipeline=pipeline, columns={"id": "id"}, row_group_memory=row_group_memory
     )
 
 
@@ -179,7 +167,8 @@ def test_a_rewritten_file_is_not_served_from_kept_rows(tmp_path: Path, pipeline:
         [f"s{i}" for i in range(n)], [_jpeg(i) for i in range(n)], [f"c{i}" for i in range(n)]
     )
     pq.write_table(table, path, row_group_size=10)
-    ds = ParquetSource(path, pipeline=pipeline, columns={"id": "id"})
+    # A budget below the groups' bytes (~26 KiB): rows are kept (~8 KiB for group 0's).
+    ds = ParquetSource(path, pipeline=pipeline, columns={"id": "id"}, row_group_memory="16KiB")
     ds.foresee(np.arange(n))
     ds.produce(0)  # group 0 read: rows 1-9 kept for their turn
     assert len(ds._foresight) == 9
@@ -205,3 +194,64 @@ def test_foresight_evicts_the_row_needed_last() -> None:
     assert f.take(8) is None and f.take(5) == "a"
     f.reached(2)  # row 6's turn went by unread: dropped
     assert f.take(6) is None and f.take(7) == "c" and f.nbytes == 0
+
+
+class _Told:
+    """A ForeseesReads source that records what it is told."""
+
+    def __init__(self) -> None:
+        self.told: list[Any] = []
+
+    def foresee(self, indices: np.ndarray) -> None:
+        self.told.append(("foresee", np.asarray(indices).tolist()))
+
+    def reached(self, position: int) -> None:
+        self.told.append(("reached", position))
+
+
+def test_a_stretch_on_the_stride_is_foreseen_and_a_lone_batch_is_not() -> None:
+    from mmcache.loader.lookahead import Lookahead
+
+    order = [np.arange(k * 2, k * 2 + 2) for k in range(8)]  # 8 batches of 2
+    asked: list[int] = []
+
+    def batches(epoch: int) -> list[np.ndarray]:
+        asked.append(epoch)
+        return order
+
+    source = _Told()
+    ahead = Lookahead(source, batches)
+    ahead.follow(0, 1, order[1])  # a lone batch: nothing computed, nothing told
+    assert asked == [] and source.told == []
+    ahead.follow(0, 2, order[2])  # the next on the stride (1 here): foresee from it
+    assert asked == [0] and source.told == [("foresee", list(range(4, 16)))]
+    ahead.follow(0, 4, order[4])  # a batch with no miss in between: where it has got to
+    assert source.told[-1] == ("reached", 4)
+    ahead.follow(1, 0, order[0])  # another epoch: the foresight is dropped, until confirmed
+    assert source.told[-1] == ("foresee", []) and asked == [0]
+    ahead.follow(1, 1, np.array([9, 9]))  # not the order's batch: nothing foreseen
+    assert source.told[-1] == ("foresee", []) and asked == [0, 1]
+
+
+def test_a_source_without_the_capability_is_told_nothing() -> None:
+    from mmcache.loader.lookahead import Lookahead
+
+    def batches(epoch: int) -> list[np.ndarray]:
+        raise AssertionError("the order is not computed for such a source")
+
+    ahead = Lookahead(object(), batches)
+    ahead.follow(0, 0, np.arange(2))
+    ahead.follow(0, 1, np.arange(2, 4))
+
+
+def test_groups_that_fit_the_budget_are_read_once_and_no_row_is_kept(
+    rows_file: Path, pipeline: Pipeline
+) -> None:
+    ds = _source(rows_file, pipeline, row_group_memory="8MiB")  # all 30 groups fit
+    order = EpochSampler(N, seed=1, shuffle=True).indices(0)
+    ds.foresee(order)
+    for position, index in enumerate(order.tolist()):
+        ds.reached(position)
+        ds.produce(index)
+        assert len(ds._foresight) == 0  # the LRU holds every group: nothing copied out
+    assert ds.group_reads == N // GROUP

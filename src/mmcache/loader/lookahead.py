@@ -9,15 +9,16 @@ torch hands a stream's tasks round-robin, so the worker that got batch ``j`` get
 ``j + W``, ``j + 2W``, ... while tasks are one batch each (always, in a cold stretch:
 see :class:`~mmcache.loader.stream.WorkerTaskSampler`); the training process producing
 alone (``num_workers=0``) gets every batch. :class:`Lookahead` tells the source those
-samples (:data:`HORIZON` at most) when the process first produces a batch of a new
-stretch, and where it has got to at each later batch; the source keeps what a read
-brings for the rows to come (:mod:`mmcache.sources.foresight`).
+samples (:data:`HORIZON` at most) once a second batch with misses on that stride
+confirms a stretch, and where it has got to at each later batch; the source keeps what a
+read brings for the rows to come (:mod:`mmcache.sources.foresight`).
 
-A hint only: a batch that is not the one foreseen (grouped tasks of a warm stretch, a
-resumed span this process has not seen, a restarted stream) makes it foresee again
-from there, and one it cannot place (its indices are not the order's) makes the source
-foresee nothing; either way the batches are the same, only the reads differ. Nothing is
-done for a source without the capability, or for a batch with no miss.
+A hint only: a batch off the stride (grouped tasks of a warm stretch, a new epoch or
+stream) makes the source foresee nothing until the next batch confirms a stretch again
+(a lone batch does not pay for computing the epoch's order), and one it cannot place
+(its indices are not the order's: a resumed span this process has not seen) likewise;
+either way the batches are the same, only the reads differ. Nothing is done for a
+source without the capability, or for a batch with no miss.
 
 Thread/process safety: per process (a forked or spawned worker starts afresh: the state
 names the process it belongs to); the planner calls it from one thread at a time per
@@ -55,6 +56,9 @@ class Lookahead:
         # (pid, epoch, first batch, stride, end batch) foreseen, and each batch's position.
         self._span: tuple[int, int, int, int, int] | None = None
         self._starts = np.zeros(0, dtype=np.int64)
+        # (pid, epoch, batch, stride) of the last batch followed: a stretch is foreseen once
+        # a second batch on the stride confirms it.
+        self._last: tuple[int, int, int, int] | None = None
 
     def follow(self, epoch: int, j: int, indices: np.ndarray) -> None:
         """Batch ``j`` of ``epoch`` (``indices``) is produced here now."""
@@ -63,13 +67,23 @@ class Lookahead:
             return
         info = torch.utils.data.get_worker_info()
         stride = info.num_workers if info is not None else 1
-        span = self._span
-        if span is not None and span[:2] == (os.getpid(), epoch) and span[3] == stride:
+        pid, last, span = os.getpid(), self._last, self._span
+        self._last = (pid, epoch, j, stride)
+        if span is not None and span[:2] == (pid, epoch) and span[3] == stride:
             first, end = span[2], span[4]
             if first <= j < end and (j - first) % stride == 0:
                 source.reached(int(self._starts[(j - first) // stride]))
                 return
-        self._foresee(source, batches(epoch), (epoch, j), indices, stride=stride)
+        on_stride = last is not None and last[:2] == (pid, epoch) and last[3] == stride
+        if on_stride and last is not None and j > last[2] and (j - last[2]) % stride == 0:
+            self._foresee(source, batches(epoch), (epoch, j), indices, stride=stride)
+            return
+        # Off the stride (a new epoch or stream, grouped tasks): foresee nothing until the
+        # next batch confirms a stretch; computing the epoch's order (a permutation of all
+        # its samples) for each lone batch of a warm stretch would cost more than its reads.
+        if span is not None:
+            self._span = None
+            source.foresee(np.zeros(0, dtype=np.int64))
 
     def _foresee(
         self,

@@ -231,6 +231,9 @@ class ParquetSource(RowSource):
         self._lock = threading.Lock()
         rejects: list[Reject] = []
         files, stamps, versions, counts, id_parts = [], [], [], [], []
+        #: Row groups of all the files, and bytes and number of those this process decoded:
+        #: whether the groups would all fit ``row_group_memory`` (then no row is kept).
+        self._group_count = self._decoded_bytes = 0
         for name in self._resolve(_expand(paths)):
             try:
                 stamp, version, count, ids = self._read_footer(name)
@@ -325,11 +328,13 @@ class ParquetSource(RowSource):
 
     def _read_footer(self, name: str) -> tuple[tuple[int, ...], str | None, int, Any]:
         """``(stamp, version, rows, ids or None)`` of one file, closed afterwards (rows are
-        read through readers opened where they are needed: no fd kept per file)."""
+        read through readers opened where they are needed: no fd kept per file); its row
+        groups are counted in ``_group_count``."""
         reader = self._open_new(name)
         try:
             self._check_schema(reader.pf, name)
             ids = self._read_ids(reader.pf, name) if self.columns["id"] else None
+            self._group_count += len(reader.starts) - 1
             return reader.stamp, reader.version, int(reader.starts[-1]), ids
         finally:
             reader.close()
@@ -511,7 +516,11 @@ class ParquetSource(RowSource):
         wanted = [c for c in (self.columns["image"], self.columns["text"], self.columns["id"]) if c]
         table = reader.pf.read_row_group(g, columns=list(dict.fromkeys(wanted)))
         self.group_reads += 1
-        if self._foresight.active:
+        self._decoded_bytes += table.nbytes
+        # Kept rows only where the groups outgrow the budget: where they all fit, the LRU
+        # reads each group once and copying rows out of it would only cost.
+        every_group = self._decoded_bytes / self.group_reads * self._group_count
+        if self._foresight.active and every_group > self.row_group_memory:
             self._keep_foreseen(f, reader, g, table)
         self._groups[key] = table
         self._group_bytes += table.nbytes
@@ -669,6 +678,7 @@ class ParquetSource(RowSource):
         state["_group_bytes"] = 0
         state["_foresight"] = Foresight(self.row_group_memory)
         state.pop("group_reads", None)  # this process's own count
+        state["_decoded_bytes"] = 0
         state["_idents"], state["_refs"] = {}, {}
         return state
 
