@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import scale_data  # noqa: E402
@@ -98,6 +100,8 @@ def main() -> None:
             if j == args.batches:
                 break
         d = delta(a, snap())
+        # The workers' private memory (USS) after the epoch: kept rows and groups included.
+        uss = [c.memory_full_info().uss for c in psutil.Process().children() if c.is_running()]
         del loader
         if cache is not None:
             if cache.memory is not None:
@@ -113,6 +117,7 @@ def main() -> None:
         "samples": samples,
         "group_reads": int(reads.value),
         "groups": -(-args.n // 1000),
+        "worker_uss_mib": sorted(round(u / 2**20) for u in uss),
         "cpu_us_per_sample": round(d["cpu"] / samples * 1e6, 1),
         "wall_us_per_sample": round(d["wall"] / samples * 1e6, 1),
         "load": os.getloadavg()[0],

@@ -255,3 +255,14 @@ def test_groups_that_fit_the_budget_are_read_once_and_no_row_is_kept(
         ds.produce(index)
         assert len(ds._foresight) == 0  # the LRU holds every group: nothing copied out
     assert ds.group_reads == N // GROUP
+
+
+def test_foresight_heaps_stay_bounded_by_the_rows_kept() -> None:
+    from mmcache.sources.foresight import Foresight
+
+    f = Foresight(budget=1 << 30)
+    f.foresee(np.arange(10_000))
+    for row in range(10_000):  # each row kept, then taken at its turn
+        assert f.keep(row, row, row, 1)
+        assert f.take(row) == row
+    assert len(f) == 0 and len(f._far) <= 1024 + 2 and len(f._near) <= 1024 + 2

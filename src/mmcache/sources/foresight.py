@@ -149,8 +149,14 @@ class Foresight:
     def _put(self, row: int, turn: int, value: Any, nbytes: int) -> None:
         self._kept[row] = (turn, value, nbytes)
         self.nbytes += nbytes
-        heapq.heappush(self._far, (-turn, row))
-        heapq.heappush(self._near, (turn, row))
+        if len(self._far) > 2 * len(self._kept) + 1024:  # mostly rows taken since: rebuilt
+            self._far = [(-t, r) for r, (t, _, _) in self._kept.items()]
+            self._near = [(t, r) for r, (t, _, _) in self._kept.items()]
+            heapq.heapify(self._far)
+            heapq.heapify(self._near)
+        else:
+            heapq.heappush(self._far, (-turn, row))
+            heapq.heappush(self._near, (turn, row))
 
     def _drop(self, row: int) -> None:
         self.nbytes -= self._kept.pop(row)[2]
