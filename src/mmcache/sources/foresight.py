@@ -149,7 +149,8 @@ class Foresight:
     def _put(self, row: int, turn: int, value: Any, nbytes: int) -> None:
         self._kept[row] = (turn, value, nbytes)
         self.nbytes += nbytes
-        if len(self._far) > 2 * len(self._kept) + 1024:  # mostly rows taken since: rebuilt
+        stale = max(len(self._far), len(self._near)) > 2 * len(self._kept) + 1024
+        if stale:  # mostly rows taken or dropped since: rebuilt from the rows kept
             self._far = [(-t, r) for r, (t, _, _) in self._kept.items()]
             self._near = [(t, r) for r, (t, _, _) in self._kept.items()]
             heapq.heapify(self._far)

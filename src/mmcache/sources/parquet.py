@@ -84,9 +84,10 @@ _DEFAULT_COLUMNS: dict[str, str | None] = {"id": None, "image": "image", "text":
 _GLOB_CHARS = frozenset("*?[")
 #: Files a process keeps open for reading rows (least recently read closed first).
 _OPEN_FILES = 32
-#: Bytes a kept row costs beyond its share of the taken rows' buffers (its tuple, its
-#: entries in the foresight's dict and heaps): what the budget counts it at.
-_KEPT_OVERHEAD = 200
+#: Bytes a kept row costs beyond its cells' bytes (its Python objects and tuple, its
+#: entries in the foresight's dict and heaps): what the budget counts it at (measured
+#: with tiny samples: ~600 B a row beside the image, caption and id bytes).
+_KEPT_OVERHEAD = 600
 
 
 def _pyarrow() -> Any:
@@ -531,9 +532,12 @@ class ParquetSource(RowSource):
         return table
 
     def _keep_foreseen(self, f: int, reader: _Reader, g: int, table: Any) -> None:
-        """Keep the rows of a group just read that this process produces later: copied
-        out of it (``take``: the group itself is not held for them), soonest first, while
-        the foresight's budget has room. Caller holds the lock."""
+        """Keep the rows of a group just read that this process produces later, soonest
+        first, while the foresight's budget has room: each row's cells as Python values
+        (its own bytes, freed at its turn: rows taken out of the group together would
+        hold their shared buffers until the last one's turn, ~2x what they count). An
+        image cell over the pipeline's byte limit is not kept (read in place at its turn,
+        refused there before its bytes are copied). Caller holds the lock."""
         import pyarrow as pa
 
         lo = int(self._file_start[f]) + int(reader.starts[g])
@@ -541,13 +545,36 @@ class ParquetSource(RowSource):
         rows, turns = self._foresight.wanted(lo, hi)
         if not rows.size:
             return
+        image = self.columns["image"]
+        if image is not None:
+            sizes = _cell_sizes(table.column(image))
+            if sizes is None:
+                return  # cells image_cell refuses: read in place, refused there
+            limit = byte_limit(self.pipeline)
+            if limit is not None:
+                small = sizes[rows - lo] <= limit
+                rows, turns = rows[small], turns[small]
         by_turn = np.argsort(turns, kind="stable")
         rows, turns = rows[by_turn], turns[by_turn]
-        piece = table.take(pa.array(rows - lo))
-        each = piece.nbytes // rows.size + _KEPT_OVERHEAD
-        for i, (row, turn) in enumerate(zip(rows.tolist(), turns.tolist(), strict=True)):
-            if not self._foresight.keep(row, turn, (reader.stamp, piece, i), each):
+        taken = pa.array(rows - lo)
+        cells = [
+            table.column(c).take(taken).to_pylist() if c else [None] * rows.size
+            for c in (self.columns["id"], self.columns["text"], image)
+        ]
+        kind = table.column(image).type if image is not None else None
+        for row, turn, rid, text, cell in zip(rows.tolist(), turns.tolist(), *cells, strict=True):
+            size = _py_size(rid) + _py_size(text) + _py_size(cell) + _KEPT_OVERHEAD
+            if not self._foresight.keep(row, turn, (reader.stamp, rid, text, cell, kind), size):
                 break  # every kept row comes sooner than this one and the ones after it
+
+    def _cells(self, table: Any, k: int) -> tuple[Any, Any, Any]:
+        """Row ``k`` of a decoded group: its id and text (Python values) and its image cell
+        (a pyarrow scalar, for :func:`image_cell`); None where there is no such column."""
+        column = self.columns
+        rid = table.column(column["id"])[k].as_py() if column["id"] else None
+        text = table.column(column["text"])[k].as_py() if column["text"] else None
+        image = table.column(column["image"])[k] if column["image"] else None
+        return rid, text, image
 
     def read_row(self, index: int) -> tuple[bytes | None, str | None, str | None, str]:
         import pyarrow as pa
@@ -580,7 +607,8 @@ class ParquetSource(RowSource):
             row = int(self._file_start[f]) + r
             kept = self._foresight.take(row)
             if kept is not None and kept[0] == reader.stamp:  # kept from this file version
-                _, table, k = kept
+                _, now_id, value, cell, kind = kept
+                image = None if kind is None else pa.scalar(cell, type=kind)
             else:
                 try:
                     table = self._group(f, reader, g)
@@ -589,24 +617,20 @@ class ParquetSource(RowSource):
                         f"cannot read row group {g}: {exc}", sample_id=sid, path=where
                     ) from exc
                 self._foresight.take(row)  # the read kept this row too: it is read now
-        if self.columns["id"]:
-            now_id = table.column(self.columns["id"])[k].as_py()
-            if str(now_id) != sid:
-                raise SampleError(
-                    f"the row's id is now {now_id!r} (the file was rewritten since the "
-                    "source was opened; open it again)",
-                    sample_id=sid,
-                    path=where,
-                )
-        text = None
-        if self.columns["text"]:
-            value = table.column(self.columns["text"])[k].as_py()
-            text = None if value is None else str(value)
+                now_id, value, image = self._cells(table, k)
+        if self.columns["id"] and str(now_id) != sid:
+            raise SampleError(
+                f"the row's id is now {now_id!r} (the file was rewritten since the "
+                "source was opened; open it again)",
+                sample_id=sid,
+                path=where,
+            )
+        text = None if value is None else str(value)
         data, image_file = None, None
-        if self.columns["image"]:
+        if image is not None:
             base = "" if _is_url(name) else os.path.dirname(name)
             data, image_file = image_cell(
-                table.column(self.columns["image"])[k],
+                image,
                 base,
                 limit=byte_limit(self.pipeline),
                 sample_id=sid,
@@ -685,6 +709,35 @@ class ParquetSource(RowSource):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._lock = threading.Lock()
+
+
+def _cell_sizes(column: Any) -> npt.NDArray[np.int64] | None:
+    """Bytes of each image cell of a decoded column (a struct's ``bytes`` field; 0 for a
+    null), without copying them; None for a type whose cells are not bytes."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if pa.types.is_struct(array.type):
+        if array.type.get_field_index("bytes") < 0:
+            return np.zeros(len(array), dtype=np.int64)  # paths only
+        array = array.field("bytes")
+    if not (pa.types.is_binary(array.type) or pa.types.is_large_binary(array.type)):
+        return None
+    sizes: npt.NDArray[np.int64] = (
+        pc.binary_length(array).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+    )
+    return sizes
+
+
+def _py_size(value: object) -> int:
+    """Bytes of a kept cell's payload: its bytes or text (a struct's ``bytes`` and
+    ``path``); the objects around it are :data:`_KEPT_OVERHEAD`."""
+    if isinstance(value, bytes | str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_py_size(v) for v in value.values())
+    return 0
 
 
 if TYPE_CHECKING:  # mypy checks that ParquetSource conforms to the protocol
