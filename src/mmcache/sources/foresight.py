@@ -9,7 +9,8 @@ so a cold epoch reads a group for almost every sample. But the loader knows the 
 that group still to come, and evicts by next use (Belady's rule: the row needed last goes
 first) instead of by last use. Rows are smaller than the groups they come from, and a kept
 row is one that will be read, so a group is read again only when the budget cannot hold
-its rows until their turn: about ``data / budget`` times an epoch, not once a sample.
+its rows until their turn: about ``rows' bytes / budget`` times an epoch (the rows this
+process produces), not once a sample.
 
 Positions count the rows foreseen, from 0 (the first row of the batch being produced);
 :meth:`Foresight.reached` moves the present on (kept rows whose turn went by unread, e.g.

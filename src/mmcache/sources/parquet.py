@@ -16,7 +16,8 @@ samples it produces next (:meth:`ParquetSource.foresee`, the ``ForeseesReads``
 capability): a group read then keeps, within the same budget, the rows of that
 group still to come, the one needed last evicted first
 (:class:`~mmcache.sources.foresight.Foresight`), so a cold epoch reads each group
-about ``data / row_group_memory`` times instead of once per row.
+about ``(its rows' bytes) / row_group_memory`` times per process instead of once per
+row.
 
 Stamps (``StampKind.FILE`` for local files): each row's stamp is its file's
 ``stat`` (:data:`mmcache.keys.STAT_FIELDS`) and its key adds the row's place in
@@ -178,9 +179,9 @@ class ParquetSource(RowSource):
             kept, whatever its size): rows read in file order or shuffled within a
             group decode their group once; under a global shuffle over files larger
             than this, the loader's producing processes keep the rows they were told
-            come next, so a group is read about ``data / row_group_memory`` times an
-            epoch (without that foresight, e.g. ``ds[i]`` in a torch DataLoader, a
-            group for most rows).
+            come next, so each reads a group about ``(its rows' bytes) /
+            row_group_memory`` times an epoch (without that foresight, e.g. ``ds[i]``
+            in a torch DataLoader, a group for most rows).
 
     A source of remote files has :attr:`remote` (their store, under mmcache's retry
     policy), :attr:`raw` (``None``: rows are read through pyarrow, not fetched ahead) and
