@@ -280,6 +280,29 @@ def test_columns_of_deleted_manifests_are_swept(tmp_path: Path, folder: Path) ->
     assert child(live)["parses"] == 0, "the live manifest's columns were swept"
 
 
+def test_gc_sweeps_the_columns_of_every_manifest_gone(
+    tmp_path: Path, folder: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A build sweeps at most ``SWEEP_BUDGET`` files, and only when something is built:
+    ``gc`` (of a root, or ``--all`` without one) sweeps every stale one of the folder."""
+    manifests = [write_manifest(tmp_path / f"m{i}.jsonl", 10) for i in range(4)]
+    for m in manifests:
+        mmcache.read_manifest(m)
+    assert len(cols_files(folder)) == 4
+    manifests[0].unlink()
+    manifests[1].unlink()
+    with mmcache.Cache(tmp_path / "root", memory=0, disk="8MiB") as cache:
+        assert cache.gc().column_files == 2
+    assert len(cols_files(folder)) == 2
+    manifests[2].unlink()
+    from mmcache.cli import main
+
+    assert main(["gc", "--all"]) == 0
+    assert "1 column files of manifests gone or changed removed" in capsys.readouterr().out
+    assert len(cols_files(folder)) == 1
+    assert child(manifests[3])["parses"] == 0, "the live manifest's columns were swept"
+
+
 def test_heap_per_record_after_open_is_bounded(tmp_path: Path, folder: Path) -> None:
     """What a read leaves on this process's heap: nothing per record, whether it built
     the column file (first read) or mapped it (later). The parsed columns alone were

@@ -340,6 +340,17 @@ def _trim_heap() -> None:
 SWEEP_BUDGET = 64
 
 
+def sweep_stale_columns() -> int:
+    """Remove every column file of this user's folder whose manifest is gone or changed
+    (``mmcache gc``; a build sweeps at most :data:`SWEEP_BUDGET` of them): the number of
+    files removed. Nothing when the folder is off, absent or not this user's own.
+    Process-safe as :func:`sweep_columns`."""
+    folder = columns_dir()
+    if folder is None or not os.path.isdir(folder) or not _own_folder(folder):
+        return 0
+    return sweep_columns(folder, budget=1 << 62)
+
+
 def sweep_columns(folder: str, *, keep: str = "", budget: int = SWEEP_BUDGET) -> int:
     """Remove column files of manifests that are gone or changed since (and their lock
     files), looking at no more than ``budget`` files besides ``keep``, and lock files left
