@@ -86,6 +86,7 @@ from mmcache.stores.disk.maintenance import (
     tree_problem,
     verify_entries,
 )
+from mmcache.stores.disk.packs import read_value
 from mmcache.stores.disk.snapshot import DamagedTotals, Evictor, Totals, parse_meta
 from mmcache.stores.disk.writes import EntryWriter, PendingReads, WriteOp, as_buffer, check_cost
 from mmcache.units import MAX_SIZE, MiB, format_size, parse_size
@@ -261,8 +262,9 @@ class DiskStore(DiskGather, Store):
         """Return a copy of the value, or None. Counts a hit or a miss. Thread/process-safe."""
         check_key(key)
         h = self._env()
-        with Txn(h) as txn:
-            value: bytes | None = txn.get(key, db=h.data)
+        with Txn(h, buffers=True) as txn:
+            buf = read_value(txn, h, key)
+            value = None if buf is None else bytes(buf)
         self._count_reads((key,), (value is not None,))
         return value
 
@@ -274,9 +276,12 @@ class DiskStore(DiskGather, Store):
         for key in keys:
             check_key(key)
         h = self._env()
-        with Txn(h) as txn:
-            data = h.data
-            values: list[bytes | None] = [txn.get(key, db=data) for key in keys]
+        values: list[bytes | None] = []
+        with Txn(h, buffers=True) as txn:
+            seen: dict[int, Any] = {}
+            for key in keys:
+                buf = read_value(txn, h, key, seen)
+                values.append(None if buf is None else bytes(buf))
         self._count_reads(keys, [v is not None for v in values])
         return values
 
@@ -296,7 +301,7 @@ class DiskStore(DiskGather, Store):
                 try:
                     env = h.require()
                     with env.begin(buffers=True) as txn:
-                        value = txn.get(key, db=h.data)
+                        value = read_value(txn, h, key)
                         found = value is not None
                         yield value
                 except lmdb.Error as exc:
