@@ -33,7 +33,7 @@ from mmcache.errors import CacheError
 from mmcache.stores.base import KEY_SIZE, Keys
 from mmcache.stores.disk.counters import Counter, CounterFile
 from mmcache.stores.disk.env import EnvHandle, Txn
-from mmcache.stores.disk.packs import read_value
+from mmcache.stores.disk.packs import read_packed
 from mmcache.stores.gathercheck import (
     CopiedCheck,
     EntryCheck,
@@ -174,10 +174,13 @@ class DiskGather:
         try:
             h = self._env()
             with Txn(h, buffers=True) as txn:
+                get, data = txn.get, h.data
                 seen: dict[int, memoryview] = {}
                 tiled: list[tuple[int, memoryview]] = []  # (j, buffer): checked as a batch
                 for j, key in enumerate(ks):
-                    buf = read_value(txn, h, key, seen)
+                    buf = get(key, db=data)
+                    if buf is None:  # packed, or absent
+                        buf = read_packed(txn, h, key, seen)
                     if buf is None or len(buf) < end:
                         continue
                     if tiles and len(buf) == end:
@@ -263,9 +266,12 @@ class DiskGather:
         try:
             h = self._env()
             with Txn(h, buffers=True) as txn:
+                get, data = txn.get, h.data
                 seen: dict[int, memoryview] = {}
                 for key in ks:
-                    buf = read_value(txn, h, key, seen)
+                    buf = get(key, db=data)
+                    if buf is None:  # packed, or absent
+                        buf = read_packed(txn, h, key, seen)
                     if buf is not None:
                         touched += len(buf)
         except CacheError as exc:  # a hint only: a failure costs page faults later

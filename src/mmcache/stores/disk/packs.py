@@ -68,6 +68,7 @@ __all__ = [
     "PackDbs",
     "Packer",
     "pack_entries",
+    "read_packed",
     "read_slot",
     "read_value",
     "recount_packs",
@@ -126,12 +127,24 @@ def read_value(
     entries of few packs). A slot outside its pack reads as None.
     """
     value = txn.get(key, db=h.data)
-    if value is not None:
-        return value
-    slot = read_slot(txn.get(key, db=h.slots))
-    if slot is None:
+    return value if value is not None else read_packed(txn, h, key, seen)
+
+
+def read_packed(
+    txn: lmdb.Transaction[Any],
+    h: PackDbs,
+    key: bytes,
+    seen: dict[int, Any] | None = None,
+) -> Any:
+    """:func:`read_value` of an entry not in ``data``: the slice of its pack, or None.
+
+    For the gathers' loops, which look in ``data`` themselves: one Python call
+    for a packed entry, none for one stored alone.
+    """
+    slot = txn.get(key, db=h.slots)
+    if slot is None or len(slot) != SLOT.size:
         return None
-    pack_id, offset, length = slot
+    pack_id, offset, length = SLOT.unpack(slot)
     pack = seen.get(pack_id) if seen is not None else None
     if pack is None:
         pack = txn.get(_ID.pack(pack_id), db=h.packs)
