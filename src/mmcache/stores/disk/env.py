@@ -2,10 +2,11 @@
 
 Opening
     ``path/`` holds LMDB's ``data.mdb`` and ``lock.mdb``; inside the environment
-    there are three named databases: ``data`` (key -> value bytes), ``meta``
-    (key -> a fixed 48-byte record, see :mod:`.snapshot`) and ``info`` (format
-    version and the running totals). A ``data.mdb`` shorter than its last page
-    (an interrupted copy) is refused at open: reading past its end would kill
+    there are six named databases: ``data`` (key -> value bytes of an entry
+    stored alone), ``meta`` (key -> a fixed 48-byte record, see :mod:`.snapshot`),
+    ``info`` (format version and the running totals), and ``slots``, ``packs``
+    and ``packlive`` (small entries stored together, see :mod:`.packs`). A
+    ``data.mdb`` shorter than its last page (an interrupted copy) is refused at open: reading past its end would kill
     the process with SIGBUS. On a full file system the files LMDB writes at
     open are allocated first (:mod:`.reserve`), so a full disk is a CacheError,
     not a SIGBUS.

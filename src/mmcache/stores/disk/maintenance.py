@@ -129,7 +129,7 @@ def verify_entries(h: EnvHandle, check: Callable[[bytes], bool]) -> list[bytes]:
 
 
 def rebuild_totals_txn(txn: lmdb.Transaction[Any], h: EnvHandle, tot: Totals) -> int:
-    """Recount ``tot`` from the data and meta dbs in the write ``txn``; return the
+    """Recount ``tot`` from the data, slot and meta dbs in the write ``txn``; return the
     number of entries removed.
 
     Entries whose meta record is missing, damaged or disagrees with the value's

@@ -133,7 +133,7 @@ class Totals:
         """The totals, checked against what the transaction sees.
 
         The budget rests on them, so a record that is missing, negative, counts
-        other than the meta db's entries, or more bytes than the data db's pages
+        other than the meta db's entries, or more bytes than the data and pack dbs' pages
         can hold is refused (``DamagedTotals``) rather than believed; both checks
         are O(1) (LMDB keeps the counts in the database record).
         """
