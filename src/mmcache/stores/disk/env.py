@@ -6,8 +6,8 @@ Opening
     stored alone), ``meta`` (key -> a fixed 48-byte record, see :mod:`.snapshot`),
     ``info`` (format version and the running totals), and ``slots``, ``packs``
     and ``packlive`` (small entries stored together, see :mod:`.packs`). A
-    ``data.mdb`` shorter than its last page (an interrupted copy) is refused at open: reading past its end would kill
-    the process with SIGBUS. On a full file system the files LMDB writes at
+    ``data.mdb`` shorter than its last page (an interrupted copy) is refused
+    at open: reading past its end would kill the process with SIGBUS. On a full file system the files LMDB writes at
     open are allocated first (:mod:`.reserve`), so a full disk is a CacheError,
     not a SIGBUS.
 
