@@ -7,9 +7,9 @@ Opening
     ``info`` (format version and the running totals), and ``slots``, ``packs``
     and ``packlive`` (small entries stored together, see :mod:`.packs`). A
     ``data.mdb`` shorter than its last page (an interrupted copy) is refused
-    at open: reading past its end would kill the process with SIGBUS. On a full file system the files LMDB writes at
-    open are allocated first (:mod:`.reserve`), so a full disk is a CacheError,
-    not a SIGBUS.
+    at open: reading past its end would kill the process with SIGBUS. On a
+    full file system the files LMDB writes at open are allocated first
+    (:mod:`.reserve`), so a full disk is a CacheError, not a SIGBUS.
 
 Processes, fork and pickling
     Several processes may open the same directory. LMDB forbids using an
