@@ -6,9 +6,11 @@ from __future__ import annotations
 import errno
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -210,6 +212,31 @@ def test_write_behind_logs_a_groups_keys_in_one_call_per_fingerprint(
     logged = {fp: keys for fp, keys in calls}
     assert logged["fa"] == [key(i) for i in range(1, 40, 2)]
     assert logged["fb"] == [key(i) for i in range(0, 40, 2)]
+
+
+def test_write_behind_commits_a_slow_producers_entries_together(
+    pair: tuple[MemoryStore, DiskStore, TieredStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker producing a tiny sample every few milliseconds: the writer's thread found
+    one entry queued each time and committed it alone (one LMDB commit per entry, and the
+    disk tier packs only small entries of one commit). It now waits up to ``LINGER_S``
+    for more, so they go in some dozens per commit."""
+    _, disk, store = pair
+    commits: list[int] = []
+    real = store.put_many
+
+    def counted(rows: list[Any], **kw: Any) -> list[bool]:
+        commits.append(len(rows))
+        return real(rows, **kw)
+
+    monkeypatch.setattr(store, "put_many", counted)
+    writer = WriteBehind(store)
+    for i in range(40):
+        writer.submit(key(i), _entry(i), 0.01)
+        time.sleep(0.002)
+    writer.flush()
+    assert sum(commits) == 40 and all(disk.contains(key(i)) for i in range(40))
+    assert len(commits) <= 8, commits  # ~40 commits of one entry before
 
 
 def test_write_behind_without_a_front_tier_defers_everything(tmp_path: Path) -> None:

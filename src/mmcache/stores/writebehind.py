@@ -38,6 +38,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from multiprocessing import util
 
@@ -62,6 +63,11 @@ logger = logging.getLogger(__name__)
 MAX_PENDING = 64
 #: Write at most this many bytes per group (one deferred-tier commit per group).
 GROUP_BYTES = 1 << 20
+#: A group waits up to this long for more entries: a worker producing a tiny sample per
+#: millisecond then commits some dozens at once, not one each (one LMDB commit for
+#: them, and the disk tier packs small entries of one commit together, 2.2x -> 1.3x of
+#: their size); the entries wait in the front tier and :meth:`WriteBehind.pending`.
+LINGER_S = 0.05
 
 #: ``tag(fingerprint, keys)``: told the fingerprint of what is submitted (Cache.tag).
 TagFn = Callable[[str, list[bytes]], None]
@@ -167,9 +173,10 @@ class WriteBehind:
             group = [item]
             size = len(item[0][1])
             stop = False
+            deadline = time.monotonic() + LINGER_S
             while size < GROUP_BYTES:
                 try:
-                    nxt = self._queue.get_nowait()
+                    nxt = self._queue.get(timeout=max(deadline - time.monotonic(), 0.0))
                 except queue.Empty:
                     break
                 if nxt is None:
