@@ -19,11 +19,14 @@ finds many identities in one pass (loose files: one ledger transaction for the b
 files; the default calls ``stamp_string`` per row).
 
 Keys (:meth:`BaseSource.key_rows`): ``keys.sample_key(id, stamp_string, fingerprint,
-key_text)``, hashed again only for samples whose stamp row changed since the last call;
-the comparison is one vectorised step over the batch, so a warm batch costs its
-``stamps`` and no hashing. A source whose stamps do not tell when its bytes change
-(``content_stamp=True``: the stat fields are not trusted) sets
-:attr:`BaseSource._memoise_keys` to False and every key is computed again.
+key_text)``, hashed again only for samples whose stamp row changed since it was last
+remembered; the comparison is one vectorised step over the batch, so a warm batch costs
+its ``stamps`` and no hashing. They are remembered in the node's key table
+(:mod:`~mmcache.sources.keytable`: one file every process of the node maps and the next
+run finds, each row checked) when the source names what its keys depend on
+(:meth:`BaseSource.key_table_parts`), else in a memo of this process. A source whose
+stamps do not tell when its bytes change (``content_stamp=True``: the stat fields are not
+trusted) sets :attr:`BaseSource._memoise_keys` to False and every key is computed again.
 
 Per-process state is declared once, in :attr:`BaseSource._per_process`: those attributes
 are dropped when the source is pickled (a spawned worker, a forked one's copy is its own)
@@ -162,8 +165,10 @@ class BaseSource(PipelineFields, torch.utils.data.Dataset[dict[str, Any] | None]
         self, indices: Sequence[int] | np.ndarray, *, stamps: np.ndarray | None = None
     ) -> np.ndarray:
         """Keys as ``uint8 [n, 16]``: ``sample_key(id, stamp_string, fingerprint, key_text)``,
-        hashed again only for samples whose stamp changed since the last call (a stamp
-        row starting with ``-2``, no stamp, is never memoised); the identity texts of a
+        hashed again only for samples whose stamp row is not the one their remembered key
+        was made under (in the node's key table, :meth:`key_table`, or this process's
+        memo); a key is remembered only under a settled stamp (not a row starting with
+        ``-2``, no stamp, nor one :meth:`_unsettled` names). The identity texts of a
         batch's changed samples are asked for in one :meth:`stamp_strings` call.
         ``stamps``: :meth:`stamps` of ``indices`` taken just before, if the caller has
         them. Not thread-safe (one thread per process calls it)."""
