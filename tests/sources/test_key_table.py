@@ -239,3 +239,14 @@ def test_without_a_column_file_keys_stay_in_the_process(
     src.keys(range(4))  # the private memo
     assert hashed[0] == 4
     assert src.key_table(4) is None
+
+
+def test_a_table_unused_for_long_is_swept(tmp_path: Path) -> None:
+    old = keytable.open_table(str(tmp_path), keytable.table_identity(["old pipeline"]), 3, 4)
+    kept = keytable.open_table(str(tmp_path), keytable.table_identity(["in use"]), 3, 4)
+    assert old is not None and kept is not None
+    month = keytable.UNUSED_SECONDS + 86400
+    os.utime(old.path, (os.path.getatime(old.path), os.path.getmtime(old.path) - month))
+    keytable.open_table(str(tmp_path), keytable.table_identity(["new"]), 3, 4)
+    assert not os.path.exists(old.path)
+    assert os.path.exists(kept.path)

@@ -55,6 +55,7 @@ import mmap
 import os
 import secrets
 import stat
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -80,6 +81,9 @@ _PREFIX = len(MAGIC) + 16
 _SUFFIX = ".keys"
 #: Most other tables a creation looks at for one whose column file is gone or rebuilt.
 SWEEP_BUDGET = 64
+#: A table not opened for this long is swept whatever its column file (a pipeline
+#: changed since: its fingerprint names another table), seconds.
+UNUSED_SECONDS = 30 * 86400
 
 _M = (1 << 64) - 1
 _P1, _P2, _P3, _P4, _P5 = (  # XXH64's primes
@@ -222,6 +226,10 @@ class KeyTable:
             self.writable = False
             logger.warning("key table %s cannot be written (%s): keys are computed", self.path, exc)
 
+    def fileno(self) -> int:
+        """The table's descriptor (read and written by this process)."""
+        return self._fd
+
     def close(self) -> None:
         """Let go of the file (rows read before stay valid copies)."""
         with contextlib.suppress(OSError, ValueError, BufferError):
@@ -317,11 +325,15 @@ def open_table(
         return None
     path = os.path.join(folder, identity + _SUFFIX)
     try:
-        return KeyTable(path, identity, n, k)
+        found = KeyTable(path, identity, n, k)
     except FileNotFoundError:
         pass
     except _Refused as exc:
         logger.warning("key table %s; making it again", exc)
+    else:
+        with contextlib.suppress(OSError):
+            os.utime(found.fileno())  # opened now: not swept as unused (UNUSED_SECONDS)
+        return found
     try:
         with _lock(path):
             with contextlib.suppress(FileNotFoundError, _Refused):
@@ -379,8 +391,9 @@ def _lock(path: str) -> Iterator[None]:
 def sweep_tables(folder: str, *, keep: str = "", budget: int = SWEEP_BUDGET) -> int:
     """Remove key tables (and their lock files) whose watched column file is gone or holds
     another digest (its manifest changed: the table's keys are of samples that are no
-    more), looking at no more than ``budget`` tables besides ``keep``: how many. A table
-    being made (its lock held) or unreadable is left; a process that maps one keeps it."""
+    more), or that no process opened for :data:`UNUSED_SECONDS` (another pipeline's),
+    looking at no more than ``budget`` tables besides ``keep``: how many. A table being
+    made (its lock held) or unreadable is left; a process that maps one keeps it."""
     try:
         names = [e.name for e in os.scandir(folder) if e.name.endswith(_SUFFIX)]
     except OSError:
@@ -393,12 +406,13 @@ def sweep_tables(folder: str, *, keep: str = "", budget: int = SWEEP_BUDGET) -> 
         except (OSError, _Refused):
             continue
         try:
+            unused = os.fstat(fd).st_mtime < time.time() - UNUSED_SECONDS
             watch = _parse_header(os.pread(fd, HEADER, 0), path).get("watch")
         except _Refused:
             continue
         finally:
             os.close(fd)
-        if not (isinstance(watch, list) and len(watch) == 2) or _watched(watch):
+        if not unused and (not isinstance(watch, list) or len(watch) != 2 or _watched(watch)):
             continue
         removed += _remove_unlocked(path)
     return removed
