@@ -66,7 +66,8 @@ _NOTHING = 1 << 62
 _NOT_LEARNT, _IN_TABLE, _HERE = 0, 1, 2
 #: Most samples whose keys the prefetcher publishes: the board then takes 48 bytes more
 #: per sample of shared memory (``/dev/shm``), 48 MiB here; beyond, a new process's first
-#: epoch is keyed in the training process.
+#: epoch is keyed in the training process (over a source with a key table, a ``stat`` and a
+#: table look-up per sample: no key is hashed again, ~11 us a sample at 5x10^4).
 _KEYED_MAX = 1 << 20
 
 
