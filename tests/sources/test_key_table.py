@@ -116,26 +116,36 @@ print(json.dumps({"hashed": calls[0] if src.keys(range(30)) else -1,
 """
 
 
+def _children(manifest: Path, tokenizer_json: Path, count: int) -> list[dict[str, object]]:
+    """:data:`_CHILD` in ``count`` new interpreters at once: what each printed."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    argv = [sys.executable, "-c", _CHILD, str(manifest), str(tokenizer_json)]
+    procs = [
+        subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True) for _ in range(count)
+    ]
+    outs = [p.communicate()[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    return [json.loads(out.splitlines()[-1]) for out in outs]
+
+
 def test_a_second_process_computes_no_key(
     tmp_path: Path, folder: Path, tokenizer_json: Path
 ) -> None:
     manifest = dataset(tmp_path, 30)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-
-    def run() -> dict[str, object]:
-        out = subprocess.run(
-            [sys.executable, "-c", _CHILD, str(manifest), str(tokenizer_json)],
-            env=env,
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        got: dict[str, object] = json.loads(out.stdout.splitlines()[-1])
-        return got
-
-    first, second = run(), run()
+    [first] = _children(manifest, tokenizer_json, 1)
+    [second] = _children(manifest, tokenizer_json, 1)
     assert first["hashed"] == 30
     assert second == {"hashed": 0, "keys": first["keys"]}
+
+
+def test_processes_keying_at_once_leave_a_table_of_right_rows(
+    tmp_path: Path, folder: Path, tokenizer_json: Path
+) -> None:
+    manifest = dataset(tmp_path, 30)
+    together = _children(manifest, tokenizer_json, 3)  # writing the same rows at once
+    assert len({json.dumps(got["keys"]) for got in together}) == 1
+    [after] = _children(manifest, tokenizer_json, 1)
+    assert after == {"hashed": 0, "keys": together[0]["keys"]}
 
 
 def test_a_damaged_or_torn_row_is_never_used(
