@@ -260,3 +260,22 @@ def test_a_table_unused_for_long_is_swept(tmp_path: Path) -> None:
     keytable.open_table(str(tmp_path), keytable.table_identity(["new"]), 3, 4)
     assert not os.path.exists(old.path)
     assert os.path.exists(kept.path)
+
+
+def test_gc_sweeps_the_tables_of_deleted_manifests(
+    tmp_path: Path, folder: Path, settled: None, small_pipeline: Pipeline
+) -> None:
+    """A build sweeps at most 64 tables, and only when a table is made: ``gc`` sweeps every
+    table whose column file went (the manifest deleted), with those column files."""
+    import mmcache
+
+    live = source(dataset(tmp_path / "live", 4), small_pipeline)
+    gone = source(dataset(tmp_path / "gone", 4), small_pipeline)
+    live.keys(range(4))
+    gone.keys(range(4))
+    kept, swept = table_path(live), table_path(gone)
+    os.unlink(tmp_path / "gone" / "data.jsonl")
+    with mmcache.Cache(tmp_path / "root", memory=0, disk="8MiB") as cache:
+        report = cache.gc()
+    assert (report.column_files, report.key_tables) == (1, 1)
+    assert os.path.exists(kept) and not os.path.exists(swept)

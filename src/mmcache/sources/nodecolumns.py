@@ -65,6 +65,7 @@ import xxhash
 from mmcache.rootfiles import UnsafeFileError, make_dir
 from mmcache.sources.colfile import ColumnFileError, map_columns, write_columns
 from mmcache.sources.identity import RACY_SECONDS
+from mmcache.sources.keytable import sweep_tables
 from mmcache.sources.records import Records
 from mmcache.stores.claims import STOPPED, process_state
 from mmcache.stores.memory.shm import lock_holders
@@ -340,15 +341,18 @@ def _trim_heap() -> None:
 SWEEP_BUDGET = 64
 
 
-def sweep_stale_columns() -> int:
-    """Remove every column file of this user's folder whose manifest is gone or changed
-    (``mmcache gc``; a build sweeps at most :data:`SWEEP_BUDGET` of them): the number of
-    files removed. Nothing when the folder is off, absent or not this user's own.
-    Process-safe as :func:`sweep_columns`."""
+def sweep_stale_columns() -> tuple[int, int]:
+    """Remove every column file of this user's folder whose manifest is gone or changed,
+    then every key table whose column file went or that no process opened for 30 days
+    (``mmcache gc``; a build sweeps at most :data:`SWEEP_BUDGET` of each): the numbers of
+    column files and of key tables removed. Nothing when the folder is off, absent or not
+    this user's own. Process-safe as :func:`sweep_columns` and
+    :func:`~mmcache.sources.keytable.sweep_tables`."""
     folder = columns_dir()
     if folder is None or not os.path.isdir(folder) or not _own_folder(folder):
-        return 0
-    return sweep_columns(folder, budget=1 << 62)
+        return 0, 0
+    columns = sweep_columns(folder, budget=1 << 62)
+    return columns, sweep_tables(folder, budget=1 << 62)
 
 
 def sweep_columns(folder: str, *, keep: str = "", budget: int = SWEEP_BUDGET) -> int:
