@@ -319,6 +319,10 @@ def _cmd_gc(args: argparse.Namespace) -> int:
         else:
             print(f"{len(report.orphan_segments)} orphaned shared-memory segments removed")
             print(f"{len(report.reject_logs)} reject logs of ended processes removed")
+            print(
+                f"{report.column_files} column files of manifests gone or changed and "
+                f"{report.key_tables} key tables of them (or unused for 30 days) removed"
+            )
             _print_pruned(book, refused)
         return 0 if refused is None else 1
     cache = _open(args)
@@ -346,7 +350,9 @@ def _cmd_gc(args: argparse.Namespace) -> int:
             f"{len(report.orphan_segments)} orphaned shared-memory segments, "
             f"{report.dropped_entries} entries of {len(report.dropped_fingerprints)} "
             f"unused pipeline fingerprints, {len(report.index_files)} stale WebDataset "
-            f"member indexes, {len(report.reject_logs)} reject logs of ended processes"
+            f"member indexes, {len(report.reject_logs)} reject logs of ended processes, "
+            f"{report.column_files} column files of manifests gone or changed and "
+            f"{report.key_tables} key tables"
         )
         if compacted is not None:
             before, after = format_size(compacted.before), format_size(compacted.after)

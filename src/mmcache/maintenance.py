@@ -54,6 +54,12 @@ class GcReport:
     #: Reject logs of this user's ended processes removed from the temporary folder
     #: (:func:`~mmcache.sources.rejects.sweep_reject_logs`).
     reject_logs: tuple[str, ...] = ()
+    #: Column files of manifests gone or changed removed from this user's folder
+    #: (:func:`~mmcache.sources.nodecolumns.sweep_stale_columns`).
+    column_files: int = 0
+    #: Key tables of column files gone, or unused for 30 days, removed from that folder
+    #: (:func:`~mmcache.sources.keytable.sweep_tables`).
+    key_tables: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -215,8 +221,11 @@ def gc(
     (:func:`~mmcache.sources.wds.home.sweep_indexes`), and so are the reject logs
     that killed processes of this user left in the temporary folder (the next
     process that makes one removes them too, but none may come:
-    :func:`~mmcache.sources.rejects.sweep_reject_logs`).
+    :func:`~mmcache.sources.rejects.sweep_reject_logs`), and this user's manifest column
+    files whose manifest is gone or changed, with the key tables of those (or unused for 30
+    days) (:func:`~mmcache.sources.nodecolumns.sweep_stale_columns`).
     """
+    from mmcache.sources.nodecolumns import sweep_stale_columns
     from mmcache.sources.rejects import sweep_reject_logs
     from mmcache.sources.wds.home import INDEX_FOLDER, sweep_indexes
 
@@ -245,6 +254,7 @@ def gc(
     orphans = reclaim_memory(cache, all_roots=all_roots)
     after = sum(t.nbytes() for t in cache.tiers.values())
     indexes = tuple(sweep_indexes(str(cache.root / INDEX_FOLDER)))
+    columns, tables = sweep_stale_columns()
     return GcReport(
         expired=expired,
         corrupt=len(report.bad),
@@ -255,6 +265,8 @@ def gc(
         dropped_entries=removed_by_fp,
         index_files=indexes,
         reject_logs=tuple(sweep_reject_logs()),
+        column_files=columns,
+        key_tables=tables,
     )
 
 
@@ -269,9 +281,10 @@ def sweep_orphans() -> GcReport:
     exists is exactly what leaves its store behind. A group's directory that
     another user could control is skipped with a warning (never used, never
     emptied); this user's own raises :class:`~mmcache.errors.CacheError`.
-    The reject logs of this user's ended processes go too (as in :func:`gc`).
-    Process-safe.
+    The reject logs of this user's ended processes and the column files of manifests
+    gone or changed go too (as in :func:`gc`). Process-safe.
     """
+    from mmcache.sources.nodecolumns import sweep_stale_columns
     from mmcache.sources.rejects import sweep_reject_logs
     from mmcache.stores.memory import reclaim_orphans
 
@@ -281,4 +294,10 @@ def sweep_orphans() -> GcReport:
             removed += reclaim_orphans("*", group=group)
         except CacheError as exc:  # UntrustedFileError: not ours to sweep
             logger.warning("skipping the memory stores of group %d: %s", group, exc)
-    return GcReport(orphan_segments=tuple(removed), reject_logs=tuple(sweep_reject_logs()))
+    columns, tables = sweep_stale_columns()
+    return GcReport(
+        orphan_segments=tuple(removed),
+        reject_logs=tuple(sweep_reject_logs()),
+        column_files=columns,
+        key_tables=tables,
+    )

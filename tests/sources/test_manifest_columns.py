@@ -9,10 +9,13 @@ refused and built again; the heap a read leaves holds nothing per record.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
+import signal
 import subprocess
 import sys
+import threading
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
@@ -277,6 +280,29 @@ def test_columns_of_deleted_manifests_are_swept(tmp_path: Path, folder: Path) ->
     assert child(live)["parses"] == 0, "the live manifest's columns were swept"
 
 
+def test_gc_sweeps_the_columns_of_every_manifest_gone(
+    tmp_path: Path, folder: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A build sweeps at most ``SWEEP_BUDGET`` files, and only when something is built:
+    ``gc`` (of a root, or ``--all`` without one) sweeps every stale one of the folder."""
+    manifests = [write_manifest(tmp_path / f"m{i}.jsonl", 10) for i in range(4)]
+    for m in manifests:
+        mmcache.read_manifest(m)
+    assert len(cols_files(folder)) == 4
+    manifests[0].unlink()
+    manifests[1].unlink()
+    with mmcache.Cache(tmp_path / "root", memory=0, disk="8MiB") as cache:
+        assert cache.gc().column_files == 2
+    assert len(cols_files(folder)) == 2
+    manifests[2].unlink()
+    from mmcache.cli import main
+
+    assert main(["gc", "--all"]) == 0
+    assert "1 column files of manifests gone or changed and" in capsys.readouterr().out
+    assert len(cols_files(folder)) == 1
+    assert child(manifests[3])["parses"] == 0, "the live manifest's columns were swept"
+
+
 def test_heap_per_record_after_open_is_bounded(tmp_path: Path, folder: Path) -> None:
     """What a read leaves on this process's heap: nothing per record, whether it built
     the column file (first read) or mapped it (later). The parsed columns alone were
@@ -363,3 +389,46 @@ def test_keying_a_batch_holds_memory_for_that_batch_only(
     source.key_rows(np.arange(256))
     grown = _anonymous() - before
     assert grown < n * 8, f"keying 256 samples grew the heap by {grown / n:.1f} B per sample"
+
+
+def test_a_stopped_builder_is_not_waited_for(
+    tmp_path: Path, folder: Path, parses: list[int], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A process stopped (SIGSTOP, Ctrl-Z, a suspended job) while it holds a manifest's
+    build lock keeps the lock, alive; the other ranks waited for it without end. Now a
+    waiter looks the holder up after ``BUILDER_NOTICE_S`` and parses in memory."""
+    manifest = write_manifest(tmp_path / "m.jsonl", 200)
+    mmcache.read_manifest(manifest)  # the column file and its lock file exist
+    (lock,) = [p for p in folder.iterdir() if p.name.endswith(".lock")]
+    write_manifest(manifest, 300, caption="rewritten")  # stale: a build is needed
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys, time\n"
+            "fd = os.open(sys.argv[1], os.O_RDWR)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+            "print('held', flush=True)\n"
+            "time.sleep(600)\n",
+            str(lock),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    result: list[Records] = []
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        os.kill(holder.pid, signal.SIGSTOP)
+        reader = threading.Thread(
+            target=lambda: result.append(mmcache.read_manifest(manifest)), daemon=True
+        )
+        with caplog.at_level(logging.WARNING, logger="mmcache.sources.nodecolumns"):
+            reader.start()
+            reader.join(timeout=30)
+        assert not reader.is_alive(), "the reader still waits for the stopped builder"
+    finally:
+        os.kill(holder.pid, signal.SIGCONT)
+        holder.kill()
+        holder.wait()
+    assert len(result[0]) == 300 and parses[0] == 2  # parsed here, in memory
+    assert str(holder.pid) in caplog.text and "stopped" in caplog.text

@@ -720,3 +720,26 @@ def test_a_store_collected_in_a_reference_cycle_raises_nothing(
 
 
 # Many small entries (the index grows, F13): test_memory_index_growth.py.
+
+
+def test_one_key_presence_answers_as_the_vectorised_lookup(
+    make: Callable[..., MemoryStore],
+) -> None:
+    """``contains_many([key])`` (a worker's check of each miss) takes a single probe of the
+    table; it must say what the vectorised lookup says: held, never held, deleted,
+    replaced, and a malformed key refused the same way."""
+    s = make()
+    for i in range(50):
+        assert s.put(key(i), value(i, 100))
+    for i in range(0, 50, 3):
+        assert s.delete(key(i))
+    assert s.put(key(4), value(5, 300))  # replaced
+    probe = [key(i) for i in range(80)]
+    vectorised = s.contains_many(np.frombuffer(b"".join(probe), np.uint8).reshape(-1, 16))
+    one_by_one = [bool(s.contains_many([k])[0]) for k in probe]
+    assert one_by_one == vectorised.tolist()
+    assert one_by_one == [(i < 50 and i % 3 != 0) or i == 4 for i in range(80)]
+    assert [bool(s.contains_many((k,))[0]) for k in probe[:5]] == one_by_one[:5]
+    for bad in ([b"short"], [b"x" * 17]):
+        with pytest.raises((ValueError, TypeError)):
+            s.contains_many(bad)  # type: ignore[arg-type]

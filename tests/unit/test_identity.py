@@ -203,3 +203,30 @@ def test_the_ledger_answers_a_batch_in_one_query_per_500_keys(
     assert got == [rows[i][1] for i in order] + [rows[7][1], None]
     selects = [s for s in statements if s.lstrip().upper().startswith("SELECT")]
     assert len(selects) == 3  # 1,202 keys: 500 + 500 + 202 (one per key on main: 1,202)
+
+
+def test_a_process_keeps_a_bounded_number_of_digests_beside_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each digest a process learnt stayed in its memory (~200 B per file read: a worker's
+    memory grew with the dataset). Beside a usable ledger file it keeps only its newest
+    ``MEM_ROWS``; an older digest is read back from the file, and a ledger in memory only
+    (nothing else remembers) keeps them all."""
+    monkeypatch.setattr(identity, "MEM_ROWS", 100)
+    old = 1_000_000_000 * 10**9  # stamps long before the digests were taken: they vouch
+
+    def rows(n: int) -> list[identity.Learned]:
+        return [
+            (b"e%07d" % i, b"d%015d" % i, f"/data/f{i}", (10, old, old, i), None) for i in range(n)
+        ]
+
+    ledger = identity.Ledger(str(tmp_path / "ledger.sqlite"))
+    for at in range(0, 300, 50):
+        ledger.put_many(rows(300)[at : at + 50])
+    assert len(ledger._mem) <= 100  # 300 before
+    assert ledger.get_many([b"e%07d" % i for i in range(300)]) == [
+        b"d%015d" % i for i in range(300)
+    ]
+    in_memory = identity.Ledger(None)
+    in_memory.put_many(rows(300))
+    assert len(in_memory._mem) == 300

@@ -19,11 +19,14 @@ finds many identities in one pass (loose files: one ledger transaction for the b
 files; the default calls ``stamp_string`` per row).
 
 Keys (:meth:`BaseSource.key_rows`): ``keys.sample_key(id, stamp_string, fingerprint,
-key_text)``, hashed again only for samples whose stamp row changed since the last call;
-the comparison is one vectorised step over the batch, so a warm batch costs its
-``stamps`` and no hashing. A source whose stamps do not tell when its bytes change
-(``content_stamp=True``: the stat fields are not trusted) sets
-:attr:`BaseSource._memoise_keys` to False and every key is computed again.
+key_text)``, hashed again only for samples whose stamp row changed since it was last
+remembered; the comparison is one vectorised step over the batch, so a warm batch costs
+its ``stamps`` and no hashing. They are remembered in the node's key table
+(:mod:`~mmcache.sources.keytable`: one file every process of the node maps and the next
+run finds, each row checked) when the source names what its keys depend on
+(:meth:`BaseSource.key_table_parts`), else in a memo of this process. A source whose
+stamps do not tell when its bytes change (``content_stamp=True``: the stat fields are not
+trusted) sets :attr:`BaseSource._memoise_keys` to False and every key is computed again.
 
 Per-process state is declared once, in :attr:`BaseSource._per_process`: those attributes
 are dropped when the source is pickled (a spawned worker, a forked one's copy is its own)
@@ -50,10 +53,12 @@ from mmcache.sources.base import OnError, StampKind, check_on_error
 from mmcache.sources.bytesproc import PipelineFields
 from mmcache.sources.ids import IdColumn
 from mmcache.sources.items import item_tensors, serve
+from mmcache.sources.keytable import KeyTable, open_table, table_identity
+from mmcache.sources.nodecolumns import columns_dir
 from mmcache.sources.rejects import Reject, RejectLog
 from mmcache.transforms.pipeline import Processor
 
-__all__ = ["BaseSource"]
+__all__ = ["BaseSource", "lazy_zeros"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +78,12 @@ class BaseSource(PipelineFields, torch.utils.data.Dataset[dict[str, Any] | None]
     on_error: OnError
     #: Attributes of one process: not pickled, rebuilt on first use (a subclass adds its
     #: own, e.g. open file handles: ``_per_process = (*BaseSource._per_process, "_fds")``).
-    _per_process: ClassVar[tuple[str, ...]] = ("_memo_keys", "_memo_stamp", "_memo_have")
+    _per_process: ClassVar[tuple[str, ...]] = (
+        "_memo_keys",
+        "_memo_stamp",
+        "_memo_have",
+        "_table",
+    )
     #: Whether a key may be remembered under its stamp row (False: a stamp row that is
     #: equal does not mean equal bytes, so every key is computed again).
     _memoise_keys: bool = True
@@ -86,6 +96,8 @@ class BaseSource(PipelineFields, torch.utils.data.Dataset[dict[str, Any] | None]
         self._memo_keys: npt.NDArray[np.uint8] | None = None
         self._memo_stamp: npt.NDArray[np.int64] | None = None
         self._memo_have: npt.NDArray[np.bool_] | None = None
+        # The node's key table, once looked for (False: none; see key_table).
+        self._table: KeyTable | bool | None = None
         self._rejects = RejectLog()
         #: Samples left out when the source was opened (under ``on_error="skip"``).
         self.open_rejects: list[Reject] = []
@@ -153,31 +165,25 @@ class BaseSource(PipelineFields, torch.utils.data.Dataset[dict[str, Any] | None]
         self, indices: Sequence[int] | np.ndarray, *, stamps: np.ndarray | None = None
     ) -> np.ndarray:
         """Keys as ``uint8 [n, 16]``: ``sample_key(id, stamp_string, fingerprint, key_text)``,
-        hashed again only for samples whose stamp changed since the last call (a stamp
-        row starting with ``-2``, no stamp, is never memoised); the identity texts of a
+        hashed again only for samples whose stamp row is not the one their remembered key
+        was made under (in the node's key table, :meth:`key_table`, or this process's
+        memo); a key is remembered only under a settled stamp (not a row starting with
+        ``-2``, no stamp, nor one :meth:`_unsettled` names). The identity texts of a
         batch's changed samples are asked for in one :meth:`stamp_strings` call.
         ``stamps``: :meth:`stamps` of ``indices`` taken just before, if the caller has
         them. Not thread-safe (one thread per process calls it)."""
         idx = self._checked(indices)
         if stamps is None:
             stamps = self.stamps(idx)
-        if self._memo_keys is None or self._memo_stamp is None or self._memo_have is None:
-            # Zero pages mapped on demand (a page is memory of this process only once a
-            # row of it is written), the rows remembered marked in _memo_have: a process
-            # that keys a few batches holds a few pages, not 49 bytes for every sample.
-            n = self._ids.n
-            self._memo_keys = _lazy_zeros((n, 16), np.uint8)
-            self._memo_stamp = _lazy_zeros((n, stamps.shape[1]), np.int64)
-            self._memo_have = _lazy_zeros((n,), np.bool_)
-        memo_keys, memo_stamp, memo_have = self._memo_keys, self._memo_stamp, self._memo_have
-        if self._memoise_keys:
-            changed = (stamps != memo_stamp[idx]).any(axis=1)
-            stale = np.flatnonzero(changed | ~memo_have[idx])
+        table = self.key_table(stamps.shape[1])
+        if table is not None:
+            rows, found = table.lookup(idx, stamps)
+            stale = np.flatnonzero(~found)
         else:
-            stale = np.arange(idx.shape[0])
+            rows, stale = self._memo_rows(idx, stamps)
         if stale.size:
-            # The stale rows' ids in one call and their memo rows in two array writes: a
-            # new process keys every sample of its first epoch here, and per-row numpy
+            # The stale rows' ids in one call and their rows in one write: a new process
+            # with no table keys every sample of its first epoch here, and per-row numpy
             # writes cost about what the key's hash does.
             redo = idx[stale]
             taken = identity.ledger().clock()  # before any byte is read for the keys
@@ -187,9 +193,8 @@ class BaseSource(PipelineFields, torch.utils.data.Dataset[dict[str, Any] | None]
                 keys.sample_key(sid, text, fp, key_text(i))
                 for sid, text, i in zip(self._ids.ids(redo), texts, redo.tolist(), strict=True)
             ]
-            memo_keys[redo] = np.frombuffer(b"".join(made), dtype=np.uint8).reshape(-1, 16)
-            memo_stamp[redo] = stamps[stale]
-            # A row without a stamp (-2: missing) is never memoised, nor any under
+            rows[stale] = np.frombuffer(b"".join(made), dtype=np.uint8).reshape(-1, 16)
+            # A row without a stamp (-2: missing) is never remembered, nor any under
             # content_stamp=True, nor one whose files changed too recently for their stamp
             # to vouch for the key (a rewrite could still keep it: the ledger's racy rule).
             have = (stamps[stale, 0] != -2) & self._memoise_keys
@@ -197,9 +202,74 @@ class BaseSource(PipelineFields, torch.utils.data.Dataset[dict[str, Any] | None]
                 young = self._unsettled(redo, stamps[stale], taken)
                 if young is not None:
                     have &= ~young
-            memo_have[redo] = have
-        rows: np.ndarray = memo_keys[idx]
+            if table is not None:
+                keep = np.flatnonzero(have)
+                table.store(redo[keep], rows[stale[keep]], stamps[stale[keep]])
+            else:
+                self._remember(redo, rows[stale], stamps[stale], have)
         return rows
+
+    def _memo_rows(
+        self, idx: npt.NDArray[np.int64], stamps: npt.NDArray[np.int64]
+    ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64]]:
+        """The private memo's keys of ``idx`` and which of them are stale (not remembered,
+        or under another stamp row than ``stamps``): a source without a key table."""
+        if self._memo_keys is None or self._memo_stamp is None or self._memo_have is None:
+            # Zero pages mapped on demand (a page is memory of this process only once a
+            # row of it is written), the rows remembered marked in _memo_have: a process
+            # that keys a few batches holds a few pages, not 49 bytes for every sample.
+            n = self._ids.n
+            self._memo_keys = lazy_zeros((n, 16), np.uint8)
+            self._memo_stamp = lazy_zeros((n, stamps.shape[1]), np.int64)
+            self._memo_have = lazy_zeros((n,), np.bool_)
+        rows = self._memo_keys[idx]
+        if not self._memoise_keys:
+            return rows, np.arange(idx.shape[0])
+        changed = (stamps != self._memo_stamp[idx]).any(axis=1)
+        return rows, np.flatnonzero(changed | ~self._memo_have[idx])
+
+    def _remember(
+        self,
+        idx: npt.NDArray[np.int64],
+        rows: npt.NDArray[np.uint8],
+        stamps: npt.NDArray[np.int64],
+        have: npt.NDArray[np.bool_],
+    ) -> None:
+        """Write keys just made to the private memo (``have``: which may be used again)."""
+        assert self._memo_keys is not None and self._memo_stamp is not None
+        assert self._memo_have is not None  # made by _memo_rows
+        self._memo_keys[idx] = rows
+        self._memo_stamp[idx] = stamps
+        self._memo_have[idx] = have
+
+    def key_table(self, k: int) -> KeyTable | None:
+        """This process's mapping of the node's key table (:mod:`~mmcache.sources.keytable`)
+        for stamp rows of ``k`` words, or None: the source names no identity for one
+        (:meth:`key_table_parts`), key tables are off, or none can be made here."""
+        if not self._memoise_keys:
+            return None  # every key is computed again (see the module docstring)
+        if self._table is None:
+            self._table = False
+            parts = self.key_table_parts()
+            folder = columns_dir()
+            if parts is not None and folder is not None:
+                what, watch = parts
+                name = type(self)
+                ident = table_identity(
+                    [f"{name.__module__}.{name.__qualname__}", self._fingerprint, k, what]
+                )
+                self._table = open_table(folder, ident, self._ids.n, k, watch=watch) or False
+        table = self._table
+        return table if isinstance(table, KeyTable) and table.k == k else None
+
+    def key_table_parts(self) -> tuple[Any, list[Any]] | None:
+        """What this source's keys depend on besides each stamp row and the pipeline's
+        fingerprint, named cheaply (JSON-able: e.g. the digest of the manifest's column
+        file, which covers its ids, captions and paths), and ``[path, digest]`` of the
+        column file a table made of it is swept with; None (the default): no key table,
+        keys are remembered in this process only. Whatever the keys read beyond the
+        stamps must be in it, or a table would serve keys of other samples."""
+        return None
 
     def _unsettled(
         self, indices: npt.NDArray[np.int64], stamps: npt.NDArray[np.int64], taken: float
@@ -252,7 +322,7 @@ class BaseSource(PipelineFields, torch.utils.data.Dataset[dict[str, Any] | None]
         self.__dict__.update(state)
 
 
-def _lazy_zeros(shape: tuple[int, ...], dtype: type[np.generic]) -> npt.NDArray[Any]:
+def lazy_zeros(shape: tuple[int, ...], dtype: type[np.generic]) -> npt.NDArray[Any]:
     """A zeroed, writable array of private anonymous memory whose pages are made on first
     write. (``np.zeros`` is ``calloc``, which clears memory it reuses from the heap page by
     page: resident at once, after a process freed large buffers as a parse does.)

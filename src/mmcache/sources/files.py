@@ -405,6 +405,19 @@ class FileSource(BaseSource):
             return self.blobs.group_identity(self._media(i))
         return self.blobs.identity(self.records.image_path(i))
 
+    def key_table_parts(self) -> tuple[Any, list[Any]] | None:
+        """Local files whose records map the node's column file: the column file (its
+        digest covers every id, caption, conversation and path), ``on_error`` and the
+        records a chat pipeline left out (:meth:`BaseSource.key_table_parts`). Objects
+        (their identities read the store's listing) and records parsed in this process
+        have none: their keys stay in the process."""
+        named = self.records.column_file()
+        if named is None or self._objects is not None or self.content_stamp:
+            return None
+        path, digest, video_dir = named
+        what = [path, digest, video_dir, len(self.records), self.on_error, self._mismatched]
+        return what, [path, digest]
+
     def key_rows(
         self, indices: Sequence[int] | np.ndarray, *, stamps: np.ndarray | None = None
     ) -> np.ndarray:

@@ -87,6 +87,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import logging
 import os
 import socket
@@ -142,6 +143,10 @@ PRUNE_BUDGET = 100_000
 #: stamps" above): the coarsest timestamps met (FAT's 2 s) plus a coarse clock's lag and
 #: about a second of skew between this node's clock and a file server's.
 RACY_SECONDS = 3.0
+#: Digests a process keeps in memory beside a usable ledger file (the newest; ~13 MB):
+#: its memory stays bounded whatever the dataset's size. In memory only (no file, or
+#: one that failed) every digest is kept: nothing else remembers it.
+MEM_ROWS = 1 << 16
 #: The table's layout (``PRAGMA user_version``): schema 2 is brought to it in place, a
 #: ledger of another one is emptied.
 _SCHEMA = 3
@@ -376,6 +381,12 @@ class Ledger:
                     )
 
             self._run_locked(insert)
+            if not self._failed and len(self._mem) > MEM_ROWS:
+                # The file holds every row: this process keeps only its newest ones (a
+                # digest per file it read, ~200 B each, made a worker's memory grow with
+                # the dataset); an older one is found in the file when asked again.
+                for ev in list(itertools.islice(self._mem, len(self._mem) - MEM_ROWS // 2)):
+                    del self._mem[ev]
 
 
 def _path_hash(path: bytes) -> int:

@@ -28,7 +28,8 @@ manifest's bytes are digested again and compared (a rewrite within one tick of a
 coarse clock keeps every stat field).
 
 **Built once**: under an ``flock`` on ``<file>.lock``, so of the ranks that start
-together one parses and the others wait, then map what it wrote. A damaged file (bad
+together one parses and the others wait, then map what it wrote (a builder found stopped,
+``SIGSTOP`` or a suspended job, is not waited for: the waiter parses in memory). A damaged file (bad
 magic, header digest, truncated, offsets that fall back), a foreign one (another
 manifest's header), a link, another user's or a group-writable file is refused and
 built again (:class:`~mmcache.sources.colfile.ColumnFileError`, one warning). Any
@@ -64,7 +65,10 @@ import xxhash
 from mmcache.rootfiles import UnsafeFileError, make_dir
 from mmcache.sources.colfile import ColumnFileError, map_columns, write_columns
 from mmcache.sources.identity import RACY_SECONDS
+from mmcache.sources.keytable import sweep_tables
 from mmcache.sources.records import Records
+from mmcache.stores.claims import STOPPED, process_state
+from mmcache.stores.memory.shm import lock_holders
 
 __all__ = [
     "LAYOUT",
@@ -202,14 +206,49 @@ def _mapped(
         return None
 
 
+#: A build still holding the lock after this long is looked up (then again each period):
+#: a stopped builder is not waited for.
+BUILDER_NOTICE_S = 1.0
+
+
 @contextlib.contextmanager
-def _build_lock(path: str) -> Iterator[None]:
+def _build_lock(path: str) -> Iterator[bool]:
     """An exclusive ``flock`` on ``<path>.lock`` (0600, never through a link), held while
-    one process builds; the others wait for it (a holder that dies releases it)."""
+    one process builds; the others wait for it (a holder that dies releases it).
+
+    Yields True once held, or False when the holder is a stopped process (``SIGSTOP``,
+    Ctrl-Z, a suspended job: alive, so the kernel keeps its lock, but making no
+    progress): the caller then parses the manifest in memory rather than wait for it
+    without end (one warning names the pid). A running builder of a large manifest is
+    waited for however long it takes. The lock is polled, not waited on, so that a wait
+    can look its holder up (``/proc/locks``) every :data:`BUILDER_NOTICE_S`."""
     fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        look = time.monotonic() + BUILDER_NOTICE_S
+        pause = 0.002
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                pass
+            if time.monotonic() >= look:
+                look = time.monotonic() + BUILDER_NOTICE_S
+                holders = lock_holders(os.fstat(fd).st_ino)
+                stopped = [pid for pid in holders if process_state(pid) in STOPPED]
+                if stopped:
+                    logger.warning(
+                        "manifest columns: pid %s, which builds %s, is stopped (SIGSTOP, "
+                        "Ctrl-Z, a suspended job); parsing the manifest in memory here "
+                        "instead of waiting (resume or end that process)",
+                        ", ".join(map(str, stopped)),
+                        path,
+                    )
+                    yield False
+                    return
+            time.sleep(pause)
+            pause = min(pause * 1.5, 0.05)
+        yield True
     finally:
         os.close(fd)
 
@@ -236,7 +275,9 @@ def load_records(
     if found is not None:
         return found
     try:
-        with _build_lock(path):
+        with _build_lock(path) as held:
+            if not held:
+                return parse()
             found = _mapped(path, key, fd, st, source)  # built while this one waited
             if found is not None:
                 return found
@@ -298,6 +339,20 @@ def _trim_heap() -> None:
 
 #: Most other column files a build looks at for a manifest gone or changed.
 SWEEP_BUDGET = 64
+
+
+def sweep_stale_columns() -> tuple[int, int]:
+    """Remove every column file of this user's folder whose manifest is gone or changed,
+    then every key table whose column file went or that no process opened for 30 days
+    (``mmcache gc``; a build sweeps at most :data:`SWEEP_BUDGET` of each): the numbers of
+    column files and of key tables removed. Nothing when the folder is off, absent or not
+    this user's own. Process-safe as :func:`sweep_columns` and
+    :func:`~mmcache.sources.keytable.sweep_tables`."""
+    folder = columns_dir()
+    if folder is None or not os.path.isdir(folder) or not _own_folder(folder):
+        return 0, 0
+    columns = sweep_columns(folder, budget=1 << 62)
+    return columns, sweep_tables(folder, budget=1 << 62)
 
 
 def sweep_columns(folder: str, *, keep: str = "", budget: int = SWEEP_BUDGET) -> int:

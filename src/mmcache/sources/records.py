@@ -528,6 +528,16 @@ class Records:
 
     # -- the column file -----------------------------------------------------------------
 
+    def column_file(self) -> tuple[str, int, str] | None:
+        """``(path, header digest, video folder)`` of the node's column file every buffer
+        maps, or None when they are this process's own: what names these rows, every id,
+        text and path of them, without reading them (a key table's identity,
+        :mod:`~mmcache.sources.keytable`). The video folder is there because
+        :meth:`with_video_dir` changes where the same rows' videos resolve."""
+        if self._mapped is None:
+            return None
+        return self._mapped.path, self._mapped.digest, self._video_dir
+
     def column_arrays(self) -> dict[str, npt.NDArray[Any]]:
         """Every column as named arrays, the joined paths of :meth:`stat_paths` included:
         what a column file holds (:meth:`from_mapped` reads them back)."""

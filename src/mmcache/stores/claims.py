@@ -64,14 +64,14 @@ from types import TracebackType
 
 import xxhash
 
-__all__ = ["CLAIM_SLOTS", "Claim", "Claims"]
+__all__ = ["CLAIM_SLOTS", "STOPPED", "Claim", "Claims", "claim_holders", "process_state"]
 
 logger = logging.getLogger(__name__)
 
 #: Slots (bytes of the lock file) that keys hash to.
 CLAIM_SLOTS = 1 << 20
 #: Process states (``/proc/<pid>/stat``) of a process that makes no progress until resumed.
-_STOPPED = ("T", "t")
+STOPPED = ("T", "t")
 #: ``struct flock`` for x86-64/aarch64 Linux: l_type, l_whence, l_start, l_len, l_pid (+pad).
 _FLOCK = "hhqqi4x"
 _HELD = (errno.EAGAIN, errno.EACCES)
@@ -173,9 +173,7 @@ class Claims:
                 now = time.monotonic()
                 if not looked and now - start >= min(self.notice, self.timeout):
                     looked = True
-                    stopped = [
-                        p for p, state in claim_holders(self.path, slot) if state in _STOPPED
-                    ]
+                    stopped = [p for p, state in claim_holders(self.path, slot) if state in STOPPED]
                     if stopped:
                         logger.warning(
                             "key %s: pid %s, which claimed it to produce it, is stopped "
@@ -235,13 +233,14 @@ def claim_holders(path: str, slot: int) -> list[tuple[int, str]]:
             except OSError:
                 continue
             if any(ln.startswith("lock:") and "OFDLCK" in ln and ln.endswith(held) for ln in lines):
-                found.append((pid, _state(pid)))
+                found.append((pid, process_state(pid)))
                 break
     return found
 
 
-def _state(pid: int) -> str:
-    """The state letter of ``pid``, ``?`` when it cannot be read."""
+def process_state(pid: int) -> str:
+    """The state letter of ``pid`` (``R``, ``S``, ``D``, ``T``...; :data:`STOPPED`: it
+    makes no progress until resumed), ``?`` when it cannot be read."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             line = f.read()

@@ -101,6 +101,9 @@ class TieredReader:
 
     def contains_many(self, keys: Keys) -> npt.NDArray[np.bool_]:
         """Whether any tier holds each key (no hit/miss counted)."""
+        if isinstance(keys, (list, tuple)) and len(keys) == 1 and isinstance(keys[0], bytes):
+            # One key (a worker's check of each miss): each tier's single-key probe.
+            return np.array([any(bool(r.contains_many(keys)[0]) for r in self._readers)])
         arr = _keys_array(keys)
         held = np.zeros(arr.shape[0], dtype=bool)
         for reader in self._readers:

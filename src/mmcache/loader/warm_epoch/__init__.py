@@ -52,6 +52,8 @@ from mmcache.loader.warm_epoch.board import FileCheckBoard
 from mmcache.loader.warm_epoch.prefetch import StatPrefetcher
 from mmcache.sources.base import SampleSource, StampKind
 from mmcache.sources.capabilities import index_count
+from mmcache.sources.chassis import BaseSource, lazy_zeros
+from mmcache.sources.keytable import KeyTable
 from mmcache.stores.gathering import reader_capacity
 
 __all__ = ["LearntKeys", "WarmEpochs"]
@@ -60,48 +62,83 @@ __all__ = ["LearntKeys", "WarmEpochs"]
 _KEEP_GUESSED = 4
 #: A start past every epoch's last batch: a request that stops the prefetcher's round.
 _NOTHING = 1 << 62
+#: Where a learnt key is (LearntKeys): nowhere yet, in the node's key table, in this process.
+_NOT_LEARNT, _IN_TABLE, _HERE = 0, 1, 2
 #: Most samples whose keys the prefetcher publishes: the board then takes 48 bytes more
 #: per sample of shared memory (``/dev/shm``), 48 MiB here; beyond, a new process's first
-#: epoch is keyed in the training process.
+#: epoch is keyed in the training process (over a source with a key table, a ``stat`` and a
+#: table look-up per sample: no key is hashed again, ~11 us a sample at 5x10^4).
 _KEYED_MAX = 1 << 20
 
 
 class LearntKeys:
-    """Each sample's cache key and the file stamps it was made from, as last planned.
+    """Which samples' cache keys were learnt from plans, and the keys themselves: a guessed
+    plan is made of them, never trusted on its own.
 
-    49 bytes per sample of the dataset, in the training process: what a
-    guessed plan is made of, never trusted on its own. Rows are written whole
-    by the thread that fetches plans.
+    With the node's key table (:mod:`~mmcache.sources.keytable`: the source's
+    ``key_table``) a learnt key is read from there: the workers that planned the
+    batch wrote its row, so this process holds one byte per sample (which were learnt,
+    and where). A key the table does not hold (its file changed too recently to be
+    remembered there, or the source has no table) is kept here, 49 bytes per such sample,
+    in pages made only as they are written. Rows are written whole by the thread that
+    fetches plans; a table row that does not verify when read makes the guess fail.
     """
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, table: KeyTable | None = None) -> None:
         self._n = n
+        self._table = table
+        self._where: np.ndarray | None = None  # uint8 [n]: _NOT_LEARNT, _IN_TABLE, _HERE
         self._rows: np.ndarray | None = None  # uint8 [n, 48]: key, then the int64 stamp
-        self._have: np.ndarray | None = None
 
     def learn(self, plan: BatchPlan, *, fixed: bool = False) -> None:
         """Remember the plan's keys (and file stamps; ``fixed``: a ``StampKind.FIXED``
         source, whose plans carry none and whose guesses are checked by key)."""
         if plan.stamps is None and not fixed:
             return  # keys of file contents (StampKind.CONTENT): nothing a stat can verify
-        if self._rows is None or self._have is None:
-            self._rows = np.zeros((self._n, 16 + 8 * STAMP_WORDS), dtype=np.uint8)
-            self._have = np.zeros(self._n, dtype=bool)
-        self._rows[plan.indices, :16] = plan.keys
+        if self._where is None:
+            self._where = lazy_zeros((self._n,), np.uint8)
+        here = np.ones(len(plan.indices), dtype=bool)
+        if self._table is not None and plan.stamps is not None:
+            keys, found = self._table.lookup(plan.indices, plan.stamps)
+            here = ~(found & (keys == plan.keys).all(axis=1))
+        self._where[plan.indices] = np.where(here, _HERE, _IN_TABLE)
+        if not here.any():
+            return
+        if self._rows is None:
+            self._rows = lazy_zeros((self._n, 16 + 8 * STAMP_WORDS), np.uint8)
+        mine = plan.indices[here]
+        self._rows[mine, :16] = plan.keys[here]
         if plan.stamps is not None:
-            self._rows[plan.indices, 16:] = np.ascontiguousarray(plan.stamps).view(np.uint8)
-        self._have[plan.indices] = True
+            stamps = np.ascontiguousarray(plan.stamps[here])
+            self._rows[mine, 16:] = stamps.view(np.uint8)
 
     def count(self) -> int:
         """Samples whose key is known."""
-        return int(self._have.sum()) if self._have is not None else 0
+        return int(np.count_nonzero(self._where)) if self._where is not None else 0
 
     def guess(self, indices: np.ndarray, round_: int) -> BatchPlan | None:
-        """A plan of ``indices`` from their learnt keys, all in memory; None if one is unknown."""
-        if self._rows is None or self._have is None or not self._have[indices].all():
+        """A plan of ``indices`` from their learnt keys; None if one is unknown (or its row
+        of the key table no longer verifies)."""
+        if self._where is None:
             return None
-        rows = self._rows[indices]
-        keys, stamps = rows[:, :16], rows[:, 16:].view(np.int64)
+        where = self._where[indices]
+        if not where.all():
+            return None
+        keys = np.empty((len(indices), 16), dtype=np.uint8)
+        stamps = np.empty((len(indices), STAMP_WORDS), dtype=np.int64)
+        shared = where == _IN_TABLE
+        if shared.any():
+            if self._table is None:  # pragma: no cover - _IN_TABLE is written with one
+                return None
+            got, held, ok = self._table.rows(indices[shared])
+            if not ok.all():
+                return None
+            keys[shared], stamps[shared] = got, held
+        if not shared.all():
+            if self._rows is None:  # pragma: no cover - _HERE is written with the rows
+                return None
+            rows = self._rows[indices[~shared]]
+            keys[~shared], stamps[~shared] = rows[:, :16], rows[:, 16:].view(np.int64)
         hit = np.ones(len(indices), dtype=bool)
         return BatchPlan(indices, keys, hit, [], stamps, guessed=True, round=round_)
 
@@ -139,7 +176,8 @@ class WarmEpochs:
         self._n = index_count(source)  # (a mixture: its distinct samples, not one epoch)
         self._num_samples = num_samples
         self._entry_bytes = entry_bytes
-        self.learnt = LearntKeys(self._n)  # keys the plans brought (guesses)
+        table = source.key_table(STAMP_WORDS) if isinstance(source, BaseSource) else None
+        self.learnt = LearntKeys(self._n, table)  # keys the plans brought (guesses)
         #: Guessed epochs (the last few) and their check rounds.
         self.guessed: dict[int, int] = {}
         self._rounds = 0  # check rounds handed out

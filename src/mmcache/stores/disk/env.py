@@ -2,13 +2,14 @@
 
 Opening
     ``path/`` holds LMDB's ``data.mdb`` and ``lock.mdb``; inside the environment
-    there are three named databases: ``data`` (key -> value bytes), ``meta``
-    (key -> a fixed 48-byte record, see :mod:`.snapshot`) and ``info`` (format
-    version and the running totals). A ``data.mdb`` shorter than its last page
-    (an interrupted copy) is refused at open: reading past its end would kill
-    the process with SIGBUS. On a full file system the files LMDB writes at
-    open are allocated first (:mod:`.reserve`), so a full disk is a CacheError,
-    not a SIGBUS.
+    there are six named databases: ``data`` (key -> value bytes of an entry
+    stored alone), ``meta`` (key -> a fixed 48-byte record, see :mod:`.snapshot`),
+    ``info`` (format version and the running totals), and ``slots``, ``packs``
+    and ``packlive`` (small entries stored together, see :mod:`.packs`). A
+    ``data.mdb`` shorter than its last page (an interrupted copy) is refused
+    at open: reading past its end would kill the process with SIGBUS. On a
+    full file system the files LMDB writes at open are allocated first
+    (:mod:`.reserve`), so a full disk is a CacheError, not a SIGBUS.
 
 Processes, fork and pickling
     Several processes may open the same directory. LMDB forbids using an
@@ -51,6 +52,7 @@ from mmcache.stores.disk.reserve import MAX_READERS, reserve_files
 from mmcache.units import MiB
 
 __all__ = [
+    "DB_NAMES",
     "DISK_FORMAT_VERSION",
     "FAILED_WRITE_ERRNOS",
     "MAP_OVERHEAD",
@@ -70,8 +72,12 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: (major, minor) of the on-disk layout. A different major refuses to open.
-DISK_FORMAT_VERSION = (1, 0)
+#: (major, minor) of the on-disk layout. A different major refuses to open, except
+#: 1: a store of format 1 (no packs, :mod:`.packs`) is one of format 2 without any
+#: pack, so a writable open adds the pack databases and rewrites its format record
+#: (mmcache of format 1 then refuses it: it does not know those databases).
+DISK_FORMAT_VERSION = (2, 0)
+_MIGRATES = {1}
 
 _FORMAT = struct.Struct("<8sHH")
 _MAGIC = b"MMCDISK\x00"
@@ -80,7 +86,9 @@ _K_FORMAT = b"format"
 #: every committed change to meta); read and written by :class:`.snapshot.Totals`.
 TOTALS_RECORD = struct.Struct("<qqqq")
 TOTALS_KEY = b"totals"
-_DB_NAMES = (b"data", b"meta", b"info")
+#: The named databases, in this order (see :mod:`.packs` for the last three).
+DB_NAMES = (b"data", b"meta", b"info", b"slots", b"packs", b"packlive")
+_V1_NAMES = {b"data", b"meta", b"info"}
 
 #: Headroom of the default map size over the payload budget (see DiskStore).
 MAP_OVERHEAD = 64 * MiB
@@ -155,6 +163,9 @@ class EnvHandle:
         self.data: Any = None
         self.meta: Any = None
         self.info: Any = None
+        self.slots: Any = None
+        self.packs: Any = None
+        self.packlive: Any = None
         self.lockless = False
         self.fork_broken = False
         self._reopen_after_fork = False
@@ -197,17 +208,27 @@ class EnvHandle:
     def _open_dbs(self, env: lmdb.Environment) -> None:
         with env.begin() as txn:
             names = set(txn.cursor().iternext(values=False))
-        if not names <= set(_DB_NAMES):
+        if not names <= set(DB_NAMES):
             raise CacheError(
                 f"{self.path} holds an LMDB database that mmcache did not create "
                 f"(databases {sorted(names)!r}); choose another directory"
             )
-        if self.readonly and names != set(_DB_NAMES):
+        if self.readonly and names != set(DB_NAMES):
+            if names == _V1_NAMES:
+                raise CacheError(
+                    f"{self.path} holds a disk cache of format 1 (before packs); open it "
+                    "writable once (any mmcache command that writes, e.g. `mmcache verify "
+                    "--repair`) to upgrade it to format 2, then read-only"
+                )
             raise CacheError(f"{self.path} holds no mmcache disk cache to open read-only")
         create = not self.readonly
         self.data = env.open_db(b"data", create=create)
         self.meta = env.open_db(b"meta", create=create)
         self.info = env.open_db(b"info", create=create)
+        if self.readonly:  # (a read transaction's handles would end with it)
+            self.slots, self.packs, self.packlive = (
+                env.open_db(name, create=False) for name in DB_NAMES[3:]
+            )
         with env.begin(write=not self.readonly) as txn:
             raw = txn.get(_K_FORMAT, db=self.info)
             if raw is None:
@@ -215,15 +236,31 @@ class EnvHandle:
                     raise CacheError(f"{self.path}: the disk cache has no format record")
                 txn.put(_K_FORMAT, _FORMAT.pack(_MAGIC, *DISK_FORMAT_VERSION), db=self.info)
                 txn.put(TOTALS_KEY, TOTALS_RECORD.pack(0, 0, 0, 0), db=self.info)
-                return
-            magic, major, minor = _FORMAT.unpack(raw) if len(raw) == _FORMAT.size else (b"", 0, 0)
-            if magic != _MAGIC:
-                raise CacheError(f"{self.path}: not an mmcache disk cache (bad format record)")
+                major, minor = DISK_FORMAT_VERSION
+            else:
+                magic, major, minor = (
+                    _FORMAT.unpack(raw) if len(raw) == _FORMAT.size else (b"", 0, 0)
+                )
+                if magic != _MAGIC:
+                    raise CacheError(f"{self.path}: not an mmcache disk cache (bad format record)")
+                if major != DISK_FORMAT_VERSION[0] and (self.readonly or major not in _MIGRATES):
+                    raise CacheError(
+                        f"{self.path} was written in disk format {major}.{minor}; this mmcache "
+                        f"reads format {DISK_FORMAT_VERSION[0]}.x. Use a matching mmcache "
+                        "version or delete the directory to start an empty cache."
+                    )
+            if not self.readonly:  # created in the transaction that upgrades format 1
+                self.slots, self.packs, self.packlive = (
+                    env.open_db(name, txn=txn) for name in DB_NAMES[3:]
+                )
             if major != DISK_FORMAT_VERSION[0]:
-                raise CacheError(
-                    f"{self.path} was written in disk format {major}.{minor}; this mmcache "
-                    f"reads format {DISK_FORMAT_VERSION[0]}.x. Use a matching mmcache version "
-                    "or delete the directory to start an empty cache."
+                txn.put(_K_FORMAT, _FORMAT.pack(_MAGIC, *DISK_FORMAT_VERSION), db=self.info)
+                logger.info(
+                    "%s: disk format %d.%d upgraded to %d.%d",
+                    self.path,
+                    major,
+                    minor,
+                    *DISK_FORMAT_VERSION,
                 )
 
     def require(self) -> lmdb.Environment:
@@ -359,7 +396,7 @@ def _lmdb_open(
         metasync=False,
         mode=mode,
         create=not readonly,
-        max_dbs=len(_DB_NAMES),
+        max_dbs=len(DB_NAMES),
         max_readers=MAX_READERS,
         max_spare_txns=1,
         lock=lock,

@@ -40,6 +40,7 @@ from mmcache.stores.base import Keys
 from mmcache.stores.disk import DiskStore
 from mmcache.stores.disk.env import Txn
 from mmcache.stores.disk.gather import _check_targets, key_list
+from mmcache.stores.disk.packs import read_packed
 
 __all__ = ["DECODE_THREADS", "FormedDiskStore", "ValueForm", "WritesRanges"]
 
@@ -196,9 +197,12 @@ class FormedDiskStore(DiskStore):
         try:
             h = self._env()
             with Txn(h, buffers=True) as txn:
-                get, db = txn.get, h.data
+                get, data = txn.get, h.data
+                seen: dict[int, memoryview] = {}
                 for j, key in enumerate(ks):
-                    buf = get(key, db=db)
+                    buf = get(key, db=data)
+                    if buf is None:  # packed, or absent
+                        buf = read_packed(txn, h, key, seen)
                     if buf is None:
                         continue
                     if check(buf):

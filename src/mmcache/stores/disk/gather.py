@@ -33,6 +33,7 @@ from mmcache.errors import CacheError
 from mmcache.stores.base import KEY_SIZE, Keys
 from mmcache.stores.disk.counters import Counter, CounterFile
 from mmcache.stores.disk.env import EnvHandle, Txn
+from mmcache.stores.disk.packs import read_packed
 from mmcache.stores.gathercheck import (
     CopiedCheck,
     EntryCheck,
@@ -173,10 +174,13 @@ class DiskGather:
         try:
             h = self._env()
             with Txn(h, buffers=True) as txn:
-                get, db = txn.get, h.data
+                get, data = txn.get, h.data
+                seen: dict[int, memoryview] = {}
                 tiled: list[tuple[int, memoryview]] = []  # (j, buffer): checked as a batch
                 for j, key in enumerate(ks):
-                    buf = get(key, db=db)
+                    buf = get(key, db=data)
+                    if buf is None:  # packed, or absent
+                        buf = read_packed(txn, h, key, seen)
                     if buf is None or len(buf) < end:
                         continue
                     if tiles and len(buf) == end:
@@ -262,9 +266,12 @@ class DiskGather:
         try:
             h = self._env()
             with Txn(h, buffers=True) as txn:
-                get, db = txn.get, h.data
+                get, data = txn.get, h.data
+                seen: dict[int, memoryview] = {}
                 for key in ks:
-                    buf = get(key, db=db)
+                    buf = get(key, db=data)
+                    if buf is None:  # packed, or absent
+                        buf = read_packed(txn, h, key, seen)
                     if buf is not None:
                         touched += len(buf)
         except CacheError as exc:  # a hint only: a failure costs page faults later

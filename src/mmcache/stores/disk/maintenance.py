@@ -29,12 +29,14 @@ from mmcache.errors import CacheError
 from mmcache.rootfiles import make_dir, open_file
 from mmcache.stores.base import dir_mode
 from mmcache.stores.disk.env import (
+    DB_NAMES,
     EnvHandle,
     cache_error,
     no_handle_here,
     open_env,
     write_info,
 )
+from mmcache.stores.disk.packs import PACK_MAX_ENTRY, Packer, read_value, recount_packs
 from mmcache.stores.disk.reserve import reserve_lock_file
 from mmcache.stores.disk.snapshot import Totals, parse_meta
 
@@ -81,7 +83,7 @@ def tree_problem(h: EnvHandle) -> str | None:
     with h.in_flight:
         try:
             with h.require().begin() as txn:
-                for db in (h.data, h.meta):
+                for db in (h.data, h.meta, h.slots, h.packs):
                     for _ in txn.cursor(db=db).iternext(values=False):
                         pass
         except _DAMAGE as exc:
@@ -101,30 +103,33 @@ def verify_entries(h: EnvHandle, check: Callable[[bytes], bool]) -> list[bytes]:
     with h.in_flight:
         try:
             with h.require().begin(buffers=True) as txn:
-                for raw_key, value in txn.cursor(db=h.data):
-                    key = bytes(raw_key)
-                    meta = parse_meta(txn.get(key, db=h.meta))
-                    if meta is None or meta[0] != len(value):
-                        bad.append(key)
-                        continue
-                    try:
-                        ok = bool(check(bytes(value)))
-                    except Exception:
-                        ok = False
-                    if not ok:
-                        bad.append(key)
+                seen: dict[int, Any] = {}
+                for db in (h.data, h.slots):  # entries stored alone, then packed ones
+                    for raw_key in txn.cursor(db=db).iternext(values=False):
+                        key = bytes(raw_key)
+                        value = read_value(txn, h, key, seen)
+                        meta = parse_meta(txn.get(key, db=h.meta))
+                        if value is None or meta is None or meta[0] != len(value):
+                            bad.append(key)
+                            continue
+                        try:
+                            ok = bool(check(bytes(value)))
+                        except Exception:
+                            ok = False
+                        if not ok:
+                            bad.append(key)
                 for raw_key in txn.cursor(db=h.meta).iternext(values=False):
-                    if txn.get(raw_key, db=h.data) is None:
+                    if read_value(txn, h, bytes(raw_key), seen) is None:
                         bad.append(bytes(raw_key))
         except _DAMAGE as exc:
             raise _damaged(h.path, exc) from exc
         except lmdb.Error as exc:
             raise cache_error(h.path, exc) from exc
-    return bad
+    return list(dict.fromkeys(bad))
 
 
 def rebuild_totals_txn(txn: lmdb.Transaction[Any], h: EnvHandle, tot: Totals) -> int:
-    """Recount ``tot`` from the data and meta dbs in the write ``txn``; return the
+    """Recount ``tot`` from the data, slot and meta dbs in the write ``txn``; return the
     number of entries removed.
 
     Entries whose meta record is missing, damaged or disagrees with the value's
@@ -132,6 +137,14 @@ def rebuild_totals_txn(txn: lmdb.Transaction[Any], h: EnvHandle, tot: Totals) ->
     drops its snapshot of the meta columns.
     """
     sizes = {bytes(k): len(v) for k, v in txn.cursor(db=h.data)}
+    seen: dict[int, Any] = {}
+    for raw_key in list(txn.cursor(db=h.slots).iternext(values=False)):
+        key = bytes(raw_key)
+        value = read_value(txn, h, key, seen)  # None: a slot outside its pack, or no pack
+        if key in sizes or value is None:
+            txn.delete(key, db=h.slots)  # stored twice, or unreadable: not trusted
+        else:
+            sizes[key] = len(value)
     metas = {bytes(k): bytes(v) for k, v in txn.cursor(db=h.meta)}
     total = items = orphans = 0
     next_seq = tot.next_seq
@@ -144,10 +157,13 @@ def rebuild_totals_txn(txn: lmdb.Transaction[Any], h: EnvHandle, tot: Totals) ->
         else:
             txn.delete(key, db=h.meta)
             txn.delete(key, db=h.data)
+            txn.delete(key, db=h.slots)
             orphans += 1
     for key in sizes.keys() - metas.keys():
         txn.delete(key, db=h.data)
+        txn.delete(key, db=h.slots)
         orphans += 1
+    recount_packs(txn, h)
     if orphans:
         logger.warning("%s: removed %d inconsistent entries", h.path, orphans)
     tot.bytes, tot.items, tot.next_seq = total, items, next_seq
@@ -343,21 +359,43 @@ def _readable_keys(env: lmdb.Environment, db: Any) -> set[bytes]:
     return keys
 
 
+@dataclass
+class _Dbs:
+    """The named databases of an environment that is not an :class:`EnvHandle`'s (a
+    salvage's source and its fresh copy): what :mod:`.packs` reads and writes."""
+
+    data: Any
+    meta: Any
+    info: Any
+    slots: Any
+    packs: Any
+    packlive: Any
+
+    @classmethod
+    def open(cls, env: lmdb.Environment, *, create: bool) -> _Dbs:
+        return cls(*(env.open_db(name, create=create) for name in DB_NAMES))
+
+
 class _Reader:
     """Reads one entry at a time from a damaged environment: a read that fails
     invalidates its transaction (MDB_BAD_TXN after MDB_CORRUPTED), so a new one
     is begun for the next."""
 
-    def __init__(self, env: lmdb.Environment, data: Any, meta: Any) -> None:
-        self._env, self._data, self._meta = env, data, meta
+    def __init__(self, env: lmdb.Environment, dbs: _Dbs) -> None:
+        self._env, self._dbs = env, dbs
         self._txn: lmdb.Transaction[Any] | None = None
 
     def read(self, key: bytes) -> tuple[bytes | None, bytes | None] | None:
-        """``(value, meta record)``, or None when the pages of ``key`` are damaged."""
+        """``(value, meta record)`` (copies), or None when the pages of ``key`` are damaged."""
         if self._txn is None:
-            self._txn = self._env.begin()
+            self._txn = self._env.begin(buffers=True)
         try:
-            return self._txn.get(key, db=self._data), self._txn.get(key, db=self._meta)
+            value = read_value(self._txn, self._dbs, key)
+            raw = self._txn.get(key, db=self._dbs.meta)
+            return (
+                None if value is None else bytes(value),
+                None if raw is None else bytes(raw),
+            )
         except lmdb.Error:
             self.close()
             return None
@@ -382,22 +420,25 @@ def _salvage_copy(
     so memory holds the keys, never the values.
     """
     kept = lost = total = next_seq = 0
-    data: Any
-    meta: Any
+    src: _Dbs | None
     try:
-        data, meta = env.open_db(b"data", create=False), env.open_db(b"meta", create=False)
+        src = _Dbs.open(env, create=False)
     except lmdb.Error:
-        data = meta = None  # the main db itself is damaged: an empty tier
+        src = None  # the main db itself is damaged (or a part is missing): an empty tier
     out = open_env(dest, map_size=map_size, readonly=False, mode=mode, lock=False)
     try:
-        out_data, out_meta = out.open_db(b"data"), out.open_db(b"meta")
-        out_info = out.open_db(b"info")
-        if data is not None:
-            keys = sorted(_readable_keys(env, data) | _readable_keys(env, meta))
-            reader = _Reader(env, data, meta)
+        dst = _Dbs.open(out, create=True)
+        if src is not None:
+            keys = sorted(
+                _readable_keys(env, src.data)
+                | _readable_keys(env, src.meta)
+                | _readable_keys(env, src.slots)
+            )
+            reader = _Reader(env, src)
             try:
                 for start in range(0, len(keys), 512):
                     with out.begin(write=True) as wtxn:
+                        packer = Packer(wtxn, dst)  # small entries packed again
                         for key in keys[start : start + 512]:
                             got = reader.read(key)
                             value, raw = got if got is not None else (None, None)
@@ -410,15 +451,19 @@ def _salvage_copy(
                             ):
                                 lost += 1
                             else:
-                                wtxn.put(key, value, db=out_data)
-                                wtxn.put(key, raw, db=out_meta)
+                                if len(value) <= PACK_MAX_ENTRY:
+                                    packer.add(key, value)
+                                else:
+                                    wtxn.put(key, value, db=dst.data)
+                                wtxn.put(key, raw, db=dst.meta)
                                 kept += 1
                                 total += len(value)
                                 next_seq = max(next_seq, record[5] + 1)
+                        packer.flush()
             finally:
                 reader.close()
         with out.begin(write=True) as wtxn:
-            write_info(wtxn, out_info, (total, kept, next_seq, 1))
+            write_info(wtxn, dst.info, (total, kept, next_seq, 1))
     finally:
         out.close()
     counts[:] = [kept, lost]

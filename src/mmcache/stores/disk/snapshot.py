@@ -52,6 +52,7 @@ from mmcache.policies import (
     validate_victims,
 )
 from mmcache.stores.disk.env import TOTALS_KEY, TOTALS_RECORD, EnvHandle
+from mmcache.stores.disk.packs import read_value
 
 __all__ = [
     "META_RECORD",
@@ -109,7 +110,7 @@ def entry_size(txn: lmdb.Transaction[Any], h: EnvHandle, key: bytes, raw: bytes)
     meta = parse_meta(raw)
     if meta is not None:
         return meta[0]
-    value = txn.get(key, db=h.data)
+    value = read_value(txn, h, key)
     return 0 if value is None else len(value)
 
 
@@ -128,11 +129,11 @@ class Totals:
     gen: int
 
     @classmethod
-    def read(cls, txn: lmdb.Transaction[Any], h: EnvHandle) -> Totals:
+    def read(cls, txn: lmdb.Transaction[Any], h: EnvHandle, *, pending: int = 0) -> Totals:
         """The totals, checked against what the transaction sees.
 
         The budget rests on them, so a record that is missing, negative, counts
-        other than the meta db's entries, or more bytes than the data db's pages
+        other than the meta db's entries, or more bytes than the data and pack dbs' pages
         can hold is refused (``DamagedTotals``) rather than believed; both checks
         are O(1) (LMDB keeps the counts in the database record).
         """
@@ -142,10 +143,12 @@ class Totals:
         else:
             tot = cls(*TOTALS_RECORD.unpack(raw))
             items = txn.stat(h.meta)["entries"]
-            data = txn.stat(h.data)
-            room = (data["leaf_pages"] + data["overflow_pages"]) * data["psize"]
+            room = 0
+            for db in (h.data, h.packs):  # packed entries: in the packs' pages
+                st = txn.stat(db)
+                room += (st["leaf_pages"] + st["overflow_pages"]) * st["psize"]
             if min(tot.bytes, tot.items, tot.next_seq, tot.gen) >= 0 and (
-                tot.items == items and tot.bytes <= room
+                tot.items == items and tot.bytes <= room + pending
             ):
                 return tot
             why = (

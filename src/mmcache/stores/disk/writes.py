@@ -20,15 +20,17 @@ What LRU means on disk
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeAlias
 
 import lmdb
 
 from mmcache.stores.disk.env import EnvHandle, Txn
+from mmcache.stores.disk.packs import PACK_MAX_ENTRY, Packer
 from mmcache.stores.disk.snapshot import (
     META_RECORD,
     DamagedTotals,
@@ -143,20 +145,38 @@ class EntryWriter:
         self._clock = clock
         self._evict = evict
         self._pending = pending
+        # The packer of the write transaction in progress (LMDB runs one at a time).
+        self._packer: Packer | None = None
+
+    @contextlib.contextmanager
+    def _txn(self, h: EnvHandle) -> Iterator[lmdb.Transaction[Any]]:
+        """A write transaction with its :class:`~.packs.Packer`, flushed before the commit."""
+        try:
+            with Txn(h, write=True) as txn:
+                self._packer = Packer(txn, h)
+                try:
+                    yield txn
+                    self._packer.flush()
+                finally:
+                    self._packer = None
+        except BaseException:
+            self._evict.invalidate()
+            raise
+
+    def packer(self, txn: lmdb.Transaction[Any], h: EnvHandle) -> Packer:
+        """The packer of the transaction in progress (one of its own for a transaction
+        not opened here: then nothing is pending, and removals need no flush)."""
+        return self._packer if self._packer is not None else Packer(txn, h)
 
     def run(self, h: EnvHandle, op: WriteOp) -> int:
         """Run ``op`` in a write transaction that also records pending reads; write the
         totals if ``op`` changed them."""
-        try:
-            with Txn(h, write=True) as txn:
-                tot, gen0 = self.begin(txn, h)
-                result = op(txn, h, tot)
-                if tot.gen != gen0:
-                    tot.write(txn, h.info)
-                return result
-        except BaseException:
-            self._evict.invalidate()
-            raise
+        with self._txn(h) as txn:
+            tot, gen0 = self.begin(txn, h)
+            result = op(txn, h, tot)
+            if tot.gen != gen0:
+                tot.write(txn, h.info)
+            return result
 
     def put_group(
         self, h: EnvHandle, items: Sequence[tuple[bytes, memoryview, float, float]]
@@ -166,13 +186,9 @@ class EntryWriter:
         A full map or disk raises CacheError (``is_failed_write(exc.__cause__)``)
         and nothing of the group is written.
         """
-        try:
-            with Txn(h, write=True) as txn:
-                put = self.put
-                return [put(txn, h, key=k, buf=b, cost=c, ctime=t) for k, b, c, t in items]
-        except BaseException:
-            self._evict.invalidate()
-            raise
+        with self._txn(h) as txn:
+            put = self.put
+            return [put(txn, h, key=k, buf=b, cost=c, ctime=t) for k, b, c, t in items]
 
     def begin(self, txn: lmdb.Transaction[Any], h: EnvHandle) -> tuple[Totals, int]:
         """The totals as read (their ``gen`` before this transaction's changes), once
@@ -183,7 +199,8 @@ class EntryWriter:
         paths (``nbytes``, ``stats``) raise instead.
         """
         try:
-            tot = Totals.read(txn, h)
+            # Entries a packer holds until the commit are counted, not yet in pages.
+            tot = Totals.read(txn, h, pending=self.packer(txn, h).pending_bytes)
         except DamagedTotals as exc:
             logger.warning("%s; recounting it from the entries", exc)
             self._evict.invalidate()
@@ -240,10 +257,16 @@ class EntryWriter:
             raw = txn.get(victim, db=h.meta)
             if raw is not None:
                 self.delete(txn, h, tot, victim, raw)
+        packer = self.packer(txn, h)
         if old is not None:
             self.delete(txn, h, tot, key, old)
+        else:  # a value without its meta record (damage) must not shadow the new one
+            packer.remove(key)
         record = (size, cost, ctime, self._clock(), 0, tot.next_seq)
-        txn.put(key, buf, db=h.data)
+        if size <= PACK_MAX_ENTRY and self._packer is not None:
+            packer.add(key, buf)
+        else:
+            txn.put(key, buf, db=h.data)
         txn.put(key, META_RECORD.pack(*record), db=h.meta)
         self._evict.added(key, record)
         tot.next_seq += 1
@@ -259,7 +282,7 @@ class EntryWriter:
         """Remove the entry ``key`` whose meta record is ``raw``, from the totals too
         (the caller bumps the generation once for all it removed)."""
         tot.bytes -= entry_size(txn, h, key, raw)
-        txn.delete(key, db=h.data)
+        self.packer(txn, h).remove(key)
         txn.delete(key, db=h.meta)
         tot.items -= 1
         self._evict.removed(key)
@@ -268,7 +291,7 @@ class EntryWriter:
         """Delete ``key``, also a value whose meta record is missing; 1 if it was there."""
         raw = txn.get(key, db=h.meta)
         if raw is None:  # a value without its meta record (verify reports it) or nothing
-            return int(txn.delete(key, db=h.data))
+            return int(self.packer(txn, h).remove(key))
         self.delete(txn, h, tot, key, raw)
         self._evict.bump(tot)
         return 1

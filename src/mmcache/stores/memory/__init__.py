@@ -467,10 +467,13 @@ class MemoryStore(Store):
         """
         if len(keys) == 0:
             return np.zeros(0, dtype=bool)
-        q = keys_array(keys)
+        one = _one_key(keys)  # a worker asks for one key per miss: no array round trip
+        q = keys_array(keys) if one is None else np.zeros((0, 2), dtype=np.uint64)
         s = self._session
         try:
             with s.shared(s.wait()):
+                if one is not None:
+                    return np.array([s.table.find_ready(one) >= 0])
                 found: npt.NDArray[np.bool_] = s.table.lookup_ready(q) >= 0
         except (LockTimeout, Damaged) as exc:
             s.data_path_failed(exc, "reads are misses")
@@ -690,3 +693,13 @@ class MemoryStore(Store):
             if s.table.tombstones():
                 s.table.rehash()
         return reclaimed
+
+
+def _one_key(keys: Keys) -> bytes | None:
+    """The key when ``keys`` is a list or tuple of one valid key, else None: one probe of
+    the table answers it (~1 us) where the vectorised lookup's numpy steps cost ~20 us."""
+    if isinstance(keys, (list, tuple)) and len(keys) == 1:
+        key = keys[0]
+        if isinstance(key, bytes) and len(key) == KEY_SIZE:
+            return key
+    return None
