@@ -284,7 +284,7 @@ class _FakePlanner:
         keys = np.zeros((len(indices), 16), dtype=np.uint8)
         return BatchPlan(indices, keys, np.ones(len(indices), dtype=bool), [])
 
-    def produced(self, indices: np.ndarray) -> Any:
+    def produced(self, indices: np.ndarray, *, at: tuple[int, int] | None = None) -> Any:
         return self.plan(indices)
 
     def reads_ahead(self) -> bool:

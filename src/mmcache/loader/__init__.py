@@ -300,7 +300,9 @@ class DataLoader:
         persistent = gate is not None
         if gate is not None:
             weakref.finalize(self, gate.open_all)
-        self._planner = WorkerPlanner(dataset, cache, gate)
+        # The order, for a source that shares reads between samples (loader/lookahead.py):
+        # lock-free, as workers forked at any time read it.
+        self._planner = WorkerPlanner(dataset, cache, gate, batches=self._order.order.batches)
         if self.exchange is not None:  # produced here for another node: to the in-flight tier
             self._planner.guests = self.exchange.guests
         self._assembler = BatchAssembler(

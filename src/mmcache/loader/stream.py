@@ -206,7 +206,7 @@ class WorkerTaskSampler:
             if state.before_plan is not None:
                 for k in range(j, j + len(task)):
                     state.before_plan(epoch, k)
-            yield [WorkerTask(gate, b) for b in task]
+            yield [WorkerTask(gate, b, (epoch, j + k)) for k, b in enumerate(task)]
             j += len(task)
             group = min(2 * group, state.max_group) if state.warm else 1
 
@@ -437,7 +437,7 @@ class BatchPlanStream:
             if plan is None:  # the workers could not be started: produced here from now on
                 self._mode = PlanMode.PRODUCE
         if plan is None:
-            plan = self._planner.produced(indices)
+            plan = self._planner.produced(indices, at=(epoch, j))
         if not plan.guessed:
             self._warm.learn(plan)
             self._state.warm = bool(plan.planned_hit.all())

@@ -34,6 +34,7 @@ from mmcache.cache import Cache
 from mmcache.cluster.flight import FLIGHT
 from mmcache.errors import SampleError
 from mmcache.keys import STAT_FIELDS
+from mmcache.loader.lookahead import Batches, Lookahead
 from mmcache.readthrough import ReadThrough, Write, read_through
 from mmcache.sources.base import SampleSource, StampKind
 from mmcache.sources.capabilities import DrawsEpochs
@@ -106,10 +107,12 @@ class BatchPlan:
 
 @dataclass(frozen=True)
 class WorkerTask:
-    """Plan (and produce the misses of) one batch; ``gate``: wait for it first (0: none)."""
+    """Plan (and produce the misses of) one batch; ``gate``: wait for it first (0: none);
+    ``at``: ``(epoch, batch)``, where it is in the order (what the worker foresees from)."""
 
     gate: int
     indices: np.ndarray
+    at: tuple[int, int] | None = None
 
 
 @dataclass
@@ -150,11 +153,19 @@ class WorkerPlanner(torch.utils.data.Dataset[PackedPlan]):
     """
 
     def __init__(
-        self, source: SampleSource, cache: Cache | None, gate: _Gate | None = None
+        self,
+        source: SampleSource,
+        cache: Cache | None,
+        gate: _Gate | None = None,
+        *,
+        batches: Batches | None = None,
     ) -> None:
         self.source = source
         self.cache = cache
         self.gate = gate
+        # What a source that shares reads is told this process produces next (batches:
+        # the epochs' order; None: nothing is foreseen).
+        self._lookahead = Lookahead(source, batches)
         # A mixture weighs its misses by planned reads; asked once (a protocol check
         # per sample costs ~15 us of the cold path).
         self._draws = isinstance(source, DrawsEpochs)
@@ -355,6 +366,7 @@ class WorkerPlanner(torch.utils.data.Dataset[PackedPlan]):
         *,
         produce: bool = True,
         known: tuple[np.ndarray, np.ndarray] | None = None,
+        at: tuple[int, int] | None = None,
     ) -> BatchPlan | None:
         """Plan one batch: its keys, which rows the first tier holds, and the misses made.
 
@@ -362,7 +374,10 @@ class WorkerPlanner(torch.utils.data.Dataset[PackedPlan]):
         by the training process); every other row is :meth:`run`, in order.
         ``produce=False``: return None instead when a row is missing. ``known``: the
         batch's keys and file stamps, made this epoch by the stat prefetcher (see
-        :mod:`mmcache.loader.warm_epoch`), not made again here.
+        :mod:`mmcache.loader.warm_epoch`), not made again here. ``at``: ``(epoch,
+        batch)`` of a batch of the loader's order: before its misses are produced, a
+        source that shares reads is told what this process produces next
+        (:mod:`~mmcache.loader.lookahead`).
         """
         source = self.source
         stamps: np.ndarray | None
@@ -380,6 +395,8 @@ class WorkerPlanner(torch.utils.data.Dataset[PackedPlan]):
         if not produce and not planned.all():
             return None
         missing = np.flatnonzero(~planned).tolist()
+        if missing and at is not None:
+            self._lookahead.follow(at[0], at[1], indices)
         if missing and self.cache is not None:
             # A tier far away (the shared tier) reads the batch's misses at once, grouped
             # by pack, before they are looked up one by one below.
@@ -461,9 +478,9 @@ class WorkerPlanner(torch.utils.data.Dataset[PackedPlan]):
         if isinstance(reader, ReadsAhead):
             reader.prefetch(keys)
 
-    def produced(self, indices: np.ndarray) -> BatchPlan:
-        """:meth:`plan` with every missing row produced."""
-        plan = self.plan(indices)
+    def produced(self, indices: np.ndarray, *, at: tuple[int, int] | None = None) -> BatchPlan:
+        """:meth:`plan` with every missing row produced (``at``: as :meth:`plan`'s)."""
+        plan = self.plan(indices, at=at)
         if plan is None:  # pragma: no cover - plan() returns None only with produce=False
             raise RuntimeError("a produced plan is missing")
         return plan
@@ -478,7 +495,7 @@ class WorkerPlanner(torch.utils.data.Dataset[PackedPlan]):
         for task in tasks:
             if task.gate and self.gate is not None:
                 self.gate.wait(task.gate)  # a batch of an epoch the training loop has not begun
-            plan = self.produced(np.asarray(task.indices, dtype=np.int64))
+            plan = self.produced(np.asarray(task.indices, dtype=np.int64), at=task.at)
             stamps = plan.stamps.tobytes() if plan.stamps is not None else None
             out.append(
                 PackedPlan(plan.keys.tobytes(), plan.planned_hit.tobytes(), plan.results, stamps)

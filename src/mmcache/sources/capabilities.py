@@ -40,6 +40,7 @@ __all__ = [
     "CAPABILITIES",
     "DrawsEpochs",
     "FieldLayout",
+    "ForeseesReads",
     "GroupedFetching",
     "HasLengths",
     "HasRejects",
@@ -134,6 +135,24 @@ class GroupedFetching(Protocol):
 
 
 @runtime_checkable
+class ForeseesReads(Protocol):
+    """A source whose samples share reads (a Parquet row group is read whole for any of
+    its rows) and that, told the samples this process produces next, keeps what each read
+    brings for the ones to come instead of reading it again (the loader's workers tell it:
+    :mod:`mmcache.loader.lookahead`). A hint only: what it produces is the same."""
+
+    def foresee(self, indices: np.ndarray) -> None:
+        """The samples this process produces next, in order, from position 0 (replaces
+        what was foreseen; empty: nothing is)."""
+        ...
+
+    def reached(self, position: int) -> None:
+        """Production has got to ``position`` of what was foreseen (the samples before it
+        are done or were produced elsewhere)."""
+        ...
+
+
+@runtime_checkable
 class SharesStamps(Protocol):
     """A source whose revalidated stamps reach its other processes through a file
     (the gate that holds key lookups back while a revalidation runs)."""
@@ -197,6 +216,7 @@ CAPABILITIES: tuple[type, ...] = (
     SharesStamps,
     HasRejects,
     DrawsEpochs,
+    ForeseesReads,
 )
 
 

@@ -10,7 +10,14 @@ if there is one). A sample then reads only its row group's image, text and id
 column chunks (``ParquetFile.read_row_group``, memory-mapped for local files),
 never the whole file; decoded row groups are kept per process up to
 ``row_group_memory`` bytes (LRU), so rows read in file order, shuffled within a
-group, or shuffled over data smaller than that decode each group once.
+group, or shuffled over data smaller than that decode each group once. Under a
+shuffle over more data than that, the loader tells each producing process the
+samples it produces next (:meth:`ParquetSource.foresee`, the ``ForeseesReads``
+capability): a group read then keeps, within the same budget, the rows of that
+group still to come, the one needed last evicted first
+(:class:`~mmcache.sources.foresight.Foresight`), so a cold epoch reads each group
+about ``(its rows' bytes) / row_group_memory`` times per process instead of once per
+row.
 
 Stamps (``StampKind.FILE`` for local files): each row's stamp is its file's
 ``stat`` (:data:`mmcache.keys.STAT_FIELDS`) and its key adds the row's place in
@@ -64,6 +71,7 @@ from mmcache.sources.blobs.state import SharedStamps
 from mmcache.sources.blobs.tables import GONE, TableFiles, file_stamp
 from mmcache.sources.bytesproc import byte_limit
 from mmcache.sources.cells import check_image_type, image_cell
+from mmcache.sources.foresight import Foresight
 from mmcache.sources.rejects import Reject
 from mmcache.sources.rows import IdColumn, RowSource, check_columns, path_column
 from mmcache.transforms.pipeline import StagedProcessor
@@ -77,6 +85,10 @@ _DEFAULT_COLUMNS: dict[str, str | None] = {"id": None, "image": "image", "text":
 _GLOB_CHARS = frozenset("*?[")
 #: Files a process keeps open for reading rows (least recently read closed first).
 _OPEN_FILES = 32
+#: Bytes a kept row costs beyond its cells' bytes (its Python objects and tuple, its
+#: entries in the foresight's dict and heaps): what the budget counts it at (measured
+#: with tiny samples: ~600 B a row beside the image, caption and id bytes).
+_KEPT_OVERHEAD = 600
 
 
 def _pyarrow() -> Any:
@@ -162,11 +174,14 @@ class ParquetSource(RowSource):
             is served and each later one left out and listed in :meth:`rejects`.
         storage_options: the object store's options for URLs (credentials, endpoint:
             :class:`~mmcache.sources.blobs.objects.Remote`).
-        row_group_memory: bytes of decoded row groups kept per process (an int or
-            ``"128MiB"``; at least the last group read is kept, whatever its size):
-            rows read in file order or shuffled within a group decode their group
-            once; a global shuffle over files larger than this decodes a group for
-            most rows of a cold epoch (see README's figures).
+        row_group_memory: bytes of decoded row groups, and of rows kept for their
+            turn, per process (an int or ``"128MiB"``; at least the last group read is
+            kept, whatever its size): rows read in file order or shuffled within a
+            group decode their group once; under a global shuffle over files larger
+            than this, the loader's producing processes keep the rows they were told
+            come next, so each reads a group about ``(its rows' bytes) /
+            row_group_memory`` times an epoch (without that foresight, e.g. ``ds[i]``
+            in a torch DataLoader, a group for most rows).
 
     A source of remote files has :attr:`remote` (their store, under mmcache's retry
     policy), :attr:`raw` (``None``: rows are read through pyarrow, not fetched ahead) and
@@ -182,6 +197,8 @@ class ParquetSource(RowSource):
     shared_stamps: SharedStamps
     #: Rows are read by pyarrow, never fetched ahead: a prefetcher only revalidates.
     fetches_ahead = False
+    #: Row groups this process has read (decoded), for tests and benchmarks.
+    group_reads = 0
 
     def __init__(
         self,
@@ -210,9 +227,15 @@ class ParquetSource(RowSource):
         self._refs: dict[int, tuple[tuple[int, ...] | None, list[str | None] | None]] = {}
         self._groups: OrderedDict[tuple[int, int, tuple[int, ...]], Any] = OrderedDict()
         self._group_bytes = 0
+        # The rows this process produces next and the rows kept for them (the loader's
+        # foresight, sharing row_group_memory with the groups above).
+        self._foresight = Foresight(self.row_group_memory)
         self._lock = threading.Lock()
         rejects: list[Reject] = []
         files, stamps, versions, counts, id_parts = [], [], [], [], []
+        #: Row groups of all the files, and bytes and number of those this process decoded:
+        #: whether the groups would all fit ``row_group_memory`` (then no row is kept).
+        self._group_count = self._decoded_bytes = 0
         for name in self._resolve(_expand(paths)):
             try:
                 stamp, version, count, ids = self._read_footer(name)
@@ -307,11 +330,13 @@ class ParquetSource(RowSource):
 
     def _read_footer(self, name: str) -> tuple[tuple[int, ...], str | None, int, Any]:
         """``(stamp, version, rows, ids or None)`` of one file, closed afterwards (rows are
-        read through readers opened where they are needed: no fd kept per file)."""
+        read through readers opened where they are needed: no fd kept per file); its row
+        groups are counted in ``_group_count``."""
         reader = self._open_new(name)
         try:
             self._check_schema(reader.pf, name)
             ids = self._read_ids(reader.pf, name) if self.columns["id"] else None
+            self._group_count += len(reader.starts) - 1
             return reader.stamp, reader.version, int(reader.starts[-1]), ids
         finally:
             reader.close()
@@ -469,7 +494,22 @@ class ParquetSource(RowSource):
             self._readers.popitem(last=False)[1].close()
         return reader
 
+    # -- the rows this process produces next ----------------------------------------
+    def foresee(self, indices: Sequence[int] | np.ndarray) -> None:
+        """The samples this process produces next, in order (``ForeseesReads``): a row
+        group read from now on keeps its rows still to come (see the module docstring)."""
+        rows = self.rows(self._checked(indices))
+        with self._lock:
+            self._foresight.foresee(rows)
+
+    def reached(self, position: int) -> None:
+        """Production has got to ``position`` of the samples foreseen."""
+        with self._lock:
+            self._foresight.reached(position)
+
     def _group(self, f: int, reader: _Reader, g: int) -> Any:
+        """Row group ``g`` of file ``f``, decoded (from the LRU, else read: then its rows
+        foreseen are kept for their turn). Caller holds the lock."""
         key = (f, g, reader.stamp)
         table = self._groups.get(key)
         if table is not None:
@@ -477,11 +517,65 @@ class ParquetSource(RowSource):
             return table
         wanted = [c for c in (self.columns["image"], self.columns["text"], self.columns["id"]) if c]
         table = reader.pf.read_row_group(g, columns=list(dict.fromkeys(wanted)))
+        self.group_reads += 1
+        self._decoded_bytes += table.nbytes
+        # Kept rows only where the groups outgrow the budget: where they all fit, the LRU
+        # reads each group once and copying rows out of it would only cost.
+        every_group = self._decoded_bytes / self.group_reads * self._group_count
+        if self._foresight.active and every_group > self.row_group_memory:
+            self._keep_foreseen(f, reader, g, table)
         self._groups[key] = table
         self._group_bytes += table.nbytes
-        while len(self._groups) > 1 and self._group_bytes > self.row_group_memory:
+        # The rows kept for their turn come first: the groups get what they leave.
+        room = self.row_group_memory - self._foresight.nbytes
+        while len(self._groups) > 1 and self._group_bytes > room:
             self._group_bytes -= self._groups.popitem(last=False)[1].nbytes
         return table
+
+    def _keep_foreseen(self, f: int, reader: _Reader, g: int, table: Any) -> None:
+        """Keep the rows of a group just read that this process produces later, soonest
+        first, while the foresight's budget has room: each row's cells as Python values
+        (its own bytes, freed at its turn: rows taken out of the group together would
+        hold their shared buffers until the last one's turn, ~2x what they count). An
+        image cell over the pipeline's byte limit is not kept (read in place at its turn,
+        refused there before its bytes are copied). Caller holds the lock."""
+        import pyarrow as pa
+
+        lo = int(self._file_start[f]) + int(reader.starts[g])
+        hi = min(lo + table.num_rows, int(self._file_start[f + 1]))  # (a file that grew)
+        rows, turns = self._foresight.wanted(lo, hi)
+        if not rows.size:
+            return
+        image = self.columns["image"]
+        if image is not None:
+            sizes = _cell_sizes(table.column(image))
+            if sizes is None:
+                return  # cells image_cell refuses: read in place, refused there
+            limit = byte_limit(self.pipeline)
+            if limit is not None:
+                small = sizes[rows - lo] <= limit
+                rows, turns = rows[small], turns[small]
+        by_turn = np.argsort(turns, kind="stable")
+        rows, turns = rows[by_turn], turns[by_turn]
+        taken = pa.array(rows - lo)
+        cells = [
+            table.column(c).take(taken).to_pylist() if c else [None] * rows.size
+            for c in (self.columns["id"], self.columns["text"], image)
+        ]
+        kind = table.column(image).type if image is not None else None
+        for row, turn, rid, text, cell in zip(rows.tolist(), turns.tolist(), *cells, strict=True):
+            size = _py_size(rid) + _py_size(text) + _py_size(cell) + _KEPT_OVERHEAD
+            if not self._foresight.keep(row, turn, (reader.stamp, rid, text, cell, kind), size):
+                break  # every kept row comes sooner than this one and the ones after it
+
+    def _cells(self, table: Any, k: int) -> tuple[Any, Any, Any]:
+        """Row ``k`` of a decoded group: its id and text (Python values) and its image cell
+        (a pyarrow scalar, for :func:`image_cell`); None where there is no such column."""
+        column = self.columns
+        rid = table.column(column["id"])[k].as_py() if column["id"] else None
+        text = table.column(column["text"])[k].as_py() if column["text"] else None
+        image = table.column(column["image"])[k] if column["image"] else None
+        return rid, text, image
 
     def read_row(self, index: int) -> tuple[bytes | None, str | None, str | None, str]:
         import pyarrow as pa
@@ -510,31 +604,34 @@ class ParquetSource(RowSource):
                     path=where,
                 )
             g = int(np.searchsorted(reader.starts, r, side="right")) - 1
-            try:
-                table = self._group(f, reader, g)
-            except (pa.ArrowException, OSError) as exc:
-                raise SampleError(
-                    f"cannot read row group {g}: {exc}", sample_id=sid, path=where
-                ) from exc
-        k = r - int(reader.starts[g])
-        if self.columns["id"]:
-            now_id = table.column(self.columns["id"])[k].as_py()
-            if str(now_id) != sid:
-                raise SampleError(
-                    f"the row's id is now {now_id!r} (the file was rewritten since the "
-                    "source was opened; open it again)",
-                    sample_id=sid,
-                    path=where,
-                )
-        text = None
-        if self.columns["text"]:
-            value = table.column(self.columns["text"])[k].as_py()
-            text = None if value is None else str(value)
+            k = r - int(reader.starts[g])
+            row = int(self._file_start[f]) + r
+            kept = self._foresight.take(row)
+            if kept is not None and kept[0] == reader.stamp:  # kept from this file version
+                _, now_id, value, cell, kind = kept
+                image = None if kind is None else pa.scalar(cell, type=kind)
+            else:
+                try:
+                    table = self._group(f, reader, g)
+                except (pa.ArrowException, OSError) as exc:
+                    raise SampleError(
+                        f"cannot read row group {g}: {exc}", sample_id=sid, path=where
+                    ) from exc
+                self._foresight.take(row)  # the read kept this row too: it is read now
+                now_id, value, image = self._cells(table, k)
+        if self.columns["id"] and str(now_id) != sid:
+            raise SampleError(
+                f"the row's id is now {now_id!r} (the file was rewritten since the "
+                "source was opened; open it again)",
+                sample_id=sid,
+                path=where,
+            )
+        text = None if value is None else str(value)
         data, image_file = None, None
-        if self.columns["image"]:
+        if image is not None:
             base = "" if _is_url(name) else os.path.dirname(name)
             data, image_file = image_cell(
-                table.column(self.columns["image"])[k],
+                image,
                 base,
                 limit=byte_limit(self.pipeline),
                 sample_id=sid,
@@ -604,12 +701,44 @@ class ParquetSource(RowSource):
         state = super().__getstate__()
         state["_readers"], state["_groups"], state["_lock"] = OrderedDict(), OrderedDict(), None
         state["_group_bytes"] = 0
+        state["_foresight"] = Foresight(self.row_group_memory)
+        state.pop("group_reads", None)  # this process's own count
+        state["_decoded_bytes"] = 0
         state["_idents"], state["_refs"] = {}, {}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._lock = threading.Lock()
+
+
+def _cell_sizes(column: Any) -> npt.NDArray[np.int64] | None:
+    """Bytes of each image cell of a decoded column (a struct's ``bytes`` field; 0 for a
+    null), without copying them; None for a type whose cells are not bytes."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if pa.types.is_struct(array.type):
+        if array.type.get_field_index("bytes") < 0:
+            return np.zeros(len(array), dtype=np.int64)  # paths only
+        array = array.field("bytes")
+    if not (pa.types.is_binary(array.type) or pa.types.is_large_binary(array.type)):
+        return None
+    sizes: npt.NDArray[np.int64] = (
+        pc.binary_length(array).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+    )
+    return sizes
+
+
+def _py_size(value: object) -> int:
+    """Bytes of a kept cell's payload: its bytes or text (a struct's ``bytes`` and
+    ``path``); the objects around it are :data:`_KEPT_OVERHEAD`."""
+    if isinstance(value, bytes | str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_py_size(v) for v in value.values())
+    return 0
 
 
 if TYPE_CHECKING:  # mypy checks that ParquetSource conforms to the protocol

@@ -22,6 +22,7 @@ from mmcache.errors import ConfigError
 from mmcache.sources.capabilities import (
     CAPABILITIES,
     FieldLayout,
+    ForeseesReads,
     HasLengths,
     HasRejects,
     Revalidating,
@@ -31,6 +32,7 @@ from mmcache.sources.rejects import Reject
 __all__ = [
     "FaceContract",
     "FieldLayoutContract",
+    "ForeseesReadsContract",
     "HasLengthsContract",
     "HasRejectsContract",
     "RevalidatingContract",
@@ -101,6 +103,25 @@ class RevalidatingContract:
         assert source.revalidate() == []
         assert source.remote_version() == version
         np.testing.assert_array_equal(source.key_rows(list(range(len(source)))), before)
+
+
+class ForeseesReadsContract:
+    """Told a shuffled order (repeats included), the source produces each sample the same
+    as without: foresight changes what is read, never what comes out."""
+
+    def test_claimed_foresight_produces_the_same_samples(self) -> None:
+        source = _claimed(self, ForeseesReads)
+        n = len(source)
+        order = np.random.default_rng(0).permutation(np.r_[np.arange(n), np.arange(n)[::2]])
+        expected = {i: source.produce(i) for i in range(n)}
+        source.foresee(order)
+        for position, index in enumerate(order.tolist()):
+            source.reached(position)
+            got = source.produce(index)
+            assert set(got) == set(expected[index])
+            for name, value in got.items():
+                np.testing.assert_array_equal(value, expected[index][name], err_msg=name)
+        source.foresee(np.zeros(0, dtype=np.int64))
 
 
 class FaceContract:

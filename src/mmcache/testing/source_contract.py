@@ -48,6 +48,7 @@ from mmcache.sources.base import OnError, SampleSource, StampKind
 from mmcache.testing.capability_contract import (
     FaceContract,
     FieldLayoutContract,
+    ForeseesReadsContract,
     HasLengthsContract,
     HasRejectsContract,
     RevalidatingContract,
@@ -93,6 +94,7 @@ class SourceContract(
     FieldLayoutContract,
     HasRejectsContract,
     RevalidatingContract,
+    ForeseesReadsContract,
     FaceContract,
     HostileInputContract,
 ):
