@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from mmcache.stores.claims import Claims, claim_holders
+from mmcache.stores.claims import Claims, claim_holders, process_state
 from support.together import run_together, wait_for_start
 
 KEY = b"k" * 16
@@ -85,6 +85,11 @@ def test_a_stopped_holder_is_named_and_not_waited_for(
     path.touch()
     proc = _holder(path)
     try:
+        # The holder has said it holds the claim; on a loaded machine it may still be
+        # running (R) on its way to sleep: wait for it to sleep (S) before looking.
+        deadline = time.monotonic() + 30
+        while process_state(proc.pid) != "S" and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert claim_holders(str(path), Claims.slot(KEY)) == [(proc.pid, "S")]
         os.kill(proc.pid, signal.SIGSTOP)
         caplog.set_level(logging.WARNING, logger="mmcache.stores.claims")
