@@ -67,6 +67,7 @@ from mmcache.sources.rejects import Reject
 from mmcache.sources.wds.fetching import RemoteShards
 from mmcache.sources.wds.home import index_home, state_home
 from mmcache.sources.wds.index import load_or_build
+from mmcache.sources.wds.keyparts import racy_shards, table_parts
 from mmcache.sources.wds.table import Problem, SampleColumns, ShardTable, assemble, expand_shards
 from mmcache.sources.wds.video import VIDEO_EXTS, is_video_member, produce_video
 from mmcache.transforms.pipeline import StagedProcessor
@@ -181,6 +182,9 @@ class WebDatasetSource(RemoteShards, BaseSource):
         self._shard_ints: np.ndarray | None = None  # stamps() column 0 per shard, made lazily
         self._open_all()
         self._ids = self.columns.id_column  # the same buffers in every later version
+        # The shards as the ids were made of them: the key table's identity (keyparts).
+        self._opened = (list(self.shard_stamps), list(self._sizes))
+        self._ids_digest: str | None = None  # found once, travels with a pickle
         self._state = SharedStamps(self._make_state_path())
 
     # -- opening -----------------------------------------------------------------------
@@ -397,6 +401,42 @@ class WebDatasetSource(RemoteShards, BaseSource):
         if self._check_local(idx):
             stamps = None  # taken before the shard was indexed again
         return super().key_rows(idx, stamps=stamps)
+
+    def key_table_parts(self) -> tuple[Any, list[Any]] | None:
+        """Local shards: their locations, stamps and sizes when opened, the ids' digest,
+        the extensions and ``on_error`` (:mod:`~mmcache.sources.wds.keyparts`); remote
+        ones keep their keys in the process."""
+        if any(is_remote(loc) for loc in self.locations):
+            return None
+        if self._ids_digest is None:
+            self._ids_digest = self.ids_digest()
+        stamps, sizes = self._opened
+        exts = (self.image_exts, self.text_exts, self.json_exts, self.video_exts)
+        return table_parts(
+            locations=self.locations,
+            stamps=stamps,
+            sizes=sizes,
+            ids_digest=self._ids_digest,
+            n=len(self),
+            exts=exts,
+            on_error=self.on_error,
+        )
+
+    def _unsettled(
+        self, indices: npt.NDArray[np.int64], stamps: npt.NDArray[np.int64], taken: float
+    ) -> npt.NDArray[np.bool_] | None:
+        """Samples of a local shard changed less than
+        :data:`~mmcache.sources.identity.RACY_SECONDS` before their bytes were read
+        (:meth:`~mmcache.sources.chassis.BaseSource._unsettled`): keyed again until it
+        is older. A remote shard's stamp (ETag) vouches as it is."""
+        local = [
+            s if not is_remote(loc) else ""
+            for loc, s in zip(self.locations, self.shard_stamps, strict=True)
+        ]
+        young: npt.NDArray[np.bool_] = racy_shards(local, taken)[
+            self.columns.rows[indices, C.SHARD]
+        ]
+        return young
 
     def _check_local(self, idx: np.ndarray) -> bool:
         """``stat`` the local shards of ``idx`` (one each) and index again those whose
