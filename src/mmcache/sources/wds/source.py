@@ -27,10 +27,13 @@ ranged GET per fetch group (the samples of a shard starting in one aligned
 ``fetch_block``; :mod:`~mmcache.sources.wds.fetching`), a producing worker that misses
 with one GET of its sample's span.
 
-The source is a :class:`~mmcache.sources.chassis.BaseSource`: length, ids, the key memo
-(keyed by the stamps above, so a re-indexed shard's samples are keyed again), rejects,
+The source is a :class:`~mmcache.sources.chassis.BaseSource`: length, ids, the keys
+remembered under the stamps above (a re-indexed shard's samples are keyed again), rejects,
 ``source[i]`` and pickling are the chassis'; the identities of a batch's samples are
-found per shard in one pass (:meth:`WebDatasetSource.stamp_strings`).
+found per shard in one pass (:meth:`WebDatasetSource.stamp_strings`). Over local shards
+the keys are kept in the node's key table, named by the shards in order with their
+stamps, the ids and the options (:mod:`~mmcache.sources.wds.keyparts`): a new process
+over unchanged shards computes no key.
 
 Thread/process safety: read-only after construction except the key memo (one thread per
 process), the per-process file handles and the revalidated shard stamps; pickles as
