@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import tarfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -259,3 +260,19 @@ def test_a_young_shard_is_keyed_again(
     src.keys(range(9))
     src.keys(range(9))
     assert hashed[0] == 18
+
+
+@pytest.mark.usefixtures("folder")
+def test_only_the_young_shards_samples_are_keyed_again(
+    tmp_path: Path, hashed: list[int], small_pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(identity, "RACY_SECONDS", 1.5)
+    paths = three_shards(tmp_path / "shards")
+    time.sleep(1.6)  # a, b and c settled (b is keyed well within 1.5 s of its rewrite)
+    shard(Path(paths[1]), ["b0", "b1", "b2", "b3"], caption="another")  # b young again
+    src = WebDatasetSource(paths, pipeline=small_pipeline)
+    order = [8, 4, 0, 5, 3, 1, 7, 2, 6]  # shards interleaved in the batch
+    first = src.keys(order)
+    assert hashed[0] == 9
+    assert WebDatasetSource(paths, pipeline=small_pipeline).keys(order) == first
+    assert hashed[0] == 9 + 4  # b's samples only

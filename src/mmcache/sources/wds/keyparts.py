@@ -41,7 +41,6 @@ import numpy as np
 import numpy.typing as npt
 
 from mmcache.sources import identity
-from mmcache.sources.blobs.objects import is_remote
 
 __all__ = ["WATCHED", "racy_shards", "table_parts"]
 
@@ -60,12 +59,10 @@ def table_parts(
     n: int,
     exts: Sequence[Sequence[str]],
     on_error: str,
-) -> tuple[Any, list[Any]] | None:
+) -> tuple[Any, list[Any]]:
     """``(what, watch)`` for :meth:`~mmcache.sources.chassis.BaseSource.key_table_parts`
     of local shards ``locations`` opened at ``stamps`` (``""``: left out, unreadable) and
-    ``sizes``, whose ``n`` samples' ids have ``ids_digest``; None when a shard is remote."""
-    if not locations or any(is_remote(loc) for loc in locations):
-        return None
+    ``sizes``, whose ``n`` samples' ids have ``ids_digest``."""
     what = [
         "wds",
         list(locations),

@@ -432,13 +432,10 @@ class WebDatasetSource(RemoteShards, BaseSource):
         :data:`~mmcache.sources.identity.RACY_SECONDS` before their bytes were read
         (:meth:`~mmcache.sources.chassis.BaseSource._unsettled`): keyed again until it
         is older. A remote shard's stamp (ETag) vouches as it is."""
-        local = [
-            s if not is_remote(loc) else ""
-            for loc, s in zip(self.locations, self.shard_stamps, strict=True)
-        ]
-        young: npt.NDArray[np.bool_] = racy_shards(local, taken)[
-            self.columns.rows[indices, C.SHARD]
-        ]
+        shards, which = np.unique(self.columns.rows[indices, C.SHARD], return_inverse=True)
+        locs, stamps_now = self.locations, self.shard_stamps
+        local = ["" if is_remote(locs[s]) else stamps_now[s] for s in shards.tolist()]
+        young: npt.NDArray[np.bool_] = racy_shards(local, taken)[which.reshape(-1)]
         return young
 
     def _check_local(self, idx: np.ndarray) -> bool:
