@@ -21,8 +21,11 @@ from pathlib import Path
 import pytest
 
 from mmcache import Pipeline, keys
+from mmcache.cache import Cache
+from mmcache.loader import DataLoader
 from mmcache.sources import identity, keytable
 from mmcache.sources.wds import WebDatasetSource
+from mmcache.synth import make_image
 
 
 @pytest.fixture
@@ -53,15 +56,20 @@ def hashed(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     yield calls
 
 
-def shard(path: Path, names: list[str], caption: str = "a caption") -> Path:
-    """A tar of samples ``names`` (an image of a few bytes and a caption each)."""
+def shard(path: Path, names: list[str], caption: str = "a caption", *, jpeg: bool = False) -> Path:
+    """A tar of samples ``names``: an image (a few bytes, or a small JPEG) and a caption each."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-        for name in names:
-            for ext, data in (("jpg", f"image {name}"), ("txt", f"{caption} {name}")):
+        for j, name in enumerate(names):
+            image = io.BytesIO()
+            if jpeg:
+                make_image(j).save(image, format="JPEG")
+            else:
+                image.write(f"image {name}".encode())
+            for ext, data in (("jpg", image.getvalue()), ("txt", f"{caption} {name}".encode())):
                 info = tarfile.TarInfo(f"{name}.{ext}")
-                info.size = len(data.encode())
-                tar.addfile(info, io.BytesIO(data.encode()))
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
     path.write_bytes(buf.getvalue())
     return path
 
@@ -111,7 +119,10 @@ _CHILD = """
 import json, sys
 from mmcache import keys
 from mmcache.sources import identity
+from mmcache.cache import Cache
+from mmcache.loader import DataLoader
 from mmcache.sources.wds import WebDatasetSource
+from mmcache.synth import make_image
 from mmcache.transforms.pipeline import Pipeline
 from mmcache.transforms import ImageSpec, TextSpec
 identity.RACY_SECONDS = -1.0
@@ -276,3 +287,23 @@ def test_only_the_young_shards_samples_are_keyed_again(
     assert hashed[0] == 9
     assert WebDatasetSource(paths, pipeline=small_pipeline).keys(order) == first
     assert hashed[0] == 9 + 4  # b's samples only
+
+
+@pytest.mark.usefixtures("folder", "settled")
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_loaders_epoch_fills_the_table(
+    tmp_path: Path, cache_root: Path, hashed: list[int], small_pipeline: Pipeline, workers: int
+) -> None:
+    """The loader asks a source for a table of file stamps (4 words) for its learnt keys:
+    a WDS source has none of that width, and keeps its own (5 words) for its keys."""
+    root = tmp_path / "shards"
+    root.mkdir()
+    paths = [str(shard(root / f"{s}.tar", [f"{s}{j}" for j in range(4)], jpeg=True)) for s in "ab"]
+    src = WebDatasetSource(paths, pipeline=small_pipeline)
+    with Cache(cache_root, memory="32MiB", disk=None) as cache:
+        for _ in DataLoader(src, cache=cache, batch_size=4, num_workers=workers):
+            pass
+    hashed[0] = 0
+    assert WebDatasetSource(paths, pipeline=small_pipeline).keys(range(8))
+    assert hashed[0] == 0
+    assert src.key_table(4) is None

@@ -66,6 +66,7 @@ from mmcache.sources.bytesproc import byte_limit, check_size, process_bytes
 from mmcache.sources.chassis import BaseSource
 from mmcache.sources.files import check_on_error
 from mmcache.sources.ids import IdColumn
+from mmcache.sources.keytable import KeyTable
 from mmcache.sources.rejects import Reject
 from mmcache.sources.wds.fetching import RemoteShards
 from mmcache.sources.wds.home import index_home, state_home
@@ -83,6 +84,8 @@ logger = logging.getLogger(__name__)
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 C = SampleColumns
 MAX_DIGEST = identity.MAX_DIGEST_BYTES
+#: int64 words of a sample's stamp row (:meth:`WebDatasetSource.stamps`).
+STAMP_WIDTH = 5
 
 
 class WebDatasetSource(RemoteShards, BaseSource):
@@ -323,7 +326,7 @@ class WebDatasetSource(RemoteShards, BaseSource):
             self._shard_ints = np.array(
                 [self._stamp_int(s) for s in range(len(self.locations))], dtype=np.int64
             )
-        out = np.empty((idx.shape[0], 5), dtype=np.int64)
+        out = np.empty((idx.shape[0], STAMP_WIDTH), dtype=np.int64)
         out[:, 0] = self._shard_ints[rows[:, C.SHARD]]
         out[:, 1:] = rows[:, [C.IMG_OFF, C.IMG_LEN, C.TXT_OFF, C.TXT_LEN]]
         return out
@@ -404,6 +407,13 @@ class WebDatasetSource(RemoteShards, BaseSource):
         if self._check_local(idx):
             stamps = None  # taken before the shard was indexed again
         return super().key_rows(idx, stamps=stamps)
+
+    def key_table(self, k: int) -> KeyTable | None:
+        """The node's key table of this source's keys (stamp rows of :data:`STAMP_WIDTH`
+        words), or None; None for any other width, asked by a caller that keeps rows of
+        file stamps (the loader's learnt keys): never made, so that the one table this
+        process maps stays the one :meth:`key_rows` uses."""
+        return super().key_table(k) if k == STAMP_WIDTH else None
 
     def key_table_parts(self) -> tuple[Any, list[Any]] | None:
         """Local shards: their locations, stamps and sizes when opened, the ids' digest,
