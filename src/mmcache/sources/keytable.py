@@ -38,8 +38,8 @@ own rule for remembering a key (a settled stamp: see ``BaseSource._unsettled``).
 only rows written take disk and page cache), under a random temp name (``O_EXCL |
 O_NOFOLLOW``, 0600) renamed into place while holding ``<name>.lock``. A file there that is
 a link, not this user's, open to others, of another size or header is refused and made
-again (one warning). Each creation sweeps tables whose column file is gone or was rebuilt
-(:func:`sweep_tables`).
+again (one warning). Each creation sweeps tables whose column file is gone or was rebuilt,
+or, for tar shards, one of whose watched shards is gone or changed (:func:`sweep_tables`).
 
 Thread/process safety: any number of processes and threads read and write one table at
 once; what a racing write can leave is a row the check rejects (computed again).
@@ -63,7 +63,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from mmcache.keys import FORMAT_VERSION
+from mmcache.keys import FORMAT_VERSION, stat_stamp
 from mmcache.rootfiles import UnsafeFileError, make_dir
 from mmcache.sources.colfile import ColumnFileError, map_columns
 
@@ -419,12 +419,27 @@ def sweep_tables(folder: str, *, keep: str = "", budget: int = SWEEP_BUDGET) -> 
 
 
 def _watched(watch: list[Any]) -> bool:
-    """Whether the column file ``watch[0]`` is there with header digest ``watch[1]``."""
+    """Whether the column file ``watch[0]`` is there with header digest ``watch[1]``, or,
+    for ``["stat", [[path, stamp], ...]]`` (a source of files without a column file: tar
+    shards), whether each file is there with that :func:`~mmcache.keys.stat_stamp`."""
+    if watch[0] == "stat":
+        files = watch[1] if isinstance(watch[1], list) else []
+        return all(_same_file(w) for w in files if isinstance(w, list) and len(w) == 2)
     try:
         return bool(map_columns(str(watch[0])).digest == watch[1])
     except FileNotFoundError:
         return False
     except (OSError, ColumnFileError):
+        return True  # unreadable now: left alone
+
+
+def _same_file(watch: list[Any]) -> bool:
+    """Whether the file ``watch[0]`` is there with ``stat`` stamp ``watch[1]``."""
+    try:
+        return bool(stat_stamp(os.stat(str(watch[0]))) == watch[1])
+    except FileNotFoundError:
+        return False
+    except OSError:
         return True  # unreadable now: left alone
 
 

@@ -2,8 +2,9 @@
 
 :mod:`.index` the member index of a shard (tar headers, kept as JSON by shard stamp);
 :mod:`.table` shard patterns and the grouping of members into samples by key;
-:mod:`.source` :class:`WebDatasetSource`; :mod:`.write` :func:`write_shards` (shards of
-a loose-file manifest, for tests and benchmarks).
+:mod:`.source` :class:`WebDatasetSource`; :mod:`.keyparts` the identity of its key table;
+:mod:`.write` :func:`write_shards` (shards of a loose-file manifest, for tests and
+benchmarks).
 
 :func:`sniff` and :func:`open_source` are the ``"wds"`` entry of a source-format
 registry (``register_source_format("wds", sniff, open_source)``).

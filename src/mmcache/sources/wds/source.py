@@ -27,10 +27,13 @@ ranged GET per fetch group (the samples of a shard starting in one aligned
 ``fetch_block``; :mod:`~mmcache.sources.wds.fetching`), a producing worker that misses
 with one GET of its sample's span.
 
-The source is a :class:`~mmcache.sources.chassis.BaseSource`: length, ids, the key memo
-(keyed by the stamps above, so a re-indexed shard's samples are keyed again), rejects,
+The source is a :class:`~mmcache.sources.chassis.BaseSource`: length, ids, the keys
+remembered under the stamps above (a re-indexed shard's samples are keyed again), rejects,
 ``source[i]`` and pickling are the chassis'; the identities of a batch's samples are
-found per shard in one pass (:meth:`WebDatasetSource.stamp_strings`).
+found per shard in one pass (:meth:`WebDatasetSource.stamp_strings`). Over local shards
+the keys are kept in the node's key table, named by the shards in order with their
+stamps, the ids and the options (:mod:`~mmcache.sources.wds.keyparts`): a new process
+over unchanged shards computes no key.
 
 Thread/process safety: read-only after construction except the key memo (one thread per
 process), the per-process file handles and the revalidated shard stamps; pickles as
@@ -63,10 +66,12 @@ from mmcache.sources.bytesproc import byte_limit, check_size, process_bytes
 from mmcache.sources.chassis import BaseSource
 from mmcache.sources.files import check_on_error
 from mmcache.sources.ids import IdColumn
+from mmcache.sources.keytable import KeyTable
 from mmcache.sources.rejects import Reject
 from mmcache.sources.wds.fetching import RemoteShards
 from mmcache.sources.wds.home import index_home, state_home
 from mmcache.sources.wds.index import load_or_build
+from mmcache.sources.wds.keyparts import racy_shards, table_parts
 from mmcache.sources.wds.table import Problem, SampleColumns, ShardTable, assemble, expand_shards
 from mmcache.sources.wds.video import VIDEO_EXTS, is_video_member, produce_video
 from mmcache.transforms.pipeline import StagedProcessor
@@ -79,6 +84,8 @@ logger = logging.getLogger(__name__)
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 C = SampleColumns
 MAX_DIGEST = identity.MAX_DIGEST_BYTES
+#: int64 words of a sample's stamp row (:meth:`WebDatasetSource.stamps`).
+STAMP_WIDTH = 5
 
 
 class WebDatasetSource(RemoteShards, BaseSource):
@@ -181,6 +188,9 @@ class WebDatasetSource(RemoteShards, BaseSource):
         self._shard_ints: np.ndarray | None = None  # stamps() column 0 per shard, made lazily
         self._open_all()
         self._ids = self.columns.id_column  # the same buffers in every later version
+        # The shards as the ids were made of them: the key table's identity (keyparts).
+        self._opened = (list(self.shard_stamps), list(self._sizes))
+        self._ids_digest: str | None = None  # found once, travels with a pickle
         self._state = SharedStamps(self._make_state_path())
 
     # -- opening -----------------------------------------------------------------------
@@ -316,7 +326,7 @@ class WebDatasetSource(RemoteShards, BaseSource):
             self._shard_ints = np.array(
                 [self._stamp_int(s) for s in range(len(self.locations))], dtype=np.int64
             )
-        out = np.empty((idx.shape[0], 5), dtype=np.int64)
+        out = np.empty((idx.shape[0], STAMP_WIDTH), dtype=np.int64)
         out[:, 0] = self._shard_ints[rows[:, C.SHARD]]
         out[:, 1:] = rows[:, [C.IMG_OFF, C.IMG_LEN, C.TXT_OFF, C.TXT_LEN]]
         return out
@@ -397,6 +407,46 @@ class WebDatasetSource(RemoteShards, BaseSource):
         if self._check_local(idx):
             stamps = None  # taken before the shard was indexed again
         return super().key_rows(idx, stamps=stamps)
+
+    def key_table(self, k: int) -> KeyTable | None:
+        """The node's key table of this source's keys (stamp rows of :data:`STAMP_WIDTH`
+        words), or None; None for any other width, asked by a caller that keeps rows of
+        file stamps (the loader's learnt keys): never made, so that the one table this
+        process maps stays the one :meth:`key_rows` uses."""
+        return super().key_table(k) if k == STAMP_WIDTH else None
+
+    def key_table_parts(self) -> tuple[Any, list[Any]] | None:
+        """Local shards: their locations, stamps and sizes when opened, the ids' digest,
+        the extensions and ``on_error`` (:mod:`~mmcache.sources.wds.keyparts`); remote
+        ones keep their keys in the process."""
+        if any(is_remote(loc) for loc in self.locations):
+            return None
+        if self._ids_digest is None:
+            self._ids_digest = self.ids_digest()
+        stamps, sizes = self._opened
+        exts = (self.image_exts, self.text_exts, self.json_exts, self.video_exts)
+        return table_parts(
+            locations=self.locations,
+            stamps=stamps,
+            sizes=sizes,
+            ids_digest=self._ids_digest,
+            n=len(self),
+            exts=exts,
+            on_error=self.on_error,
+        )
+
+    def _unsettled(
+        self, indices: npt.NDArray[np.int64], stamps: npt.NDArray[np.int64], taken: float
+    ) -> npt.NDArray[np.bool_] | None:
+        """Samples of a local shard changed less than
+        :data:`~mmcache.sources.identity.RACY_SECONDS` before their bytes were read
+        (:meth:`~mmcache.sources.chassis.BaseSource._unsettled`): keyed again until it
+        is older. A remote shard's stamp (ETag) vouches as it is."""
+        shards, which = np.unique(self.columns.rows[indices, C.SHARD], return_inverse=True)
+        locs, stamps_now = self.locations, self.shard_stamps
+        local = ["" if is_remote(locs[s]) else stamps_now[s] for s in shards.tolist()]
+        young: npt.NDArray[np.bool_] = racy_shards(local, taken)[which.reshape(-1)]
+        return young
 
     def _check_local(self, idx: np.ndarray) -> bool:
         """``stat`` the local shards of ``idx`` (one each) and index again those whose
