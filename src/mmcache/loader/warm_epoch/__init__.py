@@ -176,7 +176,12 @@ class WarmEpochs:
         self._n = index_count(source)  # (a mixture: its distinct samples, not one epoch)
         self._num_samples = num_samples
         self._entry_bytes = entry_bytes
-        table = source.key_table(STAMP_WORDS) if isinstance(source, BaseSource) else None
+        # The table of a FILE source (its stamp rows are the plans' STAMP_WORDS wide); a
+        # FIXED source's rows are of another width, and the first width a process asks
+        # for is the table it keeps: asking it here would cost its own keying the table.
+        table = None
+        if isinstance(source, BaseSource) and source.stamp_kind is StampKind.FILE:
+            table = source.key_table(STAMP_WORDS)
         self.learnt = LearntKeys(self._n, table)  # keys the plans brought (guesses)
         #: Guessed epochs (the last few) and their check rounds.
         self.guessed: dict[int, int] = {}
