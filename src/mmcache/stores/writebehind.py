@@ -68,6 +68,9 @@ GROUP_BYTES = 1 << 20
 #: them, and the disk tier packs small entries of one commit together, 2.2x -> 1.3x of
 #: their size); the entries wait in the front tier and :meth:`WriteBehind.pending`.
 LINGER_S = 0.05
+#: ... but no longer than this after the last entry came: a producer that pauses (an epoch's
+#: end, a slow sample) has its entries committed at once, so the next epoch finds them.
+LINGER_GAP_S = 0.005
 
 #: ``tag(fingerprint, keys)``: told the fingerprint of what is submitted (Cache.tag).
 TagFn = Callable[[str, list[bytes]], None]
@@ -175,10 +178,11 @@ class WriteBehind:
             stop = False
             deadline = time.monotonic() + LINGER_S
             while size < GROUP_BYTES:
+                wait = min(LINGER_GAP_S, deadline - time.monotonic())
                 try:
-                    nxt = self._queue.get(timeout=max(deadline - time.monotonic(), 0.0))
+                    nxt = self._queue.get(timeout=max(wait, 0.0))
                 except queue.Empty:
-                    break
+                    break  # the producer paused (an epoch's end): commit what came
                 if nxt is None:
                     stop = True
                     break
